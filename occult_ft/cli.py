@@ -1,0 +1,69 @@
+"""The `occult-ft` console script (also `python -m occult_ft`).
+
+Each subcommand lives in `occult_ft/commands/<name>.py` with `add_parser(subparsers)` (the parser
+builder) and `run(args) -> int`; each module is also runnable alone (`python -m
+occult_ft.commands.place ...`). Errors a user can cause (bad paths, files, flags, models) end the
+program with one line `occult-ft <command>: error: ...` and exit status 2, never a traceback
+(set OCCULT_FT_DEBUG=1 to see one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+__all__ = ["COMMANDS", "build_parser", "main", "run_command"]
+
+# name -> module under occult_ft.commands, in the order `occult-ft --help` lists them
+COMMANDS = ("demo", "profile", "place", "prune", "analyze", "train", "eval", "push", "bench")
+
+
+def _load(name: str):
+    return importlib.import_module(f"occult_ft.commands.{name}")
+
+
+def build_parser(commands=COMMANDS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="occult-ft",
+        description="Cheaper expert-parallel MoE training and serving: profile, place, prune, fine-tune, benchmark.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in commands:
+        try:
+            module = _load(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("occult_ft.commands"):
+                continue  # command not built into this install
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def run_command(name: str, run, args) -> int:
+    """Run one command, turning user errors into one line and exit status 2."""
+    try:
+        return int(run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"occult-ft {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI promises one line, never a traceback
+        if os.environ.get("OCCULT_FT_DEBUG"):
+            raise
+        msg = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"occult-ft {name}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    return run_command(args.command, args.func, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Pieces shared by several subcommands: loading a model with its data as batches."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["standalone", "data_batches", "add_model_data_args", "positive_int"]
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def add_model_data_args(p: argparse.ArgumentParser, data_required: bool = True) -> None:
+    p.add_argument("model", help="local model directory or Hub model id (with its tokenizer)")
+    p.add_argument("--data", required=data_required,
+                   help="a .txt file, a .jsonl/.json file (text field or Alpaca instruction/input/output), "
+                        "a saved dataset directory, or a Hub dataset id; 'embedded' = the shipped eval text")
+    p.add_argument("--max-tokens", type=positive_int, default=65536, help="stop after this many tokens")
+    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
+
+
+def data_batches(tokenizer, data: str, seq_len: int, batch_size: int, max_tokens: int | None = None):
+    """Tokenised `data` as a list of {"input_ids", "attention_mask"} batches (padding masked)."""
+    import torch
+
+    from ..data import DataError, load_text_dataset, tokenize_dataset
+
+    if data == "embedded":
+        from ..embedded import embedded_data_path
+
+        data = embedded_data_path("eval")
+    if tokenizer is None:
+        raise DataError("the model has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
+    ds = load_text_dataset(data)
+    ds = tokenize_dataset(ds, tokenizer, seq_len=seq_len, packing=True)
+    batches, tokens = [], 0
+    for start in range(0, len(ds), batch_size):
+        rows = ds[start : start + batch_size]
+        ids = [list(r) for r in rows["input_ids"]]
+        width = max(len(r) for r in ids)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for i, r in enumerate(ids):
+            input_ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        batches.append({"input_ids": input_ids, "attention_mask": mask})
+        tokens += int(mask.sum())
+        if max_tokens is not None and tokens >= max_tokens:
+            break
+    if not batches:
+        raise DataError(f"data {data!r} gave no tokens; check the file is not empty")
+    return batches
+
+
+def standalone(module_name: str, add_parser, argv=None) -> int:
+    """Run one command module on its own (`python -m occult_ft.commands.X`)."""
+    from ..cli import run_command
+
+    parser = argparse.ArgumentParser(prog=f"occult-ft {module_name}")
+    sub = parser.add_subparsers(dest="command")
+    add_parser(sub)
+    args = parser.parse_args([module_name, *(sys.argv[1:] if argv is None else argv)])
+    return run_command(module_name, args.func, args)

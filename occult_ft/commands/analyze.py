@@ -1,0 +1,99 @@
+"""`occult-ft analyze MODEL --data DATA --devices D [--placement P] [--max-devices-per-token N --criterion C] [--json]`.
+
+Reports the routing metrics of the model's real routing on DATA: comm_complexity (mean devices per
+token; rows a de-duplicated all-to-all sends), intra_share, devices-per-token histogram, rows per
+token for per-expert (k) vs de-duplicated dispatch, and per-device load imbalance, per layer and overall.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ._common import add_model_data_args, data_batches, positive_int, standalone
+
+__all__ = ["add_parser", "run", "format_report"]
+
+
+def add_parser(sub):
+    from ..routing import CRITERIA
+
+    p = sub.add_parser("analyze", help="communication metrics of a model's routing on data", description=__doc__)
+    add_model_data_args(p)
+    p.add_argument("--devices", type=positive_int, required=True, help="expert-parallel size D")
+    p.add_argument("--placement", default=None, help="placement JSON (default: the model's own expert order)")
+    p.add_argument("--max-devices-per-token", type=int, default=None, help="analyse with this pruning budget")
+    p.add_argument("--criterion", default="score", help=f"one of {', '.join(CRITERIA)}")
+    p.add_argument("--profile", default=None, help="profile (for --criterion similarity)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", default=None, help="also write the comm_complexity figure to this PNG")
+    p.set_defaults(func=run)
+    return p
+
+
+def format_report(report) -> str:
+    lines = [f"{'layer':>5} {'tokens':>8} {'comm_cx':>8} {'intra':>7} {'rows k':>7} {'rows dedup':>10} {'imbal':>6}  devices/token histogram"]
+    for m in report.layers:
+        lines.append(f"{m.layer:>5} {m.tokens:>8} {m.comm_complexity:>8.3f} {m.intra_share:>7.3f} {m.naive_rows_per_token:>7}"
+                     f" {m.dedup_rows_per_token:>10.3f} {m.load_imbalance:>6.2f}  {m.devices_histogram}")
+    lines.append(f"{'all':>5} {sum(m.tokens for m in report.layers):>8} {report.comm_complexity:>8.3f} {report.intra_share:>7.3f}"
+                 f" {report.top_k:>7} {report.comm_complexity:>10.3f} {report.load_imbalance:>6.2f}  {report.devices_histogram}")
+    for key, value in report.extra.items():
+        lines.append(f"{key}: {value}")
+    return "\n".join(lines)
+
+
+def analyze_model(model, batches, devices, placement=None, max_devices_per_token=None, criterion="score",
+                  similarity=None, max_tokens=None):
+    """Routing report of `model` on `batches` (placement applied in memory first)."""
+    from ..metrics import contiguous_expert_device, random_placement_comm_complexity, routing_report
+    from ..models import find_moe_layers
+    from ..placement import permute_experts
+    from ..profiling import profile_model
+    from ..routing import PruningConfig, apply_pruning
+
+    if placement is not None:
+        permute_experts(model, placement)
+    pruning = PruningConfig(devices, max_devices_per_token, criterion)
+    apply_pruning(model, pruning, similarity=similarity)
+    prof = profile_model(model, batches, max_tokens=max_tokens, progress=False)
+    layers = find_moe_layers(model)
+    e, k = layers[0].num_experts, layers[0].top_k
+    report = routing_report(prof.topk_ids(), contiguous_expert_device(e, devices), devices, e)
+    report.extra["random_placement_comm_complexity"] = round(random_placement_comm_complexity(e, k, devices), 4)
+    report.extra["max_devices_per_token"] = max_devices_per_token
+    report.extra["criterion"] = criterion if max_devices_per_token is not None else None
+    return report
+
+
+def run(args) -> int:
+    from ..checkpoint import load_model_and_tokenizer
+    from ..profiling import Profile
+    from .prune import load_placement
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    placement = load_placement(args.placement, model, args.devices) if args.placement else None
+    if placement is not None and placement.num_devices != args.devices:
+        raise ValueError(f"--devices {args.devices} disagrees with the placement's {placement.num_devices} devices")
+    similarity = None
+    if args.max_devices_per_token is not None and args.criterion == "similarity":
+        if args.profile is None:
+            raise ValueError("--criterion similarity needs --profile PROFILE (from occult-ft profile)")
+        similarity = Profile.load(args.profile).similarity()
+        if placement is not None:
+            similarity = {i: s[placement.expert_order(i)][:, placement.expert_order(i)] for i, s in similarity.items()}
+    batches = data_batches(tokenizer, args.data, args.seq_len, args.batch_size, args.max_tokens)
+    report = analyze_model(model, batches, args.devices, placement, args.max_devices_per_token, args.criterion,
+                           similarity, args.max_tokens)
+    if args.plot:
+        from ..plots import plot_report
+
+        plot_report(report, args.plot)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone("analyze", add_parser))

@@ -1,0 +1,42 @@
+"""`occult-ft place PROFILE --devices D [--nodes N] [--algorithm A] --out PLACEMENT.json`."""
+
+from __future__ import annotations
+
+from ._common import positive_int, standalone
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub):
+    from ..placement import DEFAULT_ALGORITHM, PLACEMENT_ALGORITHMS
+
+    p = sub.add_parser("place", help="assign experts to devices from a profile", description=__doc__)
+    p.add_argument("profile", help="a profile written by `occult-ft profile`")
+    p.add_argument("--devices", type=positive_int, required=True, help="expert-parallel size D")
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes (hierarchical placement: nodes, then devices)")
+    p.add_argument("--algorithm", default=DEFAULT_ALGORITHM,
+                   help=f"one of {', '.join(PLACEMENT_ALGORITHMS)} (default {DEFAULT_ALGORITHM})")
+    p.add_argument("--out", required=True, help="placement JSON to write")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    from ..metrics import contiguous_expert_device, routing_report
+    from ..placement import compute_placement
+    from ..profiling import Profile
+
+    prof = Profile.load(args.profile)
+    placement = compute_placement(prof, args.devices, num_nodes=args.nodes, algorithm=args.algorithm)
+    placement.save(args.out)
+    ids = prof.topk_ids()
+    seq = routing_report(ids, contiguous_expert_device(prof.num_experts, args.devices), args.devices, prof.num_experts)
+    placed = routing_report(ids, {i: placement.expert_device(i) for i in ids}, args.devices, prof.num_experts)
+    print(f"{args.algorithm} placement of {prof.num_experts} experts on {args.devices} devices -> {args.out}")
+    print(f"comm_complexity on the profile: sequential {seq.comm_complexity:.3f} -> placed {placed.comm_complexity:.3f}"
+          f" (intra_share {seq.intra_share:.3f} -> {placed.intra_share:.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone("place", add_parser))

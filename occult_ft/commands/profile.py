@@ -1,0 +1,36 @@
+"""`occult-ft profile MODEL --data DATA --out PROFILE`: record per-layer routing statistics."""
+
+from __future__ import annotations
+
+from ._common import add_model_data_args, data_batches, standalone
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub):
+    p = sub.add_parser("profile", help="run a model over data and record expert co-selection statistics",
+                       description=__doc__)
+    add_model_data_args(p)
+    p.add_argument("--out", required=True, help="where to write the profile (.safetensors)")
+    p.add_argument("--max-routing-tokens", type=int, default=65536,
+                   help="token-level routing rows kept per layer (placements are evaluated on them)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    from ..checkpoint import load_model_and_tokenizer
+    from ..profiling import profile_model
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    batches = data_batches(tokenizer, args.data, args.seq_len, args.batch_size, args.max_tokens)
+    prof = profile_model(model, batches, model_name=args.model, max_tokens=args.max_tokens,
+                         max_routing_tokens=args.max_routing_tokens)
+    prof.save(args.out)
+    print(f"profiled {prof.num_tokens} tokens over {len(prof.layers)} MoE layers "
+          f"({prof.num_experts} experts, top-{prof.top_k}) -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone("profile", add_parser))

@@ -1,0 +1,303 @@
+"""The architecture registry: the only place in occult_ft that knows HF module paths and router maths.
+
+Every supported transformers 5.x MoE block has the same skeleton (see the facts note):
+
+    block.<router_attr>   router module, forward(x_TH) -> (logits_TE, weights_TK, topk_ids_TK)
+    block.experts         fused experts: gate_up_proj (E, 2I, H) [GPT-OSS: (E, H, 2I) + biases], down_proj
+    block.<shared ...>    optional shared experts (always run, never routed)
+
+What differs per architecture is written once here, as a `MoEArch` entry keyed by HF `model_type`:
+the router attribute, how the router scores experts for *selection* (softmax / sigmoid + correction
+bias / raw logits) and how it turns the selected experts into *gate weights* (renormalisation,
+`routed_scaling_factor`, GPT-OSS's softmax over the k logits). The routing criteria in
+`occult_ft.routing` only ever call `selection_scores`, `probabilities` and `gate_weights`.
+
+Shape legend: T tokens, E routed experts, K experts per token (top-k), H hidden size.
+
+Adding an architecture: build one `MoEArch(...)` below and pass it to `register_arch`; the
+table-driven tests in `tests/test_models.py` then cover it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = [
+    "MoEArch",
+    "MoELayer",
+    "UnsupportedModelError",
+    "register_arch",
+    "get_arch",
+    "supported_model_types",
+    "find_moe_layers",
+    "unwrap_model",
+    "tiny_config",
+]
+
+
+class UnsupportedModelError(ValueError):
+    """Raised for a model whose `model_type` has no `MoEArch` entry."""
+
+
+@dataclass(frozen=True)
+class MoEArch:
+    """Everything occult_ft needs to know about one HF MoE architecture.
+
+    Args:
+        model_type: HF `config.model_type`, the registry key.
+        router_attr: attribute of the MoE block holding the router (`gate` or `router`).
+        scoring: `softmax` (probabilities over all E), `sigmoid` (independent scores, DeepSeek-V3) or
+            `logits` (GPT-OSS: top-k on raw logits, softmax over the k selected logits only).
+        renormalize: `True`/`False`, or the name of a router attribute holding the flag
+            (`norm_topk_prob`).
+        scaling_attr: router attribute with a factor applied to the final weights
+            (`routed_scaling_factor`), or None.
+        correction_bias_attr: router buffer added to the scores for selection only (DeepSeek-V3).
+        shared_attrs: attributes of the block that hold shared experts (informational, never permuted).
+        router_params: router tensors indexed by expert along dim 0 (permuted by placement).
+        expert_params: experts tensors indexed by expert along dim 0 (permuted by placement).
+        native_group_routing: how stock transformers can express device-limited routing, if at all:
+            `"topk_sum"` (DeepSeek-V3 `n_group`/`topk_group`) or `"max"` (DeepSeek-V2
+            `topk_method="group_limited_greedy"`).
+        example_config: kwargs for a tiny random config of this type (tests, docs).
+    """
+
+    model_type: str
+    router_attr: str
+    scoring: str
+    renormalize: bool | str
+    scaling_attr: str | None = None
+    correction_bias_attr: str | None = None
+    shared_attrs: tuple[str, ...] = ()
+    router_params: tuple[str, ...] = ("weight",)
+    expert_params: tuple[str, ...] = ("gate_up_proj", "down_proj")
+    native_group_routing: str | None = None
+    example_config: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if self.scoring not in ("softmax", "sigmoid", "logits"):
+            raise ValueError(
+                f"MoEArch({self.model_type!r}).scoring={self.scoring!r}: use 'softmax', 'sigmoid' or 'logits'"
+            )
+
+    # ---- router maths (pure functions of the router's logits) -------------------------------------
+    def probabilities(self, router: nn.Module, logits_TE: torch.Tensor) -> torch.Tensor:
+        """Per-expert router probabilities in fp32 (what "router mass" and similarity are measured in)."""
+        if self.scoring == "sigmoid":
+            return logits_TE.float().sigmoid()
+        return torch.softmax(logits_TE.float(), dim=-1)
+
+    def selection_scores(self, router: nn.Module, logits_TE: torch.Tensor) -> torch.Tensor:
+        """Scores whose top-k is the model's expert choice (fp32, higher is better)."""
+        if self.scoring == "logits":
+            return logits_TE.float()
+        scores = self.probabilities(router, logits_TE)
+        if self.correction_bias_attr is not None:
+            scores = scores + getattr(router, self.correction_bias_attr).float()
+        return scores
+
+    def gate_weights(self, router: nn.Module, logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor) -> torch.Tensor:
+        """The model's own gate weights for an arbitrary selection `topk_ids_TK` (fp32)."""
+        if self.scoring == "logits":
+            return torch.softmax(logits_TE.float().gather(1, topk_ids_TK), dim=-1)
+        weights = self.probabilities(router, logits_TE).gather(1, topk_ids_TK)
+        renorm = self.renormalize
+        if isinstance(renorm, str):
+            renorm = bool(getattr(router, renorm))
+        if renorm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scaling_attr is not None:
+            weights = weights * float(getattr(router, self.scaling_attr))
+        return weights
+
+    def num_experts(self, router: nn.Module) -> int:
+        return int(router.num_experts)
+
+    def top_k(self, router: nn.Module) -> int:
+        return int(router.top_k)
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One MoE block of a model, found by `find_moe_layers`.
+
+    Args:
+        index: index of the decoder layer (`model.layers[index]`), stable across save/reload.
+        name: dotted module path of the MoE block (e.g. `model.layers.3.mlp`).
+        block, router, experts: the modules themselves (router resolved through PEFT wrappers).
+    """
+
+    index: int
+    name: str
+    block: nn.Module
+    router: nn.Module
+    experts: nn.Module
+    arch: MoEArch
+
+    @property
+    def num_experts(self) -> int:
+        return self.arch.num_experts(self.router)
+
+    @property
+    def top_k(self) -> int:
+        return self.arch.top_k(self.router)
+
+
+_REGISTRY: dict[str, MoEArch] = {}
+
+
+def register_arch(arch: MoEArch) -> MoEArch:
+    """Add an architecture to the registry; a second entry for one `model_type` is an error."""
+    if arch.model_type in _REGISTRY:
+        raise ValueError(f"model_type {arch.model_type!r} is already registered; edit its entry instead")
+    _REGISTRY[arch.model_type] = arch
+    return arch
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _model_type_of(obj) -> str:
+    if isinstance(obj, str):
+        return obj
+    config = getattr(obj, "config", obj)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None:
+        raise UnsupportedModelError(f"{type(obj).__name__} has no config.model_type; pass a transformers model")
+    return model_type
+
+
+def get_arch(obj) -> MoEArch:
+    """The `MoEArch` for a model, a config or a `model_type` string.
+
+    Raises:
+        UnsupportedModelError: naming the type, the supported ones and how to add one.
+    """
+    model_type = _model_type_of(obj)
+    try:
+        return _REGISTRY[model_type]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}. "
+            "To add one, register a MoEArch in occult_ft/models/registry.py (see its docstring)"
+        ) from None
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip DDP/DeepSpeed (`.module`) and PEFT (`.get_base_model()`) wrappers."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            model = model.get_base_model()
+        elif hasattr(model, "module") and isinstance(model.module, nn.Module) and not hasattr(model, "config"):
+            model = model.module
+        else:
+            break
+    return model
+
+
+def _active_module(module: nn.Module) -> nn.Module:
+    """Resolve a PEFT `ModulesToSaveWrapper` to the copy that the forward pass actually runs."""
+    to_save = getattr(module, "modules_to_save", None)
+    if isinstance(to_save, nn.ModuleDict) and len(to_save) > 0:
+        active = getattr(module, "active_adapter", None)
+        if isinstance(active, (list, tuple)):
+            active = active[0] if active else None
+        if active in to_save:
+            return to_save[active]
+        return next(iter(to_save.values()))
+    return module
+
+
+def find_moe_layers(model: nn.Module) -> list[MoELayer]:
+    """Every routed MoE block of `model`, in layer order (dense layers such as DeepSeek's
+    `first_k_dense_replace` or Qwen's `mlp_only_layers` are skipped).
+
+    Raises:
+        UnsupportedModelError: for an unregistered model type, or a registered one with no MoE layer.
+    """
+    base = unwrap_model(model)
+    arch = get_arch(base)
+    layers: list[MoELayer] = []
+    for name, module in base.named_modules():
+        if not name.endswith(".mlp") or not hasattr(module, "experts") or not hasattr(module, arch.router_attr):
+            continue
+        parts = name.split(".")
+        index = next((int(p) for p in reversed(parts) if p.isdigit()), len(layers))
+        router = _active_module(getattr(module, arch.router_attr))
+        layers.append(MoELayer(index, name, module, router, module.experts, arch))
+    if not layers:
+        raise UnsupportedModelError(
+            f"found no MoE block (an `.mlp` with `{arch.router_attr}` and `experts`) in this "
+            f"{arch.model_type} model; is it a dense configuration?"
+        )
+    layers.sort(key=lambda layer: layer.index)
+    return layers
+
+
+# ---- the supported architectures --------------------------------------------------------------
+_TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+register_arch(MoEArch(
+    "mixtral", router_attr="gate", scoring="softmax", renormalize=True,
+    example_config=dict(_TINY, num_local_experts=8, num_experts_per_tok=2),
+))
+register_arch(MoEArch(
+    "qwen2_moe", router_attr="gate", scoring="softmax", renormalize="norm_topk_prob",
+    shared_attrs=("shared_expert", "shared_expert_gate"),
+    example_config=dict(_TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=64, norm_topk_prob=False),
+))
+register_arch(MoEArch(
+    "qwen3_moe", router_attr="gate", scoring="softmax", renormalize="norm_topk_prob",
+    example_config=dict(_TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        norm_topk_prob=True, head_dim=16),
+))
+register_arch(MoEArch(
+    "olmoe", router_attr="gate", scoring="softmax", renormalize="norm_topk_prob",
+    example_config=dict(_TINY, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+))
+register_arch(MoEArch(
+    "deepseek_v2", router_attr="gate", scoring="softmax", renormalize=False,
+    scaling_attr="routed_scaling_factor", shared_attrs=("shared_experts",), native_group_routing="max",
+    example_config=dict(_TINY, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, kv_lora_rank=16,
+                        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        routed_scaling_factor=1.5, topk_method="greedy", n_group=None, topk_group=None),
+))
+register_arch(MoEArch(
+    "deepseek_v3", router_attr="gate", scoring="sigmoid", renormalize="norm_topk_prob",
+    scaling_attr="routed_scaling_factor", correction_bias_attr="e_score_correction_bias",
+    shared_attrs=("shared_experts",), router_params=("weight", "e_score_correction_bias"),
+    native_group_routing="topk_sum",
+    example_config=dict(_TINY, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, kv_lora_rank=16,
+                        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True),
+))
+register_arch(MoEArch(
+    "gpt_oss", router_attr="router", scoring="logits", renormalize=True,
+    router_params=("weight", "bias"),
+    expert_params=("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
+    example_config=dict(_TINY, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+                        layer_types=["full_attention", "sliding_attention"], sliding_window=16,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+))
+
+
+def tiny_config(model_type: str, **overrides):
+    """A tiny random config of a registered type (hidden 64, 8 experts): for tests and docs."""
+    from transformers import AutoConfig
+
+    kwargs = dict(get_arch(model_type).example_config)
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)

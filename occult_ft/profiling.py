@@ -1,0 +1,206 @@
+"""Profiling: run a model over calibration data and record, per MoE layer, how its router behaves.
+
+Per layer the `Profile` keeps
+    topk_ids      (T, K) int16  the token-level routing, so placements are evaluated exactly
+    coactivation  (E, E) f64    pair co-selection counts (diagonal = expert load)
+    load          (E,)   f64    tokens per expert
+    prob_gram     (E, E) f64    sum over tokens of p_e * p_f (router probabilities); its cosine form is
+                                 the expert-similarity table of the similarity criterion
+Forward hooks on the routers read the router's own output `(logits, weights, topk_ids)`, so the
+profile sees exactly the routing the model uses (pruned or not). Padding tokens are skipped.
+The file is safetensors (no pickle) with a JSON header in its metadata.
+
+Shape legend: T tokens, K top-k, E experts, B batch, S sequence length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .models.registry import find_moe_layers, get_arch, unwrap_model
+
+__all__ = ["LayerProfile", "Profile", "ProfileError", "RoutingRecorder", "profile_model"]
+
+FORMAT = "occult_ft.profile"
+VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile file that is missing, unreadable or does not fit the model."""
+
+
+@dataclass
+class LayerProfile:
+    index: int
+    topk_ids: torch.Tensor
+    coactivation: torch.Tensor
+    load: torch.Tensor
+    prob_gram: torch.Tensor
+
+    def similarity(self) -> torch.Tensor:
+        """(E, E) cosine similarity of experts' router-probability profiles over the tokens."""
+        norm = self.prob_gram.diagonal().clamp_min(1e-30).sqrt()
+        return (self.prob_gram / norm[:, None] / norm[None, :]).float()
+
+
+@dataclass
+class Profile:
+    model: str
+    model_type: str
+    num_experts: int
+    top_k: int
+    num_tokens: int
+    layers: dict[int, LayerProfile] = field(default_factory=dict)
+
+    def similarity(self) -> dict[int, torch.Tensor]:
+        return {i: lp.similarity() for i, lp in self.layers.items()}
+
+    def topk_ids(self) -> dict[int, torch.Tensor]:
+        return {i: lp.topk_ids.long() for i, lp in self.layers.items()}
+
+    def save(self, path: str) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for i, lp in self.layers.items():
+            tensors[f"layers.{i}.topk_ids"] = lp.topk_ids.contiguous()
+            tensors[f"layers.{i}.coactivation"] = lp.coactivation.contiguous()
+            tensors[f"layers.{i}.load"] = lp.load.contiguous()
+            tensors[f"layers.{i}.prob_gram"] = lp.prob_gram.contiguous()
+        header = dict(format=FORMAT, version=VERSION, model=self.model, model_type=self.model_type,
+                      num_experts=self.num_experts, top_k=self.top_k, num_tokens=self.num_tokens,
+                      layers=sorted(self.layers))
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        save_file(tensors, path, metadata={"occult_ft": json.dumps(header)})
+
+    @classmethod
+    def load(cls, path: str) -> Profile:
+        from safetensors import safe_open
+
+        if not os.path.isfile(path):
+            raise ProfileError(f"profile {path!r} does not exist; create it with `occult-ft profile MODEL --data DATA --out {path}`")
+        try:
+            with safe_open(path, framework="pt") as f:
+                header = json.loads((f.metadata() or {}).get("occult_ft", "{}"))
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as exc:  # safetensors raises several types for corrupt files
+            raise ProfileError(f"profile {path!r} is not a readable occult_ft profile ({exc}); re-run occult-ft profile") from None
+        if header.get("format") != FORMAT or header.get("version") != VERSION:
+            raise ProfileError(
+                f"{path!r} is not an occult_ft profile (format={header.get('format')!r}, version={header.get('version')!r}); "
+                "re-run occult-ft profile"
+            )
+        prof = cls(header["model"], header["model_type"], header["num_experts"], header["top_k"], header["num_tokens"])
+        for i in header["layers"]:
+            prof.layers[int(i)] = LayerProfile(
+                int(i), tensors[f"layers.{i}.topk_ids"], tensors[f"layers.{i}.coactivation"],
+                tensors[f"layers.{i}.load"], tensors[f"layers.{i}.prob_gram"],
+            )
+        return prof
+
+
+class RoutingRecorder:
+    """Forward hooks on every router of a model that accumulate a `Profile`.
+
+    Use as a context manager; set `.mask_T` (bool, flattened attention mask) before each forward so
+    that padding is skipped. At most `max_routing_tokens` token-level rows are kept per layer.
+    """
+
+    def __init__(self, model: nn.Module, max_routing_tokens: int | None = None):
+        self.model = model
+        self.layers = find_moe_layers(model)
+        self.max_routing_tokens = max_routing_tokens
+        self.mask_T: torch.Tensor | None = None
+        e = self.layers[0].num_experts
+        self._ids: dict[int, list[torch.Tensor]] = {layer.index: [] for layer in self.layers}
+        self._kept = dict.fromkeys(self._ids, 0)
+        self._co = {i: torch.zeros(e, e, dtype=torch.float64) for i in self._ids}
+        self._gram = {i: torch.zeros(e, e, dtype=torch.float64) for i in self._ids}
+        self.tokens = 0
+        self._handles = []
+
+    def _hook(self, layer):
+        def hook(module, args, output):
+            logits, _, ids = output
+            logits, ids = logits.detach(), ids.detach()
+            if self.mask_T is not None and self.mask_T.numel() == ids.shape[0]:
+                keep = self.mask_T.to(ids.device)
+                logits, ids = logits[keep], ids[keep]
+            e = logits.shape[-1]
+            onehot = torch.zeros(ids.shape[0], e, dtype=torch.float64, device=ids.device)
+            onehot.scatter_(1, ids.long(), 1.0)
+            self._co[layer.index] += (onehot.T @ onehot).cpu()
+            probs = layer.arch.probabilities(module, logits).double()
+            self._gram[layer.index] += (probs.T @ probs).cpu()
+            cap = self.max_routing_tokens
+            room = ids.shape[0] if cap is None else max(0, cap - self._kept[layer.index])
+            if room:
+                self._ids[layer.index].append(ids[:room].to(torch.int16).cpu())
+                self._kept[layer.index] += min(room, ids.shape[0])
+
+        return hook
+
+    def __enter__(self):
+        for layer in self.layers:
+            self._handles.append(layer.router.register_forward_hook(self._hook(layer)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def profile(self, model_name: str) -> Profile:
+        base = unwrap_model(self.model)
+        first = self.layers[0]
+        prof = Profile(model_name, get_arch(base).model_type, first.num_experts, first.top_k, self.tokens)
+        for layer in self.layers:
+            i = layer.index
+            ids = torch.cat(self._ids[i]) if self._ids[i] else torch.zeros(0, first.top_k, dtype=torch.int16)
+            co = self._co[i]
+            prof.layers[i] = LayerProfile(i, ids, co, co.diagonal().clone(), self._gram[i])
+        return prof
+
+
+@torch.no_grad()
+def profile_model(
+    model: nn.Module,
+    batches: Iterable[dict],
+    model_name: str = "model",
+    max_tokens: int | None = None,
+    max_routing_tokens: int | None = 65536,
+    progress: bool = True,
+) -> Profile:
+    """Run `model` over `batches` (dicts with `input_ids` (B, S) and optional `attention_mask`) and
+    return its `Profile`. Stops after `max_tokens` non-padding tokens."""
+    model.eval()
+    device = next(model.parameters()).device
+    bar = tqdm(total=max_tokens, unit="tok", desc="profiling", disable=not progress)
+    with RoutingRecorder(model, max_routing_tokens) as rec:
+        for batch in batches:
+            ids_BS = torch.as_tensor(batch["input_ids"]).to(device)
+            mask_BS = batch.get("attention_mask")
+            mask_BS = torch.ones_like(ids_BS) if mask_BS is None else torch.as_tensor(mask_BS).to(device)
+            if max_tokens is not None:
+                left = max_tokens - rec.tokens
+                if left <= 0:
+                    break
+                # drop whole trailing rows first, then mask the overflow inside the last one
+                flat = mask_BS.flatten().cumsum(0)
+                mask_BS = (mask_BS.flatten().bool() & (flat <= left)).view_as(mask_BS).long()
+            rec.mask_T = mask_BS.flatten().bool()
+            model(input_ids=ids_BS, attention_mask=mask_BS)
+            n = int(rec.mask_T.sum())
+            rec.tokens += n
+            bar.update(n)
+    bar.close()
+    if rec.tokens == 0:
+        raise ProfileError("profiling saw no tokens; check that the data is not empty")
+    return rec.profile(model_name)

@@ -1,0 +1,237 @@
+"""Collaboration pruning: criteria against slow references, budgets, kernels, gradients."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from occult_ft.metrics import contiguous_expert_device, devices_per_token
+from occult_ft.models import find_moe_layers, get_arch, supported_model_types, tiny_config
+from occult_ft.routing import (
+    CRITERIA,
+    PruningConfig,
+    apply_pruning,
+    collect_routing,
+    limit_devices,
+    remove_pruning,
+    replace_by_similarity,
+    set_recording,
+)
+
+# ---- slow, obviously correct references (one token at a time) -----------------------------------
+
+
+def walk_score_reference(scores_E, k, dev_E, m):
+    """The paper's wording: walk the top-k by descending score, admit devices until m are admitted,
+    then top-k among experts on the admitted devices."""
+    order = sorted(range(len(scores_E)), key=lambda e: -scores_E[e])[:k]
+    admitted = []
+    for e in order:
+        d = int(dev_E[e])
+        if d not in admitted and len(admitted) < m:
+            admitted.append(d)
+    allowed = [e for e in range(len(scores_E)) if int(dev_E[e]) in admitted]
+    return sorted(sorted(allowed, key=lambda e: -scores_E[e])[:k])
+
+
+def topk_sum_reference(scores_E, k, dev_E, num_devices, m):
+    n = max(1, k // m)
+    dev_score = []
+    for d in range(num_devices):
+        mine = sorted((scores_E[e] for e in range(len(scores_E)) if int(dev_E[e]) == d), reverse=True)
+        dev_score.append(sum(mine[:n]))
+    keep = sorted(range(num_devices), key=lambda d: -dev_score[d])[:m]
+    allowed = [e for e in range(len(scores_E)) if int(dev_E[e]) in keep]
+    return sorted(sorted(allowed, key=lambda e: -scores_E[e])[:k])
+
+
+def similarity_reference(scores_E, topk, dev_E, m, sim):
+    order = sorted(range(len(scores_E)), key=lambda e: -scores_E[e])
+    admitted = []
+    for e in order:  # devices by best expert == first m devices of the top-k walk
+        d = int(dev_E[e])
+        if d not in admitted and len(admitted) < m:
+            admitted.append(d)
+    chosen = sorted(topk, key=lambda e: -scores_E[e])
+    taken = {e for e in chosen if int(dev_E[e]) in admitted}
+    out = []
+    for e in chosen:
+        if int(dev_E[e]) in admitted:
+            out.append(e)
+            continue
+        cands = [f for f in range(len(scores_E)) if int(dev_E[f]) in admitted and f not in taken]
+        best = max(cands, key=lambda f: (sim[e, f].item(), -f))
+        taken.add(best)
+        out.append(best)
+    return sorted(out)
+
+
+@pytest.mark.parametrize("num_devices,m,k", [(4, 1, 2), (4, 2, 8), (8, 2, 8), (8, 3, 6)])
+def test_score_criterion_matches_the_papers_walk(num_devices, m, k):
+    torch.manual_seed(0)
+    E = 32
+    scores = torch.rand(200, E)
+    dev = torch.randperm(E) // (E // num_devices)  # a non-contiguous placement
+    ids, _ = limit_devices(scores, k, dev, num_devices, m, "max")
+    for t in range(scores.shape[0]):
+        assert sorted(ids[t].tolist()) == walk_score_reference(scores[t].tolist(), k, dev, m)
+
+
+@pytest.mark.parametrize("num_devices,m,k", [(4, 2, 8), (8, 4, 8), (4, 1, 4)])
+def test_topk_sum_criterion_matches_reference(num_devices, m, k):
+    torch.manual_seed(1)
+    E = 64
+    scores = torch.rand(100, E)
+    dev = contiguous_expert_device(E, num_devices)
+    ids, _ = limit_devices(scores, k, dev, num_devices, m, "topk_sum")
+    for t in range(scores.shape[0]):
+        assert sorted(ids[t].tolist()) == topk_sum_reference(scores[t].tolist(), k, dev, num_devices, m)
+
+
+def test_similarity_criterion_matches_reference():
+    torch.manual_seed(2)
+    E, k, D, m = 16, 4, 4, 2
+    scores = torch.rand(150, E)
+    sim = torch.rand(E, E)
+    sim = (sim + sim.T) / 2
+    dev = torch.randperm(E) // (E // D)
+    topk = scores.topk(k, dim=-1).indices
+    ids = replace_by_similarity(scores, topk, dev, D, m, sim)
+    for t in range(scores.shape[0]):
+        expected = similarity_reference(scores[t].tolist(), topk[t].tolist(), dev, m, sim)
+        assert sorted(ids[t].tolist()) == expected
+
+
+def _tiny(model_type, **kw):
+    torch.manual_seed(0)
+    cfg = tiny_config(model_type, **kw)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("model_type", supported_model_types())
+@pytest.mark.parametrize("criterion", CRITERIA)
+def test_each_token_reaches_at_most_max_devices(model_type, criterion):
+    model = _tiny(model_type)
+    layers = find_moe_layers(model)
+    E = layers[0].num_experts
+    sim = {layer.index: torch.eye(E) + 0.01 * torch.rand(E, E) for layer in layers}
+    apply_pruning(model, PruningConfig(num_devices=4, max_devices_per_token=1, criterion=criterion), similarity=sim)
+    set_recording(model, True)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (2, 16)))
+    records = collect_routing(model)
+    assert sorted(records) == [layer.index for layer in layers]
+    dev = contiguous_expert_device(E, 4)
+    for rec in records.values():
+        assert devices_per_token(rec.topk_ids, dev, 4).max().item() == 1
+        assert rec.topk_ids.shape[1] == layers[0].top_k
+
+
+@pytest.mark.parametrize("kernel", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("model_type", ["olmoe", "deepseek_v3", "gpt_oss"])
+def test_pruning_works_under_every_experts_kernel_and_keeps_router_gradients(kernel, model_type):
+    model = _tiny(model_type)
+    model.set_experts_implementation(kernel)
+    apply_pruning(model, PruningConfig(num_devices=4, max_devices_per_token=1))
+    set_recording(model, True)
+    x = torch.randint(0, 128, (2, 16))
+    out = model(x, labels=x)
+    out.loss.backward()
+    for layer in find_moe_layers(model):
+        assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+    dev = contiguous_expert_device(8, 4)
+    for rec in collect_routing(model).values():
+        assert devices_per_token(rec.topk_ids, dev, 4).max().item() == 1
+
+
+@pytest.mark.parametrize("criterion", ["score", "similarity", "device_max"])
+def test_tokens_that_already_fit_keep_their_routing_and_weights(criterion):
+    model = _tiny("olmoe", num_experts_per_tok=4)
+    layers = find_moe_layers(model)
+    layer = layers[0]
+    h = torch.randn(400, 64)
+    with torch.no_grad():
+        logits, w0, ids0 = layer.router(h)
+    sim = {i.index: torch.rand(8, 8) for i in layers}
+    apply_pruning(model, PruningConfig(4, 2, criterion), similarity=sim)
+    with torch.no_grad():
+        _, w1, ids1 = layer.router(h)
+    dev = contiguous_expert_device(8, 4)
+    fits = devices_per_token(ids0, dev, 4) <= 2
+    assert 0 < fits.sum() < len(fits)  # both kinds of token are present
+    assert torch.equal(ids0[fits], ids1[fits]) and torch.equal(w0[fits], w1[fits])
+    assert (devices_per_token(ids1, dev, 4) <= 2).all()
+    assert not torch.equal(ids0[~fits].sort(-1).values, ids1[~fits].sort(-1).values)
+
+
+def test_budget_of_all_devices_is_the_unpruned_model():
+    model = _tiny("qwen2_moe")
+    x = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        ref = model(x).logits
+    apply_pruning(model, PruningConfig(num_devices=4, max_devices_per_token=4))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref)
+    remove_pruning(model)
+    assert not hasattr(find_moe_layers(model)[0].router, "occult_config")
+
+
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_model_gate_weights_reproduce_the_router(model_type):
+    model = _tiny(model_type)
+    layer = find_moe_layers(model)[0]
+    with torch.no_grad():
+        logits, w, ids = layer.router(torch.randn(20, 64))
+        again = get_arch(model).gate_weights(layer.router, logits, ids)
+    torch.testing.assert_close(again.to(w.dtype), w)
+
+
+def test_preserve_mass_keeps_each_tokens_weight_sum():
+    model = _tiny("olmoe")  # olmoe does not renormalise top-k weights
+    layer = find_moe_layers(model)[0]
+    h = torch.randn(200, 64)
+    with torch.no_grad():
+        _, w0, _ = layer.router(h)
+    apply_pruning(model, PruningConfig(4, 1, "score", gate_weights="preserve_mass"))
+    with torch.no_grad():
+        _, w1, _ = layer.router(h)
+    torch.testing.assert_close(w1.sum(-1), w0.sum(-1))
+
+
+def test_state_dict_names_do_not_change():
+    model = _tiny("deepseek_v3")
+    keys = set(model.state_dict())
+    apply_pruning(model, PruningConfig(4, 2))
+    assert set(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_devices=4, max_devices_per_token=0), "max_devices_per_token=0"),
+        (dict(num_devices=4, max_devices_per_token=5), "max_devices_per_token=5"),
+        (dict(num_devices=4, criterion="nope"), "criterion='nope'"),
+        (dict(num_devices=4, gate_weights="x"), "gate_weights='x'"),
+        (dict(num_devices=0), "devices=0"),
+    ],
+)
+def test_bad_pruning_settings_name_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PruningConfig(**kwargs)
+
+
+def test_budget_too_small_for_top_k_is_a_clear_error():
+    model = _tiny("olmoe", num_experts=8, num_experts_per_tok=4)
+    with pytest.raises(ValueError, match="max_devices_per_token=1 holds only 1 experts"):
+        apply_pruning(model, PruningConfig(num_devices=8, max_devices_per_token=1))
+
+
+def test_devices_must_divide_experts():
+    model = _tiny("olmoe")
+    with pytest.raises(ValueError, match="devices=3 does not divide the 8 experts"):
+        apply_pruning(model, PruningConfig(num_devices=3, max_devices_per_token=1))
+
+
+def test_similarity_without_table_is_a_clear_error():
+    model = _tiny("olmoe")
+    with pytest.raises(ValueError, match="similarity table"):
+        apply_pruning(model, PruningConfig(4, 1, "similarity"))
