@@ -43,6 +43,7 @@ def build_parser(commands=COMMANDS) -> argparse.ArgumentParser:
 
 def run_command(name: str, run, args) -> int:
     """Run one command, turning user errors into one line and exit status 2."""
+    _quiet_libraries()
     try:
         return int(run(args) or 0)
     except KeyboardInterrupt:
@@ -63,6 +64,23 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     return run_command(args.command, args.func, args)
+
+
+def _quiet_libraries() -> None:
+    """Progress bars of transformers/datasets would bury our one-line errors on stderr."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:
+        pass
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["standalone", "data_batches", "add_model_data_args", "positive_int"]
+__all__ = ["standalone", "load_data", "data_batches", "add_model_data_args", "positive_int"]
 
 
 def positive_int(text: str) -> int:
@@ -28,19 +28,26 @@ def add_model_data_args(p: argparse.ArgumentParser, data_required: bool = True) 
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
 
 
-def data_batches(tokenizer, data: str, seq_len: int, batch_size: int, max_tokens: int | None = None):
-    """Tokenised `data` as a list of {"input_ids", "attention_mask"} batches (padding masked)."""
-    import torch
-
-    from ..data import DataError, load_text_dataset, tokenize_dataset
+def load_data(data: str):
+    """The raw dataset behind a --data value (checked before any model is loaded)."""
+    from ..data import load_text_dataset
 
     if data == "embedded":
         from ..embedded import embedded_data_path
 
         data = embedded_data_path("eval")
+    return load_text_dataset(data)
+
+
+def data_batches(tokenizer, data, seq_len: int, batch_size: int, max_tokens: int | None = None):
+    """Tokenised `data` (a --data value or a loaded dataset) as {"input_ids", "attention_mask"} batches."""
+    import torch
+
+    from ..data import DataError, tokenize_dataset
+
     if tokenizer is None:
         raise DataError("the model has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
-    ds = load_text_dataset(data)
+    ds = load_data(data) if isinstance(data, str) else data
     ds = tokenize_dataset(ds, tokenizer, seq_len=seq_len, packing=True)
     batches, tokens = [], 0
     for start in range(0, len(ds), batch_size):

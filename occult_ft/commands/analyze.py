@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from ._common import add_model_data_args, data_batches, positive_int, standalone
+from ._common import add_model_data_args, data_batches, load_data, positive_int, standalone
 
 __all__ = ["add_parser", "run", "format_report"]
 
@@ -70,6 +70,7 @@ def run(args) -> int:
     from ..profiling import Profile
     from .prune import load_placement
 
+    data = load_data(args.data)
     model, tokenizer = load_model_and_tokenizer(args.model)
     placement = load_placement(args.placement, model, args.devices) if args.placement else None
     if placement is not None and placement.num_devices != args.devices:
@@ -81,7 +82,7 @@ def run(args) -> int:
         similarity = Profile.load(args.profile).similarity()
         if placement is not None:
             similarity = {i: s[placement.expert_order(i)][:, placement.expert_order(i)] for i, s in similarity.items()}
-    batches = data_batches(tokenizer, args.data, args.seq_len, args.batch_size, args.max_tokens)
+    batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens)
     report = analyze_model(model, batches, args.devices, placement, args.max_devices_per_token, args.criterion,
                            similarity, args.max_tokens)
     if args.plot:

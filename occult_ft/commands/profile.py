@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import add_model_data_args, data_batches, standalone
+from ._common import add_model_data_args, data_batches, load_data, standalone
 
 __all__ = ["add_parser", "run"]
 
@@ -22,8 +22,9 @@ def run(args) -> int:
     from ..checkpoint import load_model_and_tokenizer
     from ..profiling import profile_model
 
+    data = load_data(args.data)
     model, tokenizer = load_model_and_tokenizer(args.model)
-    batches = data_batches(tokenizer, args.data, args.seq_len, args.batch_size, args.max_tokens)
+    batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens)
     prof = profile_model(model, batches, model_name=args.model, max_tokens=args.max_tokens,
                          max_routing_tokens=args.max_routing_tokens)
     prof.save(args.out)

@@ -1,0 +1,34 @@
+# Set-up and the two everyday jobs. Every target installs what it needs into .venv first.
+#   make demo   - the whole pipeline on the embedded default model and corpus (CPU, a few minutes)
+#   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU)
+# Override TORCH to pick another torch build, e.g. make test TORCH="torch==2.11.0".
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+BIN     = $(VENV)/bin
+export HF_HUB_OFFLINE ?= 1
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test lint clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: $(BIN)/.installed
+	$(BIN)/occult-ft demo
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check occult_ft tests
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

@@ -1,0 +1,162 @@
+"""`occult-ft profile | place | prune | analyze` end to end on tiny saved models, and every bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import save_tiny_model
+from transformers import AutoModelForCausalLM
+
+import occult_ft
+from occult_ft.cli import main
+from occult_ft.metrics import contiguous_expert_device, devices_per_token
+from occult_ft.models import find_moe_layers
+from occult_ft.routing import collect_routing, set_recording
+
+
+def run_cli(*args):
+    return main([str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, tiny_olmoe_dir, text_file):
+    """profile -> place on 4 devices, shared by the tests below."""
+    out = tmp_path_factory.mktemp("pipe")
+    prof = out / "profile.safetensors"
+    assert run_cli("profile", tiny_olmoe_dir, "--data", text_file, "--out", prof, "--seq-len", 32, "--max-tokens", 2000) == 0
+    placement = out / "placement.json"
+    assert run_cli("place", prof, "--devices", 4, "--out", placement) == 0
+    return dict(model=tiny_olmoe_dir, data=text_file, profile=str(prof), placement=str(placement), out=out)
+
+
+def test_placement_file_is_readable_json_for_the_model(pipeline):
+    doc = json.loads(open(pipeline["placement"]).read())
+    assert doc["num_experts"] == 8 and doc["num_devices"] == 4 and doc["model_type"] == "olmoe"
+    assert doc["model"] == pipeline["model"]
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_prune_without_budget_is_the_same_function(pipeline):
+    out = pipeline["out"] / "placed"
+    assert run_cli("prune", pipeline["model"], "--placement", pipeline["placement"], "--out", out) == 0
+    ids = torch.randint(3, 200, (2, 12))
+    ref = AutoModelForCausalLM.from_pretrained(pipeline["model"])
+    placed = AutoModelForCausalLM.from_pretrained(out)  # plain transformers
+    torch.testing.assert_close(_logits(placed, ids), _logits(ref, ids), atol=1e-5, rtol=1e-5)
+    assert os.path.isfile(out / "tokenizer.json")
+
+
+@pytest.mark.parametrize("criterion", ["score", "similarity", "device_max", "device_topk_sum"])
+def test_pruned_checkpoint_loads_with_pruned_routing(pipeline, criterion):
+    out = pipeline["out"] / f"pruned-{criterion}"
+    assert run_cli("prune", pipeline["model"], "--placement", pipeline["placement"], "--max-devices-per-token", 1,
+                   "--criterion", criterion, "--profile", pipeline["profile"], "--out", out) == 0
+    cfg = json.load(open(out / "config.json"))
+    assert cfg["occult"]["max_devices_per_token"] == 1 and cfg["occult"]["criterion"] == criterion
+    model = occult_ft.from_pretrained(str(out))
+    set_recording(model, True)
+    _logits(model, torch.randint(3, 200, (2, 12)))
+    records = collect_routing(model)
+    assert sorted(records) == [layer.index for layer in find_moe_layers(model)]
+    for rec in records.values():
+        assert devices_per_token(rec.topk_ids, contiguous_expert_device(8, 4), 4).max() == 1
+
+
+def test_analyze_json_reports_overall_and_per_layer(pipeline, capsys):
+    capsys.readouterr()
+    assert run_cli("analyze", pipeline["model"], "--data", pipeline["data"], "--devices", 4, "--placement",
+                   pipeline["placement"], "--json", "--seq-len", 32, "--max-tokens", 500) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert 1.0 <= rep["comm_complexity"] <= 2.0 and 0.0 <= rep["intra_share"] <= 1.0
+    assert len(rep["layers"]) == 2 and all("comm_complexity" in m for m in rep["layers"])
+    assert run_cli("analyze", pipeline["model"], "--data", pipeline["data"], "--devices", 4, "--json",
+                   "--max-devices-per-token", 1, "--seq-len", 32, "--max-tokens", 500) == 0
+    pruned = json.loads(capsys.readouterr().out)
+    assert pruned["comm_complexity"] == 1.0
+
+
+def test_deepseek_v3_topk_sum_writes_native_group_fields(tmp_path, tiny_tokenizer):
+    """Stock transformers routes a device_topk_sum checkpoint exactly like occult_ft does."""
+    src = save_tiny_model(tmp_path / "v3", "deepseek_v3", tiny_tokenizer, num_experts_per_tok=4, n_group=1, topk_group=1)
+    out = tmp_path / "v3-pruned"
+    assert run_cli("prune", src, "--placement", "sequential", "--devices", 4, "--max-devices-per-token", 2,
+                   "--criterion", "device_topk_sum", "--out", out) == 0
+    cfg = json.load(open(out / "config.json"))
+    assert cfg["n_group"] == 4 and cfg["topk_group"] == 2
+    stock = AutoModelForCausalLM.from_pretrained(out)
+    ours = occult_ft.from_pretrained(str(out))
+    ids = torch.randint(3, 200, (2, 16))
+    torch.testing.assert_close(_logits(stock, ids), _logits(ours, ids))
+
+
+def test_module_entry_point_runs():
+    res = subprocess.run([sys.executable, "-m", "occult_ft", "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and "profile" in res.stdout and "place" in res.stdout
+
+
+# ---- bad input: one line, non-zero exit, no traceback ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "corrupt.json").write_text("{not json")
+    (d / "wrong.json").write_text(json.dumps({"format": "something else"}))
+    (d / "profile.safetensors").write_bytes(b"garbage")
+    return d
+
+
+def bad_cases(p, bad):
+    m, data, prof, place = p["model"], p["data"], p["profile"], p["placement"]
+    return [
+        (["profile", "/nonexistent/model", "--data", data, "--out", bad / "x"], "does not exist"),
+        (["profile", m, "--data", bad / "missing.txt", "--out", bad / "x"], "missing.txt"),
+        (["place", bad / "nope.safetensors", "--devices", 4, "--out", bad / "p.json"], "does not exist"),
+        (["place", bad / "profile.safetensors", "--devices", 4, "--out", bad / "p.json"], "not a readable occult_ft profile"),
+        (["place", prof, "--devices", 3, "--out", bad / "p.json"], "devices=3"),
+        (["place", prof, "--devices", 4, "--nodes", 3, "--out", bad / "p.json"], "nodes=3"),
+        (["place", prof, "--devices", 4, "--algorithm", "magic", "--out", bad / "p.json"], "magic"),
+        (["prune", m, "--placement", bad / "corrupt.json", "--out", bad / "o"], "corrupt.json"),
+        (["prune", m, "--placement", bad / "wrong.json", "--out", bad / "o"], "wrong.json"),
+        (["prune", m, "--placement", bad / "absent.json", "--out", bad / "o"], "absent.json"),
+        (["prune", m, "--placement", place, "--max-devices-per-token", 0, "--out", bad / "o"], "max_devices_per_token=0"),
+        (["prune", m, "--placement", place, "--max-devices-per-token", 5, "--out", bad / "o"], "max_devices_per_token=5"),
+        (["prune", m, "--placement", place, "--max-devices-per-token", 1, "--criterion", "vibes", "--out", bad / "o"], "criterion='vibes'"),
+        (["prune", m, "--placement", place, "--max-devices-per-token", 1, "--criterion", "similarity", "--out", bad / "o"], "--profile"),
+        (["analyze", m, "--data", data, "--devices", 3], "devices=3"),
+    ]
+
+
+def test_every_bad_input_gives_one_clear_line(pipeline, bad_files, capsys):
+    for argv, needle in bad_cases(pipeline, bad_files):
+        capsys.readouterr()
+        code = run_cli(*argv)
+        err = capsys.readouterr().err.strip()
+        assert code != 0, argv
+        assert "Traceback" not in err and len(err.splitlines()) == 1, (argv, err)
+        assert needle in err, (argv, err)
+
+
+def test_unsupported_model_type_is_one_line(tmp_path, capsys, tiny_tokenizer, text_file):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=16, intermediate_size=16,
+                                 num_hidden_layers=1, num_attention_heads=2)).save_pretrained(tmp_path / "llama")
+    tiny_tokenizer.save_pretrained(tmp_path / "llama")
+    code = run_cli("profile", tmp_path / "llama", "--data", text_file, "--out", tmp_path / "p")
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "model_type 'llama' is not supported" in err and len(err.splitlines()) == 1
+
+
+def test_placement_for_another_model_is_rejected(pipeline, tmp_path, capsys, tiny_tokenizer):
+    other = save_tiny_model(tmp_path / "m16", "olmoe", tiny_tokenizer, num_experts=16)
+    code = run_cli("prune", other, "--placement", pipeline["placement"], "--out", tmp_path / "o")
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "8 experts" in err and "16" in err
