@@ -26,7 +26,7 @@ import os
 import torch
 from torch import nn
 
-from .models.registry import find_moe_layers, get_arch, unwrap_model
+from .models.registry import get_arch, unwrap_model
 from .routing import PruningConfig, apply_pruning
 
 __all__ = [
