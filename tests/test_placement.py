@@ -1,0 +1,403 @@
+"""Tests for occult_ft.placement: algorithms, the search guarantees, the placement file, weight permutation."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from occult_ft.metrics import (
+    comm_complexity,
+    device_counts,
+    devices_per_token,
+    expert_device_from_groups,
+    load_imbalance,
+)
+from occult_ft.models import find_moe_layers, supported_model_types, tiny_config
+from occult_ft.placement import (
+    DEFAULT_ALGORITHM,
+    PLACEMENT_ALGORITHMS,
+    Placement,
+    PlacementError,
+    _incidence,
+    _SwapState,
+    coactivation_matrix,
+    compute_placement,
+    permute_experts,
+    place_layer,
+    sequential_placement,
+)
+
+
+# ---- synthetic routings -----------------------------------------------------------------------------
+def planted_routing(num_experts=64, num_groups=4, top_k=8, tokens=2048, inside=0.9, seed=0):
+    """Tokens pick top_k experts, each expert of the token's hidden group boosted with probability `inside`
+    (so ~90% of picks land in the group). Expert ids are shuffled: returns (topk_ids_TK, planted groups)."""
+    gen = torch.Generator().manual_seed(seed)
+    size = num_experts // num_groups
+    group_T = torch.randint(num_groups, (tokens,), generator=gen)
+    member_TE = (torch.arange(num_experts)[None, :] // size) == group_T[:, None]
+    boost_TE = member_TE & (torch.rand(tokens, num_experts, generator=gen) < inside)
+    score_TE = torch.rand(tokens, num_experts, generator=gen) + 2.0 * boost_TE
+    perm_E = torch.randperm(num_experts, generator=gen)
+    planted = {frozenset(perm_E[g * size : (g + 1) * size].tolist()) for g in range(num_groups)}
+    return perm_E[score_TE.topk(top_k, dim=1).indices], planted
+
+
+def random_routing(num_experts=64, top_k=8, tokens=2048, skew=0.0, seed=0):
+    """Softmax-router-like top-k: logits N(0, 1) plus a per-expert popularity N(0, skew)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, num_experts, generator=gen) + skew * torch.randn(num_experts, generator=gen)
+    return logits.topk(top_k, dim=1).indices
+
+
+def cc(ids, groups, num_experts):
+    return comm_complexity(ids, expert_device_from_groups(groups, num_experts), len(groups))
+
+
+def imbalance(ids, groups, num_experts):
+    return load_imbalance(ids, expert_device_from_groups(groups, num_experts), len(groups))
+
+
+def assert_equal_partition(groups, num_experts, num_devices):
+    assert len(groups) == num_devices
+    assert all(len(g) == num_experts // num_devices and g == sorted(g) for g in groups)
+    assert sorted(e for g in groups for e in g) == list(range(num_experts))
+
+
+# ---- algorithms ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "num_experts,num_devices,expected",
+    [
+        (8, 2, [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        (6, 3, [[0, 1], [2, 3], [4, 5]]),
+        (4, 1, [[0, 1, 2, 3]]),
+        (4, 4, [[0], [1], [2], [3]]),
+    ],
+)
+def test_sequential_places_contiguous_blocks(num_experts, num_devices, expected):
+    ids = random_routing(num_experts, top_k=2, tokens=64)
+    assert place_layer(ids, num_experts, num_devices, "sequential") == expected
+
+
+def test_registry_names_and_default():
+    assert set(PLACEMENT_ALGORITHMS) == {"sequential", "occult", "greedy_pairs", "search"}
+    assert DEFAULT_ALGORITHM == "search"
+    ids = random_routing(16, top_k=2, tokens=64)
+    assert PLACEMENT_ALGORITHMS["occult"](ids, 16, 4) == place_layer(ids, 16, 4, "occult")
+
+
+@pytest.mark.parametrize("algorithm", sorted(PLACEMENT_ALGORITHMS))
+@pytest.mark.parametrize(
+    "num_experts,num_devices,num_nodes,tokens",
+    [
+        (64, 4, 1, 512),
+        (64, 8, 2, 512),
+        (60, 6, 3, 512),
+        (16, 1, 1, 64),
+        (16, 16, 4, 64),
+        (16, 4, 1, 0),
+    ],
+)
+def test_every_algorithm_returns_a_partition_into_equal_groups(
+    algorithm, num_experts, num_devices, num_nodes, tokens
+):
+    ids = random_routing(num_experts, top_k=4, tokens=tokens, skew=1.0)
+    groups = place_layer(ids, num_experts, num_devices, algorithm, num_nodes=num_nodes)
+    assert_equal_partition(groups, num_experts, num_devices)
+
+
+def test_coactivation_matrix_counts_pairs_and_load():
+    ids = torch.tensor([[0, 1], [1, 2], [0, 1], [2, -1]])  # -1: empty slot
+    # pairs: (0,1) twice, (1,2) once; loads: e0 2, e1 3, e2 2
+    expected = torch.tensor([[2, 2, 0], [2, 3, 1], [0, 1, 2]])
+    assert torch.equal(coactivation_matrix(ids, 3), expected)
+
+
+@pytest.mark.parametrize("num_groups", [4, 8])
+def test_search_recovers_planted_groups_and_beats_sequential(num_groups):
+    ids, planted = planted_routing(num_groups=num_groups)
+    groups = place_layer(ids, 64, num_groups)
+    assert {frozenset(g) for g in groups} == planted
+    # ~90% of picks stay in the group: most tokens reach 1 device, the rest 2-3
+    assert cc(ids, groups, 64) < 2.0
+    assert cc(ids, place_layer(ids, 64, num_groups, "sequential"), 64) > 3.0
+
+
+ROUTINGS = {
+    "uniform": lambda: random_routing(64, top_k=8, tokens=2048),
+    "skewed": lambda: random_routing(64, top_k=6, tokens=2048, skew=1.5, seed=1),
+    "planted_noisy": lambda: planted_routing(num_groups=4, inside=0.35, seed=2)[0],
+    "planted_small_groups": lambda: planted_routing(num_groups=16, top_k=4, inside=0.6, seed=3)[0],
+}
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("num_devices", [4, 8])
+def test_search_is_never_worse_than_the_constructive_algorithms(routing, num_devices):
+    ids = ROUTINGS[routing]()
+    placed = {alg: place_layer(ids, 64, num_devices, alg) for alg in PLACEMENT_ALGORITHMS}
+    found = {alg: cc(ids, g, 64) for alg, g in placed.items()}
+    # never worse than occult; never worse than any other start that respects the load bound
+    bound = max(1.25, imbalance(ids, placed["occult"], 64))
+    assert found["search"] <= found["occult"] + 1e-9
+    for alg in ("greedy_pairs", "sequential"):
+        if imbalance(ids, placed[alg], 64) <= bound:
+            assert found["search"] <= found[alg] + 1e-9, alg
+    assert imbalance(ids, placed["search"], 64) <= bound + 1e-9
+    if routing == "uniform":  # no structure for the greedy starts to find: the swaps do the work
+        assert found["search"] < min(found["occult"], found["greedy_pairs"]) - 0.02
+
+
+@pytest.mark.parametrize("bound", [1.02, 1.25])
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+def test_search_keeps_load_imbalance_within_bound_of_occult(routing, bound):
+    ids = ROUTINGS[routing]()
+    occult = place_layer(ids, 64, 8, "occult")
+    limit = max(bound, imbalance(ids, occult, 64))
+    groups = place_layer(ids, 64, 8, max_load_imbalance=bound)
+    assert imbalance(ids, groups, 64) <= limit + 1e-9
+    assert cc(ids, groups, 64) <= cc(ids, occult, 64)
+
+
+def test_search_is_deterministic_for_a_seed():
+    ids = random_routing(64, tokens=1024, skew=0.5)
+    assert place_layer(ids, 64, 8, seed=3) == place_layer(ids, 64, 8, seed=3)
+
+
+def test_swap_deltas_and_pair_gains_match_a_brute_force_recount():
+    ids = random_routing(16, top_k=3, tokens=300, skew=1.0)
+    x_TE, num_devices = _incidence(ids, 16), 4
+    state = _SwapState(x_TE, torch.arange(16) // 4, num_devices)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        delta_EE, gain_EE = state.swap_deltas(bound=float("inf")), state.pair_gains()
+        for a in range(16):
+            for b in range(16):
+                if state.dev_E[a] == state.dev_E[b]:
+                    assert delta_EE[a, b] == float("inf")
+                    continue
+                dev = state.dev_E.clone()
+                dev[a], dev[b] = dev[b].item(), dev[a].item()
+                exact = devices_total(ids, dev, num_devices) - devices_total(ids, state.dev_E, num_devices)
+                assert delta_EE[a, b] == exact
+                assert gain_EE[a, b] == intra_pairs(ids, dev, num_devices) - intra_pairs(
+                    ids, state.dev_E, num_devices
+                )
+        a, b = torch.randperm(16, generator=gen)[:2].tolist()
+        if state.dev_E[a] != state.dev_E[b]:
+            state.apply_swap(a, b)
+        rebuilt = _SwapState(x_TE, state.dev_E, num_devices)  # incremental bookkeeping == recomputation
+        for name in ("count_TD", "xz_ED", "xo_ED", "a_EE", "xc_ED", "load_D"):
+            assert torch.equal(getattr(state, name), getattr(rebuilt, name)), name
+
+
+def devices_total(ids, dev_E, num_devices):
+    return int(devices_per_token(ids, dev_E, num_devices).sum())
+
+
+def intra_pairs(ids, dev_E, num_devices):
+    counts = device_counts(ids, dev_E, num_devices)
+    return int((counts * (counts - 1) // 2).sum())
+
+
+def test_hierarchical_placement_keeps_each_node_on_consecutive_devices():
+    ids, planted = planted_routing(num_groups=8, seed=4)
+    nodes = place_layer(ids, 64, 2)  # the node level alone: 2 groups of 32
+    groups = place_layer(ids, 64, 8, num_nodes=2)
+    assert_equal_partition(groups, 64, 8)
+    assert {frozenset(groups[0] + groups[1] + groups[2] + groups[3]), frozenset(sum(groups[4:], []))} == {
+        frozenset(n) for n in nodes
+    }
+    assert {frozenset(g) for g in groups} == planted
+    node_E = expert_device_from_groups(groups, 64) // 4  # device d is on node d // (D/N)
+    occult_node_E = expert_device_from_groups(place_layer(ids, 64, 8, "occult", num_nodes=2), 64) // 4
+    assert comm_complexity(ids, node_E, 2) <= comm_complexity(ids, occult_node_E, 2)
+
+
+# ---- validation -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(num_devices=3), "devices=3 does not divide the 64 experts; use one of 1, 2, 4, 8, 16, 32, 64"),
+        (dict(num_devices=0), "devices=0 does not divide"),
+        (dict(num_devices=8, num_nodes=3), "nodes=3 does not divide devices=8; use one of 1, 2, 4, 8"),
+        (
+            dict(num_devices=8, algorithm="metis"),
+            "unknown placement algorithm 'metis'; use one of greedy_pairs",
+        ),
+        (dict(num_devices=8, num_experts=32), "expert id"),
+    ],
+)
+def test_invalid_requests_raise_one_line_placement_error(kwargs, message):
+    ids = random_routing(64, tokens=32)
+    kwargs = dict(dict(num_experts=64), **kwargs)
+    with pytest.raises(PlacementError, match=message) as info:
+        place_layer(ids, **kwargs)
+    assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
+
+
+# ---- the placement file -----------------------------------------------------------------------------------
+def tiny_profile(num_experts=16, layers=(1, 3), tokens=256):
+    return SimpleNamespace(
+        model="tiny/olmoe",
+        model_type="olmoe",
+        num_experts=num_experts,
+        top_k=4,
+        layers={i: SimpleNamespace(topk_ids=random_routing(num_experts, 4, tokens, seed=i)) for i in layers},
+    )
+
+
+def test_compute_placement_round_trips_through_json(tmp_path):
+    placement = compute_placement(tiny_profile(), num_devices=4, num_nodes=2)
+    path = tmp_path / "placement.json"
+    placement.save(path)
+    data = json.loads(path.read_text())
+    assert (data["format"], data["version"], sorted(data["layers"])) == ("occult_ft.placement", 1, ["1", "3"])
+    assert Placement.load(path) == placement
+    assert placement.metrics["comm_complexity"] <= placement.metrics["comm_complexity_sequential"]
+    for layer in (1, 3):
+        order, device = placement.expert_order(layer), placement.expert_device(layer)
+        assert torch.equal(device[order], torch.arange(16) // 4)  # new id j sits on device j // (E/D)
+
+
+def test_sequential_placement_is_the_identity_order():
+    placement = sequential_placement(8, 2, [0, 1], model_type="mixtral")
+    assert placement.groups[1] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert torch.equal(placement.expert_order(0), torch.arange(8))
+
+
+def _good_file():
+    return json.loads(sequential_placement(8, 2, [0, 2], model="m", model_type="olmoe").to_json())
+
+
+def _with(**changes):
+    def make():
+        data = _good_file()
+        data.update(changes)
+        return json.dumps(data)
+
+    return make
+
+
+def _with_layer(groups):
+    return _with(layers={"0": groups, "2": [[0, 1, 2, 3], [4, 5, 6, 7]]})
+
+
+BAD_FILES = {
+    "invalid_json": (lambda: '{"format": "occult_ft.placement",', "not valid JSON at line 1"),
+    "not_an_object": (lambda: "[1, 2]", "not an occult_ft placement file"),
+    "wrong_format": (_with(format="something.else"), "format='something.else'"),
+    "wrong_version": (_with(version=2), "placement version 2; this occult_ft reads version 1"),
+    "missing_field": (
+        lambda: json.dumps({k: v for k, v in _good_file().items() if k != "num_devices"}),
+        "lacks the 'num_devices' field",
+    ),
+    "devices_not_dividing": (_with(num_devices=3), "devices=3 does not divide the 8 experts"),
+    "no_layers": (_with(layers={}), "no layers"),
+    "bad_layer_key": (_with(layers={"mlp": [[0, 1, 2, 3], [4, 5, 6, 7]]}), "layer key 'mlp'"),
+    "wrong_group_count": (_with_layer([[0, 1, 2, 3, 4, 5, 6, 7]]), "layer 0 has 1 device groups"),
+    "unequal_groups": (_with_layer([[0, 1, 2], [3, 4, 5, 6, 7]]), "device 0 holds 3 experts"),
+    "duplicate_expert": (_with_layer([[0, 1, 2, 3], [3, 4, 5, 6]]), "places expert 3 on two devices"),
+    "id_out_of_range": (_with_layer([[0, 1, 2, 3], [4, 5, 6, 9]]), "expert id 9 outside 0..7"),
+    "non_integer_id": (_with_layer([[0, 1, 2, 3], [4, 5, 6, "7"]]), "not a list of expert ids"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_load_rejects_bad_files_with_one_line(tmp_path, case):
+    make, message = BAD_FILES[case]
+    path = tmp_path / "placement.json"
+    path.write_text(make())
+    with pytest.raises(PlacementError, match=message) as info:
+        Placement.load(path)
+    assert "\n" not in str(info.value)
+
+
+def test_load_reports_a_missing_file(tmp_path):
+    with pytest.raises(PlacementError, match="placement file '.*nope.json' not found"):
+        Placement.load(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((8, [0, 2]), "placement was made for 64 experts, model has 8; re-run `occult-ft place`"),
+        ((64, [0, 1]), r"placement covers MoE layers \[0, 2\], model has \[0, 1\]"),
+        ((64, [0, 2], "mixtral"), "made for a olmoe model, this one is mixtral"),
+    ],
+)
+def test_check_model_rejects_a_mismatched_model(args, message):
+    placement = sequential_placement(64, 4, [0, 2], model_type="olmoe")
+    placement.check_model(64, [2, 0], "olmoe")  # the matching model passes
+    with pytest.raises(PlacementError, match=message):
+        placement.check_model(*args)
+
+
+# ---- permuting a model's weights ----------------------------------------------------------------------------
+def tiny_model(model_type, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).float().eval()
+    with torch.no_grad():  # random router tensors, correction bias included, so every one of them matters
+        for layer in find_moe_layers(model):
+            for name in layer.arch.router_params:
+                getattr(layer.router, name).normal_(0.0, 0.5)
+    return model
+
+
+def shuffled_placement(model, num_devices, seed=0):
+    layers = find_moe_layers(model)
+    gen = torch.Generator().manual_seed(seed)
+    num_experts = layers[0].num_experts
+    groups = {}
+    for layer in layers:
+        perm = torch.randperm(num_experts, generator=gen).view(num_devices, -1)
+        groups[layer.index] = [sorted(row) for row in perm.tolist()]
+    return Placement(None, layers[0].arch.model_type, num_experts, num_devices, 1, "test", groups)
+
+
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_permute_experts_keeps_the_model_function(model_type):
+    model = tiny_model(model_type)
+    placement = shuffled_placement(model, num_devices=4)
+    input_ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    layer = find_moe_layers(model)[0]
+    router_before = layer.router.weight.detach().clone()
+    with torch.no_grad():
+        before = model(input_ids).logits
+        permute_experts(model, placement)
+        after = model(input_ids).logits
+    order = placement.expert_order(layer.index)
+    assert not torch.equal(order, torch.arange(8))
+    assert torch.equal(layer.router.weight, router_before[order])  # new expert j = original order[j]
+    assert isinstance(layer.router.weight, torch.nn.Parameter)
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
+
+
+def test_permute_experts_refuses_to_mix_deepseek_expert_groups():
+    model = tiny_model("deepseek_v3", n_group=2, topk_group=1)  # 2 routing groups of 4 experts
+    indices = [layer.index for layer in find_moe_layers(model)]
+    mixing = Placement(
+        None, "deepseek_v3", 8, 2, 1, "test", {i: [[0, 1, 2, 4], [3, 5, 6, 7]] for i in indices}
+    )
+    with pytest.raises(PlacementError, match="n_group=2 expert groups"):
+        permute_experts(model, mixing)
+    # swapping whole groups (and reordering inside them) keeps the function
+    input_ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(2))
+    swapping = Placement(
+        None, "deepseek_v3", 8, 2, 1, "test", {i: [[4, 5, 6, 7], [0, 1, 2, 3]] for i in indices}
+    )
+    with torch.no_grad():
+        before = model(input_ids).logits
+        permute_experts(model, swapping)
+        torch.testing.assert_close(model(input_ids).logits, before, atol=1e-5, rtol=0)
+
+
+def test_permute_experts_rejects_a_placement_for_another_model():
+    model = tiny_model("olmoe")
+    with pytest.raises(PlacementError, match="made for 64 experts, model has 8"):
+        permute_experts(model, sequential_placement(64, 4, [0, 1]))
