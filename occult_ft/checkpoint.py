@@ -154,6 +154,21 @@ def _check_exists(path: str) -> None:
         raise CheckpointError(f"model {path!r} does not exist; pass a local model directory or a Hub model id")
 
 
+def _local_dir(path: str) -> str:
+    """A local directory for `path`; Hub ids are downloaded (side files such as adapters and the
+    similarity tables must be read from disk)."""
+    if os.path.isdir(path):
+        return path
+    _check_exists(path)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(path)
+    except Exception as exc:  # network, auth, offline mode: all end the same way for the user
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"cannot fetch model {path!r} from the Hub: {first}") from None
+
+
 def load_model_and_tokenizer(path: str, dtype=None, **kwargs):
     """`AutoModelForCausalLM` + `AutoTokenizer` for a local dir or Hub id, with one-line errors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -179,6 +194,7 @@ def from_pretrained(path: str, dtype=None, is_trainable: bool = False, **kwargs)
     plain HF MoE checkpoint (returned unchanged), or a LoRA adapter directory written by
     `OccultTrainer` (the base model named in it is loaded, placed, pruned, and the adapter attached).
     """
+    path = _local_dir(path)
     adapter_cfg = os.path.join(path, "adapter_config.json")
     if os.path.isfile(adapter_cfg):
         return _from_adapter(path, dtype=dtype, is_trainable=is_trainable, **kwargs)

@@ -29,6 +29,8 @@ def build_parser(commands=COMMANDS) -> argparse.ArgumentParser:
         prog="occult-ft",
         description="Cheaper expert-parallel MoE training and serving: profile, place, prune, fine-tune, benchmark.",
     )
+    # launchers such as `deepspeed --module occult_ft.cli` pass --local_rank before the command
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in commands:
         try:
@@ -60,6 +62,8 @@ def run_command(name: str, run, args) -> int:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

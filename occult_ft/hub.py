@@ -1,0 +1,617 @@
+"""Model cards and Hub pushes for occult_ft checkpoints.
+
+A checkpoint directory is either a full model (`config.json`, possibly with the `occult` block that
+`occult_ft.checkpoint.save_pruned` writes) or a LoRA adapter (`adapter_config.json`, with the block
+in `occult_config.json`). `build_model_card` turns what the directory records into a Hub model card:
+
+    metadata   base_model, library_name (transformers | peft), tags (moe, occult, expert-parallelism,
+               the model type, lora), license and datasets when they are known
+    body       base model; placement (algorithm, devices D, nodes); the budget max_devices_per_token M;
+               criterion; gate weights; comm_complexity before / after with the reference points
+               (k rows per token for per-expert dispatch, the lower bound ceil(k*D/E), random placement);
+               evaluation results; how to load it; an optional figure; the Occult citation
+
+`push_checkpoint` writes that card as README.md into the directory and uploads the directory with
+`HfApi.create_repo(exist_ok=True)` + `HfApi.upload_folder`. `push_after_training` does the same for a
+finished training run, given the trainer (anything with `.args.output_dir`) or its output directory.
+
+How to load: a pruned full checkpoint needs `occult_ft.from_pretrained`, which reactivates the pruned
+routing; plain `AutoModelForCausalLM.from_pretrained` gives the same weights with the original top-k
+routing. An unpruned checkpoint (placement only: the same function as the base model), or one whose
+budget is written in the model's own config (`n_group` / `topk_group`, DeepSeek-V2/V3), routes
+identically in stock transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checkpoint import ADAPTER_OCCULT_FILE, OCCULT_KEY, SIMILARITY_FILE
+
+__all__ = [
+    "OCCULT_CITATION",
+    "CARD_TAGS",
+    "DEFAULT_IGNORE_PATTERNS",
+    "KNOWN_LICENSES",
+    "CheckpointSummary",
+    "describe_checkpoint",
+    "build_model_card",
+    "write_model_card",
+    "upload_file_list",
+    "check_repo_id",
+    "push_checkpoint",
+    "push_after_training",
+]
+
+OCCULT_CITATION = """@inproceedings{luo2025occult,
+  title         = {Occult: Optimizing Collaborative Communication across Experts for Accelerated Parallel MoE Training and Inference},
+  author        = {Luo, Shuqing and Li, Pingzhi and Peng, Jie and Wang, Hanrui and Zhao, Yang and Cao, Yu and Cheng, Yu and Chen, Tianlong},
+  booktitle     = {Proceedings of the 42nd International Conference on Machine Learning (ICML)},
+  year          = {2025},
+  eprint        = {2505.13345},
+  archivePrefix = {arXiv}
+}"""
+
+CARD_TAGS = ("moe", "occult", "expert-parallelism")
+
+# Trainer leftovers that do not belong in a published model repo (fnmatch patterns; `*` crosses `/`).
+DEFAULT_IGNORE_PATTERNS = (
+    "checkpoint-*/*",
+    "runs/*",
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_state*.pth",
+    "__pycache__/*",
+    ".cache/*",
+)
+
+# Base models whose Hub license is a plain SPDX-style id; a derived checkpoint carries it on.
+KNOWN_LICENSES = {
+    "mistralai/Mixtral-8x7B-v0.1": "apache-2.0",
+    "allenai/OLMoE-1B-7B-0924": "apache-2.0",
+    "Qwen/Qwen3-30B-A3B": "apache-2.0",
+}
+
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# block keys rendered in their own sections; the rest go to "Other recorded settings"
+_BLOCK_KEYS_SHOWN = {
+    "version", "placed", "num_devices", "num_nodes", "max_devices_per_token", "criterion", "gate_weights",
+    "placement", "comm_complexity_before", "comm_complexity_after", "eval", "base_model", "license",
+    "dataset", "model_type",
+}
+
+
+@dataclass
+class CheckpointSummary:
+    """What a checkpoint directory records, as the card needs it.
+
+    Args:
+        path: the checkpoint directory.
+        kind: `"full"` (config.json) or `"adapter"` (adapter_config.json).
+        block: the `occult` block ({} when there is none).
+        config: config.json as a dict ({} for adapters).
+        adapter: adapter_config.json as a dict ({} for full checkpoints).
+        base_model: the model this checkpoint derives from, when recorded.
+        model_type: HF model_type, when known.
+        num_experts: E routed experts per layer, when known.
+        top_k: k experts per token, when known.
+        native_routing: the budget is written in the model's own config (`n_group` / `topk_group`).
+        has_similarity: `occult_similarity.safetensors` is present.
+        has_tokenizer: tokenizer files are present.
+    """
+
+    path: str
+    kind: str
+    block: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+    adapter: dict = field(default_factory=dict)
+    base_model: str | None = None
+    model_type: str | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
+    native_routing: bool = False
+    has_similarity: bool = False
+    has_tokenizer: bool = False
+
+    @property
+    def pruned(self) -> bool:
+        """A budget below the device count restricts the routing."""
+        m, d = self.block.get("max_devices_per_token"), self.block.get("num_devices")
+        return m is not None and (d is None or int(m) < int(d))
+
+    @property
+    def needs_occult_ft(self) -> bool:
+        """Stock transformers would route differently from training (or cannot attach the placement)."""
+        return (self.kind == "adapter" and bool(self.block)) or (self.pruned and not self.native_routing)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); rewrite or remove it") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object; rewrite or remove it")
+    return data
+
+
+def _hub_id(name: Any) -> str | None:
+    """`name` when it looks like a Hub model id `owner/name` (not an existing local path), else None."""
+    if isinstance(name, str) and _HUB_ID.match(name) and not os.path.exists(name):
+        return name
+    return None
+
+
+def describe_checkpoint(checkpoint_dir: str | os.PathLike) -> CheckpointSummary:
+    """Read the config files of a full or adapter checkpoint directory.
+
+    Raises:
+        ValueError: the directory is missing, or holds neither config.json nor adapter_config.json.
+    """
+    path = os.fspath(checkpoint_dir)
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint directory {path!r} does not exist; pass the folder written by save/train")
+    config_file, adapter_file = os.path.join(path, "config.json"), os.path.join(path, "adapter_config.json")
+    if os.path.isfile(adapter_file):
+        adapter = _read_json(adapter_file)
+        occult_file = os.path.join(path, ADAPTER_OCCULT_FILE)
+        block = _read_json(occult_file) if os.path.isfile(occult_file) else {}
+        summary = CheckpointSummary(path, "adapter", block=block, adapter=adapter)
+        summary.base_model = block.get("base_model") or adapter.get("base_model_name_or_path")
+        summary.model_type = block.get("model_type")
+    elif os.path.isfile(config_file):
+        config = _read_json(config_file)
+        block = config.get(OCCULT_KEY) or {}
+        summary = CheckpointSummary(path, "full", block=dict(block), config=config)
+        summary.base_model = block.get("base_model") or config.get("_name_or_path") or None
+        summary.model_type = config.get("model_type")
+        summary.num_experts = next((int(config[k]) for k in _EXPERT_KEYS if config.get(k)), None)
+        summary.top_k = int(config["num_experts_per_tok"]) if config.get("num_experts_per_tok") else None
+        m, d = block.get("max_devices_per_token"), block.get("num_devices")
+        summary.native_routing = bool(
+            m is not None and d is not None and config.get("n_group") == d and config.get("topk_group") == m
+            and (config.get("model_type") != "deepseek_v2" or config.get("topk_method") == "group_limited_greedy")
+        )
+    else:
+        raise ValueError(
+            f"{path!r} is not a checkpoint (no config.json or adapter_config.json); "
+            "pass the directory written by save_pruned, save_model or the trainer"
+        )
+    groups = (summary.block.get("placement") or {}).get("layers") or {}
+    if summary.num_experts is None and groups:
+        summary.num_experts = sum(len(g) for g in next(iter(groups.values())))
+    summary.has_similarity = os.path.isfile(os.path.join(path, SIMILARITY_FILE))
+    summary.has_tokenizer = any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
+    return summary
+
+
+# ---- card body ---------------------------------------------------------------------------------
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if value is None:
+        return "none"
+    return str(value)
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    """Nested metric dicts -> `a.b.c` keys; lists of numbers are kept as one value."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = value
+
+
+def _table(rows: list[tuple[str, Any]], header: tuple[str, str] = ("setting", "value")) -> str:
+    lines = [f"| {header[0]} | {header[1]} |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in rows]
+    return "\n".join(lines)
+
+
+def _read_eval_results(path: str) -> dict[str, Any]:
+    """Metrics a Trainer saved beside the model (`eval_results.json`, else the eval part of `all_results.json`)."""
+    file = os.path.join(path, "eval_results.json")
+    if os.path.isfile(file):
+        return _read_json(file)
+    file = os.path.join(path, "all_results.json")
+    if os.path.isfile(file):
+        return {k: v for k, v in _read_json(file).items() if k.startswith("eval_")}
+    return {}
+
+
+def _placement_section(s: CheckpointSummary) -> str:
+    b = s.block
+    d, m = b.get("num_devices"), b.get("max_devices_per_token")
+    rows: list[tuple[str, Any]] = [("base model", s.base_model or "not recorded")]
+    if s.model_type:
+        rows.append(("model type", s.model_type))
+    if s.num_experts is not None:
+        rows.append(("routed experts per layer (E)", s.num_experts))
+    if s.top_k is not None:
+        rows.append(("experts per token (k)", s.top_k))
+    placement = b.get("placement") or {}
+    rows.append(("placement algorithm", placement.get("algorithm", "none (original expert order)")))
+    rows.append(("devices (D)", d if d is not None else "not recorded"))
+    rows.append(("nodes", b.get("num_nodes", 1)))
+    if d and s.num_experts and s.num_experts % int(d) == 0:
+        rows.append(("experts per device (E/D)", s.num_experts // int(d)))
+    rows.append(("max_devices_per_token (M)", m if m is not None else "none (routing unchanged)"))
+    # defaults as `occult_ft.checkpoint` applies them when it reloads the block
+    rows.append(("criterion", b.get("criterion", "score") if m is not None else "n/a"))
+    rows.append(("gate weights", b.get("gate_weights", "model") if m is not None else "n/a"))
+    if placement.get("algorithm") and s.kind == "full":
+        rows.append(("experts stored in placed order", bool(b.get("placed", False))))
+    if s.native_routing:
+        rows.append(("budget in the model config", f"n_group={s.config.get('n_group')}, topk_group={s.config.get('topk_group')}"))
+    text = "## Expert placement and routing budget\n\n" + _table(rows)
+    if placement.get("algorithm") and b.get("placed"):
+        text += (
+            "\n\nThe experts of every MoE layer are stored permuted so that device d of D holds the contiguous "
+            "block [d*E/D, (d+1)*E/D), the layout every expert-parallel runtime uses. `placement.layers` in the "
+            "`occult` block of config.json records which original experts each device holds."
+        )
+    elif placement.get("algorithm"):
+        text += (
+            "\n\nThe base model's experts are not stored permuted here: `occult_ft.from_pretrained` permutes "
+            "them with the placement recorded in `occult_config.json` before attaching the adapter."
+        )
+    if m is not None:
+        text += (
+            f"\n\nCollaboration pruning: each token's top-k is restricted to experts on at most {m} of the {d} "
+            f"devices (criterion `{b.get('criterion', 'score')}`), and the model was fine-tuned that way."
+        )
+    return text
+
+
+def _comm_section(s: CheckpointSummary) -> str | None:
+    b = s.block
+    rows: list[tuple[str, Any]] = []
+    for key, label in (
+        ("comm_complexity_before", "before Occult (measured)"),
+        ("comm_complexity_after", "after placement / pruning (measured)"),
+    ):
+        if key in b:
+            flat: dict[str, Any] = {}
+            _flatten("", b[key], flat)
+            rows += [(f"{label}{' ' + k if k else ''}", v) for k, v in flat.items()]
+    d = b.get("num_devices")
+    e, k = s.num_experts, s.top_k
+    if d and e and k and e % int(d) == 0:
+        from .metrics import comm_complexity_lower_bound, random_placement_comm_complexity
+
+        d = int(d)
+        rows.append(("per-expert dispatch (rows per token)", k))
+        rows.append(("random placement, uniform routing", random_placement_comm_complexity(e, k, d)))
+        rows.append(("lower bound ceil(k*D/E)", comm_complexity_lower_bound(e, k, d)))
+        if b.get("max_devices_per_token") is not None:
+            rows.append(("upper bound with the budget", min(int(b["max_devices_per_token"]), k, d)))
+    if not rows:
+        return None
+    return (
+        "## Communication\n\n`comm_complexity` (the paper's C_T) is the mean number of distinct devices hosting "
+        "a token's top-k experts: the rows per token a de-duplicated all-to-all sends (and returns), against "
+        "k rows for per-expert dispatch.\n\n" + _table(rows, ("comm_complexity", "rows per token"))
+    )
+
+
+def _eval_section(s: CheckpointSummary, eval_results: Mapping[str, Any] | None) -> str | None:
+    flat: dict[str, Any] = {}
+    if isinstance(s.block.get("eval"), Mapping):
+        _flatten("", s.block["eval"], flat)
+    if eval_results is None:
+        eval_results = _read_eval_results(s.path)
+    _flatten("", dict(eval_results), flat)
+    if not flat:
+        return None
+    return "## Evaluation\n\n" + _table(sorted(flat.items()), ("metric", "value"))
+
+
+def _usage_section(s: CheckpointSummary, repo: str) -> str:
+    load_local = s.kind == "adapter" or s.has_similarity
+    lines = ["## How to load it", "", "```python", "import occult_ft"]
+    if load_local:
+        # occult_ft reads the adapter / similarity files from a local folder: download the repo first
+        lines += ["from huggingface_hub import snapshot_download", "",
+                  f'model = occult_ft.from_pretrained(snapshot_download("{repo}"))']
+    else:
+        lines += ["", f'model = occult_ft.from_pretrained("{repo}")']
+    if s.has_tokenizer:
+        lines += ["", "from transformers import AutoTokenizer", "", f'tokenizer = AutoTokenizer.from_pretrained("{repo}")']
+    lines += ["```", ""]
+    if s.kind == "adapter":
+        lines.append(
+            f"This is a LoRA adapter for `{s.base_model or 'its base model'}`: `occult_ft.from_pretrained` loads "
+            "the base model, applies the recorded placement and routing budget, then attaches the adapter."
+        )
+    elif s.needs_occult_ft:
+        lines.append(
+            "`occult_ft.from_pretrained` restores the pruned routing the model was fine-tuned with. Plain "
+            "`AutoModelForCausalLM.from_pretrained` loads the same weights but routes with the original top-k, "
+            "which is not what was trained."
+        )
+    else:
+        reason = ("the routing budget is written in the model's own config (`n_group` / `topk_group`)"
+                  if s.native_routing else "the routing is the model's own")
+        lines += [
+            f"Stock transformers runs it as well, since {reason}:", "", "```python",
+            "from transformers import AutoModelForCausalLM", "",
+            f'model = AutoModelForCausalLM.from_pretrained("{repo}")', "```",
+        ]
+    return "\n".join(lines)
+
+
+def _figure_name(checkpoint_dir: str, figure: str | os.PathLike) -> str:
+    """Repo-relative name of `figure`: its path inside the checkpoint, or its file name once copied there."""
+    figure = os.fspath(figure)
+    if not figure.lower().endswith(".png"):
+        raise ValueError(f"figure {figure!r} is not a .png file; save the plot as PNG")
+    if not os.path.isfile(figure) and not os.path.isfile(os.path.join(checkpoint_dir, figure)):
+        raise ValueError(f"figure {figure!r} does not exist; pass the path of a PNG file")
+    full = os.path.abspath(figure if os.path.isfile(figure) else os.path.join(checkpoint_dir, figure))
+    rel = os.path.relpath(full, os.path.abspath(checkpoint_dir))
+    return rel.replace(os.sep, "/") if not rel.startswith("..") else os.path.basename(full)
+
+
+def build_model_card(
+    checkpoint_dir: str | os.PathLike,
+    repo_id: str | None = None,
+    eval_results: Mapping[str, Any] | None = None,
+    figure: str | os.PathLike | None = None,
+    *,
+    base_model: str | None = None,
+    license: str | None = None,
+):
+    """Build the Hub model card of an occult_ft checkpoint directory.
+
+    Args:
+        checkpoint_dir: a full checkpoint (config.json, optionally with the `occult` block) or a LoRA
+            adapter directory (adapter_config.json, optionally occult_config.json).
+        repo_id: the Hub repo the card is for (used in the loading snippets); default: the folder name.
+        eval_results: metric name -> value; default: `eval_results.json` (or the eval_* entries of
+            `all_results.json`) in the directory. The block's `eval` dict is shown as well.
+        figure: a PNG shown in the card. A path inside the directory is referenced as is; any other path
+            by its file name (`push_checkpoint` copies it into the directory).
+        base_model: override the recorded base model (the block's `base_model`, the adapter's
+            `base_model_name_or_path`, or config.json's `_name_or_path`).
+        license: license id for the metadata; default: the block's `license`, else `KNOWN_LICENSES`.
+
+    Returns:
+        `huggingface_hub.ModelCard` (`.save(path)` writes it; `.data` holds the metadata).
+
+    Raises:
+        ValueError: missing directory, a directory that is not a checkpoint, invalid JSON, a figure that
+            is missing or not a PNG.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    s = describe_checkpoint(checkpoint_dir)
+    if base_model:
+        s.base_model = base_model
+    repo = repo_id or os.path.basename(os.path.abspath(s.path))
+    hub_base = _hub_id(s.base_model)
+    license = license or s.block.get("license") or KNOWN_LICENSES.get(hub_base or "")
+    tags = list(CARD_TAGS)
+    if s.model_type:
+        tags.append(s.model_type)
+    if s.kind == "adapter":
+        tags += ["lora", "peft"]
+    if s.pruned:
+        tags.append("collaboration-pruning")
+    dataset = _hub_id(s.block.get("dataset"))
+    data = ModelCardData(
+        base_model=hub_base,
+        library_name="peft" if s.kind == "adapter" else "transformers",
+        license=license,
+        tags=tags,
+        datasets=[dataset] if dataset else None,
+        pipeline_tag="text-generation",
+    )
+
+    what = "LoRA adapter" if s.kind == "adapter" else "checkpoint"
+    base_text = f"[`{hub_base}`](https://huggingface.co/{hub_base})" if hub_base else f"`{s.base_model or 'an MoE model'}`"
+    if s.pruned and s.block.get("placement"):
+        action = "with collaboration-aware expert placement and collaboration pruning, then fine-tuned"
+    elif s.pruned:
+        action = "with collaboration pruning, then fine-tuned"
+    elif s.block.get("placement"):
+        action = "with collaboration-aware expert placement (the same function as the base model, permuted experts)"
+    else:
+        action = "fine-tuned"
+    sections = [
+        f"# {repo.split('/')[-1]}",
+        f"A {what} of {base_text} {action} with occult_ft, an implementation of Occult (Luo et al., ICML 2025, "
+        "[arXiv:2505.13345](https://arxiv.org/abs/2505.13345)). Occult cuts the all-to-all traffic of expert "
+        "parallelism: a token is sent once per device rather than once per expert, experts that are often "
+        "selected together share a device, and optionally each token may reach only a budget of devices.",
+        _placement_section(s),
+    ]
+    if s.kind == "adapter" and s.adapter:
+        a = s.adapter
+        rows = [(k, a[k]) for k in ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules",
+                                    "target_parameters", "modules_to_save") if a.get(k) is not None]
+        sections.append("## Adapter\n\n" + _table(rows))
+    other = [(k, v) for k, v in sorted(s.block.items()) if k not in _BLOCK_KEYS_SHOWN and not isinstance(v, (dict, list))]
+    if other:
+        sections.append("## Other recorded settings\n\n" + _table(other))
+    for section in (_comm_section(s), _eval_section(s, eval_results)):
+        if section:
+            sections.append(section)
+    if figure is not None:
+        name = _figure_name(s.path, figure)
+        sections.append(f"## Figure\n\n![occult_ft figure]({name})")
+    sections.append(_usage_section(s, repo))
+    sections.append("## Citation\n\n```bibtex\n" + OCCULT_CITATION + "\n```")
+    content = f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
+    return ModelCard(content)
+
+
+def write_model_card(
+    checkpoint_dir: str | os.PathLike,
+    repo_id: str | None = None,
+    eval_results: Mapping[str, Any] | None = None,
+    figure: str | os.PathLike | None = None,
+) -> str:
+    """Write `build_model_card(...)` as README.md into the directory (copying `figure` there); returns its path."""
+    path = os.fspath(checkpoint_dir)
+    card = build_model_card(path, repo_id=repo_id, eval_results=eval_results, figure=figure)
+    if figure is not None:
+        target = os.path.join(path, _figure_name(path, figure))
+        if not os.path.isfile(target):
+            shutil.copyfile(os.fspath(figure), target)
+    readme = os.path.join(path, "README.md")
+    card.save(readme)
+    return readme
+
+
+def upload_file_list(
+    checkpoint_dir: str | os.PathLike, ignore_patterns: tuple[str, ...] | list[str] = DEFAULT_IGNORE_PATTERNS
+) -> list[str]:
+    """Repo paths `upload_folder` sends from the directory, filtered the way it filters (sorted)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    path = os.fspath(checkpoint_dir)
+    files = [
+        os.path.relpath(os.path.join(root, name), path).replace(os.sep, "/")
+        for root, _, names in os.walk(path)
+        for name in names
+    ]
+    return sorted(filter_repo_objects(files, ignore_patterns=list(ignore_patterns)))
+
+
+# ---- pushing -----------------------------------------------------------------------------------
+def check_repo_id(repo_id: Any) -> str:
+    """`repo_id` if it is a valid Hub repo id, else a one-line ValueError."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(repo_id, str) or not repo_id:
+        raise ValueError(f"repo id {repo_id!r} is empty; pass --repo-id owner/name")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ValueError(
+            f"repo id {repo_id!r} is not a valid Hub repo id; use owner/name with letters, digits, '-', '_' or '.'"
+        ) from None
+    return repo_id
+
+
+def push_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    repo_id: str,
+    private: bool = False,
+    token: str | None = None,
+    commit_message: str | None = None,
+    figure: str | os.PathLike | None = None,
+    *,
+    eval_results: Mapping[str, Any] | None = None,
+    ignore_patterns: tuple[str, ...] | list[str] = DEFAULT_IGNORE_PATTERNS,
+    api=None,
+) -> str:
+    """Write the model card as README.md into `checkpoint_dir` (replacing any README.md there) and upload
+    the folder to the Hub.
+
+    Args:
+        checkpoint_dir: a full or LoRA adapter checkpoint directory (see `build_model_card`).
+        repo_id: `owner/name` (or `name`, in the token owner's namespace); created if it does not exist.
+        private: create the repo private (an existing repo keeps its visibility).
+        token: Hub token; default: the logged-in token / `HF_TOKEN`.
+        commit_message: default `"Upload occult_ft checkpoint"`.
+        figure: a PNG to show in the card; copied into the folder when it lives elsewhere.
+        eval_results: metrics for the card (see `build_model_card`).
+        ignore_patterns: files not uploaded (default: trainer checkpoints, optimizer states, logs).
+        api: an `HfApi`-like object (`create_repo`, `upload_folder`); default `HfApi(token=token)`.
+
+    Returns:
+        The commit URL (the repo URL when the API returns no commit information).
+
+    Raises:
+        ValueError: missing directory, not a checkpoint, bad repo id, bad figure.
+    """
+    repo_id = check_repo_id(repo_id)
+    path = os.fspath(checkpoint_dir)
+    write_model_card(path, repo_id=repo_id, eval_results=eval_results, figure=figure)
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+    repo_url = api.create_repo(repo_id, private=private, exist_ok=True, token=token)
+    info = api.upload_folder(
+        repo_id=repo_id,
+        folder_path=path,
+        commit_message=commit_message or "Upload occult_ft checkpoint",
+        ignore_patterns=list(ignore_patterns),
+        token=token,
+    )
+    url = getattr(info, "commit_url", None) or getattr(repo_url, "url", None) or repo_url
+    return str(url) if url is not None else f"https://huggingface.co/{repo_id}"
+
+
+def _last_eval_metrics(log_history: list[dict]) -> dict[str, Any]:
+    """The most recent log entry holding eval_* metrics (Trainer.state.log_history)."""
+    for entry in reversed(log_history or []):
+        metrics = {k: v for k, v in entry.items() if k.startswith("eval_")}
+        if metrics:
+            return metrics
+    return {}
+
+
+def push_after_training(
+    trainer_or_output_dir: Any,
+    repo_id: str | None = None,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str | None = None,
+    figure: str | os.PathLike | None = None,
+    *,
+    eval_results: Mapping[str, Any] | None = None,
+    api=None,
+) -> str | None:
+    """Push the saved result of a training run, with its Occult model card.
+
+    Works with any trainer whose `.args` carries TrainingArguments' `output_dir`, `hub_model_id`,
+    `hub_private_repo` and `hub_token`, or with the output directory itself. The model must already be
+    saved there (`trainer.save_model()`). With a trainer, only the main process pushes, and the last
+    evaluation in `trainer.state.log_history` goes into the card.
+
+    Args:
+        trainer_or_output_dir: the trainer, or the directory the final model was saved to.
+        repo_id: default `args.hub_model_id`, else the output directory's name.
+        private: default `args.hub_private_repo` (else False).
+        token: default `args.hub_token`.
+        commit_message: default `"End of training"`.
+        figure, eval_results, api: as in `push_checkpoint`.
+
+    Returns:
+        The commit URL, or None on processes other than the main one.
+    """
+    args = getattr(trainer_or_output_dir, "args", None)
+    if args is None:
+        output_dir = os.fspath(trainer_or_output_dir)
+        metrics: dict[str, Any] = {}
+    else:
+        is_main = getattr(trainer_or_output_dir, "is_world_process_zero", None)
+        if callable(is_main) and not is_main():
+            return None
+        output_dir = os.fspath(args.output_dir)
+        repo_id = repo_id or getattr(args, "hub_model_id", None)
+        private = getattr(args, "hub_private_repo", None) if private is None else private
+        token = token or getattr(args, "hub_token", None)
+        state = getattr(trainer_or_output_dir, "state", None)
+        metrics = _last_eval_metrics(getattr(state, "log_history", []))
+    repo_id = repo_id or os.path.basename(os.path.abspath(output_dir))
+    if eval_results is None and metrics:
+        eval_results = metrics
+    return push_checkpoint(
+        output_dir, repo_id, private=bool(private), token=token,
+        commit_message=commit_message or "End of training", figure=figure, eval_results=eval_results, api=api,
+    )
