@@ -1,0 +1,248 @@
+"""Expert parallelism inside a stock transformers model: the "occult_ep" experts implementation.
+
+transformers 5.x routes every fused experts module through `ALL_EXPERTS_FUNCTIONS`
+(`@use_experts_implementation`); the kernel is chosen by `config._experts_implementation`, set with
+`model.set_experts_implementation(name)`. We register `occult_ep_experts_forward` under
+`EXPERTS_IMPLEMENTATION = "occult_ep"`: it runs `dedup_moe_forward`, i.e. the de-duplicated
+all-to-all in which **a token is sent once per device however many of its experts live there**.
+
+`shard_experts(model, group)` turns a replicated model into an expert-parallel one: in every MoE
+layer (`occult_ft.models.find_moe_layers`) the fused expert tensors (`arch.expert_params`, dim 0 =
+expert) are cut to this rank's contiguous block [rank * P, (rank + 1) * P), P = E / D. Everything
+else (attention, embeddings, routers, shared experts) stays replicated, and each rank feeds its own
+batch. Expert-shard parameters are new `nn.Parameter`s marked `param.occult_expert_shard = True`:
+
+* their gradients are complete on their rank (they already sum the contributions of every rank's
+  tokens through the reverse all-to-all), so a data-parallel trainer must NOT all-reduce them across
+  the expert-parallel group; replicated parameters are all-reduced as usual. With per-rank mean
+  losses averaged over D ranks, scale the expert-shard gradients by 1 / D too;
+* build the optimizer after sharding (the shards are new parameter objects).
+
+`gather_experts_state_dict` / `gather_experts` all-gather the shards back into the standard fused
+layout, so `save_pretrained` writes an ordinary HF checkpoint.
+
+Shape legend: E experts of a layer, D devices (expert-parallel size), P = E / D experts per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models import find_moe_layers, unwrap_model
+from .alltoall import dedup_moe_forward
+from .comm import group_size_and_rank
+
+__all__ = [
+    "EXPERTS_IMPLEMENTATION",
+    "ExpertShard",
+    "occult_ep_experts_forward",
+    "register_experts_implementation",
+    "shard_experts",
+    "shard_experts_module",
+    "expert_shard_parameters",
+    "gather_experts_state_dict",
+    "gather_experts",
+]
+
+EXPERTS_IMPLEMENTATION = "occult_ep"
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """What `shard_experts` records on an experts module (`experts.occult_shard`).
+
+    Attributes:
+        group: the expert-parallel process group (None = default group).
+        rank: this rank in `group`; it holds experts [rank * experts_per_device, (rank + 1) * experts_per_device).
+        num_devices: D.
+        num_experts: E, experts of the layer over all ranks.
+        experts_per_device: P = E / D.
+        param_names: the sharded fused tensors (dim 0 = expert).
+        previous_implementation: `config._experts_implementation` before sharding (restored by
+            `gather_experts`).
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    num_devices: int
+    num_experts: int
+    experts_per_device: int
+    param_names: tuple[str, ...]
+    previous_implementation: str | None
+
+
+def occult_ep_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers experts kernel: (T, H) tokens, (T, K) global expert ids and gate weights -> (T, H).
+
+    Runs on a module sharded by `shard_experts`; every rank of its group must call it.
+    """
+    shard: ExpertShard | None = getattr(self, "occult_shard", None)
+    if shard is None:
+        raise RuntimeError(
+            f"{type(self).__name__} uses experts_implementation={EXPERTS_IMPLEMENTATION!r} but holds all its "
+            "experts; call occult_ft.dispatch.shard_experts(model, group) first"
+        )
+    return dedup_moe_forward(
+        hidden_states, top_k_index, top_k_weights, self, shard.group, num_experts=shard.num_experts
+    )
+
+
+def register_experts_implementation() -> None:
+    """Register "occult_ep" in transformers' `ALL_EXPERTS_FUNCTIONS` (idempotent; done at import)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, occult_ep_experts_forward)
+
+
+register_experts_implementation()
+
+
+def shard_experts_module(
+    experts: nn.Module,
+    param_names: tuple[str, ...] | list[str],
+    group: dist.ProcessGroup | None = None,
+    previous_implementation: str | None = None,
+) -> ExpertShard:
+    """Cut one fused experts module down to this rank's contiguous block of experts, in place.
+
+    Args:
+        experts: a transformers fused experts module holding all E experts.
+        param_names: its tensors indexed by expert along dim 0 (`MoEArch.expert_params`).
+        group: the expert-parallel process group (None: default group; without torch.distributed, D = 1).
+        previous_implementation: recorded on the returned `ExpertShard` for `gather_experts`.
+
+    Returns:
+        the `ExpertShard` record, also stored as `experts.occult_shard`.
+
+    Raises:
+        ValueError: if E is not divisible by the group size, a tensor's dim 0 is not E, or the module
+            is already sharded.
+    """
+    if getattr(experts, "occult_shard", None) is not None:
+        raise ValueError(f"{type(experts).__name__} is already sharded; shard_experts runs once per model")
+    num_devices, rank = group_size_and_rank(group)
+    names = tuple(param_names)
+    num_experts = int(getattr(experts, names[0]).shape[0])
+    if num_experts % num_devices:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by the expert-parallel size {num_devices}; "
+            f"use a group whose size divides {num_experts}"
+        )
+    per_device = num_experts // num_devices
+    for name in names:
+        full = getattr(experts, name)
+        if full.shape[0] != num_experts:
+            raise ValueError(
+                f"experts.{name} has shape {tuple(full.shape)}; dim 0 should be {num_experts} experts"
+            )
+    for name in names:
+        full = getattr(experts, name)
+        block = full.detach()[rank * per_device : (rank + 1) * per_device].clone()
+        shard = nn.Parameter(block, requires_grad=full.requires_grad)
+        shard.occult_expert_shard = True
+        setattr(experts, name, shard)
+    record = ExpertShard(group, rank, num_devices, num_experts, per_device, names, previous_implementation)
+    experts.occult_shard = record
+    experts.num_experts = per_device  # the module now holds P experts; stock kernels would see P
+    return record
+
+
+def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Keep only this rank's contiguous block of experts in every MoE layer and switch to "occult_ep".
+
+    Call it on every rank of `group` after all ranks hold identical weights (same checkpoint or same
+    seed), and before building the optimizer.
+
+    Args:
+        model: a transformers MoE model of a registered type (DDP/DeepSpeed/PEFT wrappers are unwrapped).
+        group: the expert-parallel process group (None: default group; without torch.distributed, D = 1).
+
+    Returns:
+        the same `model`, modified in place.
+
+    Raises:
+        ValueError: if a layer's expert count is not divisible by the group size (naming the layer),
+            or the model is already sharded.
+    """
+    base = unwrap_model(model)
+    previous = base.config._experts_implementation
+    for layer in find_moe_layers(base):
+        try:
+            shard_experts_module(layer.experts, layer.arch.expert_params, group, previous)
+        except ValueError as err:
+            raise ValueError(f"{layer.name}.experts: {err}") from None
+    base.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    return model
+
+
+def expert_shard_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every expert-shard parameter (`occult_expert_shard = True`)."""
+    return [
+        (n, p) for n, p in unwrap_model(model).named_parameters() if getattr(p, "occult_expert_shard", False)
+    ]
+
+
+def _gather_dim0(shard: torch.Tensor, group: dist.ProcessGroup | None, num_devices: int) -> torch.Tensor:
+    if num_devices == 1:
+        return shard.detach().clone()
+    shard = shard.detach().contiguous()
+    pieces = [torch.empty_like(shard) for _ in range(num_devices)]
+    dist.all_gather(pieces, shard, group=group)
+    return torch.cat(pieces, dim=0)
+
+
+def _sharded_layers(base: nn.Module):
+    for layer in find_moe_layers(base):
+        shard = getattr(layer.experts, "occult_shard", None)
+        if shard is not None:
+            yield layer, shard
+
+
+def gather_experts_state_dict(
+    model: nn.Module, group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """The full state dict of a sharded model, expert tensors all-gathered to (E, ...) (collective).
+
+    Keys are those of the unwrapped model's `state_dict()`. Every rank must call it; every rank gets
+    the result. Each layer gathers over the group recorded by `shard_experts` (`group` is used only
+    where that was None, i.e. the default group). Save with `model.save_pretrained(path, state_dict=...)` on rank 0: transformers then
+    writes its ordinary per-expert Hub layout, loadable by `from_pretrained` without occult_ft.
+    """
+    base = unwrap_model(model)
+    state = dict(base.state_dict())
+    for layer, shard in _sharded_layers(base):
+        for name in shard.param_names:
+            key = f"{layer.name}.experts.{name}"
+            if key not in state:
+                raise KeyError(f"state_dict has no key {key!r} for a sharded expert tensor")
+            state[key] = _gather_dim0(getattr(layer.experts, name), shard.group or group, shard.num_devices)
+    return state
+
+
+def gather_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Undo `shard_experts` in place (collective): full expert tensors on every rank, previous kernel.
+
+    Each layer gathers over the group recorded by `shard_experts` (`group` is used only where that was
+    None, i.e. the default group).
+    """
+    base = unwrap_model(model)
+    previous = None
+    for layer, shard in list(_sharded_layers(base)):
+        experts = layer.experts
+        for name in shard.param_names:
+            part = getattr(experts, name)
+            gathered = _gather_dim0(part, shard.group or group, shard.num_devices)
+            full = nn.Parameter(gathered, requires_grad=part.requires_grad)
+            setattr(experts, name, full)
+        experts.num_experts = shard.num_experts
+        del experts.occult_shard
+        previous = shard.previous_implementation
+    if previous is not None and previous != EXPERTS_IMPLEMENTATION:
+        base.set_experts_implementation(previous)
+    return model

@@ -1,0 +1,183 @@
+"""Single-device expert compute: the base case of dispatch (D = 1, no communication).
+
+`local_experts_forward` is what a device runs on the rows it received: each row carries K slots of
+(local expert id, gate weight); slots holding `LOCAL_SENTINEL` (-1) belong to experts elsewhere and
+are skipped. For every row it returns sum over its non-sentinel slots of weight * expert(row): the
+outputs of all of a token's local experts are summed on the device, so one row goes back per
+(token, device) - the de-duplication rule "a token is sent once per device however many of its
+experts live there" read from the receiving side.
+
+Grouped computation: the (row, slot) pairs are sorted by local expert (stable, sentinels last), the
+rows gathered into one (N, H) buffer in that order, and each projection is one grouped matmul over
+contiguous per-expert blocks. Backends:
+    "grouped_mm"  torch.nn.functional.grouped_mm (CPU fp32/bf16 needs 16-byte aligned strides;
+                  CUDA needs bf16 and sm80+), one kernel per projection;
+    "loop"        one torch.mm per *active* expert on its block (any device/dtype, exact);
+    "auto"        grouped_mm where its constraints hold, else loop.
+Both give the same result as `reference_moe` to float rounding (tested at 1e-5 in fp32). The
+weighted pair outputs are put back in (row, slot) order and summed over slots with a reshape + sum
+(deterministic, unlike index_add on CUDA), as transformers' kernels do.
+
+Every output stays attached to the autograd graph of the inputs and of all expert parameters even
+when no row reaches any expert (zero-size ops), so a device that receives nothing still runs the same
+backward collectives as its peers.
+
+Shape legend:
+    R  rows (received rows, or tokens when D = 1)     K  slots per row (top-k)     H  hidden size
+    P  local experts of the module                    N  non-sentinel (row, slot) pairs
+    I/O  input/output width of one projection
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layout import LOCAL_SENTINEL
+from .reference import expert_activation, expert_weights
+
+__all__ = ["BACKENDS", "local_experts_forward", "local_moe_forward", "grouped_linear", "num_local_experts"]
+
+BACKENDS = ("auto", "grouped_mm", "loop")
+
+
+def num_local_experts(experts: nn.Module) -> int:
+    """P: experts held by this module (dim 0 of its fused up projection)."""
+    return int(expert_weights(experts)["up_EIO"].shape[0])
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    if t.data_ptr() % 16:
+        return False
+    return all((st * size) % 16 == 0 for st, n in zip(t.stride(), t.shape) if st != 1 and n > 1)
+
+
+def _grouped_mm_usable(x_NI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
+    if not hasattr(F, "grouped_mm") or x_NI.dtype != w_EIO.dtype or x_NI.shape[0] == 0:
+        return False
+    if w_EIO.device.type == "cpu":
+        ok_dtype = w_EIO.dtype in (torch.float32, torch.bfloat16)
+    elif w_EIO.device.type == "cuda":
+        ok_dtype = w_EIO.dtype == torch.bfloat16 and torch.cuda.get_device_capability(w_EIO.device) >= (8, 0)
+    else:
+        return False
+    return ok_dtype and _aligned(x_NI) and _aligned(w_EIO)
+
+
+def grouped_linear(
+    x_NI: torch.Tensor,
+    w_EIO: torch.Tensor,
+    counts: list[int],
+    bias_NO: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """y[n] = x[n] @ w[e(n)] (+ bias_NO[n]) for rows sorted into contiguous per-expert blocks.
+
+    Args:
+        x_NI: (N, I) rows, the first counts[0] for expert 0, the next counts[1] for expert 1, ...
+        w_EIO: (E, I, O) weights (any strides).
+        counts: E Python ints summing to N.
+        bias_NO: optional (N, O) per-row bias (already gathered per row's expert).
+        backend: one of `BACKENDS`.
+
+    Returns:
+        (N, O), attached to the graph of x_NI and w_EIO even when N == 0.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend == "grouped_mm" and not hasattr(F, "grouped_mm"):
+        raise ValueError(
+            f"backend='grouped_mm' needs torch.nn.functional.grouped_mm (torch {torch.__version__} lacks it)"
+        )
+    use_grouped = backend == "grouped_mm" or (backend == "auto" and _grouped_mm_usable(x_NI, w_EIO))
+    if use_grouped and x_NI.shape[0] > 0:
+        offs_E = torch.tensor(counts, device=x_NI.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        y_NO = F.grouped_mm(x_NI, w_EIO, offs=offs_E)
+    else:
+        pieces, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                pieces.append(x_NI[start : start + count] @ w_EIO[e])
+            start += count
+        # No active expert: a zero-size product keeps x and w in the graph (their gradients are zeros).
+        y_NO = torch.cat(pieces) if pieces else x_NI[:0] @ w_EIO[0]
+    return y_NO if bias_NO is None else y_NO + bias_NO
+
+
+def local_experts_forward(
+    x_RH: torch.Tensor,
+    local_ids_RK: torch.Tensor,
+    weights_RK: torch.Tensor,
+    experts: nn.Module,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """out[r] = sum over slots k with local_ids_RK[r, k] != -1 of weights_RK[r, k] * expert_k(x_RH[r]).
+
+    Args:
+        x_RH: (R, H) rows (R may be 0).
+        local_ids_RK: (R, K) int64 local expert ids in [0, P), or `LOCAL_SENTINEL` (-1) to skip a slot.
+        weights_RK: (R, K) gate weights (0 at sentinel slots by convention; they are ignored anyway).
+        experts: a transformers fused experts module holding P experts (any layout of
+            `reference.expert_weights`; its `_apply_gate`, biases and post-norm are honoured).
+        backend: "auto", "grouped_mm" or "loop" (see the module docstring).
+
+    Returns:
+        (R, H) in x_RH.dtype, summed over slots in the promoted dtype of expert outputs and weights.
+    """
+    num_rows, top_k = local_ids_RK.shape
+    if x_RH.shape[0] != num_rows or weights_RK.shape != local_ids_RK.shape:
+        raise ValueError(
+            f"shapes disagree: rows {tuple(x_RH.shape)}, local_ids {tuple(local_ids_RK.shape)}, "
+            f"weights {tuple(weights_RK.shape)}; expected (R, H), (R, K), (R, K)"
+        )
+    w = expert_weights(experts)
+    num_local = int(w["up_EIO"].shape[0])
+    ids_N = local_ids_RK.reshape(-1).long()
+    lo_hi = torch.stack(torch.aminmax(ids_N)).tolist() if ids_N.numel() else [0, 0]  # one host sync
+    if lo_hi[0] < LOCAL_SENTINEL or lo_hi[1] >= num_local:
+        bad = ids_N[(ids_N >= num_local) | (ids_N < LOCAL_SENTINEL)].unique()[:8].tolist()
+        raise ValueError(f"local expert ids {bad} are outside [0, {num_local}) and not the sentinel -1")
+
+    # Sort (row, slot) pairs by expert; the sentinel sorts last as key P and is cut off.
+    key_N = torch.where(ids_N == LOCAL_SENTINEL, num_local, ids_N)
+    key_sorted, pair_order = torch.sort(key_N, stable=True)
+    counts = torch.bincount(key_N, minlength=num_local + 1)[:num_local].tolist()
+    active = sum(counts)
+    pair_g, expert_g = pair_order[:active], key_sorted[:active]
+    x_g = x_RH[pair_g // top_k].to(w["up_EIO"].dtype)
+
+    up_bias = w["up_bias_EO"][expert_g] if w["up_bias_EO"] is not None else None
+    up_g = grouped_linear(x_g, w["up_EIO"], counts, up_bias, backend)
+    mid_g = expert_activation(experts, up_g)
+    down_bias = w["down_bias_EO"][expert_g] if w["down_bias_EO"] is not None else None
+    y_g = grouped_linear(mid_g, w["down_EIO"], counts, down_bias, backend)
+    if getattr(experts, "has_post_expert_norm", False):
+        y_g = experts.post_expert_norm(y_g)
+    weighted_g = y_g * weights_RK.reshape(-1)[pair_g].unsqueeze(-1)
+
+    # Back to (row, slot) order; sentinel slots stay zero; then sum the slots of each row.
+    pairs_NH = weighted_g.new_zeros(num_rows * top_k, weighted_g.shape[-1]).index_copy(0, pair_g, weighted_g)
+    return pairs_NH.view(num_rows, top_k, pairs_NH.shape[-1]).sum(dim=1).to(x_RH.dtype)
+
+
+def local_moe_forward(
+    hidden_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    experts: nn.Module,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The single-device dispatcher: every expert is local, each token is one row (C_T = 1).
+
+    Args:
+        hidden_TH: (T, H); topk_ids_TK: (T, K) int ids in [0, E); weights_TK: (T, K).
+        experts: the module holding all E experts.
+
+    Returns:
+        (T, H), equal to `reference_moe(hidden_TH, topk_ids_TK, weights_TK, experts_module_fn(experts))`.
+    """
+    if hidden_TH.dim() != 2:
+        raise ValueError(f"hidden_TH must be (T, H), got shape {tuple(hidden_TH.shape)}")
+    return local_experts_forward(hidden_TH, topk_ids_TK, weights_TK, experts, backend)

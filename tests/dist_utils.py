@@ -1,0 +1,102 @@
+"""Run a function on N gloo processes on 127.0.0.1 (CPU), for distributed tests.
+
+`run_distributed(fn, world_size, *args)` spawns `world_size` fresh interpreters (start method
+"spawn"), initialises a gloo process group on a free local port in each, calls
+`fn(rank, world_size, *args)` and returns the per-rank results (index = rank). A worker exception
+is re-raised in the test process with the worker's traceback; a hang is killed after `timeout`
+seconds. `fn` must be importable (defined at module level) and its result picklable. Workers run
+with one CPU thread (`OMP_NUM_THREADS=1`) so several ranks share a small machine.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_distributed"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(fn, rank: int, world_size: int, port: int, results, args, collective_timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # report everything, including KeyboardInterrupt, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, collective_timeout_s: float = 45.0):
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo processes; return [result of rank 0, ...]."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children at start
+    try:
+        procs = [
+            ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args, collective_timeout_s))
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+    outcome: dict[int, tuple[bool, object]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                outcome[rank] = (ok, value)
+            except queue_mod.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    failures = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(outcome.items()) if not ok]
+    missing = [r for r in range(world_size) if r not in outcome]
+    if failures or missing:
+        detail = "\n".join(failures)
+        if missing:
+            detail += f"\nranks {missing} returned nothing within {timeout:.0f} s (exit codes "
+            detail += f"{[procs[r].exitcode for r in missing]})"
+        raise RuntimeError(f"distributed run of {getattr(fn, '__name__', fn)} failed:\n{detail}")
+    return [outcome[r][1] for r in range(world_size)]

@@ -1,0 +1,304 @@
+"""Multi-process tests of the de-duplicated all-to-all (gloo on 127.0.0.1, CPU, fp32).
+
+Every rank holds its shard of the experts and its own tokens; the oracle is the single-process
+`reference_moe` (or the stock transformers model) over the union of all ranks' tokens, computed on
+every rank from the same seed. Outputs and gradients (hidden states, router weights, expert weights
+after gathering the shards) must agree to 1e-5.
+
+Spawning interpreters is the expensive part (~seconds each on a small machine), so each world size
+is launched once per session (module-scoped fixture) and runs all of its cases; each test then
+checks its own case. A worker records mismatches instead of raising, so a failed comparison on one
+rank cannot leave its peers waiting in a collective.
+
+Shape legend: T tokens, K experts per token, H hidden size, E experts, D ranks, P = E / D.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+
+try:
+    from .dist_utils import run_distributed
+except ImportError:  # tests/ is not a package: pytest put it on sys.path
+    from dist_utils import run_distributed
+
+pytestmark = pytest.mark.slow
+
+# name -> case; "tokens" lists each rank's token count (len = world size).
+LAYER_CASES_WORLD2 = {
+    "random_routing": dict(arch="olmoe", tokens=[5, 7], top_k=2, routing="random"),
+    "gpt_oss_layout": dict(arch="gpt_oss", tokens=[6, 4], top_k=2, routing="random"),
+    "zero_tokens_on_a_rank": dict(arch="olmoe", tokens=[6, 0], top_k=2, routing="random"),
+    "all_tokens_to_one_device": dict(arch="olmoe", tokens=[4, 5], top_k=2, routing="one_device"),
+    "every_token_to_one_expert": dict(arch="olmoe", tokens=[3, 4], top_k=1, routing="one_expert"),
+    "both_experts_on_one_device": dict(arch="olmoe", tokens=[5, 5], top_k=2, routing="same_device"),
+}
+LAYER_CASES_WORLD4 = {
+    "random_routing_top3": dict(arch="qwen3_moe", tokens=[3, 5, 4, 6], top_k=3, routing="random"),
+    "zero_tokens_on_two_ranks": dict(arch="olmoe", tokens=[0, 5, 0, 4], top_k=2, routing="random"),
+    "no_tokens_anywhere": dict(arch="olmoe", tokens=[0, 0, 0, 0], top_k=2, routing="random"),
+    "gpt_oss_layout": dict(arch="gpt_oss", tokens=[2, 3, 1, 4], top_k=2, routing="random"),
+}
+MODEL_CASES_WORLD2 = {
+    "olmoe_model": dict(arch="olmoe", batch=1, seq=8, save=True),
+    "deepseek_v3_model": dict(arch="deepseek_v3", batch=1, seq=8, save=False),
+}
+
+NUM_EXPERTS = 8
+
+
+# ---- helpers (run inside the workers) -----------------------------------------------------------
+def _close(failures: list[str], what: str, actual, expected, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    try:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    except AssertionError as err:
+        failures.append(f"{what}: {err}")
+
+
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    """t.grad, or zeros where autograd never reached t (e.g. no tokens at all)."""
+    return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
+def _full_experts(arch: str, seed: int) -> torch.nn.Module:
+    """A transformers experts module of `arch` with all E experts, identical on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft.models import find_moe_layers, tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config(arch))
+    experts = find_moe_layers(model)[0].experts
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return experts
+
+
+def _routing(routing: str, num_tokens: int, top_k: int, world: int, gen: torch.Generator) -> torch.Tensor:
+    per = NUM_EXPERTS // world
+    rows = []
+    for _ in range(num_tokens):
+        if routing == "random":
+            rows.append(torch.randperm(NUM_EXPERTS, generator=gen)[:top_k])
+        elif routing == "one_device":  # every expert on device 0
+            rows.append(torch.randperm(per, generator=gen)[:top_k])
+        elif routing == "one_expert":  # the last expert, on the last device
+            rows.append(torch.full((top_k,), NUM_EXPERTS - 1))
+        elif routing == "same_device":  # K distinct experts of one random device
+            device = int(torch.randint(world, (1,), generator=gen))
+            rows.append(device * per + torch.randperm(per, generator=gen)[:top_k])
+        else:
+            raise ValueError(routing)
+    return torch.stack(rows) if rows else torch.empty(0, top_k, dtype=torch.long)
+
+
+def _gather_dim0(t: torch.Tensor, world: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    pieces = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(pieces, t.contiguous())
+    return torch.cat(pieces)
+
+
+def _layer_case(rank: int, world: int, case: dict) -> list[str]:
+    import torch.distributed as dist
+
+    from occult_ft.dispatch import dedup_moe_forward, experts_module_fn, reference_moe, shard_experts_module
+    from occult_ft.metrics import contiguous_expert_device, device_load, devices_per_token
+    from occult_ft.models import get_arch
+
+    failures: list[str] = []
+    full = _full_experts(case["arch"], seed=1)
+    hidden_size = full.down_proj.shape[2] if full.is_transposed else full.down_proj.shape[1]
+    gen = torch.Generator().manual_seed(2)
+    total, top_k = sum(case["tokens"]), case["top_k"]
+    x_all = torch.randn(total, hidden_size, generator=gen)
+    ids_all = _routing(case["routing"], total, top_k, world, gen)
+    w_all = torch.rand(total, top_k, generator=gen) + 0.1
+    g_all = torch.randn(total, hidden_size, generator=gen)  # upstream gradient of the output
+
+    # Oracle: one process, all tokens, all experts.
+    x_ref, w_ref = x_all.clone().requires_grad_(), w_all.clone().requires_grad_()
+    out_ref = reference_moe(x_ref, ids_all, w_ref, experts_module_fn(full))
+    (out_ref * g_all).sum().backward()
+
+    # This rank: its tokens, its shard.
+    start = sum(case["tokens"][:rank])
+    mine = slice(start, start + case["tokens"][rank])
+    local = copy.deepcopy(full)
+    local.zero_grad(set_to_none=True)
+    names = get_arch(case["arch"]).expert_params
+    shard_experts_module(local, names)
+    x, w = x_all[mine].clone().requires_grad_(), w_all[mine].clone().requires_grad_()
+    out, layout = dedup_moe_forward(x, ids_all[mine], w, local, return_layout=True)
+    (out * g_all[mine]).sum().backward()
+
+    # Collectives first (every rank), comparisons after.
+    grads = {}
+    for name in names:
+        grad = getattr(local, name).grad
+        if grad is None:
+            failures.append(f"expert shard {name} got no gradient")
+            grad = torch.zeros_like(getattr(local, name))
+        grads[name] = _gather_dim0(grad, world)
+    rows_all = torch.tensor([layout.rows_sent])
+    dist.all_reduce(rows_all)
+
+    expert_device = contiguous_expert_device(NUM_EXPERTS, world)
+    expected_rows = int(devices_per_token(ids_all[mine], expert_device, world).sum())
+    if layout.rows_sent != expected_rows:
+        failures.append(f"rows_sent={layout.rows_sent}, expected sum of C_T = {expected_rows}")
+    expected_splits = tuple(device_load(ids_all[mine], expert_device, world).tolist())
+    if layout.send_splits != expected_splits:
+        failures.append(f"send_splits={layout.send_splits}, expected {expected_splits}")
+    global_rows = int(devices_per_token(ids_all, expert_device, world).sum())
+    if int(rows_all) != global_rows:
+        failures.append(f"rows sent by all ranks={int(rows_all)}, expected {global_rows}")
+    _close(failures, "output", out, out_ref[mine].detach())
+    _close(failures, "hidden grad", _grad(x), _grad(x_ref)[mine])
+    _close(failures, "router weight grad", _grad(w), _grad(w_ref)[mine])
+    for name in names:
+        _close(failures, f"{name} grad (gathered)", grads[name], _grad(getattr(full, name)))
+    return failures
+
+
+def _model_case(rank: int, world: int, case: dict) -> list[str]:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft.dispatch import (
+        EXPERTS_IMPLEMENTATION,
+        expert_shard_parameters,
+        gather_experts,
+        gather_experts_state_dict,
+        shard_experts,
+    )
+    from occult_ft.models import find_moe_layers, tiny_config
+
+    failures: list[str] = []
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(case["arch"])).eval()
+    reference = copy.deepcopy(model)
+    config = model.config
+    gen = torch.Generator().manual_seed(3)
+    batch_all = torch.randint(3, config.vocab_size, (world * case["batch"], case["seq"]), generator=gen)
+    mine = slice(rank * case["batch"], (rank + 1) * case["batch"])
+
+    # Oracle: the stock model on the concatenated batch (mean loss over all ranks' tokens).
+    ref_out = reference(input_ids=batch_all, labels=batch_all)
+    ref_out.loss.backward()
+
+    shard_experts(model)
+    if model.config._experts_implementation != EXPERTS_IMPLEMENTATION:
+        failures.append(f"experts implementation is {model.config._experts_implementation!r}")
+    layers = find_moe_layers(model)
+    marked = expert_shard_parameters(model)
+    if len(marked) != len(layers) * len(layers[0].arch.expert_params):
+        failures.append(f"{len(marked)} marked expert-shard parameters for {len(layers)} layers")
+    for name, p in marked:
+        if p.shape[0] != NUM_EXPERTS // world:
+            failures.append(f"{name} has shape {tuple(p.shape)}, expected {NUM_EXPERTS // world} experts")
+    out = model(input_ids=batch_all[mine], labels=batch_all[mine])
+    out.loss.backward()
+
+    # Equal token counts per rank: reference loss = mean of rank losses; reference gradient =
+    # (sum over ranks of rank gradients) / D, where an expert shard's gradient already holds every
+    # rank's contribution (the reverse all-to-all brought it home) and replicated ones need a sum.
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    grads = {}
+    shard_names = {n for n, _ in marked}
+    for name, p in model.named_parameters():
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        if name in shard_names:
+            grads[name] = _gather_dim0(grad, world) / world
+        else:
+            dist.all_reduce(grad)
+            grads[name] = grad / world
+    state = gather_experts_state_dict(model)
+    _close(failures, "loss", loss / world, ref_out.loss.detach())
+    _close(failures, "logits", out.logits.detach(), ref_out.logits[mine].detach())
+    ref_params = dict(reference.named_parameters())
+    for name, grad in grads.items():
+        ref_grad = ref_params[name].grad
+        if ref_grad is None:
+            ref_grad = torch.zeros_like(ref_params[name])
+        _close(failures, f"grad {name}", grad, ref_grad)
+    router_grad = ref_params[f"{layers[0].name}.gate.weight"].grad
+    if router_grad is None or router_grad.abs().sum() == 0:
+        failures.append("the reference router got no gradient: the test would not see a broken router path")
+    ref_state = reference.state_dict()
+    for key, value in ref_state.items():
+        if key not in state or not torch.equal(state[key], value):
+            failures.append(f"gathered state_dict differs at {key}")
+
+    if case["save"]:  # a normal HF checkpoint, reloadable without occult_ft
+        with tempfile.TemporaryDirectory() as tmp:
+            if rank == 0:
+                model.save_pretrained(tmp, state_dict=state)
+                reloaded = AutoModelForCausalLM.from_pretrained(tmp)
+                for key, value in reloaded.state_dict().items():
+                    if not torch.equal(value, ref_state[key]):
+                        failures.append(f"reloaded checkpoint differs at {key}")
+            dist.barrier()
+
+    gather_experts(model)
+    if model.config._experts_implementation == EXPERTS_IMPLEMENTATION or expert_shard_parameters(model):
+        failures.append("gather_experts left the model sharded")
+    with torch.no_grad():
+        again = model(input_ids=batch_all[mine]).logits
+    _close(failures, "logits after gather_experts", again, ref_out.logits[mine].detach())
+    return failures
+
+
+def _worker(rank: int, world: int, layer_cases: dict, model_cases: dict) -> dict[str, list[str]]:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    results: dict[str, list[str]] = {}
+    for name, case in layer_cases.items():
+        try:
+            results[name] = _layer_case(rank, world, case)
+        except Exception:
+            results[name] = [traceback.format_exc()]
+    for name, case in model_cases.items():
+        try:
+            results[name] = _model_case(rank, world, case)
+        except Exception:
+            results[name] = [traceback.format_exc()]
+    return results
+
+
+def _failures(per_rank: list[dict[str, list[str]]], name: str) -> str:
+    lines = [f"rank {r}: {msg}" for r, res in enumerate(per_rank) for msg in res[name]]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_distributed(_worker, 2, LAYER_CASES_WORLD2, MODEL_CASES_WORLD2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_distributed(_worker, 4, LAYER_CASES_WORLD4, {}, timeout=240)
+
+
+@pytest.mark.parametrize("name", list(LAYER_CASES_WORLD2))
+def test_two_ranks_match_single_process_reference(world2, name):
+    assert not _failures(world2, name), _failures(world2, name)
+
+
+@pytest.mark.parametrize("name", list(LAYER_CASES_WORLD4))
+def test_four_ranks_match_single_process_reference(world4, name):
+    assert not _failures(world4, name), _failures(world4, name)
+
+
+@pytest.mark.parametrize("name", list(MODEL_CASES_WORLD2))
+def test_sharded_model_on_two_ranks_matches_concatenated_batch(world2, name):
+    assert not _failures(world2, name), _failures(world2, name)
