@@ -188,13 +188,16 @@ def get_arch(obj) -> MoEArch:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP/DeepSpeed (`.module`) and PEFT (`.get_base_model()`) wrappers."""
-    seen = 0
-    while seen < 8:
-        seen += 1
+    """Strip DDP / DeepSpeed engine / accelerate (`.module`) and PEFT (`.get_base_model()`) wrappers,
+    down to the transformers `PreTrainedModel`."""
+    from transformers import PreTrainedModel
+
+    for _ in range(8):
+        if isinstance(model, PreTrainedModel):
+            break
         if hasattr(model, "get_base_model") and callable(model.get_base_model):
             model = model.get_base_model()
-        elif hasattr(model, "module") and isinstance(model.module, nn.Module) and not hasattr(model, "config"):
+        elif isinstance(getattr(model, "module", None), nn.Module):
             model = model.module
         else:
             break
@@ -272,7 +275,7 @@ register_arch(MoEArch(
     example_config=dict(_TINY, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, kv_lora_rank=16,
                         q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                        routed_scaling_factor=1.5, topk_method="greedy", n_group=None, topk_group=None),
+                        num_key_value_heads=4, routed_scaling_factor=1.5, topk_method="greedy", n_group=None, topk_group=None),
 ))
 register_arch(MoEArch(
     "deepseek_v3", router_attr="gate", scoring="sigmoid", renormalize="norm_topk_prob",
@@ -282,7 +285,7 @@ register_arch(MoEArch(
     example_config=dict(_TINY, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, kv_lora_rank=16,
                         q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                        routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True),
+                        num_key_value_heads=4, routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True),
 ))
 register_arch(MoEArch(
     "gpt_oss", router_attr="router", scoring="logits", renormalize=True,

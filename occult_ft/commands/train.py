@@ -1,0 +1,152 @@
+"""`occult-ft train [RECIPE.yaml] [--field value ...]`: Occult fine-tuning from a recipe and/or flags.
+
+Every `OccultConfig` field (the Occult fields and all of `transformers.TrainingArguments`) can be set in
+the YAML recipe and on the command line; command-line values win. `occult-ft train --help` lists them.
+
+    occult-ft train recipes/olmoe-1b-7b.yaml --learning_rate 1e-5 --max_steps 200
+    occult-ft train --model_name_or_path embedded --dataset embedded --max_devices_per_token 2
+
+Launchers work as with any Trainer script (they set the environment Trainer reads); the module
+`occult_ft.cli` and this one (`occult_ft.commands.train`) both accept the `--local_rank=N` that the
+`deepspeed` launcher inserts:
+
+    torchrun --nproc_per_node 4 -m occult_ft.cli train recipe.yaml
+    accelerate launch --num_processes 4 -m occult_ft.commands.train recipe.yaml
+    deepspeed --num_gpus 4 --module occult_ft.commands.train recipe.yaml --deepspeed ds.json
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+
+from ._common import standalone
+
+__all__ = ["add_parser", "run", "parse_config", "main"]
+
+_RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def add_parser(sub):
+    # '+' as the option prefix lets every --field reach HfArgumentParser untouched
+    p = sub.add_parser(
+        "train", help="fine-tune an MoE under a device budget per token (Occult)", description=__doc__,
+        prefix_chars="+", add_help=False,
+    )
+    p.add_argument("argv", nargs="*", help="RECIPE.yaml and/or --field value overrides (any OccultConfig field)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _parser():
+    from transformers import HfArgumentParser
+
+    from ..trainer import OccultConfig
+
+    class _Parser(HfArgumentParser):
+        def error(self, message):  # one line through the CLI's error handling, not a usage dump
+            raise ValueError(message)
+
+    return _Parser(OccultConfig, prog="occult-ft train", allow_abbrev=False,
+                   description="Fine-tune an MoE with Occult placement and collaboration pruning.")
+
+
+def _field_names(parser) -> list[str]:
+    return sorted({a.dest for a in parser._actions if a.dest not in ("help",)})
+
+
+def _unknown(name: str, names: list[str], where: str) -> ValueError:
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else "; `occult-ft train --help` lists the fields"
+    return ValueError(f"unknown field {name!r} {where}{hint}")
+
+
+def _split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
+    """The recipe path (first positional, after any launcher-inserted --local_rank) and the rest."""
+    rest = list(argv)
+    for i, token in enumerate(rest):
+        if token.startswith(("--local_rank", "--local-rank")):
+            continue
+        if not token.startswith("-"):
+            if token.lower().endswith(_RECIPE_SUFFIXES) or os.path.isfile(token):
+                return token, rest[:i] + rest[i + 1 :]
+            raise ValueError(f"{token!r} is not a recipe (.yaml/.yml/.json file); fields are given as --field value")
+        break
+    return None, rest
+
+
+def _load_recipe(path: str, parser) -> dict:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ValueError(f"recipe {path!r} does not exist; pass a YAML file of OccultConfig fields")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ValueError(f"recipe {path!r} is not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {path!r} holds a {type(data).__name__}; expected a mapping of field: value")
+    actions = {a.dest: a for a in parser._actions}
+    names = _field_names(parser)
+    values = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in actions or name == "help":
+            raise _unknown(name, names, f"in recipe {path!r}")
+        convert = actions[name].type
+        if isinstance(value, str) and convert in (int, float):
+            try:
+                value = convert(value)  # YAML reads 1e-4 (no dot) as a string
+            except ValueError:
+                raise ValueError(f"recipe {path!r}: {name}={value!r} is not a valid {convert.__name__}") from None
+        values[name] = value
+    return values
+
+
+def parse_config(argv: list[str]):
+    """An `OccultConfig` from `[RECIPE] [--field value ...]`, or None after printing --help.
+
+    Raises:
+        ValueError: one line naming an unknown field (with the closest valid one) or a bad value.
+    """
+    parser = _parser()
+    if any(token in ("-h", "--help") for token in argv):
+        parser.print_help()
+        return None
+    recipe, rest = _split_recipe(argv)
+    if recipe is not None:
+        parser.set_defaults(**_load_recipe(recipe, parser))
+    config, remaining = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
+    if remaining:
+        flag = next((t for t in remaining if t.startswith("-")), remaining[0])
+        name = flag.lstrip("-").split("=", 1)[0].replace("-", "_")
+        raise _unknown(name, _field_names(parser), "on the command line")
+    return config
+
+
+def run(args) -> int:
+    from ..trainer import train
+
+    config = parse_config(list(args.argv))
+    if config is None:
+        return 0
+    trainer, metrics = train(config)
+    if trainer.is_world_process_zero():
+        print(f"saved the pruned model to {config.output_dir}")
+        for key in sorted(metrics):
+            value = metrics[key]
+            print(f"  {key}: {value:.4f}" if isinstance(value, float) else f"  {key}: {value}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """`python -m occult_ft.commands.train` (what launchers run)."""
+    return standalone("train", add_parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Occult fine-tuning: `OccultConfig(TrainingArguments)`, `OccultTrainer(Trainer)` and `train(config)`.
+
+    from occult_ft.trainer import OccultConfig, train
+
+    config = OccultConfig(model_name_or_path="embedded", dataset="embedded", devices=4,
+                          max_devices_per_token=2, max_steps=100, output_dir="out")
+    trainer, metrics = train(config)        # out/ is a pruned checkpoint: occult_ft.from_pretrained("out")
+"""
+
+from .config import MODEL_DTYPES, PLACEMENT_MODES, TRAIN_MODES, OccultConfig
+from .losses import balance_loss, balance_loss_factor
+from .meter import METRIC_NAMES, RoutingMeter
+from .pipeline import load_run_dataset, train
+from .prepare import OccultSetup, prepare_model, set_train_mode
+from .trainer import OccultTrainer, load_training_model, tokenize_for_training
+
+__all__ = [
+    "MODEL_DTYPES",
+    "METRIC_NAMES",
+    "PLACEMENT_MODES",
+    "TRAIN_MODES",
+    "OccultConfig",
+    "OccultSetup",
+    "OccultTrainer",
+    "RoutingMeter",
+    "balance_loss",
+    "balance_loss_factor",
+    "load_run_dataset",
+    "load_training_model",
+    "prepare_model",
+    "set_train_mode",
+    "tokenize_for_training",
+    "train",
+]

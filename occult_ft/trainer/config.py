@@ -1,0 +1,268 @@
+"""`OccultConfig`: every setting of an Occult fine-tuning run, as `TrainingArguments` fields.
+
+Following TRL's pattern, the config subclasses `transformers.TrainingArguments` and gives every field a
+help string, so `HfArgumentParser` turns it into command-line flags and YAML recipes for free
+(`occult-ft train recipe.yaml --learning_rate 1e-4`). The Occult-specific fields say which model and
+data to use, how experts are placed on the `devices` expert-parallel devices, how many of those devices
+a token may reach (`max_devices_per_token`, the paper's pruning budget) and which parameters train.
+
+`__post_init__` checks every Occult field and raises a one-line `ValueError` that names the field, the
+bad value and the fix; unknown choices come with the closest valid spelling.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from ..routing import CRITERIA, GATE_WEIGHT_POLICIES
+
+__all__ = ["OccultConfig", "TRAIN_MODES", "PLACEMENT_MODES", "MODEL_DTYPES"]
+
+TRAIN_MODES = ("full", "moe", "lora")
+PLACEMENT_MODES = ("auto", "sequential")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _suggest(value, choices) -> str:
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _choice_error(name: str, value, choices) -> ValueError:
+    return ValueError(f"{name}={value!r} is unknown{_suggest(value, choices)}; choose one of {', '.join(map(str, choices))}")
+
+
+@dataclass
+class OccultConfig(TrainingArguments):
+    r"""Configuration of an Occult fine-tuning run (`OccultTrainer` and `occult-ft train`).
+
+    Besides every `transformers.TrainingArguments` field, it holds:
+
+    Model and data:
+        model_name_or_path: base model (local directory, Hub id, `embedded`, a pruned checkpoint or a
+            LoRA adapter directory written by `OccultTrainer`).
+        model_dtype: dtype the weights are loaded in.
+        dataset / dataset_split / text_field: training data, read by `occult_ft.data.load_text_dataset`.
+        eval_dataset / eval_dataset_split: optional held-out data.
+        seq_len / packing / response_only: tokenisation (`occult_ft.data.tokenize_dataset`).
+
+    Placement and pruning:
+        devices / nodes: the expert-parallel layout D (and N nodes) that placement and the budget refer to.
+        placement: `auto` (profile the training data, then `compute_placement`), `sequential` (keep the
+            model's expert order) or the path of a placement JSON from `occult-ft place`.
+        placement_algorithm: algorithm of `auto` placement.
+        profile_tokens: tokens of training data profiled for `auto` placement and similarity tables.
+        max_devices_per_token: the pruning budget M (None = no pruning, routing is only measured).
+        criterion / gate_weights: how tokens over budget are re-routed and weighted (`occult_ft.routing`).
+        balance_loss_coef: weight of the pruning-aware load-balancing loss.
+
+    Training:
+        train_mode: `full`, `moe` (MoE blocks only: routers, experts, shared experts) or `lora`.
+        lora_r / lora_alpha / lora_dropout: LoRA settings (`train_mode="lora"`).
+        expert_parallel_size: processes that share one copy of the experts (1 = data parallel only).
+    """
+
+    # ---- sensible defaults for the inherited fields -------------------------------------------------
+    output_dir: str | None = field(
+        default="occult-output",
+        metadata={"help": "Directory for checkpoints and the final pruned model (default: occult-output)."},
+    )
+    learning_rate: float = field(
+        default=2e-5,
+        metadata={"help": "Initial learning rate (AdamW). 2e-5 suits full/moe fine-tuning; LoRA usually wants ~2e-4."},
+    )
+    logging_steps: float = field(
+        default=10,
+        metadata={"help": "Log loss and routing metrics every this many optimizer steps (a float < 1 is a share of all steps)."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "bf16 mixed precision; default (unset): on when the GPU supports bf16, off on CPU."},
+    )
+
+    # ---- model and data -------------------------------------------------------------------------
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Base MoE model: a local directory, a Hub id, 'embedded' (the shipped OLMoE), a pruned "
+                          "checkpoint or a LoRA adapter directory written by occult-ft train."},
+    )
+    model_dtype: str = field(
+        default="auto",
+        metadata={"help": f"dtype to load the weights in: one of {', '.join(MODEL_DTYPES)} (auto = the checkpoint's)."},
+    )
+    dataset: str | None = field(
+        default=None,
+        metadata={"help": "Training data: a .txt / .jsonl / .json file (text or Alpaca instruction rows), a saved "
+                          "dataset directory, a Hub dataset id, or 'embedded'."},
+    )
+    dataset_split: str | None = field(
+        default=None, metadata={"help": "Split of `dataset` (default train; for 'embedded': train or instructions)."}
+    )
+    text_field: str | None = field(
+        default=None, metadata={"help": "Field holding the text when it is neither 'text' nor 'content'."}
+    )
+    eval_dataset: str | None = field(
+        default=None, metadata={"help": "Optional held-out data (same forms as `dataset`), evaluated after training."}
+    )
+    eval_dataset_split: str | None = field(
+        default=None, metadata={"help": "Split of `eval_dataset` (for 'embedded' the default is eval)."}
+    )
+    seq_len: int = field(default=512, metadata={"help": "Tokens per training example."})
+    packing: bool = field(
+        default=True,
+        metadata={"help": "Pack plain text into full seq_len blocks (instruction rows are never packed)."},
+    )
+    response_only: bool = field(
+        default=True, metadata={"help": "Instruction rows: compute the loss on the response tokens only."}
+    )
+
+    # ---- placement and pruning ------------------------------------------------------------------
+    devices: int = field(
+        default=4, metadata={"help": "Expert-parallel devices D the experts are placed on (must divide the experts)."}
+    )
+    nodes: int = field(default=1, metadata={"help": "Nodes N the devices span (hierarchical placement); divides devices."})
+    placement: str = field(
+        default="auto",
+        metadata={"help": "Expert placement: 'auto' (profile the training data, then place), 'sequential' (keep "
+                          "the model's order) or a placement JSON from `occult-ft place`. Ignored for a model that "
+                          "is already placed (a pruned checkpoint) and when resuming (the checkpoint's is used)."},
+    )
+    placement_algorithm: str = field(
+        default="search", metadata={"help": "Algorithm of placement=auto (see occult_ft.placement)."}
+    )
+    profile_tokens: int = field(
+        default=65536,
+        metadata={"help": "Training tokens profiled for placement=auto and for the similarity criterion's tables."},
+    )
+    max_devices_per_token: int | None = field(
+        default=None,
+        metadata={"help": "Pruning budget M: each token reaches at most this many devices (1..devices); unset = "
+                          "no pruning, routing metrics are still logged."},
+    )
+    criterion: str = field(
+        default="similarity",
+        metadata={"help": f"How over-budget tokens are re-routed: one of {', '.join(CRITERIA)}."},
+    )
+    gate_weights: str = field(
+        default="model",
+        metadata={"help": f"Gate weights of re-routed tokens: one of {', '.join(GATE_WEIGHT_POLICIES)}."},
+    )
+    balance_loss_coef: float = field(
+        default=0.01,
+        metadata={"help": "Weight of the pruning-aware load-balancing loss (E * sum_e f_e P_e over the routing "
+                          "actually used); 0 disables it. The model's own aux loss is always off."},
+    )
+
+    # ---- what trains ----------------------------------------------------------------------------
+    train_mode: str = field(
+        default="moe",
+        metadata={"help": "full: every parameter; moe: MoE blocks only (routers + experts, as in the paper); "
+                          "lora: LoRA on experts and attention, routers fully trainable."},
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (train_mode=lora)."})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scaling alpha / r)."})
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={"help": "LoRA dropout probability; must stay 0 while PEFT's LoRA on expert tensors "
+                          "(target_parameters) has no dropout."},
+    )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Processes that split the experts of a layer among them (1 = plain data parallel). "
+                          "When > 1 it must equal devices and divide the world size."},
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None:
+            self.bf16 = _bf16_available() and not self.fp16 and not self.use_cpu
+        self._check_occult_fields()
+        super().__post_init__()
+        self._force_non_reentrant_checkpointing()
+
+    # ---- validation ---------------------------------------------------------------------------
+    def _check_occult_fields(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+
+        for name in ("devices", "nodes", "seq_len", "profile_tokens", "lora_r", "expert_parallel_size"):
+            positive(name)
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len={self.seq_len} is too short; use at least 2 tokens (typically 128-4096)")
+        if self.devices % self.nodes:
+            divisors = [n for n in range(1, self.devices + 1) if self.devices % n == 0]
+            raise ValueError(f"nodes={self.nodes} does not divide devices={self.devices}; use one of {divisors}")
+        m = self.max_devices_per_token
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= self.devices):
+            raise ValueError(
+                f"max_devices_per_token={m!r} must be between 1 and devices={self.devices}; leave it unset for no pruning"
+            )
+        if self.criterion not in CRITERIA:
+            raise _choice_error("criterion", self.criterion, CRITERIA)
+        if self.gate_weights not in GATE_WEIGHT_POLICIES:
+            raise _choice_error("gate_weights", self.gate_weights, GATE_WEIGHT_POLICIES)
+        if self.train_mode not in TRAIN_MODES:
+            raise _choice_error("train_mode", self.train_mode, TRAIN_MODES)
+        if self.model_dtype not in MODEL_DTYPES:
+            raise _choice_error("model_dtype", self.model_dtype, MODEL_DTYPES)
+        if not self.balance_loss_coef >= 0:
+            raise ValueError(f"balance_loss_coef={self.balance_loss_coef!r} must be >= 0 (0 turns the balance loss off)")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha={self.lora_alpha!r} must be > 0, e.g. 2 * lora_r")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout={self.lora_dropout!r} must be in [0, 1)")
+        if self.train_mode == "lora" and self.lora_dropout != 0:
+            raise ValueError(
+                f"lora_dropout={self.lora_dropout!r}: PEFT's LoRA on the fused expert tensors (target_parameters) "
+                "does not support dropout; set lora_dropout=0"
+            )
+        if self.placement not in PLACEMENT_MODES and not os.path.isfile(self.placement):
+            raise ValueError(
+                f"placement={self.placement!r} is neither {' nor '.join(PLACEMENT_MODES)} nor an existing placement "
+                f"file{_suggest(self.placement, PLACEMENT_MODES)}; create one with `occult-ft place`"
+            )
+        from ..placement import PLACEMENT_ALGORITHMS
+
+        if self.placement_algorithm not in PLACEMENT_ALGORITHMS:
+            raise _choice_error("placement_algorithm", self.placement_algorithm, sorted(PLACEMENT_ALGORITHMS))
+        ep = self.expert_parallel_size
+        if ep > 1:
+            if ep != self.devices:
+                raise ValueError(
+                    f"expert_parallel_size={ep} must equal devices={self.devices} (the placement is made for the "
+                    f"devices that really hold the experts); set devices={ep}"
+                )
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            if world % ep:
+                raise ValueError(
+                    f"expert_parallel_size={ep} does not divide the world size {world}; launch a multiple of {ep} "
+                    "processes or lower expert_parallel_size"
+                )
+
+    def _force_non_reentrant_checkpointing(self) -> None:
+        """The balance loss needs router probabilities attached to the graph inside checkpointed layers:
+        reentrant checkpointing runs the forward without a graph, so it is refused when the loss is on."""
+        enabled = bool(getattr(self, "activation_checkpointing", None) or self.gradient_checkpointing)
+        if not enabled:
+            return
+        names = [n for n in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if hasattr(self, n)]
+        kwargs = next((getattr(self, n) for n in names if getattr(self, n)), None) or {}
+        if kwargs.get("use_reentrant", False) and self.balance_loss_coef > 0:
+            raise ValueError(
+                "gradient_checkpointing_kwargs={'use_reentrant': True} gives the balance loss no gradient; "
+                "drop use_reentrant (occult_ft uses non-reentrant checkpointing) or set balance_loss_coef=0"
+            )
+        kwargs = {**kwargs, "use_reentrant": kwargs.get("use_reentrant", False)}
+        for name in names:
+            setattr(self, name, kwargs)
+
+
+def _bf16_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())

@@ -1,0 +1,129 @@
+"""`RoutingMeter`: routing metrics accumulated over the micro-batches between two log lines.
+
+After each forward the trainer hands the meter the routers' `RouterRecord`s; the meter keeps running
+sums on the model's device (no host sync per step) and turns them into averages when the trainer logs:
+
+    comm_complexity     mean over tokens and MoE layers of the devices a token reaches (the paper's C_T)
+    intra_share         share of co-selected expert pairs that sit on one device
+    removed_mass        share of the unpruned top-k router probability mass that pruning removed
+    load_imbalance      max / mean rows per device under de-duplicated dispatch, averaged over layers
+                        and micro-batches
+    max_token_devices   the most devices any token reached (never above `max_devices_per_token`)
+    balance_loss        the pruning-aware balance loss, averaged over micro-batches (training only)
+
+Under several processes the sums are reduced across processes at log time (all ranks log together).
+
+Shape legend: T tokens, K experts per token, E experts, D devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from ..metrics import device_counts
+from ..routing import RouterRecord
+
+__all__ = ["RoutingMeter", "METRIC_NAMES"]
+
+METRIC_NAMES = ("comm_complexity", "intra_share", "removed_mass", "load_imbalance", "max_token_devices", "balance_loss")
+
+# slots of the running-sum vector
+_COMM, _TOKENS, _INTRA, _PAIRS, _REMOVED, _IMB, _IMB_N, _BAL, _BAL_N = range(9)
+
+
+class RoutingMeter:
+    """Running routing metrics of one phase (training or evaluation).
+
+    Args:
+        num_devices: D, the expert-parallel size the metrics are measured for.
+    """
+
+    def __init__(self, num_devices: int):
+        self.num_devices = int(num_devices)
+        self.reset()
+
+    def reset(self) -> None:
+        self._sums: torch.Tensor | None = None
+        self._max: torch.Tensor | None = None
+
+    def _ensure(self, device) -> None:
+        if self._sums is None:
+            self._sums = torch.zeros(9, dtype=torch.float64, device=device)
+            self._max = torch.zeros((), dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def update(
+        self,
+        records: Mapping[int, RouterRecord],
+        expert_device: Mapping[int, torch.Tensor],
+        mask_T: torch.Tensor | None = None,
+    ) -> None:
+        """Add one forward's routing.
+
+        Args:
+            records: layer index -> `RouterRecord` (topk_ids (T, K), removed_mass (T,)).
+            expert_device: layer index -> (E,) device of each expert.
+            mask_T: optional (T,) bool, True for real (non-padding) tokens.
+        """
+        for index, rec in records.items():
+            ids_TK, removed_T = rec.topk_ids, rec.removed_mass
+            if mask_T is not None and mask_T.numel() == ids_TK.shape[0]:
+                keep = mask_T.to(ids_TK.device)
+                ids_TK, removed_T = ids_TK[keep], removed_T[keep]
+            tokens, k = ids_TK.shape
+            if tokens == 0:
+                continue
+            self._ensure(ids_TK.device)
+            counts_TD = device_counts(ids_TK, expert_device[index].to(ids_TK.device), self.num_devices).double()
+            reached_TD = counts_TD > 0
+            per_token_T = reached_TD.sum(dim=1)
+            load_D = reached_TD.sum(dim=0).double()
+            s = self._sums
+            s[_COMM] += per_token_T.sum()
+            s[_TOKENS] += tokens
+            s[_INTRA] += (counts_TD * (counts_TD - 1) / 2).sum()
+            s[_PAIRS] += tokens * k * (k - 1) / 2
+            s[_REMOVED] += removed_T.double().sum()
+            s[_IMB] += load_D.max() / load_D.mean().clamp_min(1e-12)
+            s[_IMB_N] += 1
+            self._max = torch.maximum(self._max, per_token_T.max().double())
+
+    @torch.no_grad()
+    def add_balance_loss(self, value: torch.Tensor) -> None:
+        """Add one micro-batch's (unscaled) balance loss."""
+        self._ensure(value.device)
+        self._sums[_BAL] += value.detach().double()
+        self._sums[_BAL_N] += 1
+
+    def summary(self, reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None) -> dict[str, float]:
+        """Averages since the last reset (then resets).
+
+        Args:
+            reduce: optional cross-process reduction `reduce(tensor, "sum" | "max")`, called on every
+                process (all processes must call `summary` together when it is given).
+        Returns:
+            A dict with the `METRIC_NAMES` that were measured (empty when nothing was seen).
+        """
+        sums, peak = self._sums, self._max
+        if reduce is not None:
+            # every rank must take part in the collective, even one that saw no tokens
+            if sums is None:
+                sums = torch.zeros(9, dtype=torch.float64)
+                peak = torch.zeros((), dtype=torch.float64)
+            sums, peak = reduce(sums, "sum"), reduce(peak, "max")
+        self.reset()
+        if sums is None:
+            return {}
+        v = sums.tolist()
+        out: dict[str, float] = {}
+        if v[_TOKENS] > 0:
+            out["comm_complexity"] = v[_COMM] / v[_TOKENS]
+            out["intra_share"] = v[_INTRA] / v[_PAIRS] if v[_PAIRS] > 0 else 0.0
+            out["removed_mass"] = v[_REMOVED] / v[_TOKENS]
+            out["load_imbalance"] = v[_IMB] / v[_IMB_N]
+            out["max_token_devices"] = float(peak)
+        if v[_BAL_N] > 0:
+            out["balance_loss"] = v[_BAL] / v[_BAL_N]
+        return out

@@ -1,0 +1,62 @@
+"""`train(config)`: the whole Occult fine-tuning run behind `occult-ft train` and the demo.
+
+Load the model and tokenizer -> load and tokenize the data -> build an `OccultTrainer` (placement,
+pruning, train mode) -> train (resuming if asked) -> save the final pruned checkpoint to
+`config.output_dir` -> evaluate on `config.eval_dataset` when given.
+"""
+
+from __future__ import annotations
+
+from .config import OccultConfig
+from .trainer import OccultTrainer, load_training_model, tokenize_for_training
+
+__all__ = ["train", "load_run_dataset"]
+
+
+def load_run_dataset(source: str, split: str | None, tokenizer, config: OccultConfig, evaluation: bool = False):
+    """Load `source` with `occult_ft.data.load_text_dataset` and tokenize it as `config` says.
+
+    For `source="embedded"` the default split is `train` (or `eval` when `evaluation`)."""
+    from ..data import load_text_dataset
+
+    if source == "embedded" and split is None:
+        split = "eval" if evaluation else "train"
+    dataset = load_text_dataset(source, split=split, text_field=config.text_field)
+    if tokenizer is None:
+        raise ValueError(f"model {config.model_name_or_path!r} has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
+    return tokenize_for_training(dataset, tokenizer, config)
+
+
+def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[str, float]]:
+    """Run one Occult fine-tuning as `config` says.
+
+    Args:
+        config: the run's `OccultConfig`; `model_name_or_path` and `dataset` are required.
+        trainer_kwargs: extra `OccultTrainer` arguments (e.g. `callbacks`).
+
+    Returns:
+        (trainer, metrics): the trainer (its model is the trained, pruned model) and the train metrics
+        plus, with `eval_dataset`, the `eval_*` metrics (loss, perplexity, routing metrics).
+    """
+    if not config.model_name_or_path:
+        raise ValueError("model_name_or_path is required: a model directory, a Hub id or 'embedded'")
+    if not config.dataset:
+        raise ValueError("dataset is required: a .txt/.jsonl/.json file, a saved dataset, a Hub id or 'embedded'")
+    model, tokenizer = load_training_model(config.model_name_or_path, config)
+    train_dataset = load_run_dataset(config.dataset, config.dataset_split, tokenizer, config)
+    eval_dataset = None
+    if config.eval_dataset:
+        eval_dataset = load_run_dataset(config.eval_dataset, config.eval_dataset_split, tokenizer, config, evaluation=True)
+    trainer = OccultTrainer(
+        model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        processing_class=tokenizer, **trainer_kwargs,
+    )
+    result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    trainer.save_model(config.output_dir)
+    metrics = dict(result.metrics)
+    if eval_dataset is not None:
+        metrics.update(trainer.evaluate())
+    if trainer.is_world_process_zero():
+        trainer.save_metrics("all", metrics, combined=False)
+        trainer.save_state()
+    return trainer, metrics

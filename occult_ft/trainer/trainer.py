@@ -1,0 +1,362 @@
+"""`OccultTrainer`: a `transformers.Trainer` that fine-tunes an MoE under a device budget per token.
+
+On construction the model is placed, pruned and set up for its `train_mode` (see
+`occult_ft.trainer.prepare`). During training:
+
+- `compute_loss` = the model's language-modelling loss (its own auxiliary loss is off: it ignores
+  pruning) + `balance_loss_coef` * the pruning-aware balance loss of `occult_ft.trainer.losses`, scaled
+  so that gradient accumulation and data parallelism leave it a plain mean over micro-batches;
+- every forward feeds a `RoutingMeter`; each log line carries `comm_complexity`, `intra_share`,
+  `removed_mass`, `load_imbalance`, `max_token_devices` and `balance_loss` averaged since the last line;
+  evaluation reports the same routing metrics (prefixed `eval_`) plus `eval_perplexity`;
+- checkpoints are pruned checkpoints: a full run writes a standard HF checkpoint whose `config.json`
+  carries the `occult` block (placement provenance, budget, criterion) plus
+  `occult_similarity.safetensors`; a LoRA run writes the adapter directory plus `occult_config.json`.
+  `occult_ft.from_pretrained(dir)` loads either with the pruned routing active;
+- resuming takes the placement and similarity tables from the checkpoint, so a resumed run ends where
+  the uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from ..checkpoint import (
+    ADAPTER_OCCULT_FILE,
+    OCCULT_KEY,
+    SIMILARITY_FILE,
+    occult_block,
+    write_native_group_fields,
+)
+from ..models.registry import unwrap_model
+from ..routing import apply_pruning, pruned_routers
+from .config import OccultConfig
+from .losses import balance_loss, balance_loss_factor
+from .meter import RoutingMeter
+from .prepare import (
+    OccultSetup,
+    placement_from_block,
+    prepare_model,
+    read_checkpoint_setup,
+    resolve_checkpoint,
+)
+
+__all__ = ["OccultTrainer", "tokenize_for_training", "load_training_model"]
+
+_NATIVE_GROUP_FIELDS = ("n_group", "topk_group", "topk_method")
+_MISSING = object()
+
+
+def tokenize_for_training(dataset, tokenizer, args: OccultConfig):
+    """Tokenize raw rows (`text` or `instruction`/`input`/`output`) as `args` says; tokenized data
+    (an `input_ids` column) and non-`datasets` objects are returned unchanged."""
+    columns = getattr(dataset, "column_names", None)
+    if dataset is None or columns is None or "input_ids" in columns:
+        return dataset
+    if tokenizer is None:
+        raise ValueError("the dataset holds raw text; pass processing_class=<tokenizer> so it can be tokenized")
+    from ..data import tokenize_dataset
+
+    packing = args.packing if "text" in columns else None
+    with args.main_process_first(desc="tokenizing"):
+        return tokenize_dataset(dataset, tokenizer, args.seq_len, packing=packing, response_only=args.response_only)
+
+
+def load_training_model(path: str, args: OccultConfig):
+    """(model, tokenizer) for `path`: a model dir or Hub id, `embedded`, a pruned checkpoint (pruning
+    active) or an occult_ft LoRA adapter directory (loaded trainable)."""
+    from transformers import AutoTokenizer
+
+    from ..checkpoint import from_pretrained
+
+    if path == "embedded":
+        from ..embedded import embedded_model_path
+
+        path = embedded_model_path()
+    dtype = None if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
+    is_adapter = os.path.isfile(os.path.join(path, "adapter_config.json"))
+    if is_adapter and args.train_mode != "lora":
+        raise ValueError(f"model_name_or_path={path!r} is a LoRA adapter; set train_mode='lora' to continue training it")
+    model = from_pretrained(path, dtype=dtype, is_trainable=True) if is_adapter else from_pretrained(path, dtype=dtype)
+    tokenizer = None
+    sources = [path] + ([unwrap_model(model).config._name_or_path] if is_adapter else [])
+    for source in sources:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            break
+        except (OSError, ValueError, KeyError):
+            continue
+    return model, tokenizer
+
+
+def _pad_id(tokenizer, model) -> int:
+    """Padding id: the tokenizer's pad token, else its eos token, else the model config's pad id, else 0."""
+    for owner, name in ((tokenizer, "pad_token_id"), (tokenizer, "eos_token_id"),
+                        (getattr(unwrap_model(model), "config", None), "pad_token_id")):
+        value = getattr(owner, name, None) if owner is not None else None
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _pad_collator(pad_token_id: int):
+    """The default collator: pads `input_ids` (pad id), `attention_mask` (0) and `labels` (-100) to the
+    longest row of the batch (`occult_ft.data.make_collator` semantics, without importing `datasets`)."""
+
+    def collate(features):
+        width = max(len(f["input_ids"]) for f in features)
+        out = {"input_ids": [], "attention_mask": [], "labels": []}
+        for f in features:
+            ids = list(f["input_ids"])
+            n = width - len(ids)
+            out["input_ids"].append(ids + [pad_token_id] * n)
+            out["attention_mask"].append(list(f.get("attention_mask", [1] * len(ids))) + [0] * n)
+            out["labels"].append(list(f.get("labels", ids)) + [-100] * n)
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
+
+    return collate
+
+
+def _may_move_to(args: OccultConfig, model: nn.Module) -> bool:
+    """Whether the model may go to `args.device` before Trainer does (to profile there)."""
+    if args.deepspeed or args.fsdp or getattr(model, "hf_device_map", None) or args.use_cpu:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    return next(model.parameters()).device.type == "cpu"
+
+
+class OccultTrainer(Trainer):
+    """Trainer for Occult fine-tuning: placement, collaboration pruning and pruning-aware balancing.
+
+    Args:
+        model: a supported transformers MoE model, a pruned occult_ft checkpoint, an occult_ft LoRA
+            model, or a path / Hub id (loaded with its tokenizer).
+        args: the run's `OccultConfig` (default: `OccultConfig()`).
+        data_collator: default `occult_ft.data.make_collator(processing_class)`.
+        train_dataset / eval_dataset: tokenized rows (`input_ids`, `attention_mask`, `labels`) or raw
+            rows of `occult_ft.data.load_text_dataset` (tokenized here with `args.seq_len`).
+        processing_class: the tokenizer.
+        placement: a `Placement` that overrides `args.placement`.
+        kwargs: passed to `transformers.Trainer`.
+
+    Attributes:
+        occult: the `OccultSetup` (pruning config, placement, similarity tables, expert -> device maps).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | str | None = None,
+        args: OccultConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        placement=None,
+        **kwargs,
+    ):
+        if args is None:
+            args = OccultConfig()
+        if not isinstance(args, OccultConfig):
+            raise TypeError(f"args must be an OccultConfig, got {type(args).__name__}; build one with OccultConfig(...)")
+        if model is None:
+            raise ValueError("OccultTrainer needs a model (a transformers MoE model or a model path)")
+        if isinstance(model, str):
+            model, tokenizer = load_training_model(model, args)
+            processing_class = processing_class if processing_class is not None else tokenizer
+        train_dataset = tokenize_for_training(train_dataset, processing_class, args)
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: tokenize_for_training(v, processing_class, args) for k, v in eval_dataset.items()}
+        else:
+            eval_dataset = tokenize_for_training(eval_dataset, processing_class, args)
+        if data_collator is None:
+            data_collator = _pad_collator(_pad_id(processing_class, model))
+        if _may_move_to(args, model):
+            model = model.to(args.device)
+        checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        model, setup = prepare_model(model, args, train_dataset, data_collator, placement, checkpoint)
+        self.occult: OccultSetup = setup
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=processing_class, **kwargs,
+        )
+        self._meters = {"train": RoutingMeter(args.devices), "eval": RoutingMeter(args.devices)}
+        self._routers = pruned_routers(self.model)
+        forward = inspect.signature(unwrap_model(self.model).forward).parameters
+        self._router_logits_flag = "output_router_logits" in forward
+
+    # ---- loss ---------------------------------------------------------------------------------
+    def _loss_is_scaled_for_ga(self, num_items_in_batch) -> bool:
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is not None:
+            return bool(scaled)
+        return bool((self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """LM loss + `balance_loss_coef` * pruning-aware balance loss (training only); feeds the routing meter."""
+        if self._router_logits_flag:
+            inputs = {**inputs, "output_router_logits": False}
+        mask = inputs.get("attention_mask")
+        mask_T = mask.reshape(-1).bool() if isinstance(mask, torch.Tensor) else None
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        records = self._records()
+        training = model.training
+        meter = self._meters["train" if training else "eval"]
+        meter.update(records, self.occult.expert_device, mask_T)
+        if training and self.args.balance_loss_coef > 0:
+            aux = balance_loss(records, mask_T)
+            if aux is not None:
+                meter.add_balance_loss(aux)
+                accumulation = getattr(self, "current_gradient_accumulation_steps", None) or self.args.gradient_accumulation_steps
+                factor = balance_loss_factor(self._loss_is_scaled_for_ga(num_items_in_batch), accumulation)
+                loss = loss + (self.args.balance_loss_coef * factor) * aux.to(loss.device, loss.dtype)
+        return (loss, outputs) if return_outputs else loss
+
+    def _records(self) -> dict:
+        """layer index -> the last `RouterRecord` of each router (read from the routers found at init, so
+        that any wrapper around the model, DDP or a DeepSpeed engine, is irrelevant)."""
+        records = {}
+        for layer, router in self._routers:
+            record = getattr(router, "occult_record", None)
+            if record is not None:
+                records[layer.index] = record
+        return records
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # the records keep the last routing for inspection, but not the probabilities' graph
+        for _, router in self._routers:
+            record = getattr(router, "occult_record", None)
+            if record is not None:
+                record.probs = None
+        return loss
+
+    # ---- logging ------------------------------------------------------------------------------
+    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        if self.accelerator.num_processes <= 1 or not torch.distributed.is_initialized():
+            return tensor
+        tensor = tensor.to(self.args.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX)
+        return tensor.cpu()
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs:
+            logs.update(self._meters["train"].summary(self._reduce))
+        super().log(logs, *args, **kwargs)
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
+        self._meters["eval"].reset()
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        for key, value in self._meters["eval"].summary(self._reduce).items():
+            if key != "balance_loss":
+                output.metrics[f"{metric_key_prefix}_{key}"] = value
+        loss = output.metrics.get(f"{metric_key_prefix}_loss")
+        if loss is not None:
+            output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 50.0))
+        return output
+
+    # ---- saving -------------------------------------------------------------------------------
+    def occult_block(self, placed: bool) -> dict:
+        """The `occult` block written with every checkpoint of this run."""
+        return occult_block(
+            self.occult.pruning, self.occult.placement, placed=placed, num_nodes=self.args.nodes,
+            base_model=self.occult.base_model, train_mode=self.args.train_mode,
+            balance_loss_coef=self.args.balance_loss_coef,
+        )
+
+    def _is_lora(self) -> bool:
+        from ..integrations.peft import is_peft_model
+
+        return is_peft_model(self.model)
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self._is_lora():
+            super()._save(output_dir, state_dict=state_dict)
+            if self.args.should_save:
+                with open(os.path.join(output_dir, ADAPTER_OCCULT_FILE), "w") as f:
+                    json.dump(self.occult_block(placed=self.occult.base_placed), f, indent=2)
+        else:
+            config = unwrap_model(self.model).config
+            saved = {name: config.__dict__.get(name, _MISSING) for name in (OCCULT_KEY, *_NATIVE_GROUP_FIELDS)}
+            setattr(config, OCCULT_KEY, self.occult_block(placed=True))
+            write_native_group_fields(config, self.occult.pruning)
+            try:
+                super()._save(output_dir, state_dict=state_dict)
+            finally:
+                for name, value in saved.items():
+                    if value is _MISSING:
+                        config.__dict__.pop(name, None)
+                    else:
+                        setattr(config, name, value)
+        if self.args.should_save and self.occult.similarity:
+            from safetensors.torch import save_file
+
+            tables = {f"layers.{i}": t.float().contiguous().cpu() for i, t in self.occult.similarity.items()}
+            save_file(tables, os.path.join(output_dir, SIMILARITY_FILE))
+
+    # ---- resuming -----------------------------------------------------------------------------
+    def _adopt_checkpoint(self, checkpoint: str) -> None:
+        """Make the placement and similarity tables those of `checkpoint` (its weights follow them)."""
+        block, similarity = read_checkpoint_setup(checkpoint)
+        theirs = placement_from_block(block, self.model)
+        ours = self.occult.placement
+        if theirs is not None and (ours is None or theirs.groups != ours.groups):
+            if self._is_lora():
+                raise ValueError(
+                    f"checkpoint {checkpoint!r} placed the experts differently from this trainer; LoRA adapters "
+                    "need the base placed like the checkpoint: set resume_from_checkpoint in the OccultConfig "
+                    "before building the OccultTrainer"
+                )
+            self.occult.placement = theirs
+        if similarity is not None:
+            apply_pruning(self.model, self.occult.pruning, similarity=similarity)
+            self.occult.similarity = similarity
+
+    def _load_full_checkpoint(self, path: str | None) -> bool:
+        """Load a full (non-LoRA) checkpoint's weights into the model through `from_pretrained`.
+
+        `save_pretrained` writes MoE experts in the per-expert Hub layout while the live model holds fused
+        tensors, so Trainer's raw `load_state_dict` would skip the experts; `from_pretrained` converts.
+        Returns False where Trainer's own loading applies (LoRA, DeepSpeed, FSDP, no config.json).
+        """
+        if not path or self._is_lora() or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return False
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            return False
+        base = unwrap_model(self.model)
+        loaded = type(base).from_pretrained(path, dtype=next(base.parameters()).dtype)
+        result = base.load_state_dict(loaded.state_dict(), strict=False)
+        del loaded
+        if result.missing_keys or result.unexpected_keys:
+            raise ValueError(
+                f"checkpoint {path!r} does not fit this model (missing {result.missing_keys[:4]}, unexpected "
+                f"{result.unexpected_keys[:4]}); resume with the model it was trained from"
+            )
+        return True
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if (model is None or model is self.model) and self._load_full_checkpoint(resume_from_checkpoint):
+            return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        if self._load_full_checkpoint(self.state.best_model_checkpoint):
+            return
+        super()._load_best_model()
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """`Trainer.train`; a resumed checkpoint's placement and similarity tables are adopted first."""
+        checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if resume_from_checkpoint not in (None, False) and checkpoint is None:
+            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r}: no checkpoint-N directory in {self.args.output_dir!r}")
+        if checkpoint is not None:
+            self._adopt_checkpoint(checkpoint)
+        return super().train(resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)

@@ -1,0 +1,172 @@
+"""LoRA through PEFT: targets per architecture, training, adapter checkpoints with pruned routing, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import SAMPLE_TEXT, save_tiny_model
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+import occult_ft
+from occult_ft.integrations.peft import is_peft_model, lora_targets
+from occult_ft.metrics import contiguous_expert_device, devices_per_token
+from occult_ft.models import get_arch, supported_model_types, tiny_config
+from occult_ft.routing import collect_routing, set_recording
+from occult_ft.trainer import OccultConfig, OccultTrainer
+
+pytest.importorskip("peft")
+
+
+def make_config(out, **overrides) -> OccultConfig:
+    base = dict(
+        output_dir=str(out), seq_len=32, devices=4, per_device_train_batch_size=4, max_steps=3, logging_steps=1,
+        learning_rate=1e-2, save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+        profile_tokens=2000, train_mode="lora", lora_r=4, lora_alpha=8, max_devices_per_token=1,
+    )
+    base.update(overrides)
+    return OccultConfig(**base)
+
+
+def logits_of(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+class MaxDevices(TrainerCallback):
+    def __init__(self):
+        self.worst, self.dev = 0, contiguous_expert_device(8, 4)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        for rec in collect_routing(model).values():
+            self.worst = max(self.worst, int(devices_per_token(rec.topk_ids, self.dev, 4).max()))
+
+
+@pytest.fixture(scope="module")
+def rows(tiny_tokenizer, tmp_path_factory):
+    from occult_ft.data import load_text_dataset, tokenize_dataset
+
+    path = tmp_path_factory.mktemp("text") / "train.txt"
+    path.write_text("\n\n".join([SAMPLE_TEXT] * 6))
+    return tokenize_dataset(load_text_dataset(str(path)), tiny_tokenizer, seq_len=32)
+
+
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_lora_targets_come_from_the_registry(model_type):
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    targets = lora_targets(model)
+    assert targets["modules_to_save"] == [f"mlp.{get_arch(model).router_attr}"]
+    assert targets["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    linears = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert targets["target_modules"] and set(targets["target_modules"]) <= linears & {"q_proj", "k_proj", "v_proj", "o_proj"}
+    if model_type.startswith("deepseek"):  # MLA: no k_proj / v_proj
+        assert targets["target_modules"] == ["q_proj", "o_proj"]
+    if model_type == "gpt_oss":
+        assert targets["modules_to_save"] == ["mlp.router"]
+
+
+def test_lora_trains_adapters_and_routers_only_within_budget(tiny_olmoe_dir, rows, tmp_path):
+    check = MaxDevices()
+    trainer = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path), train_dataset=rows, callbacks=[check])
+    assert is_peft_model(trainer.model)
+    before = params(trainer.model)
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    after = params(trainer.model)
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed <= trainable
+    assert any("lora_B" in n and "experts" in n for n in changed)  # expert adapters
+    assert any("lora_B" in n and "self_attn" in n for n in changed)  # attention adapters
+    assert any(".mlp.gate.modules_to_save" in n for n in changed)  # the router itself
+    assert not any("base_layer" in n and "lora" not in n for n in changed)
+    assert check.worst == 1
+    log = [e for e in trainer.state.log_history if "loss" in e][-1]
+    assert log["max_token_devices"] == 1 and "removed_mass" in log
+
+
+def test_lora_checkpoint_reloads_with_pruned_routing_and_the_same_logits(tiny_olmoe_dir, rows, tmp_path):
+    trainer = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "run"), train_dataset=rows)
+    trainer.train()
+    out = str(tmp_path / "adapter")
+    trainer.save_model(out)
+    for name in ("adapter_config.json", "occult_config.json", "occult_similarity.safetensors", "tokenizer.json"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    block = json.load(open(os.path.join(out, "occult_config.json")))
+    assert block["placed"] is False and block["max_devices_per_token"] == 1 and block["train_mode"] == "lora"
+    assert block["placement"]["layers"] == {str(k): v for k, v in trainer.occult.placement.groups.items()}
+    reloaded = occult_ft.from_pretrained(out)
+    ids = torch.randint(3, 120, (2, 16))
+    torch.testing.assert_close(logits_of(reloaded, ids), logits_of(trainer.model, ids), rtol=1e-5, atol=1e-5)
+    set_recording(reloaded, True)
+    logits_of(reloaded, ids)
+    records = collect_routing(reloaded)
+    assert sorted(records) == [0, 1]
+    assert all(devices_per_token(r.topk_ids, contiguous_expert_device(8, 4), 4).max() == 1 for r in records.values())
+
+
+def test_eval_command_loads_a_lora_adapter_with_its_budget(tiny_olmoe_dir, rows, tmp_path, capsys):
+    from occult_ft.cli import main
+
+    data = tmp_path / "eval.txt"
+    data.write_text(SAMPLE_TEXT * 3)
+    trainer = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "run", max_steps=1), train_dataset=rows)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "adapter"))
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "adapter"), "--data", str(data), "--seq-len", "32", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["max_devices_per_token"] == 1 and report["comm_complexity"] == 1.0 and report["loss"] > 0
+
+
+def test_lora_resume_ends_where_the_uninterrupted_run_ends(tiny_olmoe_dir, rows, tmp_path):
+    common = dict(max_steps=6, save_strategy="steps", save_steps=3)
+    straight = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "a", **common), train_dataset=rows)
+    straight.train()
+    checkpoint = str(tmp_path / "a" / "checkpoint-3")
+    assert os.path.isfile(os.path.join(checkpoint, "occult_config.json"))
+    resumed = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "b", resume_from_checkpoint=checkpoint, **common),
+                            train_dataset=rows)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    end_a, end_b = params(straight.model), params(resumed.model)
+    for name in end_a:
+        torch.testing.assert_close(end_b[name], end_a[name], rtol=0, atol=1e-6)
+    loss_a = [e for e in straight.state.log_history if "loss" in e][-1]["loss"]
+    loss_b = [e for e in resumed.state.log_history if "loss" in e][-1]["loss"]
+    assert loss_b == pytest.approx(loss_a, abs=1e-6)
+
+
+def test_an_adapter_directory_continues_training_without_replacing(tiny_olmoe_dir, rows, tmp_path):
+    first = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "one", max_steps=2), train_dataset=rows)
+    first.train()
+    first.save_model(str(tmp_path / "adapter"))
+    model = occult_ft.from_pretrained(str(tmp_path / "adapter"), is_trainable=True)
+    ids = torch.randint(3, 120, (2, 16))
+    expected = logits_of(model, ids)
+    second = OccultTrainer(model, args=make_config(tmp_path / "two", max_steps=2), train_dataset=rows)
+    torch.testing.assert_close(logits_of(second.model, ids), expected)  # not placed a second time
+    assert second.occult.placement.groups == first.occult.placement.groups
+    second.train()
+    with pytest.raises(ValueError, match="set train_mode='lora'"):
+        OccultTrainer(second.model, args=make_config(tmp_path / "three", train_mode="full"), train_dataset=rows)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_lora_on_other_architectures_reloads_exactly(model_type, tiny_tokenizer, rows, tmp_path):
+    overrides = {"num_key_value_heads": 4} if model_type == "deepseek_v3" else {}  # MLA has no grouped KV heads
+    base = save_tiny_model(tmp_path / model_type, model_type, tiny_tokenizer, **overrides)
+    check = MaxDevices()
+    trainer = OccultTrainer(base, args=make_config(tmp_path / "run", max_steps=2), train_dataset=rows, callbacks=[check])
+    trainer.train()
+    assert check.worst == 1
+    out = str(tmp_path / "adapter")
+    trainer.save_model(out)
+    reloaded = occult_ft.from_pretrained(out)
+    ids = torch.randint(3, 120, (2, 16))
+    torch.testing.assert_close(logits_of(reloaded, ids), logits_of(trainer.model, ids), rtol=1e-5, atol=1e-5)

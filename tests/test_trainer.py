@@ -1,0 +1,403 @@
+"""OccultTrainer / OccultConfig / `occult-ft train` and `occult-ft eval` on tiny models (CPU, seconds each)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from conftest import SAMPLE_TEXT, save_tiny_model
+from transformers import TrainerCallback
+
+import occult_ft
+from occult_ft.cli import main
+from occult_ft.metrics import contiguous_expert_device, devices_per_token
+from occult_ft.routing import RouterRecord, collect_routing, set_recording
+from occult_ft.trainer import OccultConfig, OccultTrainer, balance_loss, balance_loss_factor, train
+
+ROUTING_KEYS = ("comm_complexity", "intra_share", "removed_mass", "load_imbalance", "max_token_devices", "balance_loss")
+
+
+def make_config(out, **overrides) -> OccultConfig:
+    base = dict(
+        output_dir=str(out), seq_len=32, devices=4, per_device_train_batch_size=4, max_steps=4, logging_steps=1,
+        learning_rate=5e-3, save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+        profile_tokens=2000,
+    )
+    base.update(overrides)
+    return OccultConfig(**base)
+
+
+def train_logs(trainer) -> list[dict]:
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def logits_of(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def flat_params(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+class BudgetCheck(TrainerCallback):
+    """After every optimizer step, the routing of the last forward must respect the budget."""
+
+    def __init__(self, budget: int, num_experts: int = 8, num_devices: int = 4):
+        self.budget, self.dev = budget, contiguous_expert_device(num_experts, num_devices)
+        self.num_devices, self.steps, self.worst = num_devices, 0, 0
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        records = collect_routing(model)
+        assert records, "the routers recorded nothing during training"
+        for rec in records.values():
+            self.worst = max(self.worst, int(devices_per_token(rec.topk_ids, self.dev, self.num_devices).max()))
+        self.steps += 1
+
+
+@pytest.fixture(scope="module")
+def data(tiny_tokenizer, tmp_path_factory):
+    from occult_ft.data import load_text_dataset, tokenize_dataset
+
+    path = tmp_path_factory.mktemp("text") / "train.txt"
+    path.write_text("\n\n".join([SAMPLE_TEXT] * 6))
+    return str(path), tokenize_dataset(load_text_dataset(str(path)), tiny_tokenizer, seq_len=32)
+
+
+# ---- the balance loss, worked by hand ----------------------------------------------------------------------------
+def test_balance_loss_is_one_for_uniform_routing_and_e_for_collapse():
+    # E=4, K=1, 4 tokens each on a different expert, uniform probabilities: f = P = 1/4 -> 4 * 4 * 1/16 = 1
+    uniform = RouterRecord(torch.arange(4).unsqueeze(1), torch.full((4, 4), 0.25), torch.zeros(4))
+    assert balance_loss({0: uniform}).item() == pytest.approx(1.0)
+    # every token on expert 0 with all the probability: f_0 = P_0 = 1 -> 4 * 1 = E
+    collapsed = RouterRecord(torch.zeros(4, 1, dtype=torch.long), torch.eye(4)[[0, 0, 0, 0]], torch.zeros(4))
+    assert balance_loss({0: uniform, 1: collapsed}).item() == pytest.approx((1.0 + 4.0) / 2)
+    # masked tokens are ignored: only token 0 (expert 0, prob 1) counts -> E * 1 * 1 = 4
+    probs = torch.eye(4)
+    rec = RouterRecord(torch.arange(4).unsqueeze(1), probs, torch.zeros(4))
+    assert balance_loss({0: rec}, torch.tensor([True, False, False, False])).item() == pytest.approx(4.0)
+    # sigmoid-style scores are normalised per token: 2 * uniform scores behave as uniform
+    assert balance_loss({0: RouterRecord(uniform.topk_ids, uniform.probs * 2, uniform.removed_mass)}).item() == pytest.approx(1.0)
+
+
+def test_balance_loss_factor_divides_only_when_trainer_does_not():
+    assert balance_loss_factor(True, 4) == 0.25  # LM loss normalised over the accumulated batch
+    assert balance_loss_factor(False, 4) == 1.0  # Trainer divides the whole loss by 4 itself
+
+
+# ---- training ------------------------------------------------------------------------------------------------------
+def test_training_lowers_loss_logs_routing_metrics_and_keeps_every_token_in_budget(tiny_olmoe_dir, tiny_tokenizer, data, tmp_path):
+    cfg = make_config(tmp_path, max_steps=8, max_devices_per_token=1, train_mode="full", criterion="similarity")
+    check = BudgetCheck(budget=1)
+    trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=data[1], callbacks=[check])
+    trainer.train()
+    logs = train_logs(trainer)
+    assert len(logs) == 8
+    for entry in logs:
+        assert all(key in entry for key in ROUTING_KEYS), entry
+        # M=1: every token reaches exactly one device, so every co-selected pair is intra-device
+        assert entry["comm_complexity"] == 1.0 and entry["intra_share"] == 1.0 and entry["max_token_devices"] == 1
+        assert 0.0 <= entry["removed_mass"] < 1.0 and entry["load_imbalance"] >= 1.0
+    assert sum(e["loss"] for e in logs[-2:]) < sum(e["loss"] for e in logs[:2])
+    assert check.steps == 8 and check.worst == 1
+
+
+def test_unpruned_training_still_logs_routing_metrics(tiny_olmoe_dir, data, tmp_path):
+    cfg = make_config(tmp_path, max_steps=2, placement="sequential", criterion="score")
+    trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=data[1])
+    trainer.train()
+    for entry in train_logs(trainer):
+        assert entry["removed_mass"] == 0.0 and 1.0 <= entry["comm_complexity"] <= 2.0
+
+
+def test_moe_mode_trains_moe_blocks_only(tiny_olmoe_dir, data, tmp_path):
+    cfg = make_config(tmp_path, max_steps=3, max_devices_per_token=2, train_mode="moe", criterion="score")
+    trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=data[1])
+    before = flat_params(trainer.model)
+    trainer.train()
+    after = flat_params(trainer.model)
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    moe = {name for name in before if ".mlp." in name}
+    assert moe and changed == moe  # routers and experts of every layer moved, nothing else did
+    assert any(".mlp.gate." in n for n in changed) and any(".mlp.experts." in n for n in changed)
+
+
+def test_model_aux_loss_is_off_and_balance_loss_enters_the_loss(tiny_olmoe_dir, data, tmp_path):
+    """Loss with coef c minus loss with coef 0 on the same batch is exactly c * the balance loss."""
+    cfg = make_config(tmp_path, max_devices_per_token=1, criterion="score", balance_loss_coef=0.5)
+    trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=data[1])
+    assert trainer.model.router_aux_loss_coef == 0.0
+    batch = trainer.data_collator([data[1][i] for i in range(2)])
+    trainer.model.train()
+    with_aux = trainer.compute_loss(trainer.model, dict(batch))
+    aux = balance_loss(collect_routing(trainer.model), batch["attention_mask"].flatten().bool())
+    trainer.args.balance_loss_coef = 0.0
+    without = trainer.compute_loss(trainer.model, dict(batch))
+    torch.testing.assert_close(with_aux - without, 0.5 * aux, rtol=1e-5, atol=1e-6)
+
+
+def test_balance_loss_is_not_scaled_by_world_size(tiny_olmoe_dir, data, tmp_path, monkeypatch):
+    """Trainer multiplies the token-averaged LM loss by the process count; the balance term must stay a mean."""
+    cfg = make_config(tmp_path, max_devices_per_token=1, criterion="score", balance_loss_coef=0.5)
+    trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=data[1])
+    batch = trainer.data_collator([data[1][i] for i in range(2)])
+    items = (batch["labels"][:, 1:] != -100).sum()
+    trainer.model.train()
+    single = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=items)
+    aux = balance_loss(collect_routing(trainer.model), batch["attention_mask"].flatten().bool())
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    double = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=items)
+    lm = single - 0.5 * aux
+    torch.testing.assert_close(double, 2 * lm + 0.5 * aux, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_accumulation_gives_the_same_step_as_one_big_batch(tiny_olmoe_dir, tiny_tokenizer, tmp_path):
+    """1 x batch 4 vs 2 accumulated x batch 2 on 4 identical rows: each micro-batch's balance loss equals the
+    full batch's, so the logged loss and the SGD step agree only if the balance term is divided by 2."""
+    from datasets import Dataset
+
+    row = {"input_ids": list(range(3, 35)), "attention_mask": [1] * 32, "labels": list(range(3, 35))}
+    rows = Dataset.from_list([row] * 4)
+    results = []
+    for accumulation, batch in ((1, 4), (2, 2)):
+        cfg = make_config(tmp_path / f"ga{accumulation}", max_steps=1, per_device_train_batch_size=batch,
+                          gradient_accumulation_steps=accumulation, max_devices_per_token=1, criterion="score",
+                          placement="sequential", balance_loss_coef=5.0, optim="sgd", learning_rate=0.5,
+                          lr_scheduler_type="constant")
+        trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=rows, processing_class=tiny_tokenizer)
+        trainer.train()
+        results.append((train_logs(trainer)[0], flat_params(trainer.model)))
+    (log1, params1), (log2, params2) = results
+    assert log2["loss"] == pytest.approx(log1["loss"], rel=1e-5)
+    assert log2["balance_loss"] == pytest.approx(log1["balance_loss"], rel=1e-5)
+    for name in params1:
+        torch.testing.assert_close(params2[name], params1[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("resume_in", ["config", "train"])
+def test_resume_ends_where_the_uninterrupted_run_ends(tiny_olmoe_dir, data, tmp_path, resume_in):
+    common = dict(max_steps=6, max_devices_per_token=1, train_mode="full", save_strategy="steps", save_steps=3)
+    straight = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "a", **common), train_dataset=data[1])
+    straight.train()
+    checkpoint = str(tmp_path / "a" / "checkpoint-3")
+    extra = {"resume_from_checkpoint": checkpoint} if resume_in == "config" else {}
+    resumed = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "b", **common, **extra), train_dataset=data[1])
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.occult.placement.groups == straight.occult.placement.groups
+    end_a, end_b = flat_params(straight.model), flat_params(resumed.model)
+    for name in end_a:
+        torch.testing.assert_close(end_b[name], end_a[name], rtol=0, atol=1e-6)
+    assert train_logs(resumed)[-1]["loss"] == pytest.approx(train_logs(straight)[-1]["loss"], abs=1e-6)
+
+
+def test_full_checkpoint_reloads_with_pruned_routing_and_the_same_logits(tiny_olmoe_dir, data, tmp_path):
+    cfg = make_config(tmp_path / "run", max_steps=3, max_devices_per_token=1, train_mode="full")
+    trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=data[1])
+    trainer.train()
+    out = str(tmp_path / "final")
+    trainer.save_model(out)
+    block = json.load(open(os.path.join(out, "config.json")))["occult"]
+    assert block["placed"] and block["max_devices_per_token"] == 1 and block["criterion"] == "similarity"
+    assert block["placement"]["algorithm"] == "search" and sorted(block["placement"]["layers"]) == ["0", "1"]
+    assert os.path.isfile(os.path.join(out, "occult_similarity.safetensors"))
+    assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+    reloaded = occult_ft.from_pretrained(out)
+    ids = torch.randint(3, 120, (2, 16))
+    torch.testing.assert_close(logits_of(reloaded, ids), logits_of(trainer.model, ids), rtol=1e-5, atol=1e-5)
+    set_recording(reloaded, True)
+    logits_of(reloaded, ids)
+    for rec in collect_routing(reloaded).values():
+        assert devices_per_token(rec.topk_ids, contiguous_expert_device(8, 4), 4).max() == 1
+
+
+def test_a_pruned_checkpoint_continues_training_without_replacing(tiny_olmoe_dir, data, tmp_path):
+    first = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "one", max_steps=2, max_devices_per_token=2),
+                          train_dataset=data[1])
+    first.train()
+    first.save_model(str(tmp_path / "one-final"))
+    cfg = make_config(tmp_path / "two", max_steps=2, max_devices_per_token=1, placement="auto")
+    model = occult_ft.from_pretrained(str(tmp_path / "one-final"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    second = OccultTrainer(model, args=cfg, train_dataset=data[1])
+    # no second permutation: the weights are untouched until training starts
+    assert all(torch.equal(before[k], v) for k, v in second.model.state_dict().items() if k in before)
+    assert second.occult.placement.groups == first.occult.placement.groups
+    second.train()
+    assert train_logs(second)[-1]["max_token_devices"] == 1
+
+
+def test_evaluate_reports_perplexity_and_routing(tiny_olmoe_dir, data, tmp_path):
+    cfg = make_config(tmp_path, max_devices_per_token=1, per_device_eval_batch_size=8)
+    trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=data[1], eval_dataset=data[1])
+    metrics = trainer.evaluate()
+    assert metrics["eval_perplexity"] == pytest.approx(torch.tensor(metrics["eval_loss"]).exp().item(), rel=1e-6)
+    assert metrics["eval_comm_complexity"] == 1.0 and "eval_removed_mass" in metrics and "eval_balance_loss" not in metrics
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_other_architectures_train_within_budget_and_reload(model_type, tiny_tokenizer, data, tmp_path):
+    # MLA has no grouped KV heads: the registry's tiny DeepSeek config (2 KV heads) breaks under padding masks
+    overrides = {"num_key_value_heads": 4} if model_type == "deepseek_v3" else {}
+    model_dir = save_tiny_model(tmp_path / model_type, model_type, tiny_tokenizer, **overrides)
+    cfg = make_config(tmp_path / "run", max_steps=2, max_devices_per_token=1, train_mode="full")
+    check = BudgetCheck(budget=1)
+    trainer = OccultTrainer(model_dir, args=cfg, train_dataset=data[1], callbacks=[check])
+    trainer.train()
+    assert check.worst == 1 and all(k in train_logs(trainer)[-1] for k in ROUTING_KEYS)
+    trainer.save_model(str(tmp_path / "out"))
+    reloaded = occult_ft.from_pretrained(str(tmp_path / "out"))
+    ids = torch.randint(3, 120, (2, 16))
+    torch.testing.assert_close(logits_of(reloaded, ids), logits_of(trainer.model, ids), rtol=1e-5, atol=1e-5)
+
+
+# ---- configuration errors --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(criterion="scor"), "criterion='scor' is unknown (did you mean 'score'?)"),
+        (dict(train_mode="lorra"), "train_mode='lorra' is unknown (did you mean 'lora'?)"),
+        (dict(max_devices_per_token=5), "max_devices_per_token=5 must be between 1 and devices=4"),
+        (dict(max_devices_per_token=0), "max_devices_per_token=0 must be between 1 and devices=4"),
+        (dict(devices=0), "devices=0 must be a positive integer"),
+        (dict(nodes=3), "nodes=3 does not divide devices=4"),
+        (dict(placement="missing.json"), "placement='missing.json' is neither auto nor sequential"),
+        (dict(placement="seqential"), "did you mean 'sequential'?"),
+        (dict(placement_algorithm="greedy"), "placement_algorithm='greedy' is unknown"),
+        (dict(gate_weights="keep"), "gate_weights='keep' is unknown"),
+        (dict(expert_parallel_size=2), "expert_parallel_size=2 must equal devices=4"),
+        (dict(balance_loss_coef=-1.0), "balance_loss_coef=-1.0 must be >= 0"),
+        (dict(lora_dropout=1.5), "lora_dropout=1.5 must be in [0, 1)"),
+        (dict(train_mode="lora", lora_dropout=0.1), "does not support dropout; set lora_dropout=0"),
+        (dict(model_dtype="fp8"), "model_dtype='fp8' is unknown"),
+    ],
+)
+def test_bad_config_fields_raise_one_clear_error(overrides, message, tmp_path):
+    with pytest.raises(ValueError) as err:
+        make_config(tmp_path, **overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_devices_that_do_not_divide_the_experts_fail_at_construction(tiny_olmoe_dir, data, tmp_path):
+    with pytest.raises(ValueError, match=r"devices=3 does not divide the 8 experts; use one of \[1, 2, 4, 8\]"):
+        OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path, devices=3), train_dataset=data[1])
+
+
+def test_reentrant_checkpointing_is_refused_with_the_balance_loss(tmp_path):
+    with pytest.raises(ValueError, match="use_reentrant"):
+        make_config(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+def test_gradient_checkpointing_keeps_the_balance_loss_gradient(tiny_olmoe_dir, data, tmp_path):
+    cfg = make_config(tmp_path, max_steps=2, max_devices_per_token=1, gradient_checkpointing=True, train_mode="full")
+    trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=data[1])
+    trainer.train()
+    model = trainer.model
+    assert model.is_gradient_checkpointing and train_logs(trainer)[-1]["balance_loss"] > 0
+    model.train()
+    model(input_ids=torch.randint(3, 120, (2, 16)))
+    grad = torch.autograd.grad(balance_loss(collect_routing(model)), model.model.layers[1].mlp.gate.weight)[0]
+    assert grad.abs().sum() > 0  # the router probabilities inside the checkpointed layer kept their graph
+
+
+# ---- the commands ----------------------------------------------------------------------------------------------------
+def test_cli_train_from_a_yaml_recipe_then_eval(tiny_olmoe_dir, data, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    out = tmp_path / "out"
+    recipe.write_text(yaml.safe_dump(dict(
+        model_name_or_path=tiny_olmoe_dir, dataset=data[0], eval_dataset=data[0], output_dir=str(out), seq_len=32,
+        devices=4, max_devices_per_token=1, max_steps=5, per_device_train_batch_size=4, use_cpu=True,
+        disable_tqdm=True, logging_steps=1, save_strategy="no", train_mode="full",
+    )) + "learning_rate: 1e-3\n")  # YAML reads 1e-3 (no dot) as a string; it must still work
+    assert main(["train", str(recipe), "--max_steps", "2", "--criterion", "score"]) == 0  # flags override the recipe
+    state = json.load(open(out / "trainer_state.json"))
+    assert state["global_step"] == 2
+    block = json.load(open(out / "config.json"))["occult"]
+    assert block["criterion"] == "score" and block["max_devices_per_token"] == 1
+    assert "eval_comm_complexity" in json.load(open(out / "all_results.json"))
+    capsys.readouterr()
+    assert main(["eval", str(out), "--data", data[0], "--seq-len", "32", "--max-tokens", "512", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["comm_complexity"] == 1.0 and report["max_devices_per_token"] == 1 and report["num_devices"] == 4
+    assert report["perplexity"] == pytest.approx(torch.tensor(report["loss"]).exp().item(), rel=1e-6)
+    assert 0.0 <= report["removed_mass"] < 1.0 and report["intra_share"] == 1.0 and len(report["layers"]) == 2
+
+
+def test_cli_train_without_recipe(tiny_olmoe_dir, data, tmp_path):
+    out = tmp_path / "out"
+    assert main(["train", "--model_name_or_path", tiny_olmoe_dir, "--dataset", data[0], "--output_dir", str(out),
+                 "--seq_len", "32", "--max_steps", "1", "--use_cpu", "--placement", "sequential", "--criterion", "score",
+                 "--save_strategy", "no", "--disable_tqdm", "true"]) == 0
+    assert json.load(open(out / "config.json"))["occult"]["placement"]["algorithm"] == "sequential"
+
+
+@pytest.mark.parametrize(
+    "recipe_text, argv, message",
+    [
+        ("lerning_rate: 0.1\n", [], "unknown field 'lerning_rate' in recipe"),
+        ("", ["--max_device_per_token", "2"], "unknown field 'max_device_per_token' on the command line; did you mean 'max_devices_per_token'?"),
+        ("criterion: scor\n", [], "criterion='scor' is unknown (did you mean 'score'?)"),
+        ("seq_len: many\n", [], "seq_len='many' is not a valid int"),
+        ("- a\n- b\n", [], "expected a mapping of field: value"),
+    ],
+)
+def test_cli_train_bad_fields_give_one_line_errors(recipe_text, argv, message, tmp_path, capsys):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(recipe_text)
+    capsys.readouterr()
+    assert main(["train", str(recipe), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith("occult-ft train: error:")
+
+
+def test_eval_on_a_plain_model_measures_routing_for_the_given_devices(tiny_olmoe_dir, data, capsys):
+    capsys.readouterr()
+    assert main(["eval", tiny_olmoe_dir, "--data", data[0], "--devices", "2", "--seq-len", "32",
+                 "--max-tokens", "256", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_devices"] == 2 and report["max_devices_per_token"] is None and report["removed_mass"] == 0.0
+    assert 1.0 <= report["comm_complexity"] <= 2.0 and report["tokens"] >= 256
+
+
+def test_train_requires_a_model_and_data(tmp_path):
+    with pytest.raises(ValueError, match="model_name_or_path is required"):
+        train(make_config(tmp_path))
+    with pytest.raises(ValueError, match="dataset is required"):
+        train(make_config(tmp_path, model_name_or_path="embedded"))
+
+
+def test_cli_parses_launcher_local_rank_before_the_recipe(tmp_path):
+    """`deepspeed --module occult_ft.commands.train recipe.yaml` runs the module with --local_rank=N first."""
+    from occult_ft.commands.train import parse_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'o'}\nmax_devices_per_token: 2\nuse_cpu: true\n")
+    config = parse_config(["--local_rank=0", str(recipe), "--max_steps", "7"])
+    assert config.max_devices_per_token == 2 and config.max_steps == 7 and config.output_dir == str(tmp_path / "o")
+
+
+@pytest.mark.slow
+def test_cli_train_under_torchrun_with_two_processes(tiny_olmoe_dir, data, tmp_path):
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "recipe.yaml"
+    out = tmp_path / "out"
+    recipe.write_text(yaml.safe_dump(dict(
+        model_name_or_path=tiny_olmoe_dir, dataset=data[0], output_dir=str(out), seq_len=32, devices=4,
+        max_devices_per_token=1, max_steps=2, per_device_train_batch_size=2, use_cpu=True, disable_tqdm=True,
+        logging_steps=1, save_strategy="no", profile_tokens=1000,
+    )))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+         "-m", "occult_ft.commands.train", str(recipe)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = [e for e in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in e]
+    assert len(logs) == 2 and all(e["max_token_devices"] == 1 and e["comm_complexity"] == 1.0 for e in logs)
+    assert json.load(open(out / "config.json"))["occult"]["max_devices_per_token"] == 1
