@@ -39,34 +39,21 @@ def load_data(data: str):
     return load_text_dataset(data)
 
 
-def data_batches(tokenizer, data, seq_len: int, batch_size: int, max_tokens: int | None = None):
-    """Tokenised `data` (a --data value or a loaded dataset) as {"input_ids", "attention_mask"} batches."""
-    import torch
-
-    from ..data import DataError, tokenize_dataset
+def data_batches(tokenizer, data, seq_len: int, batch_size: int, max_tokens: int | None = None) -> list[dict]:
+    """Tokenised `data` (a --data value or a loaded dataset) as padded batches of `input_ids`,
+    `attention_mask` and `labels` (-100 on padding, and on prompts of instruction rows); enough rows
+    for `max_tokens`."""
+    from ..data import DataError, make_collator, tokenize_dataset
 
     if tokenizer is None:
         raise DataError("the model has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
     ds = load_data(data) if isinstance(data, str) else data
-    ds = tokenize_dataset(ds, tokenizer, seq_len=seq_len, packing=True)
-    batches, tokens = [], 0
-    for start in range(0, len(ds), batch_size):
-        rows = ds[start : start + batch_size]
-        ids = [list(r) for r in rows["input_ids"]]
-        width = max(len(r) for r in ids)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, r in enumerate(ids):
-            input_ids[i, : len(r)] = torch.tensor(r)
-            mask[i, : len(r)] = 1
-        batches.append({"input_ids": input_ids, "attention_mask": mask})
-        tokens += int(mask.sum())
-        if max_tokens is not None and tokens >= max_tokens:
-            break
-    if not batches:
-        raise DataError(f"data {data!r} gave no tokens; check the file is not empty")
-    return batches
+    ds = tokenize_dataset(ds, tokenizer, seq_len=seq_len)
+    if len(ds) == 0:
+        raise DataError(f"data {data if isinstance(data, str) else 'set'!r} gave no tokens; check the file is not empty")
+    collate = make_collator(tokenizer)
+    limit = len(ds) if max_tokens is None else min(len(ds), -(-max_tokens // seq_len))
+    return [collate([ds[j] for j in range(i, min(i + batch_size, limit))]) for i in range(0, limit, batch_size)]
 
 
 def standalone(module_name: str, add_parser, argv=None) -> int:

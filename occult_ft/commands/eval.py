@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 
-from ._common import add_model_data_args, load_data, positive_int, standalone
+from ._common import add_model_data_args, data_batches, load_data, positive_int, standalone
 
 __all__ = ["add_parser", "run", "evaluate_model", "format_results"]
 
@@ -153,17 +153,13 @@ def run(args) -> int:
     import torch
 
     from ..checkpoint import from_pretrained
-    from ..data import make_collator, tokenize_dataset
 
     data = load_data(args.data)
     model = from_pretrained(args.model)
     if torch.cuda.is_available():
         model = model.to("cuda")
     tokenizer = _tokenizer_for(args.model, model)
-    ds = tokenize_dataset(data, tokenizer, args.seq_len, packing=None)
-    collate = make_collator(tokenizer)
-    limit = min(len(ds), -(-args.max_tokens // args.seq_len))  # enough rows for --max-tokens
-    batches = (collate([ds[j] for j in range(i, min(i + args.batch_size, limit))]) for i in range(0, limit, args.batch_size))
+    batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens)
     results = {"model": args.model, **evaluate_model(model, batches, args.devices, args.max_tokens)}
     print(json.dumps(results) if args.json else format_results(results))
     return 0

@@ -1,0 +1,314 @@
+"""`run_benchmark`: one run, every backend on the same tokens and routing, one JSON-ready report.
+
+Steps: check the inputs (one-line `ValueError`s), give each of the D processes an equal share of the
+tokens, derive the pruned routings, measure every backend (`runner.run_exchanges`), check that the
+rows each process sent are exactly the volumes the routing implies (`workload.layer_volumes`; for
+de-duplicated dispatch that is sum over tokens of C_T), then aggregate per backend, predict the
+exchange on named cluster shapes (`occult_ft.costmodel`) and state whether the targets were reached.
+
+Report fields (`definitions` in the report repeats them):
+    rows              rows sent by the dispatch all-to-alls, all processes and measured layers (the
+                      combine sends as many back); rows a process sends itself are included, as in C_T
+    rows_per_token    rows / (tokens x layers): K for per-expert dispatch, C_T for de-duplicated
+    remote_rows       rows that cross processes
+    bytes             payload of dispatch + combine: 2 x rows x hidden x element size
+    collective_bytes  bytes handed to the collectives, measured: payload + metadata (split sizes,
+                      local expert ids, gate weights)
+    exchange_ms       time inside the collectives of one forward (dispatch + combine) of all measured
+                      layers: median over iterations of the slowest process
+    path_ms           the same for the whole dispatch + combine path (packing, layouts, unpacking too)
+    speedup_vs_best_peer  best peer's exchange_ms / this backend's
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..costmodel import (
+    CLUSTER_PRESETS,
+    capacity_rows_matrix,
+    get_cluster,
+    predict_exchange_ms,
+    pruned_topk,
+    rows_matrix,
+)
+from ..metrics import contiguous_expert_device, devices_per_token
+from .runner import BenchSettings, run_exchanges
+from .workload import (
+    BACKENDS,
+    PEERS,
+    Workload,
+    deepspeed_capacity,
+    layer_volumes,
+    mean_comm_complexity,
+    pruned_name,
+    routing_variants,
+)
+
+__all__ = ["DEFAULT_BUDGETS", "TARGETS", "DEFINITIONS", "run_benchmark", "check_inputs"]
+
+DEFAULT_BUDGETS = (2, 1)
+TARGETS = {"occult_dedup": 1.5, pruned_name(2): 2.5}
+"""Exchange-time speed-up over the best peer that de-duplication (and pruning to 2 devices) should reach."""
+
+DEFINITIONS = {
+    "rows": "rows sent by the dispatch all-to-alls over all processes and measured layers (the combine sends "
+            "as many back); rows a process sends itself are included, as in comm_complexity",
+    "rows_per_token": "rows / (tokens x layers): top_k for per-expert dispatch, comm_complexity for de-duplicated",
+    "remote_rows": "rows that cross processes",
+    "bytes": "payload of dispatch + combine: 2 x rows x hidden x element size",
+    "collective_bytes": "bytes handed to the collectives, measured (payload + split sizes, expert ids, weights)",
+    "exchange_ms": "time inside the collectives of one forward dispatch + combine over the measured layers; "
+                   "per iteration the slowest process, median over iterations",
+    "path_ms": "the same for the whole dispatch + combine path (packing, layouts and unpacking included)",
+    "speedup_vs_best_peer": "exchange_ms of the fastest peer / exchange_ms of this backend",
+}
+
+
+def check_inputs(num_experts: int, top_k: int, tokens: int, settings: BenchSettings) -> None:
+    """Raise a one-line ValueError when the benchmark cannot run on these sizes."""
+    d = settings.devices
+    if num_experts % d:
+        divisors = [x for x in range(2, num_experts + 1) if num_experts % x == 0]
+        raise ValueError(f"devices={d} does not divide the {num_experts} experts; use one of {divisors}")
+    if tokens < d:
+        raise ValueError(f"{tokens} tokens cannot be shared by {d} processes; use more tokens (at least {d})")
+
+
+def _feasible_budgets(budgets: Sequence[int], num_experts: int, top_k: int, devices: int) -> tuple[list[int], list[str]]:
+    kept, notes = [], []
+    per_device = num_experts // devices
+    for m in sorted(set(budgets), reverse=True):
+        if m < 1:
+            raise ValueError(f"max_devices_per_token={m} must be at least 1")
+        if m > devices:
+            notes.append(f"max_devices_per_token={m} exceeds devices={devices}: same as occult_dedup, not measured")
+        elif m * per_device < top_k:
+            notes.append(f"max_devices_per_token={m} holds {m * per_device} experts < top_k={top_k}: not measured")
+        else:
+            kept.append(m)
+    return kept, notes
+
+
+def _check_volumes(name: str, li: int, measured: dict, ids_TK: torch.Tensor, num_experts: int,
+                   settings: BenchSettings) -> None:
+    expected_DD, dropped = layer_volumes(ids_TK, name, num_experts, settings.devices, settings.capacity_factor,
+                                         settings.min_capacity)
+    got_DD = torch.tensor(measured["rows_DD"], dtype=torch.long)
+    if not torch.equal(got_DD, expected_DD) or measured["dropped_routes"] != dropped:
+        raise RuntimeError(
+            f"{name}, layer {li}: the processes sent {got_DD.sum().item()} rows ({measured['dropped_routes']} routes "
+            f"dropped) but the routing implies {expected_DD.sum().item()} ({dropped}); please report this bug"
+        )
+
+
+def _cluster_rows(name: str, ids_TK: torch.Tensor, scores_TE: torch.Tensor, num_experts: int, devices: int,
+                  settings: BenchSettings, budget: int | None) -> torch.Tensor:
+    """(D', D') dispatch rows of backend `name` when the same tokens run on D' devices."""
+    if name.startswith("deepspeed_classic"):
+        factor = settings.capacity_factor if name == "deepspeed_classic" else None
+        capacity, _ = deepspeed_capacity(ids_TK, num_experts, devices, factor, settings.min_capacity)
+        return capacity_rows_matrix(devices, num_experts, capacity)
+    dev_E = contiguous_expert_device(num_experts, devices)
+    if budget is not None:
+        ids_TK = pruned_topk(scores_TE, ids_TK, dev_E, devices, min(budget, devices))
+    return rows_matrix(ids_TK, dev_E, devices, dedup=name.startswith("occult_dedup"))
+
+
+def _cost_model(workload: Workload, backends: list[dict], measured_rows: dict, settings: BenchSettings,
+                clusters: Sequence[str] | None) -> dict:
+    bytes_per_row = workload.hidden * settings.element_size
+    shapes = [get_cluster(c) for c in (clusters if clusters else CLUSTER_PRESETS)]
+    budget_of = {b["backend"]: b.get("max_devices_per_token") for b in backends}
+    out = {"bytes_per_row": bytes_per_row, "clusters": [], "notes": [
+        "predicted forward exchange (dispatch + combine) of all measured layers; nominal link speeds",
+        "a cluster with as many devices as processes uses the measured volumes; others re-derive the volumes "
+        "from the same routing and tokens spread over their devices (pruning re-applied at that size with the "
+        "score criterion; a placement made for the benchmark's devices is kept as contiguous blocks)",
+    ]}
+    for shape in shapes:
+        d = shape.num_devices
+        entry = {**shape.to_dict(), "num_devices": d, "volumes": "measured" if d == settings.devices else "derived"}
+        if workload.num_experts % d or workload.tokens < d:
+            entry["skipped"] = f"{d} devices do not divide the {workload.num_experts} experts or exceed the tokens"
+            out["clusters"].append(entry)
+            continue
+        preds, left_out = [], []
+        for b in backends:
+            name = b["backend"]
+            budget = budget_of[name]
+            if budget is not None and budget * (workload.num_experts // d) < workload.top_k:
+                left_out.append(name)
+                continue
+            total = 0.0
+            rows = 0
+            for li, lr in enumerate(workload.layers):
+                if d == settings.devices and (name, li) in measured_rows:
+                    rows_DD = measured_rows[(name, li)]
+                else:
+                    rows_DD = _cluster_rows(name, lr.topk_ids_TK, lr.scores_TE, workload.num_experts, d, settings,
+                                            budget)
+                total += predict_exchange_ms(rows_DD, bytes_per_row, shape)
+                rows += int(rows_DD.sum())
+            preds.append({"backend": name, "rows_per_token": rows / (workload.tokens * len(workload.layers)),
+                          "predicted_ms": total})
+        best_peer = min((p["predicted_ms"] for p in preds if p["backend"] in PEERS), default=None)
+        for p in preds:
+            p["speedup_vs_best_peer"] = best_peer / p["predicted_ms"] if best_peer and p["predicted_ms"] else None
+        entry["backends"] = preds
+        if left_out:
+            entry["not_predicted"] = (f"{', '.join(left_out)}: {workload.num_experts // d} experts per device x budget "
+                                      f"< top_k={workload.top_k}")
+        out["clusters"].append(entry)
+    return out
+
+
+def run_benchmark(workload: Workload, settings: BenchSettings, budgets: Sequence[int] = DEFAULT_BUDGETS,
+                  backends: Sequence[str] | None = None, clusters: Sequence[str] | None = None) -> dict:
+    """Measure every backend on `workload` with `settings.devices` processes; return the report dict.
+
+    Args:
+        workload: the routings (from `model_workload` or `synthetic_workload`); truncated in place to a
+            multiple of the device count.
+        settings: processes, iterations, dtype, DeepSpeed capacity settings.
+        budgets: max_devices_per_token values for the pruned variants (`occult_dedup_prune{M}`).
+        backends: names to measure (default: all peers, `occult_dedup` and the pruned variants).
+        clusters: cluster presets or specs for the cost model (default: all presets).
+
+    Returns:
+        The report (see the module docstring and `DEFINITIONS`).
+    """
+    d = settings.devices
+    e, k = workload.num_experts, workload.top_k
+    check_inputs(e, k, workload.tokens, settings)
+    for c in clusters or ():
+        get_cluster(c)  # unknown presets fail before minutes of measuring
+    workload.truncate(workload.tokens - workload.tokens % d)
+    kept, notes = _feasible_budgets(budgets, e, k, d)
+    all_names = list(BACKENDS) + [pruned_name(m) for m in kept]
+    names = all_names if backends is None else list(backends)
+    unknown = [n for n in names if n not in all_names]
+    if unknown:
+        raise ValueError(f"unknown or unmeasurable backends {unknown}; choose from {', '.join(all_names)}")
+    variants = routing_variants(workload, d, kept)
+    layers = [{name: variants[name][li] for name in names} for li in range(len(workload.layers))]
+    raw = run_exchanges(layers, names, e, workload.hidden, settings)
+
+    tokens, n_layers, elem = workload.tokens, len(workload.layers), settings.element_size
+    measured_rows: dict[tuple[str, int], torch.Tensor] = {}
+    per_layer = []
+    for li, lr in enumerate(workload.layers):
+        got = raw["layers"][li]
+        entry = {"layer": lr.layer, "comm_complexity": mean_comm_complexity(lr.topk_ids_TK, e, d)}
+        for m in kept:
+            entry[f"comm_complexity_prune{m}"] = mean_comm_complexity(variants[pruned_name(m)][li][0], e, d)
+        entry["backends"] = []
+        for name in names:
+            ids_TK = variants[name][li][0]
+            if name in got:
+                _check_volumes(name, li, got[name], ids_TK, e, settings)
+                rows_DD = torch.tensor(got[name]["rows_DD"], dtype=torch.long)
+                measured_rows[(name, li)] = rows_DD
+                dropped = got[name]["dropped_routes"]
+            else:
+                rows_DD, dropped = layer_volumes(ids_TK, name, e, d, settings.capacity_factor, settings.min_capacity)
+            row = {"backend": name, "rows": int(rows_DD.sum()), "rows_per_token": float(rows_DD.sum()) / tokens,
+                   "remote_rows": int(rows_DD.sum() - rows_DD.diagonal().sum()), "dropped_routes": dropped}
+            if name in got:
+                row.update(exchange_ms=got[name]["exchange_ms"], path_ms=got[name]["path_ms"],
+                           collective_bytes=got[name]["collective_bytes"],
+                           exchange_ms_runs=got[name]["exchange_ms_runs"], path_ms_runs=got[name]["path_ms_runs"])
+            entry["backends"].append(row)
+        per_layer.append(entry)
+
+    summary = []
+    implementation = {}
+    for layer in raw["layers"]:
+        for name, r in layer.items():
+            implementation[name] = r["implementation"]
+    for name in names:
+        rows_l = [next(b for b in pl["backends"] if b["backend"] == name) for pl in per_layer]
+        rows = sum(r["rows"] for r in rows_l)
+        row = {
+            "backend": name,
+            "peer": name in PEERS,
+            "measured": name in implementation,
+            "rows_per_token": rows / (tokens * n_layers),
+            "rows": rows,
+            "remote_rows": sum(r["remote_rows"] for r in rows_l),
+            "bytes": 2 * rows * workload.hidden * elem,
+        }
+        if name.startswith("occult_dedup_prune"):
+            row["max_devices_per_token"] = int(name.removeprefix("occult_dedup_prune"))
+        if name.startswith("occult_dedup"):
+            row["comm_complexity"] = row["rows_per_token"]
+        if name.startswith("deepspeed_classic"):
+            row["dropped_share"] = sum(r["dropped_routes"] for r in rows_l) / (tokens * k * n_layers)
+        if row["measured"]:
+            row.update(
+                exchange_ms=sum(r["exchange_ms"] for r in rows_l),
+                path_ms=sum(r["path_ms"] for r in rows_l),
+                collective_bytes=sum(r["collective_bytes"] for r in rows_l),
+                implementation=implementation[name],
+            )
+        else:
+            row.update(exchange_ms=None, path_ms=None,
+                       reason=raw["unavailable"].get(name, "not measured"))
+        summary.append(row)
+    best = {key: min((r[key] for r in summary if r["peer"] and r["measured"]), default=None)
+            for key in ("exchange_ms", "path_ms")}
+    best_peer = min((r for r in summary if r["peer"] and r["measured"]), key=lambda r: r["exchange_ms"], default=None)
+    for row in summary:
+        for key, out_key in (("exchange_ms", "speedup_vs_best_peer"), ("path_ms", "path_speedup_vs_best_peer")):
+            row[out_key] = best[key] / row[key] if row["measured"] and best[key] and row[key] else None
+
+    targets = {}
+    for name, goal in TARGETS.items():
+        row = next((r for r in summary if r["backend"] == name and r["measured"]), None)
+        if row is not None and row["speedup_vs_best_peer"] is not None:
+            targets[name] = {"target_speedup_vs_best_peer": goal, "measured": row["speedup_vs_best_peer"],
+                             "met": row["speedup_vs_best_peer"] >= goal}
+    if "occult_dedup" in names:
+        # sum over tokens of C_T, in integers: the exact rows a de-duplicated dispatch must send
+        dev_E = contiguous_expert_device(e, d)
+        targets["rows_equal_comm_complexity_x_tokens"] = all(
+            next(b for b in pl["backends"] if b["backend"] == "occult_dedup")["rows"]
+            == int(devices_per_token(lr.topk_ids_TK, dev_E, d).sum())
+            for pl, lr in zip(per_layer, workload.layers)
+        )
+
+    notes = list(workload.notes) + notes
+    for name, how in implementation.items():
+        if how.startswith("occult_ft replica"):
+            notes.append(f"{name}: {how}")
+    if "hf_native_ep" in raw["unavailable"]:
+        notes.append(f"hf_native_ep not measured: {raw['unavailable']['hf_native_ep']}; it sends what per_expert sends")
+    notes.append("DeepSpeed AutoEP is not run: with transformers >= 5.23 deepspeed.initialize crashes on its "
+                 "HF-model replacement; it sends one row per (token, expert), the per_expert volume")
+    return {
+        "model": workload.name,
+        "placement": workload.placement,
+        "devices": d,
+        "transport": raw["transport"],
+        "tokens": tokens,
+        "tokens_per_device": tokens // d,
+        "hidden": workload.hidden,
+        "dtype": settings.dtype,
+        "num_experts": e,
+        "top_k": k,
+        "moe_layers": [lr.layer for lr in workload.layers],
+        "iters": settings.iters,
+        "warmup": settings.warmup,
+        "capacity_factor": settings.capacity_factor,
+        "budgets": kept,
+        "best_peer": best_peer["backend"] if best_peer else None,
+        "backends": summary,
+        "layers": per_layer,
+        "cost_model": _cost_model(workload, summary, measured_rows, settings, clusters),
+        "targets": targets,
+        "notes": notes,
+        "definitions": DEFINITIONS,
+    }
+

@@ -1,0 +1,358 @@
+"""The exchange of one MoE layer, per backend, as each library runs it on one rank (inside a worker).
+
+Every backend is measured on the same tokens (`hidden_TH`, this rank's share) and the same routing
+(`topk_ids_TK`, `weights_TK`), with the experts replaced by the identity: `run()` is the layer's
+forward *dispatch + combine* and nothing else. Routing decisions (gating) are made beforehand;
+whatever the backend derives from them on the way (sorting, layouts, dense buffers, split sizes) is
+part of `run()`.
+
+    deepspeed_classic         DeepSpeed's classic MoE (deepspeed.moe.sharded_moe): its own `topkgating`
+                              on the given routing (router logits built so that its top-k is exactly
+                              the given experts, its gate values the given weights), capacity factor
+                              1.0 and min_capacity 4 (the `MoE` defaults), then its `_sparse_encode`
+                              into the dense [E, C, H] buffer, two `_AllToAll` (equal splits) and
+                              `_sparse_decode`.
+    deepspeed_classic_nodrop  the same with `drop_tokens=False`: C = largest expert load over all ranks
+                              (DeepSpeed all-reduces it every forward; that all-reduce is in `run()`).
+    per_expert                one row per (token, expert), uneven `all_to_all_single` (what transformers'
+                              native EP, DeepSpeed AutoEP, Tutel and MegaBlocks send): counts exchange,
+                              rows out, rows back, weighted sum.
+    hf_native_ep              transformers' `AllToAllEP` itself (`DistributedConfig(ep_implementation=
+                              "all_to_all")`), called with an identity experts module.
+    occult_dedup[_pruneM]     occult_ft.dispatch: `compute_layout`, `dispatch`, `combine` (one row per
+                              (token, device)).
+
+Without an importable deepspeed (e.g. on a GPU machine without it), the two DeepSpeed rows fall back to
+`CapacityReplicaExchange`: the same [E, C, H] buffer and capacity formula, built here ("position" drop
+policy instead of "probs": the same number of dropped routes), moved by the same equal-split
+all-to-alls; its `implementation` says so.
+
+`CollectiveClock` adds up the time spent inside collectives (and the bytes they were handed) while
+it is active, by wrapping `torch.distributed.all_to_all_single` / `all_reduce` and the collective
+functions transformers' EP module imported by name. On CUDA it synchronises around each collective.
+
+Shape legend: T tokens on this rank, K top-k, H hidden, E experts, D ranks, P = E / D, C capacity.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["CollectiveClock", "Exchange", "build_exchange", "init_deepspeed_comm"]
+
+
+class CollectiveClock:
+    """Context manager: time and input bytes of every collective called while it is active."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.bytes = 0
+        self.calls = 0
+        self._saved: list[tuple[object, str, object]] = []
+
+    def reset(self) -> None:
+        self.seconds, self.bytes, self.calls = 0.0, 0, 0
+
+    def _timed(self, fn: Callable, arg_index: int, arg_name: str, functional: bool = False) -> Callable:
+        clock = self
+
+        def wrapper(*args, **kwargs):
+            tensor = args[arg_index] if len(args) > arg_index else kwargs.get(arg_name)
+            on_cuda = isinstance(tensor, torch.Tensor) and tensor.is_cuda
+            if on_cuda:
+                torch.cuda.synchronize(tensor.device)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if functional:  # functional collectives return a tensor that completes lazily
+                out = out.trigger_wait() if hasattr(out, "trigger_wait") else out
+                out = torch.ops._c10d_functional.wait_tensor(out)
+            elif kwargs.get("async_op") and out is not None:
+                out.wait()
+            if on_cuda:
+                torch.cuda.synchronize(tensor.device)
+            clock.seconds += time.perf_counter() - start
+            clock.calls += 1
+            if isinstance(tensor, torch.Tensor):
+                clock.bytes += tensor.numel() * tensor.element_size()
+            return out
+
+        return wrapper
+
+    def _patch(self, owner, name: str, arg_index: int, arg_name: str, functional: bool = False) -> None:
+        fn = getattr(owner, name, None)
+        if fn is None:
+            return
+        self._saved.append((owner, name, fn))
+        setattr(owner, name, self._timed(fn, arg_index, arg_name, functional))
+
+    def __enter__(self) -> CollectiveClock:
+        self._patch(dist, "all_to_all_single", 1, "input")
+        self._patch(dist, "all_reduce", 0, "tensor")
+        try:
+            import transformers.distributed.expert_parallel as hf_ep
+        except ImportError:
+            hf_ep = None
+        if hf_ep is not None:
+            self._patch(hf_ep, "all_to_all_single", 1, "input")
+            self._patch(hf_ep, "all_to_all_single_autograd", 0, "input", functional=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        self._saved.clear()
+
+
+class Exchange(ABC):
+    """One backend's forward dispatch + combine of one layer on this rank.
+
+    Attributes:
+        name: backend name.
+        implementation: what exactly runs (library, function, settings).
+        send_rows_D: rows this rank's dispatch sends to each rank (the combine sends them back).
+        dropped_routes: (token, expert) routes the backend drops on this rank (capacity overflow).
+    """
+
+    name: str = ""
+    implementation: str = ""
+
+    def __init__(self):
+        self.send_rows_D: list[int] = []
+        self.dropped_routes = 0
+
+    @abstractmethod
+    def run(self) -> torch.Tensor:
+        """Dispatch this rank's tokens, apply identity experts, combine; returns (T, H)."""
+
+
+def _contiguous_splits(counts: torch.Tensor) -> list[int]:
+    return [int(c) for c in counts.tolist()]
+
+
+class PerExpertExchange(Exchange):
+    """One row per (token, expert): sort routes by expert, exchange counts, rows out, rows back."""
+
+    name = "per_expert"
+    implementation = "occult_ft: one row per (token, expert), torch.distributed.all_to_all_single with uneven splits"
+
+    def __init__(self, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, group):
+        super().__init__()
+        self.hidden_TH, self.weights_TK, self.group = hidden_TH, weights_TK, group
+        self.num_devices = dist.get_world_size(group)
+        self.ids_N = topk_ids_TK.reshape(-1)
+        self.num_experts, self.top_k = num_experts, topk_ids_TK.shape[1]
+        counts_E = torch.bincount(self.ids_N, minlength=num_experts)
+        self.send_rows_D = _contiguous_splits(counts_E.view(self.num_devices, -1).sum(dim=1))
+
+    def run(self) -> torch.Tensor:
+        order_N = torch.argsort(self.ids_N, stable=True)
+        send_NH = self.hidden_TH[order_N // self.top_k]
+        counts_E = torch.bincount(self.ids_N, minlength=self.num_experts)
+        recv_counts_E = torch.empty_like(counts_E)
+        dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
+        send_D = _contiguous_splits(counts_E.view(self.num_devices, -1).sum(dim=1))
+        recv_D = _contiguous_splits(recv_counts_E.view(self.num_devices, -1).sum(dim=1))
+        recv_RH = send_NH.new_empty(sum(recv_D), send_NH.shape[1])
+        dist.all_to_all_single(recv_RH, send_NH, recv_D, send_D, group=self.group)
+        back_NH = torch.empty_like(send_NH)
+        dist.all_to_all_single(back_NH, recv_RH, send_D, recv_D, group=self.group)
+        out_NH = torch.empty_like(back_NH)
+        out_NH[order_N] = back_NH
+        out_TKH = out_NH.view(*self.weights_TK.shape, -1)
+        return (out_TKH.float() * self.weights_TK.unsqueeze(-1)).sum(dim=1).to(self.hidden_TH.dtype)
+
+
+class _IdentityExperts(nn.Module):
+    """Stands in for a transformers experts module: P local experts that return their input."""
+
+    def __init__(self, num_local_experts: int):
+        super().__init__()
+        self.num_experts = num_local_experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states
+
+
+class HFNativeEPExchange(Exchange):
+    """transformers' `AllToAllEP` (native expert parallelism, `ep_implementation="all_to_all"`)."""
+
+    name = "hf_native_ep"
+
+    def __init__(self, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, group, mesh):
+        super().__init__()
+        import transformers
+        from transformers.distributed.expert_parallel import AllToAllEP
+
+        num_devices = dist.get_world_size(group)
+        self.implementation = (f"transformers {transformers.__version__} "
+                               "transformers.distributed.expert_parallel.AllToAllEP, identity experts")
+        self.impl = AllToAllEP(_IdentityExperts(num_experts // num_devices), mesh["ep"], mesh["tp"])
+        self.args = (hidden_TH, topk_ids_TK, weights_TK)
+        counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=num_experts)
+        self.send_rows_D = _contiguous_splits(counts_E.view(num_devices, -1).sum(dim=1))
+
+    def run(self) -> torch.Tensor:
+        return self.impl(*self.args)
+
+
+class DeepSpeedClassicExchange(Exchange):
+    """DeepSpeed's classic MoE dispatch: dense [E, C, H] buffer, equal-split all-to-all both ways."""
+
+    def __init__(self, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, group,
+                 capacity_factor: float | None, min_capacity: int):
+        super().__init__()
+        import deepspeed
+        from deepspeed.moe import sharded_moe as sm
+
+        self.sm, self.group, self.hidden_TH = sm, group, hidden_TH
+        self.name = "deepspeed_classic" if capacity_factor is not None else "deepspeed_classic_nodrop"
+        setting = f"capacity_factor={capacity_factor}" if capacity_factor is not None else "drop_tokens=False"
+        self.implementation = (f"deepspeed {deepspeed.__version__} sharded_moe.topkgating({setting}, "
+                               f"min_capacity={min_capacity}) + _sparse_encode/_AllToAll x2/_sparse_decode")
+        num_tokens, k = topk_ids_TK.shape
+        # Router logits whose softmax top-k is exactly the given experts, with the given weights as
+        # relative gate values (DeepSpeed's "probs" drop policy keeps the highest-gate routes).
+        logits_TE = torch.full((num_tokens, num_experts), -1.0e4, dtype=torch.float32, device=hidden_TH.device)
+        logits_TE.scatter_(1, topk_ids_TK, weights_TK.float().clamp_min(1e-6).log())
+        gate_out = sm.topkgating(logits_TE, k, capacity_factor if capacity_factor is not None else 0.0,
+                                 min_capacity, drop_tokens=capacity_factor is not None, ep_group=group,
+                                 sparse_routes=True)
+        _, capacity, _, indices_KT, locations_KT, gates_KT, counts_E = gate_out
+        self.capacity, self.num_experts = int(capacity), num_experts
+        kept_KT = indices_KT >= 0
+        chosen_TE = torch.zeros(num_tokens, num_experts, dtype=torch.bool, device=logits_TE.device)
+        chosen_TE.scatter_(1, topk_ids_TK, True)
+        tok_KT = torch.arange(num_tokens, device=logits_TE.device).expand_as(indices_KT)
+        if not bool(chosen_TE[tok_KT[kept_KT], indices_KT[kept_KT].long()].all()):
+            raise RuntimeError("DeepSpeed's gating picked experts outside the given routing")
+        self.dropped_routes = int((~kept_KT).sum())
+        self.slots_KT = sm._route_slots(indices_KT, locations_KT, num_experts, self.capacity)
+        self.gates_KT = gates_KT
+        self.max_count = counts_E.max().reshape(1) if capacity_factor is None else None
+        d = dist.get_world_size(group)
+        self.send_rows_D = [self.capacity * (num_experts // d)] * d
+
+    def run(self) -> torch.Tensor:
+        sm = self.sm
+        if self.max_count is not None:  # drop_tokens=False: DeepSpeed all-reduces the capacity each forward
+            dist.all_reduce(self.max_count.clone(), op=dist.ReduceOp.MAX, group=self.group)
+        buf_ECH = sm._sparse_encode(self.hidden_TH, self.slots_KT, self.num_experts, self.capacity)
+        recv_ECH = sm._AllToAll.apply(self.group, buf_ECH)
+        back_ECH = sm._AllToAll.apply(self.group, recv_ECH)
+        return sm._sparse_decode(back_ECH.reshape(-1, back_ECH.shape[-1]), self.slots_KT, self.gates_KT,
+                                 self.hidden_TH.shape[0])
+
+
+class CapacityReplicaExchange(Exchange):
+    """DeepSpeed classic's exchange shape when deepspeed is not importable: the same [E, C, H] buffer
+    (same capacity formula), built here, moved by two equal-split `all_to_all_single` calls."""
+
+    def __init__(self, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, group,
+                 capacity_factor: float | None, min_capacity: int, reason: str):
+        super().__init__()
+        import math
+
+        self.group, self.hidden_TH, self.weights_TK = group, hidden_TH, weights_TK
+        self.name = "deepspeed_classic" if capacity_factor is not None else "deepspeed_classic_nodrop"
+        self.implementation = f"occult_ft replica of DeepSpeed's [E, C, H] buffer ({reason})"
+        num_tokens, k = topk_ids_TK.shape
+        d = dist.get_world_size(group)
+        counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=num_experts)
+        if capacity_factor is None:
+            top = counts_E.max().reshape(1).clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            capacity = int(top)
+            self.max_count = counts_E.max().reshape(1)
+        else:
+            capacity = max(math.ceil(num_tokens / num_experts * capacity_factor * k), min_capacity)
+            self.max_count = None
+        # position of each route within its expert (token order), "position" drop policy
+        flat_N = topk_ids_TK.reshape(-1)
+        onehot_NE = torch.nn.functional.one_hot(flat_N, num_experts)
+        pos_N = (onehot_NE.cumsum(dim=0) * onehot_NE).sum(dim=1) - 1
+        keep_N = pos_N < capacity
+        self.slot_N = torch.where(keep_N, flat_N * capacity + pos_N, num_experts * capacity)
+        self.capacity, self.num_experts = capacity, num_experts
+        self.dropped_routes = int((~keep_N).sum())
+        self.send_rows_D = [capacity * (num_experts // d)] * d
+
+    def run(self) -> torch.Tensor:
+        if self.max_count is not None:
+            dist.all_reduce(self.max_count.clone(), op=dist.ReduceOp.MAX, group=self.group)
+        num_tokens, k = self.weights_TK.shape
+        h = self.hidden_TH.shape[1]
+        buf_SH = self.hidden_TH.new_zeros(self.num_experts * self.capacity + 1, h)
+        buf_SH[self.slot_N] = self.hidden_TH.repeat_interleave(k, dim=0)
+        send_SH = buf_SH[:-1].contiguous()
+        recv_SH = torch.empty_like(send_SH)
+        dist.all_to_all_single(recv_SH, send_SH, group=self.group)
+        back_SH = torch.empty_like(recv_SH)
+        dist.all_to_all_single(back_SH, recv_SH, group=self.group)
+        padded_SH = torch.cat([back_SH, back_SH.new_zeros(1, h)])
+        out_TKH = padded_SH[self.slot_N].view(num_tokens, k, h).float()
+        return (out_TKH * self.weights_TK.unsqueeze(-1)).sum(dim=1).to(self.hidden_TH.dtype)
+
+
+class DedupExchange(Exchange):
+    """occult_ft.dispatch: one row per (token, device), rows and weights out, one row per (token, device) back."""
+
+    implementation = "occult_ft.dispatch compute_layout + dispatch + combine (one row per (token, device))"
+
+    def __init__(self, name: str, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, group):
+        super().__init__()
+        from ..dispatch import compute_layout
+
+        self.name = name
+        self.args = (hidden_TH, topk_ids_TK, weights_TK.to(hidden_TH.dtype))
+        self.num_experts, self.group = num_experts, group
+        self.rank, self.num_devices = dist.get_rank(group), dist.get_world_size(group)
+        layout = compute_layout(topk_ids_TK, weights_TK, num_experts, self.num_devices, self.rank)
+        self.send_rows_D = list(layout.send_splits)
+
+    def run(self) -> torch.Tensor:
+        from ..dispatch import combine, compute_layout, dispatch
+
+        hidden_TH, ids_TK, weights_TK = self.args
+        layout = compute_layout(ids_TK, weights_TK, self.num_experts, self.num_devices, self.rank)
+        recv_x_RH, _, received = dispatch(hidden_TH, layout, self.group)
+        return combine(recv_x_RH, received, self.group, out_dtype=hidden_TH.dtype)
+
+
+def init_deepspeed_comm(backend: str) -> str | None:
+    """Initialise deepspeed.comm on top of the running torch.distributed; None, or why it failed."""
+    try:
+        import deepspeed.comm as ds_comm
+        from deepspeed.moe import sharded_moe  # noqa: F401 - the functions the backend calls
+
+        ds_comm.init_distributed(dist_backend=backend)
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the replica, and say why
+        return f"deepspeed unavailable: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    return None
+
+
+def build_exchange(name: str, hidden_TH: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                   num_experts: int, group, *, capacity_factor: float = 1.0, min_capacity: int = 4,
+                   deepspeed_error: str | None = None, mesh=None) -> Exchange:
+    """The `Exchange` of backend `name` for this rank's tokens (see the module docstring)."""
+    if name in ("deepspeed_classic", "deepspeed_classic_nodrop"):
+        factor = capacity_factor if name == "deepspeed_classic" else None
+        if deepspeed_error is None:
+            return DeepSpeedClassicExchange(hidden_TH, topk_ids_TK, weights_TK, num_experts, group, factor,
+                                            min_capacity)
+        return CapacityReplicaExchange(hidden_TH, topk_ids_TK, weights_TK, num_experts, group, factor,
+                                       min_capacity, deepspeed_error)
+    if name == "per_expert":
+        return PerExpertExchange(hidden_TH, topk_ids_TK, weights_TK, num_experts, group)
+    if name == "hf_native_ep":
+        if mesh is None:
+            raise RuntimeError("transformers native EP needs a device mesh")
+        return HFNativeEPExchange(hidden_TH, topk_ids_TK, weights_TK, num_experts, group, mesh)
+    if name.startswith("occult_dedup"):
+        return DedupExchange(name, hidden_TH, topk_ids_TK, weights_TK, num_experts, group)
+    raise ValueError(f"unknown backend {name!r}")

@@ -1,0 +1,101 @@
+"""The benchmark report as a readable table, and as a bar chart (matplotlib, imported lazily)."""
+
+from __future__ import annotations
+
+__all__ = ["format_report", "plot_report"]
+
+
+def _num(value, fmt: str, width: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}"
+
+
+def format_report(report: dict) -> str:
+    """The report of `run_benchmark` as text: header, one line per backend, per-layer C_T, cost model, notes."""
+    r = report
+    head = (f"occult-ft bench: {r['model']}" + (f" (placement {r['placement']})" if r.get("placement") else "")
+            + f" | E={r['num_experts']} top-{r['top_k']} | {r['transport']} | {r['tokens']} tokens "
+            f"({r['tokens_per_device']}/process) | hidden {r['hidden']} {r['dtype']} | "
+            f"{len(r['moe_layers'])} MoE layer(s) | median of {r['iters']} after {r['warmup']} warm-up")
+    lines = [head, ""]
+    lines.append(f"{'backend':<26} {'rows/tok':>8} {'rows':>10} {'remote':>10} {'MB':>9} {'exch ms':>9} "
+                 f"{'path ms':>9} {'vs best':>8}  notes")
+    mb = 1e6
+    for b in r["backends"]:
+        notes = []
+        if b["peer"]:
+            notes.append("peer" + (" (best)" if b["backend"] == r.get("best_peer") else ""))
+        if b.get("dropped_share"):
+            notes.append(f"drops {100 * b['dropped_share']:.1f}% of routes")
+        if not b["measured"]:
+            notes.append(f"not measured: {b.get('reason', '')}")
+        speed = b.get("speedup_vs_best_peer")
+        lines.append(
+            f"{b['backend']:<26} {b['rows_per_token']:>8.3f} {b['rows']:>10} {b['remote_rows']:>10} "
+            f"{b['bytes'] / mb:>9.1f} {_num(b['exchange_ms'], '.2f', 9)} {_num(b['path_ms'], '.2f', 9)} "
+            f"{_num(speed, '.2f', 7)}{'x' if speed is not None else ' '}  {'; '.join(notes)}"
+        )
+    lines.append("")
+    lines.append("comm_complexity per layer: " + ", ".join(
+        f"{pl['layer']}: {pl['comm_complexity']:.3f}"
+        + "".join(f" / prune{m} {pl[f'comm_complexity_prune{m}']:.3f}" for m in r["budgets"])
+        for pl in r["layers"]))
+    for name, t in r["targets"].items():
+        if isinstance(t, dict):
+            lines.append(f"target {name}: {t['measured']:.2f}x vs best peer (target {t['target_speedup_vs_best_peer']}x)"
+                         f" -> {'met' if t['met'] else 'NOT met'}")
+        else:
+            lines.append(f"target {name}: {'yes' if t else 'NO'}")
+    cm = r["cost_model"]
+    lines.append("")
+    lines.append(f"cost model: predicted forward exchange ms (dispatch + combine, {cm['bytes_per_row']} bytes/row)")
+    for c in cm["clusters"]:
+        label = (f"  {c['name']:<16} {c['nodes']}x{c['devices_per_node']} intra {c['intra_node_GBps']:g} GB/s "
+                 f"inter {c['inter_node_GBps']:g} GB/s ({c['volumes']} volumes)")
+        if "skipped" in c:
+            lines.append(f"{label}: skipped, {c['skipped']}")
+            continue
+        lines.append(label)
+        lines.append("    " + "  ".join(
+            f"{p['backend']} {p['predicted_ms']:.3f}"
+            + (f" ({p['speedup_vs_best_peer']:.2f}x)" if p.get("speedup_vs_best_peer") else "")
+            for p in c["backends"]))
+        if c.get("not_predicted"):
+            lines.append(f"    not predicted: {c['not_predicted']}")
+    if r["notes"]:
+        lines.append("")
+        lines.extend(f"note: {n}" for n in r["notes"])
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: str) -> None:
+    """Bar chart: rows per token and exchange ms (with the whole path's ms) per backend, saved to `path`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib; install it with `pip install matplotlib`") from None
+    rows = report["backends"]
+    names = [b["backend"] for b in rows]
+    colors = ["#8c8c8c" if b["peer"] else "#2a7ab9" for b in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax1.bar(names, [b["rows_per_token"] for b in rows], color=colors)
+    ax1.set_ylabel("rows per token (per layer, dispatch)")
+    ax1.set_title(f"volume: E={report['num_experts']}, top-{report['top_k']}, {report['devices']} devices")
+    xs = range(len(rows))
+    ax2.bar([x - 0.2 for x in xs], [b["exchange_ms"] or 0 for b in rows], width=0.4, color=colors, label="exchange")
+    ax2.bar([x + 0.2 for x in xs], [b["path_ms"] or 0 for b in rows], width=0.4, color=colors, alpha=0.45,
+            label="whole path")
+    ax2.set_xticks(list(xs))
+    ax2.set_xticklabels(names)
+    ax2.set_ylabel("ms per forward (dispatch + combine)")
+    ax2.set_title(report["transport"])
+    ax2.legend()
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelrotation=35)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,135 @@
+"""`occult-ft bench MODEL --data DATA --devices D [--placement P] [--max-devices-per-token N] [--json]`
+(or `occult-ft bench --synthetic --devices D [--experts 64 --top-k 8 --tokens 8192 --hidden 2048]`).
+
+In one run, on the same tokens and routing, spawns D processes (gloo on CPU, or the GPUs present) and
+measures per MoE layer the rows and bytes sent and the time of the forward exchange (dispatch +
+combine) of: DeepSpeed's classic MoE (capacity factor, and drop-free), per-expert dispatch (one row
+per (token, expert), as transformers native EP / DeepSpeed AutoEP send), transformers' native
+AllToAllEP, occult_ft's de-duplicated dispatch, and the latter after collaboration pruning to 2 and 1
+devices per token (and to N with --max-devices-per-token). Routing comes from MODEL run over DATA
+(after --placement, if given), or from a synthetic layer. A cost model then predicts the exchange on
+named cluster shapes (--cluster, repeatable; presets or NAME:devices_per_node=8,nodes=2,intra=450,
+inter=50,latency=10). Prints a table, or with --json one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ._common import data_batches, load_data, positive_int, standalone
+
+__all__ = ["add_parser", "run", "build_workload"]
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def add_parser(sub):
+    from ..bench import BACKENDS, DTYPES
+    from ..costmodel import CLUSTER_PRESETS
+
+    p = sub.add_parser("bench", help="measure the all-to-all of DeepSpeed, HF native EP and occult_ft side by side",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None, help="local model directory or Hub model id (with its tokenizer)")
+    p.add_argument("--data", default=None, help="data to route (as for occult-ft analyze); 'embedded' = shipped text")
+    p.add_argument("--max-tokens", type=positive_int, default=4096, help="tokens to route and exchange")
+    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
+    p.add_argument("--layers", type=_int_list, default=None, help="MoE layers to measure, e.g. 0,7 (default: all)")
+    p.add_argument("--synthetic", action="store_true", help="no model: an OLMoE-shaped layer with uniform routing")
+    p.add_argument("--experts", type=positive_int, default=64, help="--synthetic: experts E")
+    p.add_argument("--top-k", type=positive_int, default=8, help="--synthetic: experts per token K")
+    p.add_argument("--tokens", type=positive_int, default=8192, help="--synthetic: tokens T (all processes)")
+    p.add_argument("--num-layers", type=positive_int, default=1, help="--synthetic: MoE layers")
+    p.add_argument("--devices", type=positive_int, required=True, help="processes = expert-parallel size D (>= 2)")
+    p.add_argument("--placement", default=None, help="placement JSON applied to the model first")
+    p.add_argument("--max-devices-per-token", type=positive_int, default=None,
+                   help="also measure pruning to N devices (1 and 2 are always measured)")
+    p.add_argument("--hidden", type=positive_int, default=None,
+                   help="width of the exchanged rows (default: the model's hidden_size; 2048 with --synthetic)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="dtype of the exchanged rows")
+    p.add_argument("--iters", type=positive_int, default=5, help="timed iterations per backend and layer (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
+    p.add_argument("--capacity-factor", type=_positive_float, default=1.0, help="DeepSpeed classic's capacity factor")
+    p.add_argument("--backends", default=None,
+                   help=f"comma-separated subset to measure: {', '.join(BACKENDS)}, occult_dedup_pruneM")
+    p.add_argument("--cluster", action="append", default=None,
+                   help=f"cost-model cluster (repeatable): {', '.join(CLUSTER_PRESETS)} or NAME:devices_per_node=..,"
+                        "nodes=..,intra=GBps,inter=GBps,latency=us (default: all presets)")
+    p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are present")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing and the hidden rows")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", default=None, help="also write a bar chart to this PNG")
+    p.set_defaults(func=run)
+    return p
+
+
+def build_workload(args, settings):
+    """The `Workload` named by the arguments (model routed over data, or synthetic)."""
+    from ..bench import check_inputs, model_workload, synthetic_workload
+
+    if args.synthetic:
+        if args.model is not None or args.data is not None or args.placement is not None:
+            raise ValueError("--synthetic takes no MODEL, --data or --placement; drop them or drop --synthetic")
+        check_inputs(args.experts, args.top_k, args.tokens, settings)
+        return synthetic_workload(args.experts, args.top_k, args.tokens, args.hidden or 2048, args.num_layers,
+                                  args.seed)
+    if args.model is None:
+        raise ValueError("give MODEL --data DATA, or --synthetic for a model-free OLMoE-shaped layer")
+    if args.data is None:
+        raise ValueError("MODEL needs --data DATA (a text/jsonl file, a dataset, or 'embedded')")
+    from ..checkpoint import load_model_and_tokenizer
+    from ..models import find_moe_layers
+    from ..placement import permute_experts
+    from .prune import load_placement
+
+    data = load_data(args.data)
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    first = find_moe_layers(model)[0]
+    check_inputs(first.num_experts, first.top_k, args.max_tokens, settings)
+    if args.placement is not None:
+        placement = load_placement(args.placement, model, args.devices)
+        if placement.num_devices != args.devices:
+            raise ValueError(f"--devices {args.devices} disagrees with the placement's {placement.num_devices} devices")
+        permute_experts(model, placement)
+    batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens)
+    return model_workload(model, batches, name=args.model, max_tokens=args.max_tokens, hidden=args.hidden,
+                          layer_indices=args.layers, placement=args.placement)
+
+
+def run(args) -> int:
+    from ..bench import DEFAULT_BUDGETS, BenchSettings, format_report, plot_report, run_benchmark
+    from ..costmodel import get_cluster
+
+    settings = BenchSettings(devices=args.devices, iters=args.iters, warmup=args.warmup, dtype=args.dtype,
+                             capacity_factor=args.capacity_factor, seed=args.seed,
+                             transport="cpu" if args.cpu else "auto")
+    for cluster in args.cluster or ():
+        get_cluster(cluster)
+    workload = build_workload(args, settings)
+    budgets = list(DEFAULT_BUDGETS) + ([args.max_devices_per_token] if args.max_devices_per_token else [])
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
+    report = run_benchmark(workload, settings, budgets, backends, args.cluster)
+    if args.plot:
+        plot_report(report, args.plot)
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone("bench", add_parser))

@@ -1,0 +1,224 @@
+"""`occult-ft bench` and occult_ft.bench: volumes by hand, a synthetic run and a tiny-model run on 2 gloo
+processes, and one-line errors for bad inputs."""
+
+import contextlib
+import io
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import save_tiny_model
+
+from occult_ft.bench import (
+    BenchSettings,
+    deepspeed_capacity,
+    layer_volumes,
+    pruned_name,
+    routing_variants,
+    synthetic_workload,
+)
+from occult_ft.bench.exchanges import CollectiveClock, build_exchange
+from occult_ft.cli import main
+from occult_ft.metrics import contiguous_expert_device, devices_per_token
+
+# DeepSpeed JIT-compiles a small op at its first distributed init; keep it in the repository's cache.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+
+REQUIRED = {"model", "devices", "tokens", "hidden", "dtype", "backends", "layers", "cost_model"}
+TINY = ["--devices", 2, "--iters", 2, "--warmup", 1, "--json"]
+
+
+def bench_json(*args) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(["bench", *[str(a) for a in args]])
+    assert status == 0
+    return json.loads(out.getvalue())
+
+
+def by_name(report: dict) -> dict:
+    return {b["backend"]: b for b in report["backends"]}
+
+
+# ---- volumes from the routing alone ---------------------------------------------------------------
+def test_deepspeed_capacity_by_hand():
+    # 2 ranks x 4 tokens, E=4, top-2. Rank 0 routes (0,1),(0,1),(0,2),(0,3): expert 0 gets 4 routes.
+    # Rank 1 routes (2,3) four times. capacity = max(ceil(4 / 4 * 1.0 * 2), min_capacity 1) = 2.
+    # Dropped: rank 0 expert 0 has 4 > 2 -> 2 dropped; rank 1 experts 2 and 3 have 4 each -> 2 + 2.
+    ids = torch.tensor([[0, 1], [0, 1], [0, 2], [0, 3]] + [[2, 3]] * 4)
+    assert deepspeed_capacity(ids, 4, 2, 1.0, min_capacity=1) == (2, 6)
+    # drop-free: the capacity is the largest (rank, expert) load, 4, and nothing is dropped
+    assert deepspeed_capacity(ids, 4, 2, None) == (4, 0)
+    # min_capacity wins for tiny batches (DeepSpeed's default 4 > 2)
+    assert deepspeed_capacity(ids, 4, 2, 1.0)[0] == 4
+    rows, dropped = layer_volumes(ids, "deepspeed_classic", 4, 2, capacity_factor=1.0, min_capacity=1)
+    assert rows.tolist() == [[4, 4], [4, 4]] and dropped == 6  # C * E/D = 2 * 2 rows to each rank
+
+
+def test_dedup_volume_is_comm_complexity_times_tokens():
+    wl = synthetic_workload(num_experts=16, top_k=4, tokens=256, hidden=8, seed=3)
+    ids = wl.layers[0].topk_ids_TK
+    dev = contiguous_expert_device(16, 4)
+    dedup, _ = layer_volumes(ids, "occult_dedup", 16, 4)
+    naive, _ = layer_volumes(ids, "per_expert", 16, 4)
+    assert int(dedup.sum()) == int(devices_per_token(ids, dev, 4).sum())
+    assert int(naive.sum()) == 256 * 4
+
+
+def test_pruned_variants_respect_the_budget_and_keep_fitting_tokens():
+    wl = synthetic_workload(num_experts=16, top_k=4, tokens=256, hidden=8, seed=1)
+    variants = routing_variants(wl, 4, budgets=(2, 1))
+    dev = contiguous_expert_device(16, 4)
+    base_ids = wl.layers[0].topk_ids_TK
+    for m in (2, 1):
+        ids, weights = variants[pruned_name(m)][0]
+        assert int(devices_per_token(ids, dev, 4).max()) <= m
+        fits = devices_per_token(base_ids, dev, 4) <= m
+        assert torch.equal(ids[fits].sort(dim=1).values, base_ids[fits].sort(dim=1).values)
+        assert torch.allclose(weights.sum(dim=1), torch.ones(256))  # renormalised gate weights
+    assert variants["per_expert"][0][0] is variants["occult_dedup"][0][0]  # peers replay the same routing
+
+
+@pytest.fixture
+def one_process_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_per_expert_and_capacity_replica_exchanges_on_one_process(one_process_group):
+    group = one_process_group
+    wl = synthetic_workload(num_experts=8, top_k=2, tokens=40, hidden=6, seed=2)
+    ids, w = wl.layers[0].topk_ids_TK, wl.layers[0].weights_TK
+    x = torch.randn(40, 6)
+    ref = (x[:, None, :] * w[..., None]).sum(dim=1)  # identity experts: sum_k w_k x
+    per_expert = build_exchange("per_expert", x, ids, w, 8, group)
+    assert per_expert.send_rows_D == [80]
+    original = dist.all_to_all_single
+    with CollectiveClock() as clock:
+        assert dist.all_to_all_single is not original
+        torch.testing.assert_close(per_expert.run(), ref)
+    # counts (8 int64) + 80 rows out + 80 rows back, fp32 rows of 6: 64 + 2 * 80 * 6 * 4 bytes, 3 collectives
+    assert (clock.calls, clock.bytes) == (3, 64 + 2 * 80 * 6 * 4)
+    assert dist.all_to_all_single is original  # the wrappers are removed again
+    # DeepSpeed's buffer rebuilt without deepspeed: C = max(ceil(40 / 8 * 1.0 * 2), 4) = 10 -> 8 * 10 rows
+    replica = build_exchange("deepspeed_classic", x, ids, w, 8, group, deepspeed_error="forced in a test")
+    assert replica.send_rows_D == [80] and "forced in a test" in replica.implementation
+    assert (replica.capacity, replica.dropped_routes) == deepspeed_capacity(ids, 8, 1, 1.0)
+    replica.run()
+    nodrop = build_exchange("deepspeed_classic_nodrop", x, ids, w, 8, group, deepspeed_error="forced")
+    assert nodrop.dropped_routes == 0 and nodrop.capacity == deepspeed_capacity(ids, 8, 1, None)[0]
+    torch.testing.assert_close(nodrop.run(), ref)
+
+
+# ---- end to end, 2 gloo processes ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def synthetic_report():
+    return bench_json("--synthetic", "--experts", 8, "--top-k", 2, "--tokens", 64, "--hidden", 16, *TINY)
+
+
+def test_synthetic_json_has_the_contract_keys(synthetic_report):
+    r = synthetic_report
+    assert REQUIRED <= set(r)
+    assert (r["model"], r["devices"], r["tokens"], r["hidden"], r["dtype"]) == ("synthetic", 2, 64, 16, "bfloat16")
+    names = [b["backend"] for b in r["backends"]]
+    assert names[:5] == ["deepspeed_classic", "deepspeed_classic_nodrop", "per_expert", "hf_native_ep", "occult_dedup"]
+    assert {"occult_dedup_prune2", "occult_dedup_prune1"} <= set(names)
+    for b in r["backends"]:
+        assert {"backend", "rows_per_token", "exchange_ms", "rows", "bytes", "speedup_vs_best_peer"} <= set(b)
+        if b["measured"]:
+            assert 0 < b["exchange_ms"] <= b["path_ms"]  # the collectives run inside the path
+            assert b["collective_bytes"] >= b["bytes"]  # payload plus split sizes / ids / weights
+        else:
+            assert b["reason"]  # says why it was not measured
+    for name in ("deepspeed_classic", "per_expert", "occult_dedup", "occult_dedup_prune1"):
+        assert by_name(r)[name]["measured"], by_name(r)[name].get("reason")
+    hf = by_name(r)["hf_native_ep"]
+    if hf["measured"]:  # transformers' own AllToAllEP moves exactly the per-expert bytes (k rows per token)
+        assert hf["collective_bytes"] == by_name(r)["per_expert"]["collective_bytes"]
+
+
+def test_rows_per_token_is_k_for_per_expert_and_comm_complexity_for_dedup(synthetic_report):
+    r = synthetic_report
+    b = by_name(r)
+    layer = r["layers"][0]
+    assert b["per_expert"]["rows_per_token"] == 2 and b["hf_native_ep"]["rows_per_token"] == 2
+    assert b["occult_dedup"]["rows_per_token"] == pytest.approx(layer["comm_complexity"], abs=1e-12)
+    assert b["occult_dedup"]["rows"] == round(layer["comm_complexity"] * r["tokens"])
+    assert r["targets"]["rows_equal_comm_complexity_x_tokens"] is True
+    assert b["occult_dedup_prune2"]["rows_per_token"] <= 2
+    assert b["occult_dedup_prune1"]["rows_per_token"] == 1
+    # the same routing rebuilt in the test: rows == sum over tokens of C_T
+    ids = synthetic_workload(8, 2, 64, 16, seed=0).layers[0].topk_ids_TK
+    assert b["occult_dedup"]["rows"] == int(devices_per_token(ids, contiguous_expert_device(8, 2), 2).sum())
+    # bytes are dispatch + combine payload: 2 x rows x hidden x 2 (bf16)
+    assert b["occult_dedup"]["bytes"] == 2 * b["occult_dedup"]["rows"] * 16 * 2
+
+
+def test_deepspeed_sends_its_dense_capacity_buffer(synthetic_report):
+    b = by_name(synthetic_report)
+    # 32 tokens per process, E=8, top-2: C = max(ceil(32 / 8 * 1.0 * 2), 4) = 8 -> E * C = 64 rows per process
+    assert b["deepspeed_classic"]["rows"] == 2 * 64
+    assert 0 <= b["deepspeed_classic"]["dropped_share"] < 1
+    assert b["deepspeed_classic_nodrop"]["dropped_share"] == 0
+    assert b["deepspeed_classic_nodrop"]["rows_per_token"] >= 2
+
+
+def test_cost_model_covers_the_presets(synthetic_report):
+    clusters = {c["name"]: c for c in synthetic_report["cost_model"]["clusters"]}
+    assert set(clusters) == {"8xH100-nvlink", "4xA6000-pcie", "4x8-ib"}
+    assert "skipped" in clusters["4x8-ib"]  # 32 devices cannot split 8 experts
+    preds = {p["backend"]: p for p in clusters["4xA6000-pcie"]["backends"]}
+    assert preds["occult_dedup"]["predicted_ms"] < preds["per_expert"]["predicted_ms"]
+    assert preds["occult_dedup_prune1"]["rows_per_token"] == 1
+
+
+def test_bench_on_a_tiny_saved_model(tmp_path, tiny_tokenizer, text_file):
+    model_dir = save_tiny_model(tmp_path / "olmoe", "olmoe", tiny_tokenizer)
+    plot = tmp_path / "bench.png"
+    r = bench_json(model_dir, "--data", text_file, "--max-tokens", 96, "--seq-len", 32, "--cluster", "4xA6000-pcie",
+                   "--cluster", "lab:devices_per_node=2,intra=50", "--plot", plot, *TINY)
+    assert REQUIRED <= set(r)
+    assert r["model"] == model_dir and r["hidden"] == 64 and r["moe_layers"] == [0, 1] and r["tokens"] == 96
+    b = by_name(r)
+    assert b["per_expert"]["rows_per_token"] == 2
+    cc = sum(layer["comm_complexity"] for layer in r["layers"]) / 2
+    assert b["occult_dedup"]["rows_per_token"] == pytest.approx(cc, abs=1e-12)
+    assert b["occult_dedup_prune1"]["rows_per_token"] == 1
+    assert all(b[n]["measured"] for n in ("per_expert", "occult_dedup", "occult_dedup_prune1"))
+    assert all(math.isfinite(b[n]["exchange_ms"]) for n in b if b[n]["measured"])
+    assert [c["name"] for c in r["cost_model"]["clusters"]] == ["4xA6000-pcie", "lab"]
+    assert plot.stat().st_size > 0
+
+
+# ---- bad inputs -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--synthetic", "--devices", 3, "--experts", 8], "devices=3 does not divide the 8 experts; use one of [2, 4, 8]"),
+    (["--synthetic", "--devices", 1], "the exchange needs at least 2 processes"),
+    (["--synthetic", "--devices", 2, "--cluster", "dgx-h900"], "unknown cluster 'dgx-h900'; choose one of"),
+    (["--synthetic", "--devices", 2, "--tokens", 1], "1 tokens cannot be shared by 2 processes"),
+    (["--synthetic", "some/model", "--devices", 2], "--synthetic takes no MODEL"),
+    (["--devices", 2], "give MODEL --data DATA, or --synthetic"),
+    (["--synthetic", "--devices", 2, "--experts", 8, "--tokens", 8, "--backends", "tutel"], "unknown or unmeasurable backends ['tutel']"),
+])
+def test_bad_inputs_give_one_line_errors(args, message, capsys):
+    assert main(["bench", *[str(a) for a in args]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_model_without_data_and_bad_settings_are_rejected(capsys, tmp_path):
+    assert main(["bench", str(tmp_path / "nowhere"), "--devices", "2"]) == 2
+    assert "needs --data" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="dtype='int8' is unknown"):
+        BenchSettings(devices=2, dtype="int8")
