@@ -170,9 +170,14 @@ def _local_dir(path: str) -> str:
 
 
 def load_model_and_tokenizer(path: str, dtype=None, **kwargs):
-    """`AutoModelForCausalLM` + `AutoTokenizer` for a local dir or Hub id, with one-line errors."""
+    """`AutoModelForCausalLM` + `AutoTokenizer` for a local dir, a Hub id or `embedded` (the shipped
+    base model), with one-line errors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if path == "embedded":
+        from .embedded import embedded_model_path
+
+        path = embedded_model_path()
     _check_exists(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **kwargs)

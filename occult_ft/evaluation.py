@@ -1,0 +1,139 @@
+"""Held-out evaluation: loss, perplexity and routing metrics of a (pruned) MoE model on data.
+
+Used by `occult-ft eval`, the demo and the quality study. `eval_batches` turns a data source into
+padded batches with labels; `evaluate_model` runs the model over them with its routers recording.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["load_data", "data_batches", "evaluate_model", "format_results"]
+
+
+def load_data(data: str):
+    """The raw dataset behind a --data value (checked before any model is loaded)."""
+    from .data import load_text_dataset
+
+    if data == "embedded":
+        return load_text_dataset("embedded", split="eval")
+    return load_text_dataset(data)
+
+
+def data_batches(tokenizer, data, seq_len: int, batch_size: int, max_tokens: int | None = None) -> list[dict]:
+    """Tokenised `data` (a --data value or a loaded dataset) as padded batches of `input_ids`,
+    `attention_mask` and `labels` (-100 on padding, and on prompts of instruction rows); enough rows
+    for `max_tokens`."""
+    from .data import DataError, make_collator, tokenize_dataset
+
+    if tokenizer is None:
+        raise DataError("the model has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
+    ds = load_data(data) if isinstance(data, str) else data
+    ds = tokenize_dataset(ds, tokenizer, seq_len=seq_len)
+    if len(ds) == 0:
+        raise DataError(f"data {data if isinstance(data, str) else 'set'!r} gave no tokens; check the file is not empty")
+    collate = make_collator(tokenizer)
+    limit = len(ds) if max_tokens is None else min(len(ds), -(-max_tokens // seq_len))
+    return [collate([ds[j] for j in range(i, min(i + batch_size, limit))]) for i in range(0, limit, batch_size)]
+
+
+def evaluate_model(model, batches, num_devices: int | None = None, max_tokens: int | None = None) -> dict:
+    """Loss, perplexity and routing metrics of `model` over `batches`.
+
+    Args:
+        model: a transformers MoE model (pruned routers installed or not; PEFT wrappers are fine).
+        batches: dicts with `input_ids` (B, S), `attention_mask` (B, S) and `labels` (B, S, -100 = ignored).
+        num_devices: D for the metrics; must match the model's pruning when it has one (default: that D, else 4).
+        max_tokens: stop after this many real tokens.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from .metrics import random_placement_comm_complexity, routing_report
+    from .models import find_moe_layers, unwrap_model
+    from .routing import PruningConfig, apply_pruning, pruned_routers, set_recording
+
+    routers = pruned_routers(model)
+    pruning = routers[0][1].occult_config if routers else None
+    if pruning is not None and num_devices is not None and num_devices != pruning.num_devices:
+        raise ValueError(
+            f"--devices {num_devices} disagrees with the model's pruning for {pruning.num_devices} devices; drop --devices"
+        )
+    if pruning is None:
+        pruning = PruningConfig(num_devices or 4)
+        apply_pruning(model, pruning)  # record only: the routing is unchanged
+    d = pruning.num_devices
+    layers = find_moe_layers(model)
+    e, k = layers[0].num_experts, layers[0].top_k
+    device = next(unwrap_model(model).parameters()).device
+    model.eval()
+    set_recording(model, True, keep_graph=False)
+    ids: dict[int, list] = {layer.index: [] for layer in layers}
+    expert_device: dict[int, torch.Tensor] = {}
+    nll, labelled, tokens, removed, routed = 0.0, 0, 0, 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            batch = {key: value.to(device) for key, value in batch.items()}
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            labels = batch["labels"][:, 1:]
+            nll += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                                   reduction="sum").item()
+            labelled += int((labels != -100).sum())
+            mask_T = batch["attention_mask"].flatten().bool()
+            for layer, router in pruned_routers(model):
+                rec = router.occult_record
+                ids[layer.index].append(rec.topk_ids[mask_T].cpu())
+                expert_device[layer.index] = router.occult_expert_device.cpu()
+                removed += rec.removed_mass[mask_T].double().sum().item()
+                routed += int(mask_T.sum())
+            tokens += int(mask_T.sum())
+            if max_tokens is not None and tokens >= max_tokens:
+                break
+    set_recording(model, False)
+    if tokens == 0:
+        raise ValueError("the data gave no tokens; check that it is not empty")
+    report = routing_report({i: torch.cat(v) for i, v in ids.items()}, expert_device, d, e)
+    loss = nll / labelled if labelled else float("nan")
+    return {
+        "tokens": tokens,
+        "labelled_tokens": labelled,
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)) if labelled else float("nan"),
+        "num_devices": d,
+        "max_devices_per_token": pruning.max_devices_per_token,
+        "criterion": pruning.criterion if pruning.active else None,
+        "top_k": k,
+        "comm_complexity": report.comm_complexity,
+        "intra_share": report.intra_share,
+        "removed_mass": removed / routed if routed else 0.0,
+        "load_imbalance": report.load_imbalance,
+        "devices_histogram": report.devices_histogram,
+        "random_placement_comm_complexity": random_placement_comm_complexity(e, k, d),
+        "layers": [
+            {"layer": m.layer, "comm_complexity": m.comm_complexity, "intra_share": m.intra_share,
+             "load_imbalance": m.load_imbalance, "devices_histogram": m.devices_histogram}
+            for m in report.layers
+        ],
+    }
+
+
+def format_results(results: dict) -> str:
+    budget = results["max_devices_per_token"]
+    lines = [
+        f"model: {results['model']}",
+        f"tokens: {results['tokens']} ({results['labelled_tokens']} labelled)",
+        f"loss: {results['loss']:.4f}   perplexity: {results['perplexity']:.2f}",
+        f"devices: {results['num_devices']}   max_devices_per_token: {budget if budget is not None else 'none'}"
+        + (f" ({results['criterion']})" if results["criterion"] else ""),
+        f"comm_complexity: {results['comm_complexity']:.3f} (top-k {results['top_k']}; random placement "
+        f"{results['random_placement_comm_complexity']:.3f})",
+        f"intra_share: {results['intra_share']:.3f}   removed_mass: {results['removed_mass']:.4f}   "
+        f"load_imbalance: {results['load_imbalance']:.2f}",
+        f"devices/token histogram: {results['devices_histogram']}",
+    ]
+    for m in results["layers"]:
+        lines.append(f"  layer {m['layer']:>3}: comm_complexity {m['comm_complexity']:.3f}  intra_share "
+                     f"{m['intra_share']:.3f}  load_imbalance {m['load_imbalance']:.2f}")
+    return "\n".join(lines)
+
+
