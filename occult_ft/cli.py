@@ -17,7 +17,7 @@ import sys
 __all__ = ["COMMANDS", "build_parser", "main", "run_command"]
 
 # name -> module under occult_ft.commands, in the order `occult-ft --help` lists them
-COMMANDS = ("demo", "profile", "place", "prune", "analyze", "train", "eval", "push", "bench")
+COMMANDS = ("demo", "profile", "place", "prune", "analyze", "train", "eval", "push", "bench", "study")
 
 
 def _load(name: str):

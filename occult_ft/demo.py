@@ -1,0 +1,236 @@
+"""The whole Occult pipeline on the embedded default model, and the quality study built from it.
+
+`run_demo` (behind `occult-ft demo`, the README's main job): profile the shipped OLMoE base model on
+the shipped corpus -> place its experts on D devices (sequential, the paper's greedy, our default)
+-> prune to `max_devices_per_token` devices without training -> fine-tune with pruning
+(`OccultTrainer`) -> evaluate on held-out text -> save the pruned checkpoint and reload it with
+`occult_ft.from_pretrained`. It prints one summary table and returns the numbers.
+
+`run_quality_study` (behind `occult-ft study`): on the same model and held-out text, eval loss and
+`comm_complexity` for the base model, standard (unpruned) fine-tuning, zero-shot pruning and pruned
+fine-tuning to 1 and 2 devices with the score and similarity criteria.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+__all__ = ["DemoSettings", "run_demo", "run_quality_study", "format_rows"]
+
+
+@dataclass
+class DemoSettings:
+    """Sizes of the demo and study runs (defaults fit 2 CPU cores).
+
+    Args:
+        output_dir: where the profile, placement, checkpoints and results go.
+        devices: D, the expert-parallel layout the placement and budget refer to.
+        max_devices_per_token: the demo's budget M.
+        criterion: the demo's pruning criterion.
+        steps: fine-tuning steps per run; batch_size, seq_len: per step.
+        learning_rate: fine-tuning learning rate (MoE blocks only, as in the paper).
+        profile_tokens: training tokens profiled for placement and similarity tables.
+        eval_tokens: held-out tokens evaluated per model.
+        seed: training seed.
+    """
+
+    output_dir: str = "occult-demo"
+    devices: int = 4
+    max_devices_per_token: int = 2
+    criterion: str = "similarity"
+    steps: int = 150
+    batch_size: int = 8
+    seq_len: int = 128
+    learning_rate: float = 1e-3
+    profile_tokens: int = 32768
+    eval_tokens: int = 32768
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _eval_batches(tokenizer, s: DemoSettings):
+    from .evaluation import data_batches
+
+    return data_batches(tokenizer, "embedded", s.seq_len, 16, s.eval_tokens)
+
+
+def _evaluate(model, batches, devices: int) -> dict:
+    from .evaluation import evaluate_model
+
+    r = evaluate_model(model, batches, devices)
+    return {k: r[k] for k in ("loss", "perplexity", "comm_complexity", "intra_share", "removed_mass", "load_imbalance")}
+
+
+def _placed_copy(model, placement, pruning=None, similarity=None):
+    import copy
+
+    from .placement import permute_experts
+    from .routing import apply_pruning, remove_pruning
+
+    placed = copy.deepcopy(model)
+    remove_pruning(placed)
+    permute_experts(placed, placement)
+    if pruning is not None:
+        apply_pruning(placed, pruning, similarity=similarity)
+    return placed
+
+
+def _placed_similarity(profile, placement) -> dict[int, torch.Tensor]:
+    out = {}
+    for i, sim in profile.similarity().items():
+        order = placement.expert_order(i)
+        out[i] = sim[order][:, order]
+    return out
+
+
+def _finetune(s: DemoSettings, placement_path: str, out: str, budget: int | None, criterion: str):
+    from .trainer import OccultConfig, train
+
+    config = OccultConfig(
+        output_dir=out, model_name_or_path="embedded", dataset="embedded", seq_len=s.seq_len,
+        devices=s.devices, placement=placement_path, max_devices_per_token=budget, criterion=criterion,
+        profile_tokens=s.profile_tokens, train_mode="moe", max_steps=s.steps,
+        per_device_train_batch_size=s.batch_size, learning_rate=s.learning_rate, lr_scheduler_type="cosine",
+        warmup_steps=max(1, s.steps // 20), logging_steps=max(1, s.steps // 10), save_strategy="no",
+        report_to=[], seed=s.seed, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    t = time.perf_counter()
+    trainer, metrics = train(config)
+    seconds = time.perf_counter() - t
+    tokens = s.steps * s.batch_size * s.seq_len
+    return trainer, {"train_seconds": seconds, "train_tokens_per_second": tokens / seconds,
+                     "log_history": trainer.state.log_history}
+
+
+def _prepare(s: DemoSettings):
+    """Base model, eval batches, profile and the three placements (saved under output_dir)."""
+    from .checkpoint import load_model_and_tokenizer
+    from .evaluation import data_batches
+    from .placement import compute_placement
+    from .profiling import profile_model
+
+    os.makedirs(s.output_dir, exist_ok=True)
+    torch.manual_seed(s.seed)
+    model, tokenizer = load_model_and_tokenizer("embedded")
+    model.eval()
+    from .data import load_text_dataset
+
+    train_text = load_text_dataset("embedded", split="train")
+    prof_batches = data_batches(tokenizer, train_text, s.seq_len, 16, s.profile_tokens)
+    profile = profile_model(model, prof_batches, model_name="embedded", max_tokens=s.profile_tokens, progress=False)
+    profile.save(os.path.join(s.output_dir, "profile.safetensors"))
+    placements = {}
+    for algo in ("sequential", "occult", "search"):
+        t = time.perf_counter()
+        placements[algo] = compute_placement(profile, s.devices, algorithm=algo)
+        placements[algo].metrics["seconds"] = time.perf_counter() - t
+        placements[algo].save(os.path.join(s.output_dir, f"placement-{algo}.json"))
+    return model, tokenizer, _eval_batches(tokenizer, s), profile, placements
+
+
+def _placement_rows(model, eval_batches, placements, devices: int) -> list[dict]:
+    """comm_complexity of the base model's held-out routing under each placement (exact: a permutation)."""
+    from .metrics import random_placement_comm_complexity, routing_report
+    from .models import find_moe_layers
+    from .profiling import profile_model
+
+    routing = profile_model(model, eval_batches, progress=False).topk_ids()
+    layer = find_moe_layers(model)[0]
+    e, k = layer.num_experts, layer.top_k
+    rows = [{"setting": "random placement (expected)", "comm_complexity": random_placement_comm_complexity(e, k, devices)}]
+    for algo, pl in placements.items():
+        rep = routing_report(routing, {i: pl.expert_device(i) for i in routing}, devices, e)
+        rows.append({"setting": f"placement: {algo}", "comm_complexity": rep.comm_complexity,
+                     "intra_share": rep.intra_share, "placement_seconds": pl.metrics["seconds"]})
+    return rows
+
+
+def format_rows(rows: list[dict], title: str) -> str:
+    cols = [("loss", "eval loss", "{:.4f}"), ("comm_complexity", "comm_cx", "{:.3f}"),
+            ("intra_share", "intra", "{:.3f}"), ("removed_mass", "removed", "{:.3f}"),
+            ("train_tokens_per_second", "train tok/s", "{:.0f}")]
+    width = max(len(r["setting"]) for r in rows) + 2
+    lines = [title, f"{'setting':<{width}}" + "".join(f"{c[1]:>13}" for c in cols)]
+    for r in rows:
+        cells = "".join(f"{(c[2].format(r[c[0]]) if r.get(c[0]) is not None else '-'):>13}" for c in cols)
+        lines.append(f"{r['setting']:<{width}}{cells}")
+    return "\n".join(lines)
+
+
+def run_demo(settings: DemoSettings | None = None, verbose: bool = True) -> dict:
+    """Profile, place, prune, fine-tune, evaluate and save the embedded model; returns the results."""
+    from .checkpoint import from_pretrained
+    from .routing import PruningConfig
+
+    s = settings or DemoSettings()
+    start = time.perf_counter()
+    say = print if verbose else (lambda *a, **k: None)
+    say(f"[1/5] profiling the embedded OLMoE and placing its experts on {s.devices} devices")
+    model, tokenizer, eval_batches, profile, placements = _prepare(s)
+    rows = _placement_rows(model, eval_batches, placements, s.devices)
+    say("[2/5] evaluating the base model")
+    base = _evaluate(_placed_copy(model, placements["search"]), eval_batches, s.devices)
+    rows.append({"setting": "base model (search placement)", **base})
+    say(f"[3/5] pruning to {s.max_devices_per_token} devices per token without training ({s.criterion})")
+    pruning = PruningConfig(s.devices, s.max_devices_per_token, s.criterion)
+    sim = _placed_similarity(profile, placements["search"])
+    zero = _evaluate(_placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices)
+    rows.append({"setting": f"pruned to {s.max_devices_per_token}, no fine-tuning", **zero})
+    say(f"[4/5] pruned fine-tuning: {s.steps} steps")
+    out = os.path.join(s.output_dir, "model")
+    trainer, run = _finetune(s, os.path.join(s.output_dir, "placement-search.json"), out, s.max_devices_per_token, s.criterion)
+    tuned = _evaluate(trainer.model, eval_batches, s.devices)
+    rows.append({"setting": f"pruned to {s.max_devices_per_token}, fine-tuned", **tuned,
+                 "train_tokens_per_second": run["train_tokens_per_second"]})
+    say(f"[5/5] reloading {out} with occult_ft.from_pretrained")
+    reloaded = _evaluate(from_pretrained(out), eval_batches, s.devices)
+    if abs(reloaded["loss"] - tuned["loss"]) > 1e-4 or abs(reloaded["comm_complexity"] - tuned["comm_complexity"]) > 1e-6:
+        raise RuntimeError(f"the saved checkpoint does not reproduce the trained model: {reloaded} vs {tuned}")
+    rows.append({"setting": "reloaded checkpoint", **reloaded})
+    result = {"settings": asdict(s), "rows": rows, "checkpoint": out, "wall_seconds": time.perf_counter() - start,
+              "log_history": run["log_history"]}
+    with open(os.path.join(s.output_dir, "demo_results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    say(format_rows(rows, f"\nOccult demo: embedded OLMoE, {s.devices} devices, held-out eval ({s.eval_tokens} tokens)"))
+    say(f"\ncheckpoint: {out}  (occult_ft.from_pretrained('{out}'))   wall time: {result['wall_seconds']:.0f} s")
+    return result
+
+
+def run_quality_study(settings: DemoSettings | None = None, budgets=(2, 1), criteria=("score", "similarity"),
+                      verbose: bool = True) -> dict:
+    """Eval loss and comm_complexity for base, standard fine-tuning, zero-shot pruning and pruned
+    fine-tuning (every budget x criterion), all on the search placement."""
+    from .routing import PruningConfig
+
+    s = settings or DemoSettings(output_dir="occult-study")
+    start = time.perf_counter()
+    say = print if verbose else (lambda *a, **k: None)
+    model, tokenizer, eval_batches, profile, placements = _prepare(s)
+    rows = _placement_rows(model, eval_batches, placements, s.devices)
+    placement_path = os.path.join(s.output_dir, "placement-search.json")
+    sim = _placed_similarity(profile, placements["search"])
+    rows.append({"setting": "base model", **_evaluate(_placed_copy(model, placements["search"]), eval_batches, s.devices)})
+    say("standard fine-tuning (no pruning)")
+    trainer, run = _finetune(s, placement_path, os.path.join(s.output_dir, "ft-unpruned"), None, "score")
+    rows.append({"setting": "standard fine-tuning", **_evaluate(trainer.model, eval_batches, s.devices),
+                 "train_tokens_per_second": run["train_tokens_per_second"]})
+    for m in budgets:
+        for crit in criteria:
+            pruning = PruningConfig(s.devices, m, crit)
+            zero = _evaluate(_placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices)
+            rows.append({"setting": f"prune to {m}, {crit}, no fine-tuning", **zero})
+            say(f"pruned fine-tuning: {m} device(s), {crit}")
+            trainer, run = _finetune(s, placement_path, os.path.join(s.output_dir, f"ft-{m}-{crit}"), m, crit)
+            rows.append({"setting": f"prune to {m}, {crit}, fine-tuned", **_evaluate(trainer.model, eval_batches, s.devices),
+                         "train_tokens_per_second": run["train_tokens_per_second"]})
+    result = {"settings": asdict(s), "rows": rows, "wall_seconds": time.perf_counter() - start}
+    with open(os.path.join(s.output_dir, "study_results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    say(format_rows(rows, f"\nQuality study: embedded OLMoE, {s.devices} devices, {s.steps} steps per fine-tuning"))
+    say(f"\nwall time: {result['wall_seconds']:.0f} s")
+    return result
