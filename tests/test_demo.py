@@ -1,0 +1,48 @@
+"""The demo pipeline on the embedded model (small settings) and the embedded default itself."""
+
+import json
+import os
+
+import pytest
+
+from occult_ft.cli import main
+from occult_ft.demo import DemoSettings, run_demo
+
+
+@pytest.mark.slow
+def test_demo_runs_the_whole_pipeline(tmp_path):
+    s = DemoSettings(output_dir=str(tmp_path / "demo"), steps=6, batch_size=4, seq_len=64, eval_tokens=2048,
+                     profile_tokens=4096)
+    result = run_demo(s, verbose=False)
+    rows = {r["setting"]: r for r in result["rows"]}
+    seq, occ, search = (rows[f"placement: {a}"]["comm_complexity"] for a in ("sequential", "occult", "search"))
+    assert search <= occ + 1e-9 and search < seq  # the trained model's co-activation has structure
+    assert rows["random placement (expected)"]["comm_complexity"] == pytest.approx(2.8176, abs=1e-3)
+    assert rows["pruned to 2, fine-tuned"]["comm_complexity"] <= 2.0
+    assert rows["pruned to 2, no fine-tuning"]["removed_mass"] > 0
+    assert rows["reloaded checkpoint"]["loss"] == pytest.approx(rows["pruned to 2, fine-tuned"]["loss"], abs=1e-4)
+    cfg = json.load(open(os.path.join(result["checkpoint"], "config.json")))
+    assert cfg["occult"]["max_devices_per_token"] == 2 and cfg["occult"]["placement"]["algorithm"] == "search"
+    assert os.path.isfile(tmp_path / "demo" / "demo_results.json")
+
+
+def test_embedded_model_has_structured_routing():
+    """Random weights would give comm_complexity near the random expectation; the shipped model must not."""
+    from occult_ft.checkpoint import load_model_and_tokenizer
+    from occult_ft.evaluation import data_batches
+    from occult_ft.metrics import random_placement_comm_complexity, routing_report
+    from occult_ft.placement import compute_placement
+    from occult_ft.profiling import profile_model
+
+    model, tok = load_model_and_tokenizer("embedded")
+    assert model.config.model_type == "olmoe" and model.config.num_experts == 32
+    prof = profile_model(model, data_batches(tok, "embedded", 64, 8, 4096), progress=False)
+    placed = compute_placement(prof, 4)
+    ids = prof.topk_ids()
+    cc = routing_report(ids, {i: placed.expert_device(i) for i in ids}, 4, 32).comm_complexity
+    assert cc < 0.9 * random_placement_comm_complexity(32, 4, 4)
+
+
+def test_demo_rejects_bad_flags(capsys):
+    assert main(["demo", "--max-devices-per-token", "9"]) == 2
+    assert "max_devices_per_token=9" in capsys.readouterr().err
