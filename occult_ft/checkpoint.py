@@ -38,6 +38,7 @@ __all__ = [
     "save_pruned",
     "from_pretrained",
     "load_model_and_tokenizer",
+    "load_tokenizer",
     "CheckpointError",
 ]
 
@@ -167,6 +168,23 @@ def _local_dir(path: str) -> str:
     except Exception as exc:  # network, auth, offline mode: all end the same way for the user
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"cannot fetch model {path!r} from the Hub: {first}") from None
+
+
+def load_tokenizer(*sources: str | None):
+    """The tokenizer of the first source (model dir or Hub id) that has one, e.g. a checkpoint then
+    its base model. Raises CheckpointError naming the sources when none has one."""
+    from transformers import AutoTokenizer
+
+    tried = [s for s in sources if s]
+    for source in tried:
+        try:
+            return AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError, KeyError):
+            continue
+    raise CheckpointError(
+        f"found no tokenizer in {', '.join(map(repr, tried)) or 'no source'}; save one beside the model "
+        "(tokenizer.save_pretrained)"
+    )
 
 
 def load_model_and_tokenizer(path: str, dtype=None, **kwargs):

@@ -22,7 +22,7 @@ Command line: `occult-ft bench` (occult_ft/commands/bench.py).
 """
 
 from .benchmark import DEFAULT_BUDGETS, DEFINITIONS, TARGETS, check_inputs, run_benchmark
-from .output import format_report, plot_report
+from .output import format_report
 from .runner import DTYPES, BenchSettings, choose_transport, run_exchanges
 from .workload import (
     BACKENDS,
@@ -62,5 +62,4 @@ __all__ = [
     "run_exchanges",
     "run_benchmark",
     "format_report",
-    "plot_report",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["format_report", "plot_report"]
+__all__ = ["format_report"]
 
 
 def _num(value, fmt: str, width: int) -> str:
@@ -65,37 +65,3 @@ def format_report(report: dict) -> str:
         lines.append("")
         lines.extend(f"note: {n}" for n in r["notes"])
     return "\n".join(lines)
-
-
-def plot_report(report: dict, path: str) -> None:
-    """Bar chart: rows per token and exchange ms (with the whole path's ms) per backend, saved to `path`."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib; install it with `pip install matplotlib`") from None
-    rows = report["backends"]
-    names = [b["backend"] for b in rows]
-    colors = ["#8c8c8c" if b["peer"] else "#2a7ab9" for b in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax1.bar(names, [b["rows_per_token"] for b in rows], color=colors)
-    ax1.set_ylabel("rows per token (per layer, dispatch)")
-    ax1.set_title(f"volume: E={report['num_experts']}, top-{report['top_k']}, {report['devices']} devices")
-    xs = range(len(rows))
-    ax2.bar([x - 0.2 for x in xs], [b["exchange_ms"] or 0 for b in rows], width=0.4, color=colors, label="exchange")
-    ax2.bar([x + 0.2 for x in xs], [b["path_ms"] or 0 for b in rows], width=0.4, color=colors, alpha=0.45,
-            label="whole path")
-    ax2.set_xticks(list(xs))
-    ax2.set_xticklabels(names)
-    ax2.set_ylabel("ms per forward (dispatch + combine)")
-    ax2.set_title(report["transport"])
-    ax2.legend()
-    for ax in (ax1, ax2):
-        ax.tick_params(axis="x", labelrotation=35)
-        for label in ax.get_xticklabels():
-            label.set_horizontalalignment("right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

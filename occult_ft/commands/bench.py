@@ -113,7 +113,7 @@ def build_workload(args, settings):
 
 
 def run(args) -> int:
-    from ..bench import DEFAULT_BUDGETS, BenchSettings, format_report, plot_report, run_benchmark
+    from ..bench import DEFAULT_BUDGETS, BenchSettings, format_report, run_benchmark
     from ..costmodel import get_cluster
 
     settings = BenchSettings(devices=args.devices, iters=args.iters, warmup=args.warmup, dtype=args.dtype,
@@ -126,7 +126,9 @@ def run(args) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
     report = run_benchmark(workload, settings, budgets, backends, args.cluster)
     if args.plot:
-        plot_report(report, args.plot)
+        from ..plots import plot_bench
+
+        plot_bench(report, args.plot)
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 

@@ -34,31 +34,18 @@ def add_parser(sub):
     return p
 
 
-def _tokenizer_for(path: str, model):
-    from transformers import AutoTokenizer
-
-    from ..models import unwrap_model
-
-    for source in (path, getattr(unwrap_model(model).config, "_name_or_path", None)):
-        if not source:
-            continue
-        try:
-            return AutoTokenizer.from_pretrained(source)
-        except (OSError, ValueError, KeyError):
-            continue
-    raise ValueError(f"found no tokenizer for {path!r}; save one beside the model (tokenizer.save_pretrained)")
-
-
 def run(args) -> int:
     import torch
 
-    from ..checkpoint import from_pretrained
+    from ..checkpoint import from_pretrained, load_tokenizer
 
     data = load_data(args.data)
     model = from_pretrained(args.model)
     if torch.cuda.is_available():
         model = model.to("cuda")
-    tokenizer = _tokenizer_for(args.model, model)
+    from ..models import unwrap_model
+
+    tokenizer = load_tokenizer(args.model, getattr(unwrap_model(model).config, "_name_or_path", None))
     batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens)
     results = {"model": args.model, **evaluate_model(model, batches, args.devices, args.max_tokens)}
     print(json.dumps(results) if args.json else format_results(results))
