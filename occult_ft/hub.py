@@ -35,6 +35,8 @@ from typing import Any
 from .checkpoint import ADAPTER_OCCULT_FILE, OCCULT_KEY, SIMILARITY_FILE
 
 __all__ = [
+    "FIGURE_NAME",
+    "make_comm_complexity_figure",
     "OCCULT_CITATION",
     "CARD_TAGS",
     "DEFAULT_IGNORE_PATTERNS",
@@ -503,6 +505,21 @@ def check_repo_id(repo_id: Any) -> str:
             f"repo id {repo_id!r} is not a valid Hub repo id; use owner/name with letters, digits, '-', '_' or '.'"
         ) from None
     return repo_id
+
+
+FIGURE_NAME = "comm_complexity.png"
+
+
+def make_comm_complexity_figure(
+    checkpoint_dir: str | os.PathLike, data: Any = "embedded", max_tokens: int = 2048
+) -> str:
+    """Measure the checkpoint's routing on `data` and write its comm_complexity figure into the
+    directory (`comm_complexity.png`), for the card; returns the PNG's path."""
+    from .plots import comm_complexity_figure
+
+    path = os.path.join(os.fspath(checkpoint_dir), FIGURE_NAME)
+    comm_complexity_figure(os.fspath(checkpoint_dir), path, data=data, max_tokens=max_tokens)
+    return path
 
 
 def push_checkpoint(

@@ -309,7 +309,7 @@ def test_push_after_training_from_a_directory_defaults_repo_to_its_name(placed_d
 # ---- the command --------------------------------------------------------------------------------
 def test_cli_dry_run_writes_card_and_lists_files(placed_dir, tmp_path, capsys):
     path = _copy_checkpoint(placed_dir, tmp_path / "ckpt")
-    assert cli_main(["push", path, "--repo-id", "me/olmoe-placed", "--dry-run"]) == 0
+    assert cli_main(["push", path, "--repo-id", "me/olmoe-placed", "--dry-run", "--no-figure"]) == 0
     out = capsys.readouterr().out
     assert "would upload" in out and "README.md" in out and "config.json" in out
     assert os.path.isfile(os.path.join(path, "README.md"))
@@ -322,10 +322,20 @@ def test_cli_push_uses_the_hub_api(placed_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: fake.create_repo(repo_id, **kw))
     monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: fake.upload_folder(**kw))
     path = _copy_checkpoint(placed_dir, tmp_path / "ckpt")
-    rc = cli_main(["push", path, "--repo-id", "me/p", "--private", "--token", "hf_c", "--message", "m1"])
+    rc = cli_main(["push", path, "--repo-id", "me/p", "--private", "--token", "hf_c", "--message", "m1", "--no-figure"])
     assert rc == 0 and "commit/abc123" in capsys.readouterr().out
     assert fake.create_calls[0]["private"] is True and fake.create_calls[0]["token"] == "hf_c"
     assert fake.upload_calls[0]["commit_message"] == "m1"
+
+
+def test_cli_push_embeds_the_measured_comm_complexity_figure(tiny_olmoe_dir, tmp_path, capsys):
+    out = tmp_path / "pruned"
+    assert cli_main(["prune", tiny_olmoe_dir, "--placement", "sequential", "--devices", "4",
+                     "--max-devices-per-token", "1", "--out", str(out)]) == 0
+    assert cli_main(["push", str(out), "--repo-id", "me/p", "--dry-run"]) == 0
+    assert os.path.getsize(out / hub.FIGURE_NAME) > 1000
+    assert hub.FIGURE_NAME in (out / "README.md").read_text()
+    assert hub.FIGURE_NAME in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv_tail, match", [

@@ -30,7 +30,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="create the repo private")
     p.add_argument("--token", default=None, help="Hub token (default: the logged-in token or HF_TOKEN)")
     p.add_argument("--message", default=None, help="commit message (default: 'Upload occult_ft checkpoint')")
-    p.add_argument("--figure", default=None, help="a PNG to show in the card (copied into DIR)")
+    p.add_argument("--figure", default=None,
+                   help="a PNG to show in the card (copied into DIR); default: measure the checkpoint's "
+                        "comm_complexity on --figure-data and plot it")
+    p.add_argument("--figure-data", default="embedded",
+                   help="text the default figure routes (a --data value; default: the shipped eval text)")
+    p.add_argument("--no-figure", action="store_true", help="no figure in the card")
     p.add_argument("--dry-run", action="store_true",
                    help="write README.md and list the files that would be uploaded; do not contact the Hub")
     p.set_defaults(func=run)
@@ -38,8 +43,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..hub import check_repo_id, push_checkpoint, upload_file_list, write_model_card
+    from ..hub import (
+        check_repo_id,
+        make_comm_complexity_figure,
+        push_checkpoint,
+        upload_file_list,
+        write_model_card,
+    )
 
+    check_repo_id(args.repo_id)
+    if args.figure is None and not args.no_figure:
+        args.figure = make_comm_complexity_figure(args.checkpoint, data=args.figure_data)
     if args.dry_run:
         repo_id = check_repo_id(args.repo_id)
         readme = write_model_card(args.checkpoint, repo_id=repo_id, figure=args.figure)
