@@ -14,7 +14,10 @@ On construction the model is placed, pruned and set up for its `train_mode` (see
   `occult_similarity.safetensors`; a LoRA run writes the adapter directory plus `occult_config.json`.
   `occult_ft.from_pretrained(dir)` loads either with the pruned routing active;
 - resuming takes the placement and similarity tables from the checkpoint, so a resumed run ends where
-  the uninterrupted one does.
+  the uninterrupted one does;
+- with `expert_parallel_size` D > 1 (launched on W processes, W % D == 0) the experts are sharded over
+  groups of D processes after placement and pruning (`occult_ft.trainer.expert_parallel`), with or
+  without DeepSpeed (ZeRO 0-2); checkpoints gather the shards back into the standard HF layout.
 """
 
 from __future__ import annotations
@@ -38,6 +41,17 @@ from ..checkpoint import (
 from ..models.registry import unwrap_model
 from ..routing import apply_pruning, pruned_routers
 from .config import OccultConfig
+from .expert_parallel import (
+    ExpertParallelGroups,
+    clip_expert_parallel_grad_norm,
+    gathered_state_dict,
+    load_expert_optimizer_state,
+    load_expert_shards,
+    reduce_expert_gradients,
+    save_expert_optimizer_state,
+    setup_expert_parallel,
+    shard_state_dict,
+)
 from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
 from .prepare import (
@@ -183,6 +197,9 @@ class OccultTrainer(Trainer):
         checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
         model, setup = prepare_model(model, args, train_dataset, data_collator, placement, checkpoint)
         self.occult: OccultSetup = setup
+        self.expert_parallel: ExpertParallelGroups | None = None
+        if args.expert_parallel_size > 1:
+            self.expert_parallel = setup_expert_parallel(model, args)
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, **kwargs,
@@ -231,12 +248,38 @@ class OccultTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._reduces_expert_gradients() and self.accelerator.sync_gradients:
+            reduce_expert_gradients(self.model, self.expert_parallel)
         # the records keep the last routing for inspection, but not the probabilities' graph
         for _, router in self._routers:
             record = getattr(router, "occult_record", None)
             if record is not None:
                 record.probs = None
         return loss
+
+    # ---- expert parallelism without DeepSpeed: shard gradients and the norm are ours --------------
+    def _reduces_expert_gradients(self) -> bool:
+        return self.expert_parallel is not None and not self.is_deepspeed_enabled
+
+    def _clip_grad_norm(self, model):
+        if self._reduces_expert_gradients():
+            return clip_expert_parallel_grad_norm(self.model, self.expert_parallel, self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and self._reduces_expert_gradients():
+            grad_norm = clip_expert_parallel_grad_norm(self.model, self.expert_parallel, float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def create_optimizer(self, *args, **kwargs):
+        """`Trainer.create_optimizer`; under DeepSpeed with expert parallelism the expert shards go into
+        DeepSpeed's MoE param groups (`occult_ft.integrations.deepspeed.split_moe_param_groups`)."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self.expert_parallel is not None and self.is_deepspeed_enabled:
+            from ..integrations.deepspeed import split_moe_param_groups
+
+            split_moe_param_groups(optimizer)
+        return optimizer
 
     # ---- logging ------------------------------------------------------------------------------
     def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -278,6 +321,11 @@ class OccultTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.expert_parallel is not None:
+            # every rank takes part in the gather; rank 0 then writes the standard HF layout
+            state_dict = gathered_state_dict(self.model, state_dict)
+            if not self.args.should_save:
+                return
         if self._is_lora():
             super()._save(output_dir, state_dict=state_dict)
             if self.args.should_save:
@@ -333,7 +381,10 @@ class OccultTrainer(Trainer):
             return False
         base = unwrap_model(self.model)
         loaded = type(base).from_pretrained(path, dtype=next(base.parameters()).dtype)
-        result = base.load_state_dict(loaded.state_dict(), strict=False)
+        state = loaded.state_dict()
+        if self.expert_parallel is not None:
+            state = shard_state_dict(base, state)
+        result = base.load_state_dict(state, strict=False)
         del loaded
         if result.missing_keys or result.unexpected_keys:
             raise ValueError(
@@ -347,10 +398,26 @@ class OccultTrainer(Trainer):
             return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self._reduces_expert_gradients():
+            save_expert_optimizer_state(self.optimizer, self.expert_parallel, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.expert_parallel is None:
+            return
+        if self.is_deepspeed_enabled:  # the engine restored rank 0's shards everywhere: take our own
+            load_expert_shards(self.model, checkpoint)
+        else:
+            load_expert_optimizer_state(self.optimizer, self.expert_parallel, checkpoint)
+
     def _load_best_model(self) -> None:
         if self._load_full_checkpoint(self.state.best_model_checkpoint):
             return
         super()._load_best_model()
+        if self.expert_parallel is not None and self.is_deepspeed_enabled:
+            load_expert_shards(self.model, self.state.best_model_checkpoint)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """`Trainer.train`; a resumed checkpoint's placement and similarity tables are adopted first."""

@@ -1,0 +1,274 @@
+"""Expert parallelism under a DeepSpeed engine (ZeRO stages 0, 1 and 2): which pieces we use, and why.
+
+occult_ft shards the experts itself (`occult_ft.dispatch.shard_experts`, the de-duplicated "occult_ep"
+all-to-all); DeepSpeed only has to (1) provide the process groups, (2) reduce the gradients of expert
+shards over the right ranks and (3) partition their optimizer state over the right ranks. It has all
+three for its own MoE layers; this module plugs our shards into that machinery.
+
+Used from DeepSpeed 0.19.8:
+
+* **Groups** (`deepspeed.utils.groups`): `_create_expert_and_data_parallel(D)` builds, under the name
+  `ep_size_{D}`, the expert-parallel (EP) groups of consecutive ranks [g*D, (g+1)*D) and the
+  expert-data-parallel (EDP) groups of the ranks holding the same position in their EP group
+  (r, r + D, r + 2D, ...); `_get_expert_parallel_group(name)` / `_get_expert_data_parallel_group(name)`
+  return them. `deepspeed_expert_groups` wraps these calls; without DeepSpeed,
+  `occult_ft.trainer.expert_parallel` builds the same groups with `torch.distributed.new_group`.
+* **Marking expert parameters** (`deepspeed.moe.utils.is_moe_param`): a parameter with
+  `allreduce = False` and `group_name = "ep_size_{D}"` is an expert parameter. The engine then
+  all-reduces its gradient over that name's EDP group only, dividing by the data-parallel world size
+  W like every other gradient (`_reduce_expert_gradients`, and ZeRO-1/2's `average_tensor`). An
+  expert shard's gradient already sums the contributions of its EP group (reverse all-to-all), so the
+  sum over EDP / W is exactly the gradient of the global batch: no extra factor is needed. The
+  engine's gradient norm also treats them right (ZeRO's `_average_expert_grad_norms`), so gradient
+  clipping clips by the norm of the whole model.
+* **Optimizer parameter groups** (`split_params_into_different_moe_groups_for_optimizer`): ZeRO-1/2
+  refuses expert parameters unless they sit in param groups marked `moe` and named by their group
+  name; it then partitions those groups over the EDP group instead of all W ranks.
+  `split_moe_param_groups` rewrites an optimizer built by `Trainer` that way (an optimizer from the
+  DeepSpeed config's `"optimizer"` section is split by the engine itself).
+
+One gap is worked around here, without touching site-packages: the engine switches all of the above
+on only when the model contains a `deepspeed.moe.layer.MoE` module (`engine.has_moe_layers`, read
+once in `deepspeed.initialize`); without one, marked parameters crash the first gradient reduction
+(checked with 0.19.8: ZeRO-1/2 `average_tensor` indexes expert groups it was never given, TypeError;
+stage 0 `_get_gradients_for_reduction`, KeyError 'ep_size_2'). `attach_moe_marker` adds one
+parameter-free `MoE` subclass to the model (`model.occult_deepspeed_moe`) that only answers the
+engine's questions: its `num_local_experts` is 0, so DeepSpeed's own per-expert checkpoint files stay
+empty and nothing is removed from its model-state file. It adds no key to `state_dict()`.
+
+Not used, and why:
+
+* **The classic MoE layer** (`deepspeed.moe.layer.MoE`, `sharded_moe.py`): capacity-based gating and
+  a dense `[E, C, M]` dispatch buffer exchanged with equal splits, so every token costs E*C rows
+  whatever the routing, tokens over capacity are dropped, and the HF router/experts modules would be
+  replaced. Occult's point is the opposite: C_T rows per token, the model's own router and weights.
+* **AutoEP** (`"expert_parallel"` in the DeepSpeed config, `deepspeed.module_inject.auto_ep`): it
+  sends one row per (token, expert), i.e. no de-duplication; with transformers 5.2x (seen with 5.23)
+  it crashes inside `deepspeed.initialize` (`_CanRecordRegistry.get()` receives two arguments); its Trainer checkpoint
+  holds only rank 0's experts under non-HF names (`experts.w1/w2/w3`, per-expert files), so
+  `from_pretrained` cannot load it; and it replaces a PEFT-wrapped router. `check_deepspeed_config`
+  therefore refuses an `"expert_parallel"` section together with `expert_parallel_size > 1` (both
+  would shard the same experts). occult_ft writes standard HF checkpoints by gathering the shards
+  (`occult_ft.dispatch.gather_experts_state_dict`).
+* **ZeRO stage 3**: DeepSpeed refuses stage 3 with its native MoE layers (only AutoEP is allowed),
+  and our marker is such a layer; `check_deepspeed_config` says so in one line.
+* **ZeRO stage 0's gradient clipping** (`deepspeed.runtime.utils.clip_grad_norm_`): it averages the
+  per-rank norms (replicated part plus the local shards) over all ranks rather than summing the
+  shards' squares, so with clipping on a stage-0 run is close to, not equal to, one process.
+  `check_deepspeed_config` warns; ZeRO-1/2 clip by the exact norm.
+* **DeepSpeed's MoE checkpoint files** for resuming: the engine's model-state file is written by
+  data-parallel rank 0 only, so it holds rank 0's expert shards. Resuming does not rely on it:
+  ZeRO-1/2 restore each rank's fp32 partitions (EDP-aware) and `occult_ft.trainer.expert_parallel`
+  reloads every rank's shard from the standard HF weights saved beside it.
+
+`deepspeed` is imported only inside these functions.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import warnings
+from collections.abc import Iterable
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+__all__ = [
+    "MARKER_ATTRIBUTE",
+    "is_deepspeed_available",
+    "expert_group_name",
+    "deepspeed_expert_groups",
+    "mark_expert_parameters",
+    "attach_moe_marker",
+    "split_moe_param_groups",
+    "read_deepspeed_config",
+    "check_deepspeed_config",
+]
+
+MARKER_ATTRIBUTE = "occult_deepspeed_moe"
+
+
+def is_deepspeed_available() -> bool:
+    """Whether `import deepspeed` would succeed (without importing it)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def expert_group_name(expert_parallel_size: int) -> str:
+    """DeepSpeed's name for the EP/EDP groups of size D: `ep_size_{D}`."""
+    return f"ep_size_{int(expert_parallel_size)}"
+
+
+def deepspeed_expert_groups(expert_parallel_size: int):
+    """DeepSpeed's EP and EDP groups of size D for this rank, created on first use (collective).
+
+    Every rank must call it (DeepSpeed creates every group on every rank, in the same order). It also
+    initialises `deepspeed.comm` over the existing torch.distributed group when nobody has yet.
+
+    Returns:
+        (ep_group, ep_ranks, edp_group, edp_ranks): torch process groups and their global ranks.
+    """
+    import deepspeed
+    from deepspeed.utils import groups
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+    name = expert_group_name(expert_parallel_size)
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(int(expert_parallel_size))
+    return (
+        groups._get_expert_parallel_group(name),
+        [int(r) for r in groups._get_expert_parallel_group_ranks(name)],
+        groups._get_expert_data_parallel_group(name),
+        [int(r) for r in groups._get_expert_data_parallel_group_ranks(name)],
+    )
+
+
+def mark_expert_parameters(params: Iterable[nn.Parameter], expert_parallel_size: int) -> None:
+    """Mark expert shards as DeepSpeed expert parameters (`deepspeed.moe.utils.is_moe_param`): the engine
+    then reduces their gradients over the EDP group of `ep_size_{D}` only."""
+    name = expert_group_name(expert_parallel_size)
+    for p in params:
+        p.allreduce = False
+        p.group_name = name
+
+
+@lru_cache(maxsize=1)
+def _marker_class():
+    from deepspeed.moe.layer import MoE
+
+    class OccultDeepSpeedMoEMarker(MoE):
+        """A parameter-free `MoE` that tells the DeepSpeed engine the model holds expert parameters.
+
+        It never runs: the experts are sharded in place inside the HF MoE blocks and dispatched by
+        the "occult_ep" kernel. `MoE.__init__` (which builds a gate and experts) is skipped on purpose.
+        """
+
+        def __init__(self, expert_parallel_size: int, num_experts: int):
+            nn.Module.__init__(self)
+            self.ep_size = int(expert_parallel_size)
+            self.expert_group_name = expert_group_name(expert_parallel_size)
+            self.num_experts = int(num_experts)
+            self.num_local_experts = 0  # DeepSpeed writes/reads no per-expert files for it
+            self.enable_expert_tensor_parallelism = False
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+            if use_data_before_expert_parallel_:
+                raise ValueError(
+                    "use_data_before_expert_parallel_=true reorders DeepSpeed's expert groups; occult_ft shards "
+                    "experts over consecutive ranks, remove that setting from the DeepSpeed config"
+                )
+            deepspeed_expert_groups(self.ep_size)
+
+        def forward(self, *args, **kwargs):
+            raise RuntimeError(
+                "occult_deepspeed_moe is a marker for the DeepSpeed engine and has no forward; the experts "
+                "run inside the model's MoE blocks"
+            )
+
+        def extra_repr(self) -> str:
+            return f"ep_size={self.ep_size}, num_experts={self.num_experts}"
+
+    return OccultDeepSpeedMoEMarker
+
+
+def attach_moe_marker(model: nn.Module, expert_parallel_size: int, num_experts: int) -> nn.Module:
+    """Add the parameter-free DeepSpeed `MoE` marker as `model.occult_deepspeed_moe` (idempotent).
+
+    Call it before `deepspeed.initialize` (i.e. before `Trainer.train`): the engine looks for `MoE`
+    modules once, when it is built. Returns the marker.
+    """
+    marker = getattr(model, MARKER_ATTRIBUTE, None)
+    if marker is None:
+        marker = _marker_class()(expert_parallel_size, num_experts)
+        model.add_module(MARKER_ATTRIBUTE, marker)
+    return marker
+
+
+def split_moe_param_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Put the marked expert parameters of `optimizer` into DeepSpeed MoE param groups, in place.
+
+    Uses `deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer`: each group with
+    expert parameters gets a twin (same hyper-parameters, `moe=True`, `name=ep_size_{D}`) holding them.
+    Groups left empty are dropped. Call before the first optimizer step (the state is empty then).
+    Idempotent: an optimizer that already has MoE groups is returned unchanged, and so is a placeholder
+    without `param_groups` (accelerate's `DummyOptim` for a config with an `"optimizer"` section: the
+    engine then builds the optimizer and splits its groups itself).
+    """
+    from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:  # accelerate's DummyOptim: the engine builds the optimizer and splits it itself
+        return optimizer
+    if any(g.get("moe", False) for g in groups):
+        return optimizer
+    if not any(is_moe_param(p) for g in groups for p in g["params"]):
+        return optimizer
+    if any(optimizer.state.get(p) for g in groups for p in g["params"]):
+        raise RuntimeError("split_moe_param_groups must run before the first optimizer step")
+    for index, group in enumerate(groups):
+        group.setdefault("name", f"occult_group_{index}")
+    split = split_params_into_different_moe_groups_for_optimizer(list(groups))
+    optimizer.param_groups = [g for g in split if g["params"]]
+    return optimizer
+
+
+def read_deepspeed_config(config) -> dict:
+    """The DeepSpeed config as a dict, from a dict or a JSON file path (None -> {})."""
+    if config is None or config == "":
+        return {}
+    if isinstance(config, dict):
+        return config
+    path = str(config)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"deepspeed={path!r} is not a file; pass the path of a DeepSpeed JSON config or a dict"
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_deepspeed_config(config, expert_parallel_size: int, max_grad_norm: float | None = None) -> None:
+    """Refuse DeepSpeed settings that cannot work with occult_ft's expert parallelism (one-line errors).
+
+    Args:
+        config: the DeepSpeed config (dict or JSON path).
+        expert_parallel_size: D; nothing is checked for D = 1.
+        max_grad_norm: the Trainer's value, which a `"gradient_clipping": "auto"` takes.
+
+    Raises:
+        ValueError: for ZeRO stage 3, or an AutoEP `"expert_parallel"` section.
+
+    Warns:
+        UserWarning: for ZeRO stage 0 with gradient clipping on: DeepSpeed's stage-0 clipping
+            (`deepspeed.runtime.utils.clip_grad_norm_`) averages the per-rank norms instead of taking the
+            norm of the whole model, so clipped steps differ (slightly) from a single-process run.
+    """
+    if expert_parallel_size <= 1:
+        return
+    ds = read_deepspeed_config(config)
+    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    stage = int(stage) if str(stage).isdigit() else 0  # DeepSpeed itself rejects anything else
+    if stage >= 3:
+        raise ValueError(
+            f"expert_parallel_size={expert_parallel_size} works with DeepSpeed ZeRO stages 0-2, not stage {stage} "
+            "(DeepSpeed refuses stage 3 for non-AutoEP MoE parameters); set zero_optimization.stage to 1 or 2"
+        )
+    auto_ep = ds.get("expert_parallel")
+    if auto_ep and (not isinstance(auto_ep, dict) or auto_ep.get("enabled", True)):
+        raise ValueError(
+            f'the DeepSpeed config enables AutoEP ("expert_parallel") and expert_parallel_size={expert_parallel_size} '
+            'also shards the experts; remove the "expert_parallel" section (occult_ft does the expert parallelism)'
+        )
+    clipping = ds.get("gradient_clipping", 0.0)
+    if clipping == "auto":
+        clipping = max_grad_norm or 0.0
+    if stage == 0 and float(clipping or 0.0) > 0:
+        warnings.warn(
+            f"expert_parallel_size={expert_parallel_size} with ZeRO stage 0 and gradient clipping {clipping}: DeepSpeed "
+            "clips by the mean of the per-rank norms, not the norm of the whole model; use ZeRO stage 1 or 2 for "
+            "exact clipping",
+            stacklevel=2,
+        )

@@ -1,0 +1,379 @@
+"""Expert-parallel training inside `OccultTrainer`: groups, sharding, gradient reduction, clipping, checkpoints.
+
+With W processes and `expert_parallel_size` D (W % D == 0) the ranks form
+
+* expert-parallel (EP) groups of consecutive ranks [g*D, (g+1)*D): each EP group holds one copy of
+  the experts, rank g*D + p holding the contiguous block p of E/D experts per layer, and exchanges
+  tokens with the de-duplicated all-to-all ("occult_ep");
+* expert-data-parallel (EDP) groups of the ranks at the same position p of every EP group
+  (p, p + D, p + 2D, ...): the W/D replicas of one expert shard.
+
+The groups come from DeepSpeed (`occult_ft.integrations.deepspeed.deepspeed_expert_groups`) when the
+run uses a DeepSpeed config, otherwise from `torch.distributed.new_group` in the same layout.
+
+Every rank feeds its own micro-batch, as in plain data parallelism over all W ranks. Gradients:
+
+* replicated parameters (attention, embeddings, routers, ...) are averaged over all W ranks by DDP or
+  the DeepSpeed engine, as usual;
+* an expert shard's gradient on rank r already sums, through the reverse all-to-all, the
+  contributions of the micro-batches of r's whole EP group. Summing it over the EDP group gives the
+  sum over all W micro-batches; dividing by W turns it into the same average DDP takes of replicated
+  gradients. With Trainer's loss (token sum / global token count * W per rank) that is exactly the
+  single-process gradient of the global batch. Without DeepSpeed, `reduce_expert_gradients` does
+  this after the last backward of each optimizer step (DDP is told to ignore the shards, so it
+  neither broadcasts rank 0's shard at wrap time nor averages the shards over all ranks); DeepSpeed's
+  engine does the same by itself for parameters marked as expert parameters.
+* the gradient norm for clipping (`clip_expert_parallel_grad_norm`) adds the shards' squared norms
+  over the EP group to the replicated parameters' squared norm, so every rank clips by the norm of
+  the whole model and the replicas stay identical.
+
+Routers are replicated, so routing metrics and the pruning-aware balance loss work as in data
+parallelism: the balance loss is a per-micro-batch mean, averaged over ranks (not the balance loss of
+the whole global batch, which is why the exactness tests run with `balance_loss_coef=0`).
+Not supported: `train_mode="lora"` (PEFT's expert LoRA weights are not sharded; a one-line error).
+
+Checkpoints: `gathered_state_dict` all-gathers the shards (collective) so rank 0 writes the standard
+HF layout; `shard_state_dict` cuts a full state dict down to this rank's shards when resuming.
+Without DeepSpeed, Trainer writes rank 0's optimizer state only, which holds the moments of rank 0's
+expert shards; `save_expert_optimizer_state` therefore also writes the state of every EP position p
+(from rank p of the first EP group) to `optimizer_expert_shard_{p}_of_{D}.pt`, and
+`load_expert_optimizer_state` gives each rank the file of its position. Under DeepSpeed every rank
+writes its own ZeRO partition, but the engine's model-state file comes from rank 0 alone, so after
+the engine has loaded it `load_expert_shards` puts every rank's own shards back from the HF weights
+saved beside it (ZeRO's fp32 master partitions are per rank and already right).
+
+Shape legend: W world size, D expert-parallel size, E experts of a layer, P = E / D.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..dispatch import expert_shard_parameters, gather_experts_state_dict, shard_experts
+from ..models.registry import find_moe_layers, unwrap_model
+
+__all__ = [
+    "ExpertParallelGroups",
+    "check_expert_parallel_size",
+    "expert_parallel_groups",
+    "setup_expert_parallel",
+    "reduce_expert_gradients",
+    "clip_expert_parallel_grad_norm",
+    "gathered_state_dict",
+    "shard_state_dict",
+    "expert_optimizer_file",
+    "save_expert_optimizer_state",
+    "load_expert_optimizer_state",
+    "load_expert_shards",
+]
+
+
+@dataclass(frozen=True)
+class ExpertParallelGroups:
+    """The process groups of one expert-parallel layout, seen from one rank.
+
+    Attributes:
+        size: D, ranks per EP group.
+        world_size: W.
+        rank: this process's global rank.
+        ep_group / ep_ranks: this rank's EP group and its global ranks (consecutive).
+        edp_group / edp_ranks: this rank's EDP group (the W / D replicas of its shard) and its ranks.
+        source: "deepspeed" (from `deepspeed.utils.groups`) or "torch" (`torch.distributed.new_group`).
+    """
+
+    size: int
+    world_size: int
+    rank: int
+    ep_group: dist.ProcessGroup
+    ep_ranks: tuple[int, ...]
+    edp_group: dist.ProcessGroup
+    edp_ranks: tuple[int, ...]
+    source: str
+
+    @property
+    def replicas(self) -> int:
+        """W / D: copies of each expert shard (the EDP group size)."""
+        return self.world_size // self.size
+
+
+def check_expert_parallel_size(size: int, world_size: int, num_experts: int | None = None) -> None:
+    """Raise a one-line ValueError when D does not divide W or the experts of a layer."""
+    if size < 1:
+        raise ValueError(f"expert_parallel_size={size} must be a positive integer")
+    if world_size % size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"expert_parallel_size={size} does not divide the world size {world_size}; launch a multiple of {size} "
+            f"processes or set --expert_parallel_size to a divisor of {world_size} ({', '.join(map(str, divisors))})"
+        )
+    if num_experts is not None and num_experts % size:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(
+            f"expert_parallel_size={size} does not divide the {num_experts} experts of each MoE layer; "
+            f"use one of {', '.join(map(str, divisors))}"
+        )
+
+
+_TORCH_GROUPS: dict[tuple, ExpertParallelGroups] = {}
+
+
+def _torch_groups(size: int) -> ExpertParallelGroups:
+    """The EP/EDP layout built with `torch.distributed.new_group`, in DeepSpeed's order (EDP groups, then
+    EP groups); cached per default group and D, since every rank must create every group exactly once."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    key = (id(dist.group.WORLD), world, size)
+    if key in _TORCH_GROUPS:
+        return _TORCH_GROUPS[key]
+    edp = ep = None
+    for position in range(size):
+        ranks = tuple(range(position, world, size))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            edp = (group, ranks)
+    for index in range(world // size):
+        ranks = tuple(range(index * size, (index + 1) * size))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            ep = (group, ranks)
+    groups = ExpertParallelGroups(size, world, rank, ep[0], ep[1], edp[0], edp[1], "torch")
+    _TORCH_GROUPS[key] = groups
+    return groups
+
+
+def expert_parallel_groups(size: int, use_deepspeed: bool = False) -> ExpertParallelGroups:
+    """This rank's EP and EDP groups for D = `size` (collective on first use: call it on every rank).
+
+    Args:
+        size: D, must divide the world size.
+        use_deepspeed: take the groups from `deepspeed.utils.groups` (needed when a DeepSpeed engine
+            reduces the gradients: it looks its EDP groups up by name).
+
+    Raises:
+        RuntimeError: when torch.distributed is not initialised.
+        ValueError: when D does not divide the world size.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"expert_parallel_size={size} needs several processes; launch with torchrun, accelerate launch or deepspeed"
+        )
+    check_expert_parallel_size(size, dist.get_world_size())
+    if not use_deepspeed:
+        return _torch_groups(size)
+    from ..integrations.deepspeed import deepspeed_expert_groups
+
+    ep_group, ep_ranks, edp_group, edp_ranks = deepspeed_expert_groups(size)
+    return ExpertParallelGroups(
+        size,
+        dist.get_world_size(),
+        dist.get_rank(),
+        ep_group,
+        tuple(ep_ranks),
+        edp_group,
+        tuple(edp_ranks),
+        "deepspeed",
+    )
+
+
+def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
+    """Shard the experts of a placed, pruned model over the EP groups and prepare it for its trainer.
+
+    Call on every rank after `prepare_model` and before the optimizer exists. It checks the layout,
+    builds the groups, runs `shard_experts(model, ep_group)`, tells DDP to leave the shards alone and,
+    for a DeepSpeed run, marks them as DeepSpeed expert parameters and attaches the engine's MoE marker.
+
+    Args:
+        model: the prepared model (not a LoRA model).
+        args: the run's `OccultConfig` (`expert_parallel_size`, `deepspeed`, `world_size`).
+
+    Returns:
+        this rank's `ExpertParallelGroups`.
+
+    Raises:
+        ValueError: one line for a bad layout (D vs world size or experts), LoRA, or a DeepSpeed config
+            that cannot work (ZeRO-3, AutoEP).
+    """
+    from ..integrations.peft import is_peft_model
+
+    size = int(args.expert_parallel_size)
+    if is_peft_model(model):
+        raise ValueError(
+            f"expert_parallel_size={size} with train_mode='lora' is not supported (PEFT's expert LoRA weights are "
+            "not sharded); use train_mode='moe' or 'full', or expert_parallel_size=1"
+        )
+    base = unwrap_model(model)
+    layers = find_moe_layers(base)
+    world = int(args.world_size)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != world:
+        raise ValueError(
+            f"torch.distributed has {dist.get_world_size()} processes but the trainer sees {world}; launch with "
+            "torchrun, accelerate launch or deepspeed so that RANK/WORLD_SIZE are set"
+        )
+    check_expert_parallel_size(size, world, layers[0].num_experts)
+    use_deepspeed = bool(args.deepspeed)
+    if use_deepspeed:
+        from ..integrations.deepspeed import check_deepspeed_config
+
+        check_deepspeed_config(args.deepspeed, size, getattr(args, "max_grad_norm", None))
+    groups = expert_parallel_groups(size, use_deepspeed=use_deepspeed)
+    shard_experts(base, groups.ep_group)
+    shards = expert_shard_parameters(base)
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        base, [n for n, _ in shards]
+    )
+    if use_deepspeed:
+        from ..integrations.deepspeed import attach_moe_marker, mark_expert_parameters
+
+        mark_expert_parameters((p for _, p in shards), size)
+        attach_moe_marker(base, size, layers[0].num_experts)
+    return groups
+
+
+@torch.no_grad()
+def reduce_expert_gradients(model: nn.Module, groups: ExpertParallelGroups) -> None:
+    """Sum the expert-shard gradients over the EDP group and divide by W, in place (collective).
+
+    Call once per optimizer step, after the last backward of the step, on every rank; the shards
+    are then averaged exactly as DDP averages the replicated parameters (see the module docstring).
+    Shards without a gradient (frozen experts) are skipped on every rank alike.
+    """
+    grads = [p.grad for _, p in expert_shard_parameters(model) if p.grad is not None]
+    if not grads:
+        return
+    scale = 1.0 / groups.world_size
+    if groups.replicas == 1:
+        torch._foreach_mul_(grads, scale)
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=groups.edp_group)
+        flat.mul_(scale)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+@torch.no_grad()
+def clip_expert_parallel_grad_norm(
+    model: nn.Module, groups: ExpertParallelGroups, max_norm: float
+) -> torch.Tensor:
+    """Clip all gradients by the L2 norm of the whole (unsharded) model's gradient; returns that norm.
+
+    Replicated gradients are identical on every rank (already averaged); each expert shard is counted
+    once by summing the shards' squared norms over the EP group. `max_norm=inf` only measures.
+    Collective over the EP group: call on every rank.
+    """
+    replicated, shards = [], []
+    for p in unwrap_model(model).parameters():
+        if p.grad is None:
+            continue
+        (shards if getattr(p, "occult_expert_shard", False) else replicated).append(p.grad)
+    device = (shards or replicated)[0].device if (shards or replicated) else torch.device("cpu")
+
+    def squared(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).pow(2).sum()
+
+    shard_sq = squared(shards)
+    if groups.size > 1:
+        dist.all_reduce(shard_sq, group=groups.ep_group)
+    total = (squared(replicated) + shard_sq).sqrt()
+    if max_norm != float("inf"):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        grads = replicated + shards
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return total
+
+
+def gathered_state_dict(
+    model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """`state_dict` (default: the model's) with every expert shard replaced by the full (E, ...) tensor.
+
+    Collective: every rank of every EP group must call it. Save the result on one rank with
+    `save_pretrained(..., state_dict=...)` to get the standard HF layout.
+    """
+    full = gather_experts_state_dict(model)
+    if state_dict is None:
+        return full
+    out = dict(state_dict)
+    for name, _ in expert_shard_parameters(model):
+        out[name] = full[name]
+    return out
+
+
+def shard_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full state dict (experts (E, ...)) cut down to this rank's expert block (P, ...), for loading
+    into a sharded model; keys that are not expert shards are returned unchanged."""
+    base = unwrap_model(model)
+    out = dict(state_dict)
+    for layer in find_moe_layers(base):
+        shard = getattr(layer.experts, "occult_shard", None)
+        if shard is None:
+            continue
+        start = shard.rank * shard.experts_per_device
+        for name in shard.param_names:
+            key = f"{layer.name}.experts.{name}"
+            if key in out and out[key].shape[0] == shard.num_experts:
+                out[key] = out[key][start : start + shard.experts_per_device]
+    return out
+
+
+def expert_optimizer_file(checkpoint: str, groups: ExpertParallelGroups, position: int | None = None) -> str:
+    """Path of the optimizer state of EP position p (default: this rank's) in a checkpoint directory."""
+    p = groups.ep_ranks.index(groups.rank) if position is None else position
+    return os.path.join(checkpoint, f"optimizer_expert_shard_{p}_of_{groups.size}.pt")
+
+
+def save_expert_optimizer_state(
+    optimizer: torch.optim.Optimizer, groups: ExpertParallelGroups, checkpoint: str
+) -> None:
+    """Write this rank's optimizer state when it is the first replica of its EP position (ranks 0..D-1)."""
+    if groups.rank < groups.size:
+        os.makedirs(checkpoint, exist_ok=True)
+        torch.save(optimizer.state_dict(), expert_optimizer_file(checkpoint, groups))
+
+
+def load_expert_optimizer_state(
+    optimizer: torch.optim.Optimizer, groups: ExpertParallelGroups, checkpoint: str
+) -> bool:
+    """Load the optimizer state of this rank's EP position, when the checkpoint has one; returns whether it did."""
+    path = expert_optimizer_file(checkpoint, groups)
+    if not os.path.isfile(path):
+        return False
+    device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+    optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+    return True
+
+
+@torch.no_grad()
+def load_expert_shards(model: nn.Module, checkpoint: str) -> None:
+    """Copy this rank's expert shards, in place, from the standard HF weights of a checkpoint directory.
+
+    Only the expert shards are touched (other parameters are left to whoever loaded the rest).
+    Raises a one-line ValueError when the directory has no HF weights or they do not fit.
+    """
+    base = unwrap_model(model)
+    if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        raise ValueError(
+            f"checkpoint {checkpoint!r} has no config.json with HF weights; it cannot restore the expert shards"
+        )
+    loaded = type(base).from_pretrained(checkpoint, dtype=next(base.parameters()).dtype)
+    state = shard_state_dict(base, loaded.state_dict())
+    del loaded
+    for name, param in expert_shard_parameters(base):
+        if name not in state or state[name].shape != param.shape:
+            raise ValueError(
+                f"checkpoint {checkpoint!r} has no expert tensor {name!r} of shape {tuple(param.shape)}"
+            )
+        param.copy_(state[name].to(param.device, param.dtype))
