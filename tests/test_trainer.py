@@ -401,3 +401,36 @@ def test_cli_train_under_torchrun_with_two_processes(tiny_olmoe_dir, data, tmp_p
     logs = [e for e in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in e]
     assert len(logs) == 2 and all(e["max_token_devices"] == 1 and e["comm_complexity"] == 1.0 for e in logs)
     assert json.load(open(out / "config.json"))["occult"]["max_devices_per_token"] == 1
+
+
+def test_push_to_hub_from_training_uploads_the_pruned_checkpoint_with_the_occult_card(
+        tiny_olmoe_dir, data, tmp_path, monkeypatch):
+    """`push_to_hub=True`: the final pruned checkpoint, its Occult card and comm_complexity figure go up."""
+    from types import SimpleNamespace
+
+    import transformers.utils.hub as hf_hub
+
+    calls = {"create": [], "upload": []}
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kw):
+            calls["create"].append(repo_id)
+            return SimpleNamespace(repo_id=repo_id, url=f"https://huggingface.co/{repo_id}")
+
+        def upload_folder(self, *, repo_id, folder_path, **kw):
+            files = sorted(os.listdir(folder_path))
+            calls["upload"].append((repo_id, files, open(os.path.join(folder_path, "README.md")).read()))
+            return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
+
+    monkeypatch.setattr(hf_hub, "_hf_api", FakeApi())
+    cfg = make_config(tmp_path / "run", model_name_or_path=tiny_olmoe_dir, dataset=data[0], max_steps=2,
+                      max_devices_per_token=1, criterion="score", push_to_hub=True, hub_model_id="me/tiny-occult")
+    trainer, _ = train(cfg)
+    assert calls["create"] == ["me/tiny-occult"]
+    repo, files, card = calls["upload"][-1]
+    assert repo == "me/tiny-occult"
+    assert {"config.json", "model.safetensors", "README.md", "comm_complexity.png"} <= set(files)
+    assert "max_devices_per_token" in card or "devices per token" in card
+    assert "comm_complexity.png" in card and "occult_ft.from_pretrained" in card
+    block = json.load(open(os.path.join(cfg.output_dir, "config.json")))["occult"]
+    assert block["comm_complexity_after"] == 1.0 and block["comm_complexity_before"] > 1.0

@@ -59,4 +59,6 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
     if trainer.is_world_process_zero():
         trainer.save_metrics("all", metrics, combined=False)
         trainer.save_state()
+    if config.push_to_hub:
+        trainer.push_to_hub()  # with the Occult model card (OccultTrainer.create_model_card)
     return trainer, metrics

@@ -30,6 +30,7 @@ import os
 import torch
 from torch import nn
 from transformers import Trainer
+from transformers.utils import logging
 
 from ..checkpoint import (
     ADAPTER_OCCULT_FILE,
@@ -61,6 +62,8 @@ from .prepare import (
     read_checkpoint_setup,
     resolve_checkpoint,
 )
+
+logger = logging.get_logger(__name__)
 
 __all__ = ["OccultTrainer", "tokenize_for_training", "load_training_model"]
 
@@ -311,8 +314,39 @@ class OccultTrainer(Trainer):
         return occult_block(
             self.occult.pruning, self.occult.placement, placed=placed, num_nodes=self.args.nodes,
             base_model=self.occult.base_model, train_mode=self.args.train_mode,
-            balance_loss_coef=self.args.balance_loss_coef,
+            balance_loss_coef=self.args.balance_loss_coef, **self._measured_comm_complexity(),
         )
+
+    def _measured_comm_complexity(self) -> dict:
+        """comm_complexity before (sequential placement, on the profile) and after (the latest logged
+        value of this run's routing, eval preferred), for the model card."""
+        out = {}
+        metrics = getattr(self.occult.placement, "metrics", None) or {}
+        if "comm_complexity_sequential" in metrics:
+            out["comm_complexity_before"] = metrics["comm_complexity_sequential"]
+        for key in ("eval_comm_complexity", "comm_complexity"):
+            found = [entry[key] for entry in self.state.log_history if key in entry]
+            if found:
+                out["comm_complexity_after"] = found[-1]
+                break
+        return out
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """The Occult model card (placement, budget, measured comm_complexity and its figure, eval
+        results, how to load) instead of Trainer's generic one; `push_to_hub` uploads it."""
+        if not self.is_world_process_zero():
+            return
+        from ..hub import _last_eval_metrics, make_comm_complexity_figure, write_model_card
+
+        output_dir = self.args.output_dir
+        figure = None
+        data = self.args.eval_dataset or self.args.dataset or "embedded"
+        try:
+            figure = make_comm_complexity_figure(output_dir, data=data)
+        except Exception as exc:  # noqa: BLE001 - a figure must not cost the user the push of a finished run
+            logger.warning(f"model card without its comm_complexity figure: measuring it on {data!r} failed ({exc})")
+        write_model_card(output_dir, repo_id=self.hub_model_id,
+                         eval_results=_last_eval_metrics(self.state.log_history) or None, figure=figure)
 
     def _is_lora(self) -> bool:
         from ..integrations.peft import is_peft_model
