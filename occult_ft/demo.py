@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -50,7 +50,6 @@ class DemoSettings:
     profile_tokens: int = 32768
     eval_tokens: int = 32768
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def _eval_batches(tokenizer, s: DemoSettings):
