@@ -3,10 +3,11 @@
 **A token is sent once per device however many of its experts live there.** Each rank:
 
 1. `compute_layout`: the (token, device) rows it sends, device-major (see `layout.py`);
-2. `dispatch`: exchanges the row counts, the rows' local expert ids (int64, no gradient) and, in one
-   differentiable uneven `all_to_all_single`, the hidden rows with their K gate weights (as extra
-   columns when they share a dtype; otherwise a second exchange). Gradients of the gate weights thus
-   come back to the router through the reverse exchange;
+2. `dispatch`: exchanges the row counts, then, in one differentiable uneven `all_to_all_single`, the
+   hidden rows with their K gate weights and K local expert ids as extra columns (the ids whenever
+   they are exact in the hidden dtype: up to 256 experts per device in bf16; otherwise, and for
+   weights of another dtype, a separate exchange). Gradients of the gate weights thus come back to
+   the router through the reverse exchange;
 3. `local_experts_forward`: runs its E/D local experts on the received rows, applies the gate weights
    there and sums the outputs of each row's local experts (one row per (token, device));
 4. `combine`: the reverse exchange brings one row per (token, device) home; rows of one token are
@@ -17,9 +18,9 @@ for per-expert dispatch; `DispatchLayout.rows_sent` counts them. The result equa
 (`reference_moe`) to float rounding, in outputs and in all gradients. Every rank must call the layer
 (all ranks of the group, same number of MoE layers, same order), also when it has no tokens.
 
-Collectives per layer and direction: forward 1 (counts) + 1 (ids) + 1 (rows; +1 if the gate weights'
-dtype differs from the hidden dtype) + 1 (combine); backward 1 (rows) + 1 (combine), both reusing the
-forward's split sizes.
+Collectives per layer: forward 1 (counts) + 1 (rows, weights and ids; +1 for ids that are not exact
+in the hidden dtype, +1 if the gate weights' dtype differs from it) + 1 (combine), as many as a
+per-expert all-to-all; backward 1 (rows) + 1 (combine), both reusing the forward's split sizes.
 
 Shape legend:
     T  tokens on this rank    K  experts per token    H  hidden size    E  experts    D  devices
@@ -28,6 +29,7 @@ Shape legend:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -83,11 +85,28 @@ def dispatch(
         )
     send_x_SH = hidden_TH[layout.send_token_idx_S]
     recv_splits = exchange_counts(layout.send_counts_D, group)
-    (recv_local_ids_RK,) = exchange_rows([layout.send_local_ids_SK], layout.send_splits, recv_splits, group)
-    recv_x_RH, recv_weights_RK = all_to_all_rows(
-        [send_x_SH, layout.send_weights_SK], layout.send_splits, recv_splits, group
-    )
+    if layout.experts_per_device <= _largest_exact_integer(send_x_SH.dtype):
+        # local ids -1..P-1 are exact in the hidden dtype: they ride as extra columns of the row
+        # exchange (no gradient, so the backward exchange leaves them out) and save a collective
+        recv_x_RH, recv_weights_RK, recv_ids_RK = all_to_all_rows(
+            [send_x_SH, layout.send_weights_SK, layout.send_local_ids_SK.to(send_x_SH.dtype)],
+            layout.send_splits, recv_splits, group,
+        )
+        recv_local_ids_RK = recv_ids_RK.round().long()
+    else:
+        (recv_local_ids_RK,) = exchange_rows([layout.send_local_ids_SK], layout.send_splits, recv_splits, group)
+        recv_x_RH, recv_weights_RK = all_to_all_rows(
+            [send_x_SH, layout.send_weights_SK], layout.send_splits, recv_splits, group
+        )
     return recv_x_RH, recv_weights_RK, ReceivedRows(layout, recv_splits, recv_local_ids_RK)
+
+
+def _largest_exact_integer(dtype: torch.dtype) -> int:
+    """Largest n such that every integer in [-n, n] is exact in `dtype` (0 for non-float dtypes)."""
+    if not dtype.is_floating_point:
+        return 0
+    mantissa_bits = round(-math.log2(torch.finfo(dtype).eps))
+    return 2 ** (mantissa_bits + 1)
 
 
 def combine(
