@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-__all__ = ["COMMANDS", "build_parser", "main", "run_command"]
+__all__ = ["COMMANDS", "OneLineErrorParser", "build_parser", "main", "run_command"]
 
 # name -> module under occult_ft.commands, in the order `occult-ft --help` lists them
 COMMANDS = ("demo", "profile", "place", "prune", "analyze", "train", "eval", "push", "bench", "study")
@@ -24,8 +24,16 @@ def _load(name: str):
     return importlib.import_module(f"occult_ft.commands.{name}")
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a bad flag ends with one line (`occult-ft place: error: ...`) and status 2,
+    like every other user error; `--help` still prints the full usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser(commands=COMMANDS) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="occult-ft",
         description="Cheaper expert-parallel MoE training and serving: profile, place, prune, fine-tune, benchmark.",
     )

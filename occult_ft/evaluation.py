@@ -23,7 +23,7 @@ def load_data(data: str):
 def data_batches(tokenizer, data, seq_len: int, batch_size: int, max_tokens: int | None = None) -> list[dict]:
     """Tokenised `data` (a --data value or a loaded dataset) as padded batches of `input_ids`,
     `attention_mask` and `labels` (-100 on padding, and on prompts of instruction rows); enough rows
-    for `max_tokens`."""
+    for `max_tokens` real (unpadded) tokens."""
     from .data import DataError, make_collator, tokenize_dataset
 
     if tokenizer is None:
@@ -33,8 +33,14 @@ def data_batches(tokenizer, data, seq_len: int, batch_size: int, max_tokens: int
     if len(ds) == 0:
         raise DataError(f"data {data if isinstance(data, str) else 'set'!r} gave no tokens; check the file is not empty")
     collate = make_collator(tokenizer)
-    limit = len(ds) if max_tokens is None else min(len(ds), -(-max_tokens // seq_len))
-    return [collate([ds[j] for j in range(i, min(i + batch_size, limit))]) for i in range(0, limit, batch_size)]
+    batches, tokens = [], 0
+    for start in range(0, len(ds), batch_size):  # real (unpadded) tokens count towards max_tokens
+        if max_tokens is not None and tokens >= max_tokens:
+            break
+        batch = collate([ds[j] for j in range(start, min(start + batch_size, len(ds)))])
+        batches.append(batch)
+        tokens += int(batch["attention_mask"].sum())
+    return batches
 
 
 def evaluate_model(model, batches, num_devices: int | None = None, max_tokens: int | None = None) -> dict:

@@ -160,3 +160,24 @@ def test_placement_for_another_model_is_rejected(pipeline, tmp_path, capsys, tin
     code = run_cli("prune", other, "--placement", pipeline["placement"], "--out", tmp_path / "o")
     err = capsys.readouterr().err.strip()
     assert code == 2 and "8 experts" in err and "16" in err
+
+
+def test_bad_flag_values_are_one_line_too(capsys):
+    for argv in (["place", "p.safetensors", "--devices", "0", "--out", "x.json"],
+                 ["bench", "--synthetic", "--devices", "-2"],
+                 ["analyze", "m", "--data", "d", "--devices", "two"]):
+        with pytest.raises(SystemExit) as exc:
+            run_cli(*argv)
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and len(err.splitlines()) == 1 and "error" in err, (argv, err)
+
+
+def test_max_tokens_counts_real_tokens_not_padded_rows(tmp_path, tiny_tokenizer):
+    from occult_ft.evaluation import data_batches
+
+    rows = [{"instruction": f"Say {i}", "input": "", "output": "ok"} for i in range(40)]
+    path = tmp_path / "alpaca.json"
+    path.write_text(json.dumps(rows))
+    batches = data_batches(tiny_tokenizer, str(path), seq_len=64, batch_size=4, max_tokens=100)
+    real = sum(int(b["attention_mask"].sum()) for b in batches)
+    assert 100 <= real < 100 + 4 * 64

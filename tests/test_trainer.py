@@ -434,3 +434,12 @@ def test_push_to_hub_from_training_uploads_the_pruned_checkpoint_with_the_occult
     assert "comm_complexity.png" in card and "occult_ft.from_pretrained" in card
     block = json.load(open(os.path.join(cfg.output_dir, "config.json")))["occult"]
     assert block["comm_complexity_after"] == 1.0 and block["comm_complexity_before"] > 1.0
+
+
+def test_devices_follow_expert_parallel_size_unless_set(tmp_path):
+    assert make_config(tmp_path, devices=None).devices == 4
+    # one process: devices defaults to 2, so the only complaint left is the world size
+    with pytest.raises(ValueError, match="expert_parallel_size=2 does not divide the world size 1"):
+        make_config(tmp_path, devices=None, expert_parallel_size=2)
+    with pytest.raises(ValueError, match="expert_parallel_size=2 must equal devices=4"):
+        make_config(tmp_path, devices=4, expert_parallel_size=2)

@@ -32,9 +32,9 @@ def add_model_data_args(p: argparse.ArgumentParser, data_required: bool = True) 
 
 def standalone(module_name: str, add_parser, argv=None) -> int:
     """Run one command module on its own (`python -m occult_ft.commands.X`)."""
-    from ..cli import run_command
+    from ..cli import OneLineErrorParser, run_command
 
-    parser = argparse.ArgumentParser(prog=f"occult-ft {module_name}")
+    parser = OneLineErrorParser(prog=f"occult-ft {module_name}")
     sub = parser.add_subparsers(dest="command")
     add_parser(sub)
     args = parser.parse_args([module_name, *(sys.argv[1:] if argv is None else argv)])

@@ -8,6 +8,7 @@ token for per-expert (k) vs de-duplicated dispatch, and per-device load imbalanc
 from __future__ import annotations
 
 import json
+import sys
 
 from ._common import add_model_data_args, data_batches, load_data, positive_int, standalone
 
@@ -89,6 +90,7 @@ def run(args) -> int:
         from ..plots import plot_report
 
         plot_report(report, args.plot)
+        print(f"wrote the figure to {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from ._common import data_batches, load_data, positive_int, standalone
 
@@ -129,6 +130,7 @@ def run(args) -> int:
         from ..plots import plot_bench
 
         plot_bench(report, args.plot)
+        print(f"wrote the figure to {args.plot}", file=sys.stderr)
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 

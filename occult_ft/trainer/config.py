@@ -121,8 +121,10 @@ class OccultConfig(TrainingArguments):
     )
 
     # ---- placement and pruning ------------------------------------------------------------------
-    devices: int = field(
-        default=4, metadata={"help": "Expert-parallel devices D the experts are placed on (must divide the experts)."}
+    devices: int | None = field(
+        default=None,
+        metadata={"help": "Expert-parallel devices D the experts are placed on (must divide the experts); "
+                          "default: expert_parallel_size when that is above 1, else 4."},
     )
     nodes: int = field(default=1, metadata={"help": "Nodes N the devices span (hierarchical placement); divides devices."})
     placement: str = field(
@@ -185,6 +187,10 @@ class OccultConfig(TrainingArguments):
 
     # ---- validation ---------------------------------------------------------------------------
     def _check_occult_fields(self) -> None:
+        if self.devices is None:
+            ep = self.expert_parallel_size
+            self.devices = ep if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1 else 4
+
         def positive(name: str) -> None:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -241,7 +247,7 @@ class OccultConfig(TrainingArguments):
             if world % ep:
                 raise ValueError(
                     f"expert_parallel_size={ep} does not divide the world size {world}; launch a multiple of {ep} "
-                    "processes or lower expert_parallel_size"
+                    f"processes or set --expert_parallel_size to a divisor of {world}"
                 )
 
     def _force_non_reentrant_checkpointing(self) -> None:
