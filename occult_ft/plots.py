@@ -49,6 +49,7 @@ __all__ = [
     "comm_complexity_figure",
     "plot_coactivation",
     "plot_placement_comparison",
+    "plot_placement",
     "plot_devices_histogram",
     "plot_training_curves",
     "plot_quality_tradeoff",
@@ -443,6 +444,56 @@ def plot_placement_comparison(
     ax.set_ylim(0, top * 1.3)
     ax.legend(fontsize=8, ncol=2, loc="upper right")
     ax.set_title(title or "comm_complexity per layer by placement")
+    return _finish(fig, path)
+
+
+def plot_placement(
+    profile,
+    placements: Mapping[str, Any],
+    path: str | os.PathLike | None = None,
+    *,
+    layer: int | None = None,
+    chosen: str | None = None,
+) -> Figure:
+    """The placement picture of `occult-ft place --plot`: one layer's co-activation heatmap with experts in
+    their original (sequential) order and in the chosen placement's device order, and comm_complexity per
+    layer of every placement against the random expectation and the lower bound.
+
+    Args:
+        profile: an `occult_ft.profiling.Profile` (co-activation and token-level routing per layer).
+        placements: name -> `Placement` (e.g. sequential, occult and the chosen one).
+        path: also write a PNG.
+        layer: the layer whose heatmaps are drawn (default: the one the chosen placement improves most).
+        chosen: the placement shown in the second heatmap (default: the last of `placements`).
+
+    Returns:
+        The Figure.
+    """
+    from .metrics import (
+        comm_complexity,
+        comm_complexity_lower_bound,
+        contiguous_expert_device,
+        random_placement_comm_complexity,
+    )
+
+    if not placements:
+        raise ValueError("placements is empty; pass {name: Placement}")
+    chosen = chosen or list(placements)[-1]
+    e, k = int(profile.num_experts), int(profile.top_k)
+    d = next(iter(placements.values())).num_devices
+    layers = sorted(profile.layers)
+    ids = {i: profile.layers[i].topk_ids.long() for i in layers}
+    per_layer = {name: [comm_complexity(ids[i], pl.expert_device(i), d) for i in layers] for name, pl in placements.items()}
+    if layer is None:
+        seq = [comm_complexity(ids[i], contiguous_expert_device(e, d), d) for i in layers]
+        gains = [a - b for a, b in zip(seq, per_layer[chosen])]
+        layer = layers[max(range(len(layers)), key=gains.__getitem__)]
+    fig, (ax_before, ax_after, ax_bars) = _new_figure(ncols=3, size=(17.0, 5.0))
+    co = profile.layers[layer].coactivation
+    plot_coactivation(co, contiguous_expert_device(e, d), ax=ax_before, title=f"layer {layer}: experts in original order")
+    plot_coactivation(co, placements[chosen].expert_device(layer), ax=ax_after, title=f"layer {layer}: {chosen} placement")
+    plot_placement_comparison(per_layer, random_placement_comm_complexity(e, k, d), comm_complexity_lower_bound(e, k, d),
+                              layers=layers, top_k=k, ax=ax_bars, title=f"comm_complexity per layer, {d} devices")
     return _finish(fig, path)
 
 

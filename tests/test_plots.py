@@ -271,3 +271,31 @@ def test_analyze_cli_plot_writes_png(tmp_path, tiny_olmoe_dir, text_file, capsys
     assert rc == 0
     assert "comm_cx" in capsys.readouterr().out
     assert_png(png)
+
+
+def test_place_cli_plot_draws_heatmaps_and_the_comparison(tmp_path, tiny_olmoe_dir, text_file, capsys):
+    from occult_ft.cli import main
+
+    prof, png = tmp_path / "p.safetensors", tmp_path / "place.png"
+    assert main(["profile", tiny_olmoe_dir, "--data", text_file, "--out", str(prof), "--max-tokens", "256",
+                 "--seq-len", "32"]) == 0
+    assert main(["place", str(prof), "--devices", "4", "--out", str(tmp_path / "pl.json"), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10_000
+    assert str(png) in capsys.readouterr().err
+
+
+def test_plot_placement_has_two_heatmaps_and_bars():
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft.models import tiny_config
+    from occult_ft.placement import compute_placement, sequential_placement
+    from occult_ft.plots import plot_placement
+    from occult_ft.profiling import profile_model
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("olmoe"))
+    prof = profile_model(model, [{"input_ids": torch.randint(0, 128, (4, 32))}], progress=False)
+    fig = plot_placement(prof, {"sequential": sequential_placement(8, 4, list(prof.layers)),
+                                "search": compute_placement(prof, 4)})
+    assert len(fig.axes) >= 3
+    assert "search placement" in fig.axes[1].get_title()
