@@ -628,10 +628,24 @@ def compute_placement(
     _validate(num_experts, num_devices, num_nodes, algorithm)
     if not profile.layers:
         raise PlacementError("profile has no MoE layers; profile the model with `occult-ft profile` first")
+    group_size = int(getattr(profile, "group_size", 1) or 1)
+    if group_size > 1 and (num_experts // num_devices) % group_size:
+        num_group = num_experts // group_size
+        raise PlacementError(
+            f"the model routes within {num_group} groups of {group_size} experts, which must stay whole, and "
+            f"devices={num_devices} would split them ({num_experts // num_devices} experts per device); use devices "
+            f"dividing {num_group}, or placement 'sequential'"
+        )
     groups, per_layer = {}, {}
     for layer in sorted(profile.layers):
         ids = profile.layers[layer].topk_ids
-        groups[int(layer)] = place_layer(ids, num_experts, num_devices, algorithm, num_nodes, **kw)
+        if group_size > 1:  # place the routing groups as units, then expand them to their experts
+            unit_groups = place_layer(ids.long() // group_size, num_experts // group_size, num_devices, algorithm,
+                                      num_nodes, **kw)
+            groups[int(layer)] = [sorted(e for u in g for e in range(u * group_size, (u + 1) * group_size))
+                                  for g in unit_groups]
+        else:
+            groups[int(layer)] = place_layer(ids, num_experts, num_devices, algorithm, num_nodes, **kw)
         per_layer[str(layer)] = _layer_report(ids, groups[int(layer)], num_experts, num_devices, num_nodes)
     tokens = sum(m["tokens"] for m in per_layer.values())
 
@@ -681,21 +695,17 @@ def sequential_placement(
 def _check_group_routing(layer, order_E: torch.Tensor) -> None:
     """DeepSeek group-limited routing scores contiguous blocks of experts; a permutation that mixes them
     would change the model, so only block-preserving placements are allowed there."""
-    router, num_experts = layer.router, layer.num_experts
-    num_group, topk_group = getattr(router, "num_group", None), getattr(router, "topk_group", None)
-    active = num_group and topk_group and 1 < num_group and topk_group < num_group
-    if layer.arch.native_group_routing == "max":
-        active = active and getattr(router, "topk_method", None) == "group_limited_greedy"
-    if not active or layer.arch.native_group_routing is None:
+    size = layer.arch.routing_group_size(layer.router)
+    if size == 1:
         return
-    size = num_experts // num_group
+    num_group = layer.num_experts // size
     blocks = {frozenset(range(g * size, (g + 1) * size)) for g in range(num_group)}
     moved = {frozenset(order_E[j * size : (j + 1) * size].tolist()) for j in range(num_group)}
     if moved != blocks:
         raise PlacementError(
-            f"layer {layer.index} routes within n_group={num_group} expert groups (topk_group={topk_group}) and "
-            "this placement mixes them, which would change the model; use a placement that moves whole groups, "
-            "or set topk_group = n_group first"
+            f"layer {layer.index} routes within {num_group} expert groups of {size} (group-limited routing) and "
+            "this placement mixes them, which would change the model; place from a profile of this model "
+            "(placement then moves whole groups), or use placement 'sequential'"
         )
 
 

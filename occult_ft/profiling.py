@@ -58,6 +58,7 @@ class Profile:
     top_k: int
     num_tokens: int
     layers: dict[int, LayerProfile] = field(default_factory=dict)
+    group_size: int = 1  # experts per routing group of a group-limited router (placement moves whole groups)
 
     def similarity(self) -> dict[int, torch.Tensor]:
         return {i: lp.similarity() for i, lp in self.layers.items()}
@@ -76,7 +77,7 @@ class Profile:
             tensors[f"layers.{i}.prob_gram"] = lp.prob_gram.contiguous()
         header = dict(format=FORMAT, version=VERSION, model=self.model, model_type=self.model_type,
                       num_experts=self.num_experts, top_k=self.top_k, num_tokens=self.num_tokens,
-                      layers=sorted(self.layers))
+                      layers=sorted(self.layers), group_size=self.group_size)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         save_file(tensors, path, metadata={"occult_ft": json.dumps(header)})
 
@@ -97,7 +98,8 @@ class Profile:
                 f"{path!r} is not an occult_ft profile (format={header.get('format')!r}, version={header.get('version')!r}); "
                 "re-run occult-ft profile"
             )
-        prof = cls(header["model"], header["model_type"], header["num_experts"], header["top_k"], header["num_tokens"])
+        prof = cls(header["model"], header["model_type"], header["num_experts"], header["top_k"], header["num_tokens"],
+                   group_size=int(header.get("group_size", 1)))
         for i in header["layers"]:
             prof.layers[int(i)] = LayerProfile(
                 int(i), tensors[f"layers.{i}.topk_ids"], tensors[f"layers.{i}.coactivation"],
@@ -160,7 +162,8 @@ class RoutingRecorder:
     def profile(self, model_name: str) -> Profile:
         base = unwrap_model(self.model)
         first = self.layers[0]
-        prof = Profile(model_name, get_arch(base).model_type, first.num_experts, first.top_k, self.tokens)
+        prof = Profile(model_name, get_arch(base).model_type, first.num_experts, first.top_k, self.tokens,
+                       group_size=max(layer.arch.routing_group_size(layer.router) for layer in self.layers))
         for layer in self.layers:
             i = layer.index
             ids = torch.cat(self._ids[i]) if self._ids[i] else torch.zeros(0, first.top_k, dtype=torch.int16)

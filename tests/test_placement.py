@@ -384,7 +384,7 @@ def test_permute_experts_refuses_to_mix_deepseek_expert_groups():
     mixing = Placement(
         None, "deepseek_v3", 8, 2, 1, "test", {i: [[0, 1, 2, 4], [3, 5, 6, 7]] for i in indices}
     )
-    with pytest.raises(PlacementError, match="n_group=2 expert groups"):
+    with pytest.raises(PlacementError, match="2 expert groups of 4"):
         permute_experts(model, mixing)
     # swapping whole groups (and reordering inside them) keeps the function
     input_ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(2))
@@ -401,3 +401,28 @@ def test_permute_experts_rejects_a_placement_for_another_model():
     model = tiny_model("olmoe")
     with pytest.raises(PlacementError, match="made for 64 experts, model has 8"):
         permute_experts(model, sequential_placement(64, 4, [0, 1]))
+
+
+def test_group_limited_models_are_placed_in_whole_routing_groups():
+    """DeepSeek-V3 with n_group=4, topk_group=2: the profile records group size 4 and every placement
+    moves whole groups, so the placed model is the same function (pruned or not)."""
+    from occult_ft.profiling import profile_model
+
+    model = tiny_model("deepseek_v3", num_experts_per_tok=2, n_group=4, topk_group=2, n_routed_experts=16)
+    batches = [{"input_ids": torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(s))} for s in range(3)]
+    prof = profile_model(model, batches, progress=False)
+    assert prof.group_size == 4
+    input_ids = batches[0]["input_ids"]
+    with torch.no_grad():
+        before = model(input_ids).logits
+    for algorithm in PLACEMENT_ALGORITHMS:
+        placement = compute_placement(prof, 2, algorithm=algorithm)
+        for layer in placement.layers:
+            for group in placement.groups[layer]:
+                assert len(group) == 8 and all(sum(e // 4 == q for e in group) in (0, 4) for q in range(4))
+        placed = tiny_model("deepseek_v3", num_experts_per_tok=2, n_group=4, topk_group=2, n_routed_experts=16)
+        permute_experts(placed, placement)
+        with torch.no_grad():
+            torch.testing.assert_close(placed(input_ids).logits, before, atol=1e-5, rtol=0)
+    with pytest.raises(PlacementError, match="use devices dividing 4"):
+        compute_placement(prof, 8)

@@ -113,6 +113,18 @@ class MoEArch:
             weights = weights * float(getattr(router, self.scaling_attr))
         return weights
 
+    def routing_group_size(self, router: nn.Module) -> int:
+        """Experts per routing group when the router's own group-limited routing is active
+        (DeepSeek-V3 `n_group`/`topk_group`, DeepSeek-V2 `group_limited_greedy`), else 1. Such a
+        router scores contiguous blocks of this size, so a placement may move whole blocks only."""
+        if self.native_group_routing is None:
+            return 1
+        num_group, topk_group = getattr(router, "num_group", None), getattr(router, "topk_group", None)
+        active = bool(num_group) and bool(topk_group) and 1 < num_group and topk_group < num_group
+        if self.native_group_routing == "max":
+            active = active and getattr(router, "topk_method", None) == "group_limited_greedy"
+        return self.num_experts(router) // int(num_group) if active else 1
+
     def num_experts(self, router: nn.Module) -> int:
         return int(router.num_experts)
 
