@@ -15,8 +15,22 @@ from .routing import CRITERIA, PruningConfig, apply_pruning
 
 __version__ = "0.1.0"
 
+_LAZY = {"OccultConfig": "occult_ft.trainer", "OccultTrainer": "occult_ft.trainer", "train": "occult_ft.trainer"}
+
+
+def __getattr__(name: str):
+    """`OccultConfig`, `OccultTrainer` and `train` import transformers' Trainer: load them on first use."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'occult_ft' has no attribute {name!r}")
+
 __all__ = [
     "CRITERIA",
+    "OccultConfig",
+    "OccultTrainer",
+    "train",
     "PruningConfig",
     "apply_pruning",
     "comm_complexity",

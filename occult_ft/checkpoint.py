@@ -197,6 +197,8 @@ def load_model_and_tokenizer(path: str, dtype=None, **kwargs):
 
         path = embedded_model_path()
     _check_exists(path)
+    if os.path.isdir(path):
+        path = os.path.abspath(path)  # recorded as the base model of adapters and checkpoints
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **kwargs)
     except (OSError, ValueError, KeyError) as exc:

@@ -388,9 +388,9 @@ def test_cli_train_under_torchrun_with_two_processes(tiny_olmoe_dir, data, tmp_p
     out = tmp_path / "out"
     recipe.write_text(yaml.safe_dump(dict(
         model_name_or_path=tiny_olmoe_dir, dataset=data[0], output_dir=str(out), seq_len=32, devices=4,
-        max_devices_per_token=1, max_steps=2, per_device_train_batch_size=2, use_cpu=True, disable_tqdm=True,
+        max_devices_per_token=1, max_steps=2, per_device_train_batch_size=2, disable_tqdm=True,
         logging_steps=1, save_strategy="no", profile_tokens=1000,
-    )))
+    )))  # no use_cpu: CPU processes under a launcher must still train as one data-parallel job
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
@@ -398,6 +398,7 @@ def test_cli_train_under_torchrun_with_two_processes(tiny_olmoe_dir, data, tmp_p
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("saved the pruned model") == 1  # one job (rank 0 reports), not two lone runs
     logs = [e for e in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in e]
     assert len(logs) == 2 and all(e["max_token_devices"] == 1 and e["comm_complexity"] == 1.0 for e in logs)
     assert json.load(open(out / "config.json"))["occult"]["max_devices_per_token"] == 1
@@ -443,3 +444,15 @@ def test_devices_follow_expert_parallel_size_unless_set(tmp_path):
         make_config(tmp_path, devices=None, expert_parallel_size=2)
     with pytest.raises(ValueError, match="expert_parallel_size=2 must equal devices=4"):
         make_config(tmp_path, devices=4, expert_parallel_size=2)
+
+
+def test_training_a_pruned_checkpoint_keeps_its_budget(tiny_olmoe_dir, data, tmp_path):
+    first = make_config(tmp_path / "a", max_steps=1, max_devices_per_token=1, criterion="score", placement="sequential")
+    trainer = OccultTrainer(tiny_olmoe_dir, args=first, train_dataset=data[1])
+    trainer.train()
+    trainer.save_model(first.output_dir)
+    again = make_config(tmp_path / "b", max_steps=2)  # no budget given
+    trainer = OccultTrainer(first.output_dir, args=again, train_dataset=data[1])
+    trainer.train()
+    assert again.max_devices_per_token == 1
+    assert all(e["max_token_devices"] == 1 for e in train_logs(trainer))

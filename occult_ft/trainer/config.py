@@ -179,6 +179,10 @@ class OccultConfig(TrainingArguments):
     )
 
     def __post_init__(self):
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _accelerator_available():
+            # several CPU processes (torchrun / accelerate / deepspeed): without use_cpu, TrainingArguments
+            # sees no distributed setup on CPU and every process would train alone
+            self.use_cpu = True
         if self.bf16 is None:
             self.bf16 = _bf16_available() and not self.fp16 and not self.use_cpu
         self._check_occult_fields()
@@ -266,6 +270,12 @@ class OccultConfig(TrainingArguments):
         kwargs = {**kwargs, "use_reentrant": kwargs.get("use_reentrant", False)}
         for name in names:
             setattr(self, name, kwargs)
+
+
+def _accelerator_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
 def _bf16_available() -> bool:

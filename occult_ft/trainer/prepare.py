@@ -27,11 +27,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from ..checkpoint import ADAPTER_OCCULT_FILE, OCCULT_KEY, SIMILARITY_FILE
 from ..metrics import contiguous_expert_device
 from ..models.registry import find_moe_layers, get_arch, unwrap_model
 from ..routing import PruningConfig, apply_pruning, pruned_routers, set_recording
+
+logger = logging.get_logger(__name__)
 
 __all__ = [
     "OccultSetup",
@@ -211,6 +214,16 @@ def prepare_model(
     layers = find_moe_layers(base)
     num_experts, top_k = layers[0].num_experts, layers[0].top_k
     indices = [layer.index for layer in layers]
+    block = getattr(base.config, OCCULT_KEY, None) or {}
+    if args.max_devices_per_token is None and block.get("max_devices_per_token") is not None:
+        # continuing from a pruned checkpoint: its budget stays unless the run sets one
+        args.max_devices_per_token = int(block["max_devices_per_token"])
+        args.criterion = block.get("criterion", args.criterion)
+        args.gate_weights = block.get("gate_weights", args.gate_weights)
+        logger.warning(
+            f"{getattr(base.config, '_name_or_path', 'the model')} is pruned to {args.max_devices_per_token} devices "
+            f"per token ({args.criterion}); training keeps that budget (set max_devices_per_token to change it)"
+        )
     pruning = PruningConfig(args.devices, args.max_devices_per_token, args.criterion, args.gate_weights)
     pruning.check(num_experts, top_k)
     peft_model = is_peft_model(model)
@@ -218,7 +231,6 @@ def prepare_model(
         raise ValueError(f"train_mode={args.train_mode!r} but the model is a LoRA (PEFT) model; set train_mode='lora'")
     name = getattr(base.config, "_name_or_path", None) or getattr(base, "name_or_path", None)
 
-    block = getattr(base.config, OCCULT_KEY, None) or {}
     ckpt_block, ckpt_similarity = read_checkpoint_setup(checkpoint) if checkpoint else ({}, None)
     already_placed = bool(block.get("placed")) or (peft_model and bool(block))
     similarity = None
