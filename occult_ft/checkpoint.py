@@ -39,6 +39,7 @@ __all__ = [
     "from_pretrained",
     "load_model_and_tokenizer",
     "load_tokenizer",
+    "resolve_model_path",
     "CheckpointError",
 ]
 
@@ -155,9 +156,19 @@ def _check_exists(path: str) -> None:
         raise CheckpointError(f"model {path!r} does not exist; pass a local model directory or a Hub model id")
 
 
+def resolve_model_path(path: str) -> str:
+    """`embedded` -> the shipped base model's directory; local directories -> absolute paths."""
+    if path == "embedded":
+        from .embedded import embedded_model_path
+
+        return embedded_model_path()
+    return os.path.abspath(path) if os.path.isdir(path) else path
+
+
 def _local_dir(path: str) -> str:
     """A local directory for `path`; Hub ids are downloaded (side files such as adapters and the
     similarity tables must be read from disk)."""
+    path = resolve_model_path(path)
     if os.path.isdir(path):
         return path
     _check_exists(path)
@@ -192,13 +203,8 @@ def load_model_and_tokenizer(path: str, dtype=None, **kwargs):
     base model), with one-line errors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if path == "embedded":
-        from .embedded import embedded_model_path
-
-        path = embedded_model_path()
+    path = resolve_model_path(path)  # absolute: recorded as the base model of adapters and checkpoints
     _check_exists(path)
-    if os.path.isdir(path):
-        path = os.path.abspath(path)  # recorded as the base model of adapters and checkpoints
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **kwargs)
     except (OSError, ValueError, KeyError) as exc:

@@ -60,6 +60,17 @@ class Profile:
     layers: dict[int, LayerProfile] = field(default_factory=dict)
     group_size: int = 1  # experts per routing group of a group-limited router (placement moves whole groups)
 
+    def check_model(self, num_experts: int, layer_indices, model_type: str | None = None) -> None:
+        """Raise ProfileError unless this profile was made on a model with these experts and MoE layers."""
+        rerun = "profile this model with `occult-ft profile`"
+        if num_experts != self.num_experts:
+            raise ProfileError(f"profile was made for {self.num_experts} experts, the model has {num_experts}; {rerun}")
+        layers = sorted(int(i) for i in layer_indices)
+        if layers != sorted(self.layers):
+            raise ProfileError(f"profile covers MoE layers {sorted(self.layers)}, the model has {layers}; {rerun}")
+        if model_type and self.model_type and model_type != self.model_type:
+            raise ProfileError(f"profile was made on a {self.model_type} model, this one is {model_type}; {rerun}")
+
     def similarity(self) -> dict[int, torch.Tensor]:
         return {i: lp.similarity() for i, lp in self.layers.items()}
 

@@ -181,3 +181,29 @@ def test_max_tokens_counts_real_tokens_not_padded_rows(tmp_path, tiny_tokenizer)
     batches = data_batches(tiny_tokenizer, str(path), seq_len=64, batch_size=4, max_tokens=100)
     real = sum(int(b["attention_mask"].sum()) for b in batches)
     assert 100 <= real < 100 + 4 * 64
+
+
+def test_analyze_reports_a_pruned_checkpoints_own_routing(pipeline, capsys):
+    out = pipeline["out"] / "pruned-for-analyze"
+    assert run_cli("prune", pipeline["model"], "--placement", pipeline["placement"], "--max-devices-per-token", 1,
+                   "--out", out) == 0
+    capsys.readouterr()
+    assert run_cli("analyze", out, "--data", pipeline["data"], "--devices", 4, "--json", "--seq-len", 32,
+                   "--max-tokens", 300) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["comm_complexity"] == 1.0 and rep["extra"]["max_devices_per_token"] == 1
+    assert run_cli("analyze", out, "--data", pipeline["data"], "--devices", 4, "--placement", pipeline["placement"]) == 2
+    assert "already placed" in capsys.readouterr().err
+    assert run_cli("analyze", out, "--data", pipeline["data"], "--devices", 2) == 2
+    assert "placed for 4 devices" in capsys.readouterr().err
+
+
+def test_a_profile_of_another_model_is_rejected(pipeline, tmp_path, capsys, tiny_tokenizer, text_file):
+    other = save_tiny_model(tmp_path / "m16", "olmoe", tiny_tokenizer, num_experts=16)
+    prof = tmp_path / "p16.safetensors"
+    assert run_cli("profile", other, "--data", text_file, "--out", prof, "--max-tokens", 200, "--seq-len", 32) == 0
+    capsys.readouterr()
+    code = run_cli("prune", pipeline["model"], "--placement", pipeline["placement"], "--max-devices-per-token", 2,
+                   "--criterion", "similarity", "--profile", prof, "--out", tmp_path / "o")
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "profile was made for 16 experts, the model has 8" in err and len(err.splitlines()) == 1

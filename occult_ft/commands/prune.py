@@ -47,6 +47,7 @@ def load_placement(spec: str, model, devices: int | None):
 
 def run(args) -> int:
     from ..checkpoint import load_model_and_tokenizer, save_pruned
+    from ..models import find_moe_layers, get_arch
     from ..placement import permute_experts
     from ..profiling import Profile
     from ..routing import PruningConfig, apply_pruning
@@ -63,6 +64,8 @@ def run(args) -> int:
             if args.profile is None:
                 raise ValueError("--criterion similarity needs --profile PROFILE (from occult-ft profile)")
             prof = Profile.load(args.profile)
+            moe = find_moe_layers(model)
+            prof.check_model(moe[0].num_experts, [layer.index for layer in moe], get_arch(model).model_type)
             similarity = {}
             for i, sim in prof.similarity().items():
                 order = placement.expert_order(i)
