@@ -72,6 +72,7 @@ PLACEMENT_FORMAT = "occult_ft.placement"
 PLACEMENT_VERSION = 1
 DEFAULT_ALGORITHM = "search"
 SEARCH_RESTARTS = 4  # perturb-and-descend rounds after the first descent
+SEARCH_TOKENS = 8192  # swaps are evaluated on at most this many profiled tokens (a seeded random subset)
 _RERUN = "re-run `occult-ft place` on this model's profile"
 
 
@@ -303,6 +304,42 @@ def _search(
     seed: int = 0,
     restarts: int = SEARCH_RESTARTS,
     max_swaps: int | None = None,
+    max_search_tokens: int = SEARCH_TOKENS,
+) -> list[list[int]]:
+    """Local search; on more than `max_search_tokens` profiled tokens the swaps are evaluated on a seeded
+    random subset, and the result is kept only if it beats every start on all tokens (so the guarantee
+    "never worse than occult" holds on the whole profile)."""
+    if x_TE.shape[0] <= max_search_tokens:
+        return _search_all(x_TE, num_devices, max_load_imbalance=max_load_imbalance, seed=seed,
+                           restarts=restarts, max_swaps=max_swaps)
+    gen = torch.Generator().manual_seed(seed)
+    subset = torch.randperm(x_TE.shape[0], generator=gen)[:max_search_tokens]
+    found = _search_all(x_TE[subset], num_devices, max_load_imbalance=max_load_imbalance, seed=seed,
+                        restarts=restarts, max_swaps=max_swaps)
+    num_experts = x_TE.shape[1]
+
+    def score(groups) -> tuple[float, float]:  # (objective, load imbalance) on all tokens
+        reach_TD = (x_TE @ torch.nn.functional.one_hot(expert_device_from_groups(groups, num_experts), num_devices).float()) > 0
+        return float(reach_TD.sum()), _imbalance(reach_TD.sum(dim=0))
+
+    occult = _occult(x_TE, num_devices)
+    best_total, occult_imbalance = score(occult)
+    best, bound = occult, max(max_load_imbalance, occult_imbalance)
+    for candidate in (found, _greedy_pairs(x_TE, num_devices), _sequential(x_TE, num_devices)):
+        total, imbalance = score(candidate)
+        if total < best_total and imbalance <= bound * (1 + 1e-9):
+            best, best_total = candidate, total
+    return best
+
+
+def _search_all(
+    x_TE: torch.Tensor,
+    num_devices: int,
+    *,
+    max_load_imbalance: float = 1.25,
+    seed: int = 0,
+    restarts: int = SEARCH_RESTARTS,
+    max_swaps: int | None = None,
 ) -> list[list[int]]:
     num_experts = x_TE.shape[1]
     if num_devices == 1 or num_devices == num_experts or x_TE.shape[0] == 0:
@@ -383,7 +420,8 @@ def place_layer(
         max_load_imbalance: `search` keeps max/mean device load within max(this, `occult`'s imbalance)
             (starts beyond that bound are not used).
         seed: seed of `search`'s random restarts (same seed, same result).
-        options: `search` budget: `restarts` (default 4), `max_swaps` per descent (default 2E).
+        options: `search` budget: `restarts` (default 4), `max_swaps` per descent (default 2E),
+            `max_search_tokens` (default 8192: swaps are evaluated on a seeded subset of that many tokens).
 
     Returns:
         `groups`, D lists of E/D sorted expert ids; device d belongs to node d // (D/N).

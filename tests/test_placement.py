@@ -426,3 +426,11 @@ def test_group_limited_models_are_placed_in_whole_routing_groups():
             torch.testing.assert_close(placed(input_ids).logits, before, atol=1e-5, rtol=0)
     with pytest.raises(PlacementError, match="use devices dividing 4"):
         compute_placement(prof, 8)
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+def test_search_on_a_token_subset_is_still_never_worse_than_occult_on_all_tokens(routing):
+    ids = ROUTINGS[routing]()
+    sub = place_layer(ids, 64, 8, max_search_tokens=256)  # swaps see 256 of the 2048 tokens
+    assert cc(ids, sub, 64) <= cc(ids, place_layer(ids, 64, 8, "occult"), 64) + 1e-9
+    assert_equal_partition(sub, 64, 8)
