@@ -73,16 +73,16 @@ def write_native_group_fields(config, pruning: PruningConfig) -> bool:
     """Express device-limited routing in the model's own config where transformers can (in place).
 
     DeepSeek-V3: `n_group=D`, `topk_group=M` (groups ranked by the sum of their top-2 scores: our
-    `device_topk_sum` when k // M == 2). DeepSeek-V2: `topk_method="group_limited_greedy"`, `n_group=D`,
+    `device_topk_sum`, which uses the same top-2 on DeepSeek-V3; needs at least 2 experts per device). DeepSeek-V2: `topk_method="group_limited_greedy"`, `n_group=D`,
     `topk_group=M` (groups ranked by their best score: our `device_max`/`score`).
     Returns True when the fields were written.
     """
     if not pruning.active:
         return False
     arch = get_arch(config)
-    k = int(config.num_experts_per_tok)
     m = pruning.max_devices_per_token
-    if arch.native_group_routing == "topk_sum" and pruning.criterion == "device_topk_sum" and max(1, k // m) == 2:
+    per_device = int(getattr(config, "num_local_experts", 0) or getattr(config, "n_routed_experts", 0)) // pruning.num_devices
+    if arch.native_group_routing == "topk_sum" and pruning.criterion == "device_topk_sum" and per_device >= 2:
         config.n_group, config.topk_group = pruning.num_devices, m
         return True
     if arch.native_group_routing == "max" and pruning.criterion in ("device_max", "score"):

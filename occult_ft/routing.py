@@ -13,7 +13,7 @@ it at most M rows. The criteria (pure functions below, fast and vectorised over 
   inside. The same rule as `score`, reached from the DeepSeek side; both names are kept because users
   come from both (tests check both against a literal walk of the paper's rule).
 - `device_topk_sum` (DeepSeek-V3 node-limited routing): rank devices by the sum of their top
-  max(1, k // M) scores, keep M, top-k inside. Applied to every token, verbatim as DeepSeek-V3 does,
+  max(1, k // M) scores (for DeepSeek-V3 models their router's own top-2), keep M, top-k inside. Applied to every token, verbatim as DeepSeek-V3 does,
   so that the native `n_group`/`topk_group` fields reproduce it; unlike the others it may move a token
   whose top-k already fits.
 - `similarity` (the paper's expert-similarity rule): admit devices as `score` does, keep the selected
@@ -150,13 +150,17 @@ def limit_devices(
     num_devices: int,
     max_devices: int,
     rank: str = "max",
+    n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k restricted to the best `max_devices` devices of each token.
 
+    Args:
+        rank: `max` (devices ranked by their best expert) or `topk_sum` (by the sum of their top `n`
+            scores; default n = max(1, k // max_devices)).
     Returns:
         topk_ids_TK (long, sorted by descending score) and device_mask_TD (bool, admitted devices).
     """
-    n = max(1, top_k // max_devices)
+    n = n or max(1, top_k // max_devices)
     dev_TD = device_scores(scores_TE, expert_device_E, num_devices, rank, n)
     keep = dev_TD.topk(max_devices, dim=-1).indices
     device_mask_TD = torch.zeros_like(dev_TD, dtype=torch.bool).scatter_(1, keep, True)
@@ -228,7 +232,7 @@ def prune_topk(
     if config.criterion in ("score", "device_max"):
         new_ids, _ = limit_devices(scores, k, expert_device_E, d, m, "max")
     elif config.criterion == "device_topk_sum":
-        new_ids, _ = limit_devices(scores, k, expert_device_E, d, m, "topk_sum")
+        new_ids, _ = limit_devices(scores, k, expert_device_E, d, m, "topk_sum", arch.group_score_topn)
     else:
         if similarity_EE is None:
             raise ValueError(

@@ -82,14 +82,21 @@ def test_analyze_json_reports_overall_and_per_layer(pipeline, capsys):
     assert pruned["comm_complexity"] == 1.0
 
 
-def test_deepseek_v3_topk_sum_writes_native_group_fields(tmp_path, tiny_tokenizer):
+@pytest.mark.parametrize("experts,k,budget,n_group,topk_group", [
+    (8, 4, 2, 1, 1),    # k // M == 2, like DeepSeek-V3 itself (top-8 in 4 of 8 groups)
+    (16, 4, 1, 1, 1),   # k // M == 4: the model's own top-2 group score is used
+    (16, 2, 3, 4, 2),   # a model that already routes in groups: the old fields are replaced
+])
+def test_deepseek_v3_topk_sum_writes_native_group_fields(tmp_path, tiny_tokenizer, experts, k, budget, n_group,
+                                                         topk_group):
     """Stock transformers routes a device_topk_sum checkpoint exactly like occult_ft does."""
-    src = save_tiny_model(tmp_path / "v3", "deepseek_v3", tiny_tokenizer, num_experts_per_tok=4, n_group=1, topk_group=1)
+    src = save_tiny_model(tmp_path / "v3", "deepseek_v3", tiny_tokenizer, n_routed_experts=experts,
+                          num_experts_per_tok=k, n_group=n_group, topk_group=topk_group)
     out = tmp_path / "v3-pruned"
-    assert run_cli("prune", src, "--placement", "sequential", "--devices", 4, "--max-devices-per-token", 2,
+    assert run_cli("prune", src, "--placement", "sequential", "--devices", 4, "--max-devices-per-token", budget,
                    "--criterion", "device_topk_sum", "--out", out) == 0
     cfg = json.load(open(out / "config.json"))
-    assert cfg["n_group"] == 4 and cfg["topk_group"] == 2
+    assert cfg["n_group"] == 4 and cfg["topk_group"] == budget
     stock = AutoModelForCausalLM.from_pretrained(out)
     ours = occult_ft.from_pretrained(str(out))
     ids = torch.randint(3, 200, (2, 16))

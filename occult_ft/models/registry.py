@@ -62,6 +62,8 @@ class MoEArch:
         native_group_routing: how stock transformers can express device-limited routing, if at all:
             `"topk_sum"` (DeepSeek-V3 `n_group`/`topk_group`) or `"max"` (DeepSeek-V2
             `topk_method="group_limited_greedy"`).
+        group_score_topn: how many top scores the model's own group ranking sums (DeepSeek-V3: 2);
+            `device_topk_sum` uses it so that the native fields reproduce it for every budget.
         example_config: kwargs for a tiny random config of this type (tests, docs).
     """
 
@@ -75,6 +77,7 @@ class MoEArch:
     router_params: tuple[str, ...] = ("weight",)
     expert_params: tuple[str, ...] = ("gate_up_proj", "down_proj")
     native_group_routing: str | None = None
+    group_score_topn: int | None = None
     example_config: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -293,7 +296,7 @@ register_arch(MoEArch(
     "deepseek_v3", router_attr="gate", scoring="sigmoid", renormalize="norm_topk_prob",
     scaling_attr="routed_scaling_factor", correction_bias_attr="e_score_correction_bias",
     shared_attrs=("shared_experts",), router_params=("weight", "e_score_correction_bias"),
-    native_group_routing="topk_sum",
+    native_group_routing="topk_sum", group_score_topn=2,
     example_config=dict(_TINY, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, kv_lora_rank=16,
                         q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
