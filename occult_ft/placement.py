@@ -648,6 +648,25 @@ def _layer_report(
     return report
 
 
+def _place_in_routing_groups(ids_TK, num_experts, num_devices, group_size, algorithm, num_nodes, **kw):
+    """Placement for a model whose router picks among contiguous routing groups (DeepSeek group-limited
+    routing): groups must stay whole blocks. With whole groups per device, the groups are placed as
+    units; when a group spans several devices, it keeps its slot and its experts are placed over those
+    devices (on the tokens' experts inside it)."""
+    per_device = num_experts // num_devices
+    if per_device % group_size == 0:
+        unit_groups = place_layer(ids_TK // group_size, num_experts // group_size, num_devices, algorithm, num_nodes, **kw)
+        return [sorted(e for u in g for e in range(u * group_size, (u + 1) * group_size)) for g in unit_groups]
+    span = group_size // per_device  # devices per routing group
+    groups: list[list[int]] = []
+    for q in range(num_experts // group_size):
+        local = torch.where(ids_TK // group_size == q, ids_TK - q * group_size, -1)
+        inside = local.max(dim=1).values >= 0  # tokens with at least one expert in this group
+        sub = place_layer(local[inside], group_size, span, algorithm, **kw)
+        groups.extend(sorted(q * group_size + e for e in g) for g in sub)
+    return groups
+
+
 def compute_placement(
     profile, num_devices: int, num_nodes: int = 1, algorithm: str = DEFAULT_ALGORITHM, **kw
 ) -> Placement:
@@ -666,22 +685,21 @@ def compute_placement(
     _validate(num_experts, num_devices, num_nodes, algorithm)
     if not profile.layers:
         raise PlacementError("profile has no MoE layers; profile the model with `occult-ft profile` first")
-    group_size = int(getattr(profile, "group_size", 1) or 1)
-    if group_size > 1 and (num_experts // num_devices) % group_size:
+    group_size = int(getattr(profile, "group_size", 1) or 1) if algorithm != "sequential" else 1
+    per_device = num_experts // num_devices
+    if group_size > 1 and per_device % group_size and group_size % per_device:
         num_group = num_experts // group_size
         raise PlacementError(
             f"the model routes within {num_group} groups of {group_size} experts, which must stay whole, and "
-            f"devices={num_devices} would split them ({num_experts // num_devices} experts per device); use devices "
-            f"dividing {num_group}, or placement 'sequential'"
+            f"devices={num_devices} ({per_device} experts each) neither holds whole groups nor splits each group "
+            f"evenly; use devices dividing or divisible by {num_group}, or placement 'sequential'"
         )
     groups, per_layer = {}, {}
     for layer in sorted(profile.layers):
         ids = profile.layers[layer].topk_ids
-        if group_size > 1:  # place the routing groups as units, then expand them to their experts
-            unit_groups = place_layer(ids.long() // group_size, num_experts // group_size, num_devices, algorithm,
-                                      num_nodes, **kw)
-            groups[int(layer)] = [sorted(e for u in g for e in range(u * group_size, (u + 1) * group_size))
-                                  for g in unit_groups]
+        if group_size > 1:
+            groups[int(layer)] = _place_in_routing_groups(ids.long(), num_experts, num_devices, group_size,
+                                                          algorithm, num_nodes, **kw)
         else:
             groups[int(layer)] = place_layer(ids, num_experts, num_devices, algorithm, num_nodes, **kw)
         per_layer[str(layer)] = _layer_report(ids, groups[int(layer)], num_experts, num_devices, num_nodes)

@@ -424,8 +424,16 @@ def test_group_limited_models_are_placed_in_whole_routing_groups():
         permute_experts(placed, placement)
         with torch.no_grad():
             torch.testing.assert_close(placed(input_ids).logits, before, atol=1e-5, rtol=0)
-    with pytest.raises(PlacementError, match="use devices dividing 4"):
-        compute_placement(prof, 8)
+    # 8 devices: each group of 4 spans 2 devices and keeps its slot; experts move only inside it
+    for placement in (compute_placement(prof, 8), compute_placement(prof, 8, algorithm="occult")):
+        for layer in placement.layers:
+            for d, group in enumerate(placement.groups[layer]):
+                assert len(group) == 2 and {e // 4 for e in group} == {d // 2}
+        placed = tiny_model("deepseek_v3", num_experts_per_tok=2, n_group=4, topk_group=2, n_routed_experts=16)
+        permute_experts(placed, placement)
+        with torch.no_grad():
+            torch.testing.assert_close(placed(input_ids).logits, before, atol=1e-5, rtol=0)
+    assert compute_placement(prof, 16).num_devices == 16  # one expert per device: any order inside a group
 
 
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
@@ -434,3 +442,12 @@ def test_search_on_a_token_subset_is_still_never_worse_than_occult_on_all_tokens
     sub = place_layer(ids, 64, 8, max_search_tokens=256)  # swaps see 256 of the 2048 tokens
     assert cc(ids, sub, 64) <= cc(ids, place_layer(ids, 64, 8, "occult"), 64) + 1e-9
     assert_equal_partition(sub, 64, 8)
+
+
+def test_devices_that_would_split_routing_groups_unevenly_are_refused():
+    ids = random_routing(24, top_k=2, tokens=64)
+    prof = SimpleNamespace(model=None, model_type="deepseek_v3", num_experts=24, top_k=2, group_size=6,
+                           layers={0: SimpleNamespace(topk_ids=ids)})
+    with pytest.raises(PlacementError, match="4 groups of 6 experts.*devices dividing or divisible by 4"):
+        compute_placement(prof, 6)  # 4 experts per device: neither whole groups nor an even split
+    assert compute_placement(prof, 6, algorithm="sequential").num_devices == 6
