@@ -189,9 +189,11 @@ def load_tokenizer(*sources: str | None):
     tried = [s for s in sources if s]
     for source in tried:
         try:
-            return AutoTokenizer.from_pretrained(source)
+            tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError, KeyError):
             continue
+        if _has_vocabulary(tokenizer):
+            return tokenizer
     raise CheckpointError(
         f"found no tokenizer in {', '.join(map(repr, tried)) or 'no source'}; save one beside the model "
         "(tokenizer.save_pretrained)"
@@ -215,7 +217,13 @@ def load_model_and_tokenizer(path: str, dtype=None, **kwargs):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError):
         tokenizer = None
+    if tokenizer is not None and not _has_vocabulary(tokenizer):
+        tokenizer = None  # a folder without tokenizer files: transformers builds an empty default one
     return model, tokenizer
+
+
+def _has_vocabulary(tokenizer) -> bool:
+    return len(tokenizer) > 8
 
 
 def from_pretrained(path: str, dtype=None, is_trainable: bool = False, **kwargs) -> nn.Module:

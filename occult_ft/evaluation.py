@@ -20,16 +20,18 @@ def load_data(data: str):
     return load_text_dataset(data)
 
 
-def data_batches(tokenizer, data, seq_len: int, batch_size: int, max_tokens: int | None = None) -> list[dict]:
+def data_batches(tokenizer, data, seq_len: int, batch_size: int, max_tokens: int | None = None,
+                 response_only: bool = True) -> list[dict]:
     """Tokenised `data` (a --data value or a loaded dataset) as padded batches of `input_ids`,
     `attention_mask` and `labels` (-100 on padding, and on prompts of instruction rows); enough rows
-    for `max_tokens` real (unpadded) tokens."""
+    for `max_tokens` real (unpadded) tokens. `response_only=False` keeps instruction prompts in the
+    labels (and keeps rows whose prompt fills `seq_len`): for routing statistics every token counts."""
     from .data import DataError, make_collator, tokenize_dataset
 
     if tokenizer is None:
         raise DataError("the model has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
     ds = load_data(data) if isinstance(data, str) else data
-    ds = tokenize_dataset(ds, tokenizer, seq_len=seq_len)
+    ds = tokenize_dataset(ds, tokenizer, seq_len=seq_len, response_only=response_only)
     if len(ds) == 0:
         raise DataError(f"data {data if isinstance(data, str) else 'set'!r} gave no tokens; check the file is not empty")
     collate = make_collator(tokenizer)

@@ -577,7 +577,10 @@ class Placement:
         return "\n".join(lines + ["  },", f'  "metrics": {metrics}', "}"]) + "\n"
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        path = Path(path)
+        if not path.parent.is_dir():
+            raise PlacementError(f"cannot write '{path}': directory '{path.parent}' does not exist; create it first")
+        path.write_text(self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Placement:

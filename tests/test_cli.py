@@ -214,3 +214,23 @@ def test_a_profile_of_another_model_is_rejected(pipeline, tmp_path, capsys, tiny
                    "--criterion", "similarity", "--profile", prof, "--out", tmp_path / "o")
     err = capsys.readouterr().err.strip()
     assert code == 2 and "profile was made for 16 experts, the model has 8" in err and len(err.splitlines()) == 1
+
+
+def test_routing_commands_read_instruction_data_whatever_the_prompt_length(pipeline, tmp_path, capsys):
+    rows = [{"instruction": "Describe the quick brown fox and the lazy dog in detail " * 3, "input": "", "output": "ok"}
+            for _ in range(20)]
+    data = tmp_path / "alpaca.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    assert run_cli("analyze", pipeline["model"], "--data", data, "--devices", 4, "--json", "--seq-len", 16) == 0
+    assert json.loads(capsys.readouterr().out)["layers"][0]["tokens"] > 0
+
+
+def test_missing_tokenizer_and_unwritable_output_are_named(pipeline, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(pipeline["model"]).save_pretrained(tmp_path / "no-tokenizer")
+    assert run_cli("profile", tmp_path / "no-tokenizer", "--data", pipeline["data"], "--out", tmp_path / "p") == 2
+    assert "no tokenizer" in capsys.readouterr().err
+    assert run_cli("place", pipeline["profile"], "--devices", 4, "--out", tmp_path / "nowhere" / "p.json") == 2
+    err = capsys.readouterr().err
+    assert "does not exist; create it first" in err and len(err.strip().splitlines()) == 1

@@ -100,7 +100,7 @@ def run(args) -> int:
         similarity = prof.similarity()
         if placement is not None:
             similarity = {i: s[placement.expert_order(i)][:, placement.expert_order(i)] for i, s in similarity.items()}
-    batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens)
+    batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False)
     report = analyze_model(model, batches, args.devices, placement, args.max_devices_per_token, args.criterion,
                            similarity, args.max_tokens)
     if args.plot:

@@ -108,7 +108,7 @@ def build_workload(args, settings):
         if placement.num_devices != args.devices:
             raise ValueError(f"--devices {args.devices} disagrees with the placement's {placement.num_devices} devices")
         permute_experts(model, placement)
-    batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens)
+    batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False)
     return model_workload(model, batches, name=args.model, max_tokens=args.max_tokens, hidden=args.hidden,
                           layer_indices=args.layers, placement=args.placement)
 

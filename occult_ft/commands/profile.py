@@ -24,7 +24,7 @@ def run(args) -> int:
 
     data = load_data(args.data)
     model, tokenizer = load_model_and_tokenizer(args.model)
-    batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens)
+    batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False)
     prof = profile_model(model, batches, model_name=args.model, max_tokens=args.max_tokens,
                          max_routing_tokens=args.max_routing_tokens)
     prof.save(args.out)
