@@ -179,7 +179,8 @@ class OccultConfig(TrainingArguments):
     )
 
     def __post_init__(self):
-        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _accelerator_available():
+        launched = all(key in os.environ for key in ("MASTER_ADDR", "LOCAL_RANK"))  # torchrun / accelerate / deepspeed
+        if not self.use_cpu and launched and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _accelerator_available():
             # several CPU processes (torchrun / accelerate / deepspeed): without use_cpu, TrainingArguments
             # sees no distributed setup on CPU and every process would train alone
             self.use_cpu = True
