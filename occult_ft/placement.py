@@ -72,7 +72,8 @@ PLACEMENT_FORMAT = "occult_ft.placement"
 PLACEMENT_VERSION = 1
 DEFAULT_ALGORITHM = "search"
 SEARCH_RESTARTS = 4  # perturb-and-descend rounds after the first descent
-SEARCH_TOKENS = 8192  # swaps are evaluated on at most this many profiled tokens (a seeded random subset)
+SEARCH_CELLS = 2**21  # swaps are evaluated on at most SEARCH_CELLS / E profiled tokens (a seeded random
+# subset): every token of a 32-expert model's default profile, 8192 tokens at DeepSeek-V3 width (256)
 _RERUN = "re-run `occult-ft place` on this model's profile"
 
 
@@ -304,11 +305,12 @@ def _search(
     seed: int = 0,
     restarts: int = SEARCH_RESTARTS,
     max_swaps: int | None = None,
-    max_search_tokens: int = SEARCH_TOKENS,
+    max_search_tokens: int | None = None,
 ) -> list[list[int]]:
     """Local search; on more than `max_search_tokens` profiled tokens the swaps are evaluated on a seeded
     random subset, and the result is kept only if it beats every start on all tokens (so the guarantee
     "never worse than occult" holds on the whole profile)."""
+    max_search_tokens = max_search_tokens or max(1024, SEARCH_CELLS // x_TE.shape[1])
     if x_TE.shape[0] <= max_search_tokens:
         return _search_all(x_TE, num_devices, max_load_imbalance=max_load_imbalance, seed=seed,
                            restarts=restarts, max_swaps=max_swaps)
@@ -421,7 +423,8 @@ def place_layer(
             (starts beyond that bound are not used).
         seed: seed of `search`'s random restarts (same seed, same result).
         options: `search` budget: `restarts` (default 4), `max_swaps` per descent (default 2E),
-            `max_search_tokens` (default 8192: swaps are evaluated on a seeded subset of that many tokens).
+            `max_search_tokens` (default 2**21 / E: swaps are evaluated on a seeded subset of that many
+            tokens; 8192 at 256 experts).
 
     Returns:
         `groups`, D lists of E/D sorted expert ids; device d belongs to node d // (D/N).
