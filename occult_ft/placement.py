@@ -303,21 +303,18 @@ def _search(
     *,
     max_load_imbalance: float = 1.25,
     seed: int = 0,
-    restarts: int = SEARCH_RESTARTS,
-    max_swaps: int | None = None,
     max_search_tokens: int | None = None,
+    **options,
 ) -> list[list[int]]:
-    """Local search; on more than `max_search_tokens` profiled tokens the swaps are evaluated on a seeded
-    random subset, and the result is kept only if it beats every start on all tokens (so the guarantee
-    "never worse than occult" holds on the whole profile)."""
+    """Local search (`_search_all`; options: restarts, max_swaps). On more than `max_search_tokens`
+    profiled tokens the swaps are evaluated on a seeded random subset, and the result is kept only if it
+    beats every start on all tokens (so "never worse than occult" holds on the whole profile)."""
     max_search_tokens = max_search_tokens or max(1024, SEARCH_CELLS // x_TE.shape[1])
+    search = partial(_search_all, num_devices=num_devices, max_load_imbalance=max_load_imbalance, seed=seed, **options)
     if x_TE.shape[0] <= max_search_tokens:
-        return _search_all(x_TE, num_devices, max_load_imbalance=max_load_imbalance, seed=seed,
-                           restarts=restarts, max_swaps=max_swaps)
-    gen = torch.Generator().manual_seed(seed)
-    subset = torch.randperm(x_TE.shape[0], generator=gen)[:max_search_tokens]
-    found = _search_all(x_TE[subset], num_devices, max_load_imbalance=max_load_imbalance, seed=seed,
-                        restarts=restarts, max_swaps=max_swaps)
+        return search(x_TE)
+    subset = torch.randperm(x_TE.shape[0], generator=torch.Generator().manual_seed(seed))[:max_search_tokens]
+    found = search(x_TE[subset])
     num_experts = x_TE.shape[1]
 
     def score(groups) -> tuple[float, float]:  # (objective, load imbalance) on all tokens
