@@ -1,6 +1,7 @@
 # Set-up and the two everyday jobs. Every target installs what it needs into .venv first.
 #   make demo   - the whole pipeline on the embedded default model and corpus (CPU, a few minutes)
 #   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU)
+#   make lint   - ruff check + ruff format --check (CI runs it before the tests)
 # Override TORCH to pick another torch build, e.g. make test TORCH="torch==2.11.0".
 PYTHON ?= python3
 VENV   ?= .venv
@@ -27,8 +28,11 @@ demo: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
 
+LINT_PATHS = occult_ft tests benchmarks notebooks scripts
+
 lint: $(BIN)/.installed
-	$(BIN)/ruff check occult_ft tests
+	$(BIN)/ruff check $(wildcard $(LINT_PATHS))
+	$(BIN)/ruff format --check $(wildcard $(LINT_PATHS))
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

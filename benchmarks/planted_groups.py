@@ -33,12 +33,14 @@ def planted_model(groups: int, seed: int = 0):
     cfg = tiny_config("olmoe", num_experts=E, num_experts_per_tok=K, hidden_size=H, vocab_size=512)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     perm = torch.randperm(E)  # hide the groups behind shuffled expert ids
-    model.planted_groups = [sorted(perm[g * (E // groups):(g + 1) * (E // groups)].tolist()) for g in range(groups)]
+    model.planted_groups = [
+        sorted(perm[g * (E // groups) : (g + 1) * (E // groups)].tolist()) for g in range(groups)
+    ]
     for layer in find_moe_layers(model):
         directions = torch.nn.functional.normalize(torch.randn(groups, H), dim=-1)
         w = torch.randn(E, H) * 0.3
         for g in range(groups):
-            members = perm[g * (E // groups):(g + 1) * (E // groups)]
+            members = perm[g * (E // groups) : (g + 1) * (E // groups)]
             w[members] += 4.0 * directions[g]
         layer.router.weight.data.copy_(w)
     return model
@@ -59,8 +61,12 @@ def run(devices_list, groups=None):
         from occult_ft.metrics import expert_device_from_groups
 
         truth = expert_device_from_groups(model.planted_groups, E)
-        row = {"devices": d, "random_expectation": random_placement_comm_complexity(E, K, d), "sequential": seq,
-               "planted_groups": routing_report(ids, truth, d, E).comm_complexity}
+        row = {
+            "devices": d,
+            "random_expectation": random_placement_comm_complexity(E, K, d),
+            "sequential": seq,
+            "planted_groups": routing_report(ids, truth, d, E).comm_complexity,
+        }
         placements = {}
         for algo in PLACEMENT_ALGORITHMS:
             t = time.perf_counter()
@@ -73,7 +79,9 @@ def run(devices_list, groups=None):
             permute_experts(pruned, placements["search"])
             apply_pruning(pruned, PruningConfig(d, m, "score"))
             p2 = profile_model(pruned, batches(seed=2), progress=False)
-            row[f"search+prune{m}"] = routing_report(p2.topk_ids(), contiguous_expert_device(E, d), d, E).comm_complexity
+            row[f"search+prune{m}"] = routing_report(
+                p2.topk_ids(), contiguous_expert_device(E, d), d, E
+            ).comm_complexity
         rows.append(row)
     return rows
 
@@ -86,7 +94,11 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(2)
     rows = run(args.devices)
-    width = None if args.skip_width else benchmark_placement(num_experts=256, num_layers=60, num_devices=8, top_k=8, tokens=4096)
+    width = (
+        None
+        if args.skip_width
+        else benchmark_placement(num_experts=256, num_layers=60, num_devices=8, top_k=8, tokens=4096)
+    )
     if args.json:
         print(json.dumps({"rows": rows, "deepseek_v3_width_seconds": width}, indent=1))
         return

@@ -48,8 +48,10 @@ def main():
                 model(batch)
                 hooked.append(time.perf_counter() - t)
     p, h = statistics.median(plain), statistics.median(hooked)
-    print(f"forward {p * 1e3:.1f} ms, forward + profiling hooks {h * 1e3:.1f} ms: overhead {100 * (h / p - 1):.1f}% "
-          f"({args.batch}x{args.seq_len} tokens, median of {args.repeats})")
+    print(
+        f"forward {p * 1e3:.1f} ms, forward + profiling hooks {h * 1e3:.1f} ms: overhead {100 * (h / p - 1):.1f}% "
+        f"({args.batch}x{args.seq_len} tokens, median of {args.repeats})"
+    )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     out = tempfile.mkdtemp(prefix="occult-throughput-")
-    s = DemoSettings(output_dir=out, steps=args.steps, profile_tokens=8192, eval_tokens=1024, criterion="score")
+    s = DemoSettings(
+        output_dir=out, steps=args.steps, profile_tokens=8192, eval_tokens=1024, criterion="score"
+    )
     _prepare(s)  # profile + placements saved under out/
     speeds: dict[str, list[float]] = {"no pruning": [], "budget 2": [], "budget 1": []}
     budgets = {"no pruning": None, "budget 2": 2, "budget 1": 1}

@@ -15,7 +15,11 @@ from .routing import CRITERIA, PruningConfig, apply_pruning
 
 __version__ = "0.1.0"
 
-_LAZY = {"OccultConfig": "occult_ft.trainer", "OccultTrainer": "occult_ft.trainer", "train": "occult_ft.trainer"}
+_LAZY = {
+    "OccultConfig": "occult_ft.trainer",
+    "OccultTrainer": "occult_ft.trainer",
+    "train": "occult_ft.trainer",
+}
 
 
 def __getattr__(name: str):
@@ -25,6 +29,7 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'occult_ft' has no attribute {name!r}")
+
 
 __all__ = [
     "CRITERIA",

@@ -53,7 +53,9 @@ class CheckpointError(ValueError):
     """A model path or checkpoint that cannot be used."""
 
 
-def occult_block(pruning: PruningConfig | None, placement=None, placed: bool = True, num_nodes: int = 1, **extra) -> dict:
+def occult_block(
+    pruning: PruningConfig | None, placement=None, placed: bool = True, num_nodes: int = 1, **extra
+) -> dict:
     """The `occult` config block for a model placed by `placement` and pruned by `pruning`."""
     block = {"version": BLOCK_VERSION, "placed": placed, "num_nodes": num_nodes}
     if pruning is not None:
@@ -81,7 +83,10 @@ def write_native_group_fields(config, pruning: PruningConfig) -> bool:
         return False
     arch = get_arch(config)
     m = pruning.max_devices_per_token
-    per_device = int(getattr(config, "num_local_experts", 0) or getattr(config, "n_routed_experts", 0)) // pruning.num_devices
+    per_device = (
+        int(getattr(config, "num_local_experts", 0) or getattr(config, "n_routed_experts", 0))
+        // pruning.num_devices
+    )
     if arch.native_group_routing == "topk_sum" and pruning.criterion == "device_topk_sum" and per_device >= 2:
         config.n_group, config.topk_group = pruning.num_devices, m
         return True
@@ -124,7 +129,10 @@ def save_pruned(
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     if similarity:
-        save_file({f"layers.{i}": t.float().contiguous() for i, t in similarity.items()}, os.path.join(out_dir, SIMILARITY_FILE))
+        save_file(
+            {f"layers.{i}": t.float().contiguous() for i, t in similarity.items()},
+            os.path.join(out_dir, SIMILARITY_FILE),
+        )
     return out_dir
 
 
@@ -152,8 +160,15 @@ def _check_exists(path: str) -> None:
     """A path that is clearly local (not a Hub id `org/name`) must exist."""
     if os.path.exists(path):
         return
-    if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or os.path.sep != "/" and os.path.sep in path:
-        raise CheckpointError(f"model {path!r} does not exist; pass a local model directory or a Hub model id")
+    if (
+        path.startswith(("/", "./", "../", "~"))
+        or path.count("/") > 1
+        or os.path.sep != "/"
+        and os.path.sep in path
+    ):
+        raise CheckpointError(
+            f"model {path!r} does not exist; pass a local model directory or a Hub model id"
+        )
 
 
 def resolve_model_path(path: str) -> str:
@@ -253,7 +268,9 @@ def _from_adapter(path: str, dtype=None, is_trainable: bool = False, **kwargs) -
     with open(os.path.join(path, "adapter_config.json")) as f:
         base_name = json.load(f).get("base_model_name_or_path")
     if not base_name:
-        raise CheckpointError(f"adapter {path!r} names no base_model_name_or_path; add it to adapter_config.json")
+        raise CheckpointError(
+            f"adapter {path!r} names no base_model_name_or_path; add it to adapter_config.json"
+        )
     model, _ = load_model_and_tokenizer(base_name, dtype=dtype, **kwargs)
     block = {}
     occult_file = os.path.join(path, ADAPTER_OCCULT_FILE)
@@ -264,9 +281,14 @@ def _from_adapter(path: str, dtype=None, is_trainable: bool = False, **kwargs) -
         layers = {int(k): v for k, v in block["placement"]["layers"].items()}
         first = next(iter(layers.values()))
         placement = Placement(
-            model=base_name, model_type=get_arch(model).model_type, num_experts=sum(len(g) for g in first),
-            num_devices=len(first), num_nodes=int(block.get("num_nodes", 1)),
-            algorithm=block["placement"].get("algorithm", "unknown"), groups=layers, metrics={},
+            model=base_name,
+            model_type=get_arch(model).model_type,
+            num_experts=sum(len(g) for g in first),
+            num_devices=len(first),
+            num_nodes=int(block.get("num_nodes", 1)),
+            algorithm=block["placement"].get("algorithm", "unknown"),
+            groups=layers,
+            metrics={},
         )
         permute_experts(model, placement)
     pruning = _pruning_from_block(block)

@@ -80,7 +80,9 @@ class ClusterShape:
         for field_name in ("intra_node_GBps", "inter_node_GBps"):
             value = getattr(self, field_name)
             if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"cluster {self.name!r}: {field_name}={value!r} must be a positive number (GB/s)")
+                raise ValueError(
+                    f"cluster {self.name!r}: {field_name}={value!r} must be a positive number (GB/s)"
+                )
         if not isinstance(self.latency_us, (int, float)) or self.latency_us < 0:
             raise ValueError(f"cluster {self.name!r}: latency_us={self.latency_us!r} must be >= 0")
 
@@ -105,24 +107,49 @@ CLUSTER_PRESETS: dict[str, ClusterShape] = {
         # 450 GB/s per direction; NVSwitch gives every pair full bandwidth inside a DGX/HGX node.
         # Inter-node value: one 400 Gb/s ConnectX-7 NIC per GPU (DGX H100 datasheet) = 50 GB/s;
         # unused with one node.
-        ClusterShape("8xH100-nvlink", 8, 1, 450.0, 50.0, 10.0,
-                     "NVIDIA H100 SXM datasheet: NVLink 900 GB/s bidirectional per GPU (nominal)"),
+        ClusterShape(
+            "8xH100-nvlink",
+            8,
+            1,
+            450.0,
+            50.0,
+            10.0,
+            "NVIDIA H100 SXM datasheet: NVLink 900 GB/s bidirectional per GPU (nominal)",
+        ),
         # The Occult paper's own setup: one node of 4 RTX A6000 on PCIe 4.0 x16. PCI-SIG PCIe 4.0:
         # 16 GT/s x 16 lanes, 128b/130b = 31.5 GB/s per direction nominal; 25 GB/s is the usual
         # achievable peer-to-peer figure (host bridge and protocol overhead), used here.
-        ClusterShape("4xA6000-pcie", 4, 1, 25.0, 25.0, 20.0,
-                     "NVIDIA RTX A6000 datasheet: PCIe 4.0 x16 (31.5 GB/s nominal per direction, ~25 usable)"),
+        ClusterShape(
+            "4xA6000-pcie",
+            4,
+            1,
+            25.0,
+            25.0,
+            20.0,
+            "NVIDIA RTX A6000 datasheet: PCIe 4.0 x16 (31.5 GB/s nominal per direction, ~25 usable)",
+        ),
         # 4 DGX-H100-like nodes: NVLink 450 GB/s per direction inside a node (as above); between nodes
         # 400 Gb/s InfiniBand NDR per GPU (NVIDIA ConnectX-7 datasheet) = 50 GB/s per direction.
-        ClusterShape("4x8-ib", 8, 4, 450.0, 50.0, 30.0,
-                     "H100 NVLink 450 GB/s/direction intra-node; ConnectX-7 400 Gb/s NDR IB = 50 GB/s inter-node "
-                     "(nominal)"),
+        ClusterShape(
+            "4x8-ib",
+            8,
+            4,
+            450.0,
+            50.0,
+            30.0,
+            "H100 NVLink 450 GB/s/direction intra-node; ConnectX-7 400 Gb/s NDR IB = 50 GB/s inter-node "
+            "(nominal)",
+        ),
     )
 }
 
 _SPEC_KEYS = {
-    "devices_per_node": "devices_per_node", "dpn": "devices_per_node", "nodes": "nodes",
-    "intra": "intra_node_GBps", "inter": "inter_node_GBps", "latency": "latency_us",
+    "devices_per_node": "devices_per_node",
+    "dpn": "devices_per_node",
+    "nodes": "nodes",
+    "intra": "intra_node_GBps",
+    "inter": "inter_node_GBps",
+    "latency": "latency_us",
 }
 
 
@@ -154,7 +181,9 @@ def get_cluster(spec: str | ClusterShape) -> ClusterShape:
             raise ValueError(f"cluster spec {spec!r}: {key.strip()}={text!r} is not a number") from None
     missing = [k for k in ("devices_per_node", "intra_node_GBps") if k not in values]
     if missing:
-        raise ValueError(f"cluster spec {spec!r} lacks {', '.join(missing)}; e.g. {name}:devices_per_node=8,intra=450")
+        raise ValueError(
+            f"cluster spec {spec!r} lacks {', '.join(missing)}; e.g. {name}:devices_per_node=8,intra=450"
+        )
     for key in ("devices_per_node", "nodes"):
         if key in values and values[key] != int(values[key]):
             raise ValueError(f"cluster spec {spec!r}: {key}={values[key]} must be a whole number")
@@ -217,8 +246,9 @@ def capacity_rows_matrix(num_devices: int, num_experts: int, capacity: int) -> t
     return torch.full((num_devices, num_devices), capacity * (num_experts // num_devices), dtype=torch.long)
 
 
-def predict_all_to_all_ms(rows_DD: torch.Tensor | Sequence[Sequence[int]], bytes_per_row: float,
-                          shape: ClusterShape) -> float:
+def predict_all_to_all_ms(
+    rows_DD: torch.Tensor | Sequence[Sequence[int]], bytes_per_row: float, shape: ClusterShape
+) -> float:
     """Predicted time of one all-to-all (see the module docstring for the formula).
 
     Args:
@@ -241,8 +271,9 @@ def predict_all_to_all_ms(rows_DD: torch.Tensor | Sequence[Sequence[int]], bytes
     node_D = torch.arange(d) // shape.devices_per_node
     same_node_DD = node_D[:, None] == node_D[None, :]
     # ms per byte on each link: 1 GB/s = 1e9 B/s = 1e6 B/ms
-    ms_per_byte_DD = torch.where(same_node_DD, 1.0 / (shape.intra_node_GBps * 1e6),
-                                 1.0 / (shape.inter_node_GBps * 1e6)).double()
+    ms_per_byte_DD = torch.where(
+        same_node_DD, 1.0 / (shape.intra_node_GBps * 1e6), 1.0 / (shape.inter_node_GBps * 1e6)
+    ).double()
     ms_per_byte_DD.fill_diagonal_(0.0)  # rows a device keeps never touch a link
     link_ms_DD = rows * float(bytes_per_row) * ms_per_byte_DD
     send_D, recv_D = link_ms_DD.sum(dim=1), link_ms_DD.sum(dim=0)
@@ -252,17 +283,26 @@ def predict_all_to_all_ms(rows_DD: torch.Tensor | Sequence[Sequence[int]], bytes
 def predict_exchange_ms(rows_DD, bytes_per_row: float, shape: ClusterShape) -> float:
     """One MoE layer's forward exchange: dispatch (rows_DD) + combine (its transpose) = 2 all-to-alls."""
     rows = torch.as_tensor(rows_DD)
-    return predict_all_to_all_ms(rows, bytes_per_row, shape) + predict_all_to_all_ms(rows.T, bytes_per_row, shape)
+    return predict_all_to_all_ms(rows, bytes_per_row, shape) + predict_all_to_all_ms(
+        rows.T, bytes_per_row, shape
+    )
 
 
-def pruned_topk(scores_TE: torch.Tensor, topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor,
-                num_devices: int, max_devices: int) -> torch.Tensor:
+def pruned_topk(
+    scores_TE: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    num_devices: int,
+    max_devices: int,
+) -> torch.Tensor:
     """Collaboration pruning with the router-score criterion (`occult_ft.routing`, criterion "score").
 
     Tokens whose top-k already fits in `max_devices` devices keep their selection; the others take the
     top-k among the experts of their `max_devices` best devices (ranked by their best expert score).
     """
-    new_TK, _ = limit_devices(scores_TE, topk_ids_TK.shape[1], expert_device_E, num_devices, max_devices, "max")
+    new_TK, _ = limit_devices(
+        scores_TE, topk_ids_TK.shape[1], expert_device_E, num_devices, max_devices, "max"
+    )
     fits_T = (device_counts(topk_ids_TK, expert_device_E, num_devices) > 0).sum(dim=1) <= max_devices
     return torch.where(fits_T[:, None], topk_ids_TK.long(), new_TK)
 
@@ -302,15 +342,19 @@ def predict_speedup(
                 f"max_devices_per_token={m} cannot hold top-{top_k} with {num_experts // num_devices} experts per "
                 f"device; use at least {math.ceil(top_k * num_devices / num_experts)}"
             )
-        routings[f"dedup_prune{m}"] = (pruned_topk(scores_TE, ids_TK, dev_E, num_devices, min(m, num_devices)), True)
+        routings[f"dedup_prune{m}"] = (
+            pruned_topk(scores_TE, ids_TK, dev_E, num_devices, min(m, num_devices)),
+            True,
+        )
     out: dict[str, dict[str, float]] = {}
     tokens = max(1, ids_TK.shape[0])
     for name, (ids, dedup) in routings.items():
         rows_DD = rows_matrix(ids, dev_E, num_devices, dedup=dedup)
-        out[name] = {"rows_per_token": float(rows_DD.sum()) / tokens,
-                     "exchange_ms": predict_exchange_ms(rows_DD, bytes_per_row, shape)}
+        out[name] = {
+            "rows_per_token": float(rows_DD.sum()) / tokens,
+            "exchange_ms": predict_exchange_ms(rows_DD, bytes_per_row, shape),
+        }
     base = out["per_expert"]["exchange_ms"]
     for entry in out.values():
         entry["speedup_vs_per_expert"] = base / entry["exchange_ms"] if entry["exchange_ms"] > 0 else math.inf
     return out
-

@@ -73,7 +73,11 @@ def _split_documents(text: str, chunk_chars: int | None) -> list[str]:
     if chunk_chars is not None:
         if chunk_chars < 1:
             raise DataError(f"chunk_chars={chunk_chars} must be a positive number of characters")
-        return [text[i : i + chunk_chars] for i in range(0, len(text), chunk_chars) if text[i : i + chunk_chars].strip()]
+        return [
+            text[i : i + chunk_chars]
+            for i in range(0, len(text), chunk_chars)
+            if text[i : i + chunk_chars].strip()
+        ]
     # a document is a run of non-blank lines; keep its leading indentation (code), drop trailing spaces
     return [doc.strip("\n").rstrip() for doc in re.split(r"\n[ \t]*\n", text) if doc.strip()]
 
@@ -88,8 +92,10 @@ def _read_json_rows(path: Path) -> list[dict]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as err:
-                    raise DataError(f"line {number} of '{path}' is not valid JSON ({err.msg}); "
-                                    "a .jsonl file holds one JSON object per line") from None
+                    raise DataError(
+                        f"line {number} of '{path}' is not valid JSON ({err.msg}); "
+                        "a .jsonl file holds one JSON object per line"
+                    ) from None
     else:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -98,20 +104,26 @@ def _read_json_rows(path: Path) -> list[dict]:
         if isinstance(data, dict):
             lists = [value for value in data.values() if isinstance(value, list)]
             if len(lists) != 1:
-                raise DataError(f"'{path}' holds a JSON object with {len(lists)} lists; "
-                                "expected a list of rows or an object with exactly one list of rows")
+                raise DataError(
+                    f"'{path}' holds a JSON object with {len(lists)} lists; "
+                    "expected a list of rows or an object with exactly one list of rows"
+                )
             data = lists[0]
         if not isinstance(data, list):
             raise DataError(f"'{path}' holds a JSON {type(data).__name__}; expected a list of rows")
         rows = data
     bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
     if bad is not None:
-        raise DataError(f"row {bad} of '{path}' is a {type(rows[bad]).__name__}, not a JSON object with fields")
+        raise DataError(
+            f"row {bad} of '{path}' is a {type(rows[bad]).__name__}, not a JSON object with fields"
+        )
     return rows
 
 
 def _load_saved(path: Path, split: str | None) -> Dataset:
-    if not any((path / marker).is_file() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
+    if not any(
+        (path / marker).is_file() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")
+    ):
         raise DataError(f"directory '{path}' is not a dataset saved with save_to_disk; {_SOURCE_HELP}")
     loaded = load_from_disk(str(path))
     if isinstance(loaded, DatasetDict):
@@ -125,16 +137,22 @@ def _load_saved(path: Path, split: str | None) -> Dataset:
 def _load_hub(source: str, split: str | None) -> Dataset:
     from datasets import load_dataset
 
-    offline = any(os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on")
-                  for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    offline = any(
+        os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on")
+        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
     try:
         loaded = load_dataset(source, split=split or "train")
     except Exception as err:  # the datasets/hub error types vary across versions; keep the cause chained
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if offline:
-            raise DataError(f"cannot load Hub dataset '{source}' while offline (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE "
-                            f"is set): {reason}; {_SOURCE_HELP} available locally") from err
-        raise DataError(f"could not load Hub dataset '{source}': {reason}; check the id, or {_SOURCE_HELP}") from err
+            raise DataError(
+                f"cannot load Hub dataset '{source}' while offline (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE "
+                f"is set): {reason}; {_SOURCE_HELP} available locally"
+            ) from err
+        raise DataError(
+            f"could not load Hub dataset '{source}': {reason}; check the id, or {_SOURCE_HELP}"
+        ) from err
     if isinstance(loaded, DatasetDict):  # split=None is turned into "train" above; kept for safety
         loaded = loaded["train"]
     return loaded
@@ -145,7 +163,9 @@ def _normalise(ds: Dataset, source: str, text_field: str | None) -> Dataset:
     columns = list(ds.column_names)
     if text_field is not None:
         if text_field not in columns:
-            raise DataError(f"text_field {text_field!r} is not a field of '{source}'; fields found: {columns}")
+            raise DataError(
+                f"text_field {text_field!r} is not a field of '{source}'; fields found: {columns}"
+            )
         layout = "text"
         ds = ds.select_columns([text_field])
         if text_field != "text":
@@ -207,7 +227,9 @@ def load_text_dataset(
 
         name = split or "train"
         if name not in EMBEDDED_SPLITS:
-            raise DataError(f"embedded split {name!r} does not exist; use one of {', '.join(EMBEDDED_SPLITS)}")
+            raise DataError(
+                f"embedded split {name!r} does not exist; use one of {', '.join(EMBEDDED_SPLITS)}"
+            )
         return load_text_dataset(embedded_data_path(name), text_field=text_field, chunk_chars=chunk_chars)
 
     path = Path(source_str).expanduser()
@@ -216,13 +238,19 @@ def load_text_dataset(
     elif path.is_file():
         suffix = path.suffix.lower()
         if suffix not in _FILE_SUFFIXES:
-            raise DataError(f"data file '{source_str}' has unsupported extension {suffix or '(none)'!r}; "
-                            f"use .txt, .jsonl or .json, or convert it with datasets and save_to_disk")
+            raise DataError(
+                f"data file '{source_str}' has unsupported extension {suffix or '(none)'!r}; "
+                f"use .txt, .jsonl or .json, or convert it with datasets and save_to_disk"
+            )
         if split not in (None, "train"):
-            raise DataError(f"split={split!r} does not apply to the single file '{source_str}'; pass split=None")
+            raise DataError(
+                f"split={split!r} does not apply to the single file '{source_str}'; pass split=None"
+            )
         if suffix == ".txt":
             if text_field not in (None, "text"):
-                raise DataError(f"text_field={text_field!r} does not apply to the plain-text file '{source_str}'")
+                raise DataError(
+                    f"text_field={text_field!r} does not apply to the plain-text file '{source_str}'"
+                )
             docs = _split_documents(path.read_text(encoding="utf-8"), chunk_chars)
             ds = Dataset.from_dict({"text": docs})
         else:
@@ -232,8 +260,11 @@ def load_text_dataset(
             # columns from the union of all rows' keys (Dataset.from_list would take the first row's only)
             keys = list(dict.fromkeys(key for row in rows for key in row))
             ds = Dataset.from_dict({key: [row.get(key) for row in rows] for key in keys})
-    elif path.suffix.lower() in _PATH_LIKE_SUFFIXES or source_str.startswith((".", "/", "~", "\\")) \
-            or source_str.count("/") > 1:  # a Hub id is "name" or "owner/name"
+    elif (
+        path.suffix.lower() in _PATH_LIKE_SUFFIXES
+        or source_str.startswith((".", "/", "~", "\\"))
+        or source_str.count("/") > 1
+    ):  # a Hub id is "name" or "owner/name"
         raise DataError(f"data file '{source_str}' does not exist; {_SOURCE_HELP}")
     else:
         ds = _load_hub(source_str, split)
@@ -251,7 +282,9 @@ def format_prompt(instruction: str, input: str = "") -> str:
 def _special_ids(tokenizer) -> tuple[int, int]:
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise DataError(f"tokenizer {type(tokenizer).__name__} has no eos_token; set tokenizer.eos_token first")
+        raise DataError(
+            f"tokenizer {type(tokenizer).__name__} has no eos_token; set tokenizer.eos_token first"
+        )
     pad = tokenizer.pad_token_id
     return eos, eos if pad is None else pad
 
@@ -313,26 +346,38 @@ def tokenize_dataset(
             def pack(batch):
                 stream = [t for ids in _encode(tokenizer, batch["text"], eos, True) for t in ids + [eos]]
                 blocks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
-                return {"input_ids": blocks, "attention_mask": [[1] * seq_len for _ in blocks],
-                        "labels": [list(b) for b in blocks]}
+                return {
+                    "input_ids": blocks,
+                    "attention_mask": [[1] * seq_len for _ in blocks],
+                    "labels": [list(b) for b in blocks],
+                }
 
             out = ds.map(pack, batched=True, batch_size=1000, remove_columns=columns, num_proc=num_proc)
             if len(out) == 0:
-                raise DataError(f"the text of this dataset is shorter than one block of seq_len={seq_len} tokens; "
-                                "lower seq_len, add text or pass packing=False")
+                raise DataError(
+                    f"the text of this dataset is shorter than one block of seq_len={seq_len} tokens; "
+                    "lower seq_len, add text or pass packing=False"
+                )
             return out
 
         def one_per_doc(batch):
-            rows = [_pad(ids + [eos], ids + [eos], seq_len, pad) for ids in _encode(tokenizer, batch["text"], eos, True)]
+            rows = [
+                _pad(ids + [eos], ids + [eos], seq_len, pad)
+                for ids in _encode(tokenizer, batch["text"], eos, True)
+            ]
             return {key: [row[key] for row in rows] for key in ("input_ids", "attention_mask", "labels")}
 
         return ds.map(one_per_doc, batched=True, remove_columns=columns, num_proc=num_proc)
 
     if not {"instruction", "output"} <= set(columns):
-        raise DataError(f"tokenize_dataset needs a 'text' column or 'instruction'/'output' columns; found {columns}")
+        raise DataError(
+            f"tokenize_dataset needs a 'text' column or 'instruction'/'output' columns; found {columns}"
+        )
     if packing:
-        raise DataError("packing=True is not supported for instruction rows (one example per row); "
-                        "pass packing=None or False")
+        raise DataError(
+            "packing=True is not supported for instruction rows (one example per row); "
+            "pass packing=None or False"
+        )
 
     def instruct(batch):
         inputs = batch["input"] if "input" in batch else [""] * len(batch["instruction"])
@@ -349,11 +394,15 @@ def tokenize_dataset(
     out = ds.map(instruct, batched=True, remove_columns=columns, num_proc=num_proc)
     out = out.filter(lambda row: any(label != IGNORE_INDEX for label in row["labels"]), num_proc=num_proc)
     if len(out) == 0:
-        raise DataError(f"every prompt fills seq_len={seq_len} tokens, leaving no response to train on; raise seq_len")
+        raise DataError(
+            f"every prompt fills seq_len={seq_len} tokens, leaving no response to train on; raise seq_len"
+        )
     return out
 
 
-def make_collator(tokenizer, pad_to_multiple_of: int | None = None) -> Callable[[list[dict]], dict[str, torch.Tensor]]:
+def make_collator(
+    tokenizer, pad_to_multiple_of: int | None = None
+) -> Callable[[list[dict]], dict[str, torch.Tensor]]:
     """A collate function: pads `input_ids` (pad token, else eos), `attention_mask` (0) and `labels` (-100)
     to the longest example of the batch (rounded up to `pad_to_multiple_of`) and stacks them as tensors.
     """

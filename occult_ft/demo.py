@@ -62,7 +62,10 @@ def _evaluate(model, batches, devices: int) -> dict:
     from .evaluation import evaluate_model
 
     r = evaluate_model(model, batches, devices)
-    return {k: r[k] for k in ("loss", "perplexity", "comm_complexity", "intra_share", "removed_mass", "load_imbalance")}
+    return {
+        k: r[k]
+        for k in ("loss", "perplexity", "comm_complexity", "intra_share", "removed_mass", "load_imbalance")
+    }
 
 
 def _placed_copy(model, placement, pruning=None, similarity=None):
@@ -91,19 +94,37 @@ def _finetune(s: DemoSettings, placement_path: str, out: str, budget: int | None
     from .trainer import OccultConfig, train
 
     config = OccultConfig(
-        output_dir=out, model_name_or_path="embedded", dataset="embedded", seq_len=s.seq_len,
-        devices=s.devices, placement=placement_path, max_devices_per_token=budget, criterion=criterion,
-        profile_tokens=s.profile_tokens, train_mode="moe", max_steps=s.steps,
-        per_device_train_batch_size=s.batch_size, learning_rate=s.learning_rate, lr_scheduler_type="cosine",
-        warmup_steps=max(1, s.steps // 20), logging_steps=max(1, s.steps // 10), save_strategy="no",
-        report_to=[], seed=s.seed, dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=out,
+        model_name_or_path="embedded",
+        dataset="embedded",
+        seq_len=s.seq_len,
+        devices=s.devices,
+        placement=placement_path,
+        max_devices_per_token=budget,
+        criterion=criterion,
+        profile_tokens=s.profile_tokens,
+        train_mode="moe",
+        max_steps=s.steps,
+        per_device_train_batch_size=s.batch_size,
+        learning_rate=s.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, s.steps // 20),
+        logging_steps=max(1, s.steps // 10),
+        save_strategy="no",
+        report_to=[],
+        seed=s.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     t = time.perf_counter()
     trainer, metrics = train(config)
     seconds = time.perf_counter() - t
     tokens = s.steps * s.batch_size * s.seq_len
-    return trainer, {"train_seconds": seconds, "train_tokens_per_second": tokens / seconds,
-                     "log_history": trainer.state.log_history}
+    return trainer, {
+        "train_seconds": seconds,
+        "train_tokens_per_second": tokens / seconds,
+        "log_history": trainer.state.log_history,
+    }
 
 
 def _prepare(s: DemoSettings):
@@ -121,7 +142,9 @@ def _prepare(s: DemoSettings):
 
     train_text = load_text_dataset("embedded", split="train")
     prof_batches = data_batches(tokenizer, train_text, s.seq_len, 16, s.profile_tokens)
-    profile = profile_model(model, prof_batches, model_name="embedded", max_tokens=s.profile_tokens, progress=False)
+    profile = profile_model(
+        model, prof_batches, model_name="embedded", max_tokens=s.profile_tokens, progress=False
+    )
     profile.save(os.path.join(s.output_dir, "profile.safetensors"))
     placements = {}
     for algo in ("sequential", "occult", "search"):
@@ -141,18 +164,33 @@ def _placement_rows(model, eval_batches, placements, devices: int) -> list[dict]
     routing = profile_model(model, eval_batches, progress=False).topk_ids()
     layer = find_moe_layers(model)[0]
     e, k = layer.num_experts, layer.top_k
-    rows = [{"setting": "random placement (expected)", "comm_complexity": random_placement_comm_complexity(e, k, devices)}]
+    rows = [
+        {
+            "setting": "random placement (expected)",
+            "comm_complexity": random_placement_comm_complexity(e, k, devices),
+        }
+    ]
     for algo, pl in placements.items():
         rep = routing_report(routing, {i: pl.expert_device(i) for i in routing}, devices, e)
-        rows.append({"setting": f"placement: {algo}", "comm_complexity": rep.comm_complexity,
-                     "intra_share": rep.intra_share, "placement_seconds": pl.metrics["seconds"]})
+        rows.append(
+            {
+                "setting": f"placement: {algo}",
+                "comm_complexity": rep.comm_complexity,
+                "intra_share": rep.intra_share,
+                "placement_seconds": pl.metrics["seconds"],
+            }
+        )
     return rows
 
 
 def format_rows(rows: list[dict], title: str) -> str:
-    cols = [("loss", "eval loss", "{:.4f}"), ("comm_complexity", "comm_cx", "{:.3f}"),
-            ("intra_share", "intra", "{:.3f}"), ("removed_mass", "removed", "{:.3f}"),
-            ("train_tokens_per_second", "train tok/s", "{:.0f}")]
+    cols = [
+        ("loss", "eval loss", "{:.4f}"),
+        ("comm_complexity", "comm_cx", "{:.3f}"),
+        ("intra_share", "intra", "{:.3f}"),
+        ("removed_mass", "removed", "{:.3f}"),
+        ("train_tokens_per_second", "train tok/s", "{:.0f}"),
+    ]
     width = max(len(r["setting"]) for r in rows) + 2
     lines = [title, f"{'setting':<{width}}" + "".join(f"{c[1]:>13}" for c in cols)]
     for r in rows:
@@ -182,26 +220,54 @@ def run_demo(settings: DemoSettings | None = None, verbose: bool = True) -> dict
     rows.append({"setting": f"pruned to {s.max_devices_per_token}, no fine-tuning", **zero})
     say(f"[4/5] pruned fine-tuning: {s.steps} steps")
     out = os.path.join(s.output_dir, "model")
-    trainer, run = _finetune(s, os.path.join(s.output_dir, "placement-search.json"), out, s.max_devices_per_token, s.criterion)
+    trainer, run = _finetune(
+        s, os.path.join(s.output_dir, "placement-search.json"), out, s.max_devices_per_token, s.criterion
+    )
     tuned = _evaluate(trainer.model, eval_batches, s.devices)
-    rows.append({"setting": f"pruned to {s.max_devices_per_token}, fine-tuned", **tuned,
-                 "train_tokens_per_second": run["train_tokens_per_second"]})
+    rows.append(
+        {
+            "setting": f"pruned to {s.max_devices_per_token}, fine-tuned",
+            **tuned,
+            "train_tokens_per_second": run["train_tokens_per_second"],
+        }
+    )
     say(f"[5/5] reloading {out} with occult_ft.from_pretrained")
     reloaded = _evaluate(from_pretrained(out), eval_batches, s.devices)
-    if abs(reloaded["loss"] - tuned["loss"]) > 1e-4 or abs(reloaded["comm_complexity"] - tuned["comm_complexity"]) > 1e-6:
-        raise RuntimeError(f"the saved checkpoint does not reproduce the trained model: {reloaded} vs {tuned}")
+    if (
+        abs(reloaded["loss"] - tuned["loss"]) > 1e-4
+        or abs(reloaded["comm_complexity"] - tuned["comm_complexity"]) > 1e-6
+    ):
+        raise RuntimeError(
+            f"the saved checkpoint does not reproduce the trained model: {reloaded} vs {tuned}"
+        )
     rows.append({"setting": "reloaded checkpoint", **reloaded})
-    result = {"settings": asdict(s), "rows": rows, "checkpoint": out, "wall_seconds": time.perf_counter() - start,
-              "log_history": run["log_history"]}
+    result = {
+        "settings": asdict(s),
+        "rows": rows,
+        "checkpoint": out,
+        "wall_seconds": time.perf_counter() - start,
+        "log_history": run["log_history"],
+    }
     with open(os.path.join(s.output_dir, "demo_results.json"), "w") as f:
         json.dump(result, f, indent=1)
-    say(format_rows(rows, f"\nOccult demo: embedded OLMoE, {s.devices} devices, held-out eval ({s.eval_tokens} tokens)"))
-    say(f"\ncheckpoint: {out}  (occult_ft.from_pretrained('{out}'))   wall time: {result['wall_seconds']:.0f} s")
+    say(
+        format_rows(
+            rows,
+            f"\nOccult demo: embedded OLMoE, {s.devices} devices, held-out eval ({s.eval_tokens} tokens)",
+        )
+    )
+    say(
+        f"\ncheckpoint: {out}  (occult_ft.from_pretrained('{out}'))   wall time: {result['wall_seconds']:.0f} s"
+    )
     return result
 
 
-def run_quality_study(settings: DemoSettings | None = None, budgets=(2, 1), criteria=("score", "similarity"),
-                      verbose: bool = True) -> dict:
+def run_quality_study(
+    settings: DemoSettings | None = None,
+    budgets=(2, 1),
+    criteria=("score", "similarity"),
+    verbose: bool = True,
+) -> dict:
     """Eval loss and comm_complexity for base, standard fine-tuning, zero-shot pruning and pruned
     fine-tuning (every budget x criterion), all on the search placement."""
     from .routing import PruningConfig
@@ -213,11 +279,21 @@ def run_quality_study(settings: DemoSettings | None = None, budgets=(2, 1), crit
     rows = _placement_rows(model, eval_batches, placements, s.devices)
     placement_path = os.path.join(s.output_dir, "placement-search.json")
     sim = _placed_similarity(profile, placements["search"])
-    rows.append({"setting": "base model", **_evaluate(_placed_copy(model, placements["search"]), eval_batches, s.devices)})
+    rows.append(
+        {
+            "setting": "base model",
+            **_evaluate(_placed_copy(model, placements["search"]), eval_batches, s.devices),
+        }
+    )
     say("standard fine-tuning (no pruning)")
     trainer, run = _finetune(s, placement_path, os.path.join(s.output_dir, "ft-unpruned"), None, "score")
-    rows.append({"setting": "standard fine-tuning", **_evaluate(trainer.model, eval_batches, s.devices),
-                 "train_tokens_per_second": run["train_tokens_per_second"]})
+    rows.append(
+        {
+            "setting": "standard fine-tuning",
+            **_evaluate(trainer.model, eval_batches, s.devices),
+            "train_tokens_per_second": run["train_tokens_per_second"],
+        }
+    )
     for m in budgets:
         for crit in criteria:
             pruning = PruningConfig(s.devices, m, crit)
@@ -225,11 +301,20 @@ def run_quality_study(settings: DemoSettings | None = None, budgets=(2, 1), crit
             rows.append({"setting": f"prune to {m}, {crit}, no fine-tuning", **zero})
             say(f"pruned fine-tuning: {m} device(s), {crit}")
             trainer, run = _finetune(s, placement_path, os.path.join(s.output_dir, f"ft-{m}-{crit}"), m, crit)
-            rows.append({"setting": f"prune to {m}, {crit}, fine-tuned", **_evaluate(trainer.model, eval_batches, s.devices),
-                         "train_tokens_per_second": run["train_tokens_per_second"]})
+            rows.append(
+                {
+                    "setting": f"prune to {m}, {crit}, fine-tuned",
+                    **_evaluate(trainer.model, eval_batches, s.devices),
+                    "train_tokens_per_second": run["train_tokens_per_second"],
+                }
+            )
     result = {"settings": asdict(s), "rows": rows, "wall_seconds": time.perf_counter() - start}
     with open(os.path.join(s.output_dir, "study_results.json"), "w") as f:
         json.dump(result, f, indent=1)
-    say(format_rows(rows, f"\nQuality study: embedded OLMoE, {s.devices} devices, {s.steps} steps per fine-tuning"))
+    say(
+        format_rows(
+            rows, f"\nQuality study: embedded OLMoE, {s.devices} devices, {s.steps} steps per fine-tuning"
+        )
+    )
     say(f"\nwall time: {result['wall_seconds']:.0f} s")
     return result

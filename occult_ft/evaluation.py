@@ -20,8 +20,9 @@ def load_data(data: str):
     return load_text_dataset(data)
 
 
-def data_batches(tokenizer, data, seq_len: int, batch_size: int, max_tokens: int | None = None,
-                 response_only: bool = True) -> list[dict]:
+def data_batches(
+    tokenizer, data, seq_len: int, batch_size: int, max_tokens: int | None = None, response_only: bool = True
+) -> list[dict]:
     """Tokenised `data` (a --data value or a loaded dataset) as padded batches of `input_ids`,
     `attention_mask` and `labels` (-100 on padding, and on prompts of instruction rows); enough rows
     for `max_tokens` real (unpadded) tokens. `response_only=False` keeps instruction prompts in the
@@ -33,7 +34,9 @@ def data_batches(tokenizer, data, seq_len: int, batch_size: int, max_tokens: int
     ds = load_data(data) if isinstance(data, str) else data
     ds = tokenize_dataset(ds, tokenizer, seq_len=seq_len, response_only=response_only)
     if len(ds) == 0:
-        raise DataError(f"data {data if isinstance(data, str) else 'set'!r} gave no tokens; check the file is not empty")
+        raise DataError(
+            f"data {data if isinstance(data, str) else 'set'!r} gave no tokens; check the file is not empty"
+        )
     collate = make_collator(tokenizer)
     batches, tokens = [], 0
     for start in range(0, len(ds), batch_size):  # real (unpadded) tokens count towards max_tokens
@@ -84,8 +87,9 @@ def evaluate_model(model, batches, num_devices: int | None = None, max_tokens: i
             batch = {key: value.to(device) for key, value in batch.items()}
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             labels = batch["labels"][:, 1:]
-            nll += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                                   reduction="sum").item()
+            nll += F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+            ).item()
             labelled += int((labels != -100).sum())
             mask_T = batch["attention_mask"].flatten().bool()
             for layer, router in pruned_routers(model):
@@ -118,8 +122,13 @@ def evaluate_model(model, batches, num_devices: int | None = None, max_tokens: i
         "devices_histogram": report.devices_histogram,
         "random_placement_comm_complexity": random_placement_comm_complexity(e, k, d),
         "layers": [
-            {"layer": m.layer, "comm_complexity": m.comm_complexity, "intra_share": m.intra_share,
-             "load_imbalance": m.load_imbalance, "devices_histogram": m.devices_histogram}
+            {
+                "layer": m.layer,
+                "comm_complexity": m.comm_complexity,
+                "intra_share": m.intra_share,
+                "load_imbalance": m.load_imbalance,
+                "devices_histogram": m.devices_histogram,
+            }
             for m in report.layers
         ],
     }
@@ -140,8 +149,8 @@ def format_results(results: dict) -> str:
         f"devices/token histogram: {results['devices_histogram']}",
     ]
     for m in results["layers"]:
-        lines.append(f"  layer {m['layer']:>3}: comm_complexity {m['comm_complexity']:.3f}  intra_share "
-                     f"{m['intra_share']:.3f}  load_imbalance {m['load_imbalance']:.2f}")
+        lines.append(
+            f"  layer {m['layer']:>3}: comm_complexity {m['comm_complexity']:.3f}  intra_share "
+            f"{m['intra_share']:.3f}  load_imbalance {m['load_imbalance']:.2f}"
+        )
     return "\n".join(lines)
-
-

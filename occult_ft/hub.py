@@ -84,9 +84,21 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 # block keys rendered in their own sections; the rest go to "Other recorded settings"
 _BLOCK_KEYS_SHOWN = {
-    "version", "placed", "num_devices", "num_nodes", "max_devices_per_token", "criterion", "gate_weights",
-    "placement", "comm_complexity_before", "comm_complexity_after", "eval", "base_model", "license",
-    "dataset", "model_type",
+    "version",
+    "placed",
+    "num_devices",
+    "num_nodes",
+    "max_devices_per_token",
+    "criterion",
+    "gate_weights",
+    "placement",
+    "comm_complexity_before",
+    "comm_complexity_after",
+    "eval",
+    "base_model",
+    "license",
+    "dataset",
+    "model_type",
 }
 
 
@@ -139,7 +151,9 @@ def _read_json(path: str) -> dict:
         with open(path) as f:
             data = json.load(f)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); rewrite or remove it") from None
+        raise ValueError(
+            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); rewrite or remove it"
+        ) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object; rewrite or remove it")
     return data
@@ -160,7 +174,9 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike) -> CheckpointSummary:
     """
     path = os.fspath(checkpoint_dir)
     if not os.path.isdir(path):
-        raise ValueError(f"checkpoint directory {path!r} does not exist; pass the folder written by save/train")
+        raise ValueError(
+            f"checkpoint directory {path!r} does not exist; pass the folder written by save/train"
+        )
     config_file, adapter_file = os.path.join(path, "config.json"), os.path.join(path, "adapter_config.json")
     if os.path.isfile(adapter_file):
         adapter = _read_json(adapter_file)
@@ -179,8 +195,14 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike) -> CheckpointSummary:
         summary.top_k = int(config["num_experts_per_tok"]) if config.get("num_experts_per_tok") else None
         m, d = block.get("max_devices_per_token"), block.get("num_devices")
         summary.native_routing = bool(
-            m is not None and d is not None and config.get("n_group") == d and config.get("topk_group") == m
-            and (config.get("model_type") != "deepseek_v2" or config.get("topk_method") == "group_limited_greedy")
+            m is not None
+            and d is not None
+            and config.get("n_group") == d
+            and config.get("topk_group") == m
+            and (
+                config.get("model_type") != "deepseek_v2"
+                or config.get("topk_method") == "group_limited_greedy"
+            )
         )
     else:
         raise ValueError(
@@ -192,7 +214,8 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike) -> CheckpointSummary:
         summary.num_experts = sum(len(g) for g in next(iter(groups.values())))
     summary.has_similarity = os.path.isfile(os.path.join(path, SIMILARITY_FILE))
     summary.has_tokenizer = any(
-        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        os.path.isfile(os.path.join(path, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     )
     return summary
 
@@ -255,7 +278,12 @@ def _placement_section(s: CheckpointSummary) -> str:
     if placement.get("algorithm") and s.kind == "full":
         rows.append(("experts stored in placed order", bool(b.get("placed", False))))
     if s.native_routing:
-        rows.append(("budget in the model config", f"n_group={s.config.get('n_group')}, topk_group={s.config.get('topk_group')}"))
+        rows.append(
+            (
+                "budget in the model config",
+                f"n_group={s.config.get('n_group')}, topk_group={s.config.get('topk_group')}",
+            )
+        )
     text = "## Expert placement and routing budget\n\n" + _table(rows)
     if placement.get("algorithm") and b.get("placed"):
         text += (
@@ -324,12 +352,20 @@ def _usage_section(s: CheckpointSummary, repo: str) -> str:
     lines = ["## How to load it", "", "```python", "import occult_ft"]
     if load_local:
         # occult_ft reads the adapter / similarity files from a local folder: download the repo first
-        lines += ["from huggingface_hub import snapshot_download", "",
-                  f'model = occult_ft.from_pretrained(snapshot_download("{repo}"))']
+        lines += [
+            "from huggingface_hub import snapshot_download",
+            "",
+            f'model = occult_ft.from_pretrained(snapshot_download("{repo}"))',
+        ]
     else:
         lines += ["", f'model = occult_ft.from_pretrained("{repo}")']
     if s.has_tokenizer:
-        lines += ["", "from transformers import AutoTokenizer", "", f'tokenizer = AutoTokenizer.from_pretrained("{repo}")']
+        lines += [
+            "",
+            "from transformers import AutoTokenizer",
+            "",
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+        ]
     lines += ["```", ""]
     if s.kind == "adapter":
         lines.append(
@@ -343,12 +379,19 @@ def _usage_section(s: CheckpointSummary, repo: str) -> str:
             "which is not what was trained."
         )
     else:
-        reason = ("the routing budget is written in the model's own config (`n_group` / `topk_group`)"
-                  if s.native_routing else "the routing is the model's own")
+        reason = (
+            "the routing budget is written in the model's own config (`n_group` / `topk_group`)"
+            if s.native_routing
+            else "the routing is the model's own"
+        )
         lines += [
-            f"Stock transformers runs it as well, since {reason}:", "", "```python",
-            "from transformers import AutoModelForCausalLM", "",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo}")', "```",
+            f"Stock transformers runs it as well, since {reason}:",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+            "```",
         ]
     return "\n".join(lines)
 
@@ -421,7 +464,11 @@ def build_model_card(
     )
 
     what = "LoRA adapter" if s.kind == "adapter" else "checkpoint"
-    base_text = f"[`{hub_base}`](https://huggingface.co/{hub_base})" if hub_base else f"`{s.base_model or 'an MoE model'}`"
+    base_text = (
+        f"[`{hub_base}`](https://huggingface.co/{hub_base})"
+        if hub_base
+        else f"`{s.base_model or 'an MoE model'}`"
+    )
     if s.pruned and s.block.get("placement"):
         action = "with collaboration-aware expert placement and collaboration pruning, then fine-tuned"
     elif s.pruned:
@@ -440,10 +487,25 @@ def build_model_card(
     ]
     if s.kind == "adapter" and s.adapter:
         a = s.adapter
-        rows = [(k, a[k]) for k in ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules",
-                                    "target_parameters", "modules_to_save") if a.get(k) is not None]
+        rows = [
+            (k, a[k])
+            for k in (
+                "peft_type",
+                "r",
+                "lora_alpha",
+                "lora_dropout",
+                "target_modules",
+                "target_parameters",
+                "modules_to_save",
+            )
+            if a.get(k) is not None
+        ]
         sections.append("## Adapter\n\n" + _table(rows))
-    other = [(k, v) for k, v in sorted(s.block.items()) if k not in _BLOCK_KEYS_SHOWN and not isinstance(v, (dict, list))]
+    other = [
+        (k, v)
+        for k, v in sorted(s.block.items())
+        if k not in _BLOCK_KEYS_SHOWN and not isinstance(v, (dict, list))
+    ]
     if other:
         sections.append("## Other recorded settings\n\n" + _table(other))
     for section in (_comm_section(s), _eval_section(s, eval_results)):
@@ -629,6 +691,12 @@ def push_after_training(
     if eval_results is None and metrics:
         eval_results = metrics
     return push_checkpoint(
-        output_dir, repo_id, private=bool(private), token=token,
-        commit_message=commit_message or "End of training", figure=figure, eval_results=eval_results, api=api,
+        output_dir,
+        repo_id,
+        private=bool(private),
+        token=token,
+        commit_message=commit_message or "End of training",
+        figure=figure,
+        eval_results=eval_results,
+        api=api,
     )

@@ -46,7 +46,9 @@ def contiguous_expert_device(num_experts: int, num_devices: int, device=None) ->
     return torch.arange(num_experts, device=device) // (num_experts // num_devices)
 
 
-def expert_device_from_groups(groups: Sequence[Sequence[int]], num_experts: int | None = None) -> torch.Tensor:
+def expert_device_from_groups(
+    groups: Sequence[Sequence[int]], num_experts: int | None = None
+) -> torch.Tensor:
     """Turn a placement (`groups[d]` = experts on device d) into `expert_device_E`."""
     num_experts = num_experts if num_experts is not None else sum(len(g) for g in groups)
     out = torch.full((num_experts,), -1, dtype=torch.long)
@@ -66,7 +68,9 @@ def device_counts(topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, num_
     return counts.scatter_add_(1, dev_TK, torch.ones_like(dev_TK))
 
 
-def devices_per_token(topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int) -> torch.Tensor:
+def devices_per_token(
+    topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int
+) -> torch.Tensor:
     """(T,) C_T per token: distinct devices hosting the token's experts."""
     return (device_counts(topk_ids_TK, expert_device_E, num_devices) > 0).sum(dim=1)
 
@@ -154,7 +158,9 @@ class RoutingReport:
         return asdict(self)
 
 
-def layer_metrics(layer: int, topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int) -> LayerMetrics:
+def layer_metrics(
+    layer: int, topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int
+) -> LayerMetrics:
     return LayerMetrics(
         layer=layer,
         tokens=int(topk_ids_TK.shape[0]),

@@ -310,7 +310,9 @@ def _search(
     profiled tokens the swaps are evaluated on a seeded random subset, and the result is kept only if it
     beats every start on all tokens (so "never worse than occult" holds on the whole profile)."""
     max_search_tokens = max_search_tokens or max(1024, SEARCH_CELLS // x_TE.shape[1])
-    search = partial(_search_all, num_devices=num_devices, max_load_imbalance=max_load_imbalance, seed=seed, **options)
+    search = partial(
+        _search_all, num_devices=num_devices, max_load_imbalance=max_load_imbalance, seed=seed, **options
+    )
     if x_TE.shape[0] <= max_search_tokens:
         return search(x_TE)
     subset = torch.randperm(x_TE.shape[0], generator=torch.Generator().manual_seed(seed))[:max_search_tokens]
@@ -318,7 +320,10 @@ def _search(
     num_experts = x_TE.shape[1]
 
     def score(groups) -> tuple[float, float]:  # (objective, load imbalance) on all tokens
-        reach_TD = (x_TE @ torch.nn.functional.one_hot(expert_device_from_groups(groups, num_experts), num_devices).float()) > 0
+        reach_TD = (
+            x_TE
+            @ torch.nn.functional.one_hot(expert_device_from_groups(groups, num_experts), num_devices).float()
+        ) > 0
         return float(reach_TD.sum()), _imbalance(reach_TD.sum(dim=0))
 
     occult = _occult(x_TE, num_devices)
@@ -579,7 +584,9 @@ class Placement:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         if not path.parent.is_dir():
-            raise PlacementError(f"cannot write '{path}': directory '{path.parent}' does not exist; create it first")
+            raise PlacementError(
+                f"cannot write '{path}': directory '{path.parent}' does not exist; create it first"
+            )
         path.write_text(self.to_json())
 
     @classmethod
@@ -658,8 +665,12 @@ def _place_in_routing_groups(ids_TK, num_experts, num_devices, group_size, algor
     devices (on the tokens' experts inside it)."""
     per_device = num_experts // num_devices
     if per_device % group_size == 0:
-        unit_groups = place_layer(ids_TK // group_size, num_experts // group_size, num_devices, algorithm, num_nodes, **kw)
-        return [sorted(e for u in g for e in range(u * group_size, (u + 1) * group_size)) for g in unit_groups]
+        unit_groups = place_layer(
+            ids_TK // group_size, num_experts // group_size, num_devices, algorithm, num_nodes, **kw
+        )
+        return [
+            sorted(e for u in g for e in range(u * group_size, (u + 1) * group_size)) for g in unit_groups
+        ]
     span = group_size // per_device  # devices per routing group
     groups: list[list[int]] = []
     for q in range(num_experts // group_size):
@@ -701,8 +712,9 @@ def compute_placement(
     for layer in sorted(profile.layers):
         ids = profile.layers[layer].topk_ids
         if group_size > 1:
-            groups[int(layer)] = _place_in_routing_groups(ids.long(), num_experts, num_devices, group_size,
-                                                          algorithm, num_nodes, **kw)
+            groups[int(layer)] = _place_in_routing_groups(
+                ids.long(), num_experts, num_devices, group_size, algorithm, num_nodes, **kw
+            )
         else:
             groups[int(layer)] = place_layer(ids, num_experts, num_devices, algorithm, num_nodes, **kw)
         per_layer[str(layer)] = _layer_report(ids, groups[int(layer)], num_experts, num_devices, num_nodes)

@@ -76,7 +76,9 @@ def _new_figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (6.0
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError('plotting needs matplotlib; install it with `pip install "occult-ft[plot]"`') from None
+        raise ImportError(
+            'plotting needs matplotlib; install it with `pip install "occult-ft[plot]"`'
+        ) from None
     fig = Figure(figsize=size, layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     return fig, [ax for row in axes for ax in row]
@@ -105,13 +107,19 @@ def _finish(fig: Figure, path: str | os.PathLike | None) -> Figure:
 def _report_dict(report: RoutingReport | Mapping[str, Any]) -> dict:
     """A `RoutingReport`, or its `to_dict()` form (e.g. `occult-ft analyze --json` output), as a dict."""
     data = report.to_dict() if hasattr(report, "to_dict") else dict(report)
-    missing = [k for k in ("num_devices", "num_experts", "top_k", "layers", "devices_histogram") if k not in data]
+    missing = [
+        k for k in ("num_devices", "num_experts", "top_k", "layers", "devices_histogram") if k not in data
+    ]
     if missing:
-        raise ValueError(f"report lacks {missing}; pass a RoutingReport or its to_dict() (occult-ft analyze --json)")
+        raise ValueError(
+            f"report lacks {missing}; pass a RoutingReport or its to_dict() (occult-ft analyze --json)"
+        )
     return data
 
 
-def _references(num_experts: int, top_k: int, num_devices: int, extra: Mapping[str, Any] | None = None) -> dict:
+def _references(
+    num_experts: int, top_k: int, num_devices: int, extra: Mapping[str, Any] | None = None
+) -> dict:
     """Reference comm_complexity values: k rows, random-placement expectation, lower bound (when defined)."""
     refs: dict[str, float] = {}
     if top_k:
@@ -184,7 +192,9 @@ def plot_report(
     layers = r["layers"]
     xs = list(range(len(layers)))
     values = [float(m["comm_complexity"]) for m in layers]
-    ax_layers.bar(xs, values, color=_OURS, width=0.7, label=f"measured (overall {float(r['comm_complexity']):.3f})")
+    ax_layers.bar(
+        xs, values, color=_OURS, width=0.7, label=f"measured (overall {float(r['comm_complexity']):.3f})"
+    )
     _hlines(ax_layers, refs)
     ax_layers.set_xticks(xs)
     ax_layers.set_xticklabels([str(m["layer"]) for m in layers], fontsize=8 if len(layers) > 16 else 10)
@@ -199,11 +209,17 @@ def plot_report(
     cs = list(range(0 if hist and hist[0] else 1, len(hist)))  # c = 0 only when some token reached none
     shares = [hist[c] / total if total else 0.0 for c in cs]
     ax_hist.bar(cs, shares, color=_OURS, width=0.7)
-    ax_hist.axvline(_mean_devices(hist), color="black", linewidth=1.2, label=f"mean {_mean_devices(hist):.2f}")
+    ax_hist.axvline(
+        _mean_devices(hist), color="black", linewidth=1.2, label=f"mean {_mean_devices(hist):.2f}"
+    )
     for label, value in refs.items():
         if not label.startswith("per-expert"):
-            ax_hist.axvline(value, linewidth=1.2, label=f"{label}: {value:.2f}",
-                            **_REF_STYLE.get(label, dict(color=_BUDGET, linestyle="--")))
+            ax_hist.axvline(
+                value,
+                linewidth=1.2,
+                label=f"{label}: {value:.2f}",
+                **_REF_STYLE.get(label, dict(color=_BUDGET, linestyle="--")),
+            )
     ax_hist.set_xticks(cs)
     ax_hist.set_xlabel("devices a token reaches")
     ax_hist.set_ylabel("share of tokens (all layers)")
@@ -225,8 +241,9 @@ def _default_title(r: Mapping[str, Any]) -> str:
     return title
 
 
-def _measure_checkpoint(checkpoint_dir: str, data: Any, devices: int | None, max_tokens: int, seq_len: int,
-                        batch_size: int):
+def _measure_checkpoint(
+    checkpoint_dir: str, data: Any, devices: int | None, max_tokens: int, seq_len: int, batch_size: int
+):
     """RoutingReport of a checkpoint's own (placed, pruned) routing on `data`."""
     from .checkpoint import from_pretrained, load_tokenizer
     from .evaluation import data_batches
@@ -248,10 +265,13 @@ def _measure_checkpoint(checkpoint_dir: str, data: Any, devices: int | None, max
     profile = profile_model(model, batches, model_name=checkpoint_dir, max_tokens=max_tokens, progress=False)
     num_experts = find_moe_layers(model)[0].num_experts
     # the checkpoint's experts are stored placed: device d holds the contiguous block d*E/D ..
-    report = routing_report(profile.topk_ids(), contiguous_expert_device(num_experts, int(devices)), int(devices),
-                            num_experts)
+    report = routing_report(
+        profile.topk_ids(), contiguous_expert_device(num_experts, int(devices)), int(devices), num_experts
+    )
     report.extra["max_devices_per_token"] = block.get("max_devices_per_token")
-    report.extra["criterion"] = block.get("criterion", "score") if block.get("max_devices_per_token") else None
+    report.extra["criterion"] = (
+        block.get("criterion", "score") if block.get("max_devices_per_token") else None
+    )
     return report
 
 
@@ -291,7 +311,9 @@ def comm_complexity_figure(
     if isinstance(source, (str, os.PathLike)):
         checkpoint_dir = os.fspath(source)
         if not os.path.isdir(checkpoint_dir):
-            raise ValueError(f"checkpoint directory {checkpoint_dir!r} does not exist; pass a report or a folder")
+            raise ValueError(
+                f"checkpoint directory {checkpoint_dir!r} does not exist; pass a report or a folder"
+            )
         report = _measure_checkpoint(checkpoint_dir, data, devices, max_tokens, seq_len, batch_size)
         if title is None:
             title = f"{os.path.basename(os.path.abspath(checkpoint_dir))}: {_default_title(report.to_dict())}"
@@ -345,8 +367,10 @@ def plot_coactivation(
     """
     import numpy as np
 
-    co = np.asarray(coactivation_EE.detach().cpu() if isinstance(coactivation_EE, torch.Tensor) else coactivation_EE,
-                    dtype=np.float64)
+    co = np.asarray(
+        coactivation_EE.detach().cpu() if isinstance(coactivation_EE, torch.Tensor) else coactivation_EE,
+        dtype=np.float64,
+    )
     if co.ndim != 2 or co.shape[0] != co.shape[1]:
         raise ValueError(f"coactivation must be a square (E, E) matrix, got shape {co.shape}")
     e = co.shape[0]
@@ -366,7 +390,9 @@ def plot_coactivation(
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")  # the blank diagonal
     # square-root colour scale: a few hot pairs would otherwise leave every other cell dark
     top = float(np.nanmax(shown)) if e > 1 and np.isfinite(shown).any() else 0.0
-    image = ax.imshow(shown, cmap=cmap, interpolation="nearest", norm=PowerNorm(0.5, vmin=0.0, vmax=max(top, 1.0)))
+    image = ax.imshow(
+        shown, cmap=cmap, interpolation="nearest", norm=PowerNorm(0.5, vmin=0.0, vmax=max(top, 1.0))
+    )
     boundaries = [i for i in range(1, e) if dev[order[i]] != dev[order[i - 1]]]
     for b in boundaries:
         ax.axhline(b - 0.5, color="white", linewidth=1.6)
@@ -380,8 +406,12 @@ def plot_coactivation(
         ax.set_yticklabels([str(x) for x in order], fontsize=fontsize)
     ax.set_xlabel("expert (ordered by device)")
     ax.set_ylabel("expert (ordered by device)")
-    ax.set_title(title if title is not None else
-                 f"co-activation, {len(set(dev))} device(s): intra-device pairs {share:.1%}", fontsize=10)
+    ax.set_title(
+        title
+        if title is not None
+        else f"co-activation, {len(set(dev))} device(s): intra-device pairs {share:.1%}",
+        fontsize=10,
+    )
     if colorbar:
         fig.colorbar(image, ax=ax, shrink=0.8, label="tokens selecting both (square-root scale)")
     return _finish(fig, path)
@@ -417,7 +447,9 @@ def plot_placement_comparison(
     series = {name: [float(v) for v in _as_list(values)] for name, values in per_layer.items()}
     lengths = {name: len(v) for name, v in series.items()}
     if len(set(lengths.values())) != 1:
-        raise ValueError(f"per_layer lists differ in length {lengths}; give every algorithm one value per layer")
+        raise ValueError(
+            f"per_layer lists differ in length {lengths}; give every algorithm one value per layer"
+        )
     n = next(iter(lengths.values()))
     labels = [str(x) for x in (layers if layers is not None else range(n))]
     if len(labels) != n:
@@ -483,17 +515,31 @@ def plot_placement(
     d = next(iter(placements.values())).num_devices
     layers = sorted(profile.layers)
     ids = {i: profile.layers[i].topk_ids.long() for i in layers}
-    per_layer = {name: [comm_complexity(ids[i], pl.expert_device(i), d) for i in layers] for name, pl in placements.items()}
+    per_layer = {
+        name: [comm_complexity(ids[i], pl.expert_device(i), d) for i in layers]
+        for name, pl in placements.items()
+    }
     if layer is None:
         seq = [comm_complexity(ids[i], contiguous_expert_device(e, d), d) for i in layers]
         gains = [a - b for a, b in zip(seq, per_layer[chosen])]
         layer = layers[max(range(len(layers)), key=gains.__getitem__)]
     fig, (ax_before, ax_after, ax_bars) = _new_figure(ncols=3, size=(17.0, 5.0))
     co = profile.layers[layer].coactivation
-    plot_coactivation(co, contiguous_expert_device(e, d), ax=ax_before, title=f"layer {layer}: experts in original order")
-    plot_coactivation(co, placements[chosen].expert_device(layer), ax=ax_after, title=f"layer {layer}: {chosen} placement")
-    plot_placement_comparison(per_layer, random_placement_comm_complexity(e, k, d), comm_complexity_lower_bound(e, k, d),
-                              layers=layers, top_k=k, ax=ax_bars, title=f"comm_complexity per layer, {d} devices")
+    plot_coactivation(
+        co, contiguous_expert_device(e, d), ax=ax_before, title=f"layer {layer}: experts in original order"
+    )
+    plot_coactivation(
+        co, placements[chosen].expert_device(layer), ax=ax_after, title=f"layer {layer}: {chosen} placement"
+    )
+    plot_placement_comparison(
+        per_layer,
+        random_placement_comm_complexity(e, k, d),
+        comm_complexity_lower_bound(e, k, d),
+        layers=layers,
+        top_k=k,
+        ax=ax_bars,
+        title=f"comm_complexity per layer, {d} devices",
+    )
     return _finish(fig, path)
 
 
@@ -531,8 +577,13 @@ def plot_devices_histogram(
         total = sum(hist)
         shares = [(hist[c] / total if total and c < len(hist) else 0.0) for c in cs]
         xs = [c - 0.4 + width * (i + 0.5) for c in cs]
-        ax.bar(xs, shares, width=width, color=_CYCLE[i % len(_CYCLE)],
-               label=f"{label} (mean {_mean_devices(hist):.2f})")
+        ax.bar(
+            xs,
+            shares,
+            width=width,
+            color=_CYCLE[i % len(_CYCLE)],
+            label=f"{label} (mean {_mean_devices(hist):.2f})",
+        )
     ax.set_xticks(cs)
     ax.set_xlabel("devices a token reaches")
     ax.set_ylabel("share of tokens")
@@ -595,13 +646,24 @@ def plot_training_curves(
     for ax, metric in zip(axes, metrics):
         (steps, values), (eval_steps, eval_values) = found[metric]
         if steps:
-            ax.plot(steps, values, color=_OURS, marker="o" if len(steps) < 30 else None, markersize=3,
-                    label="train")
+            ax.plot(
+                steps,
+                values,
+                color=_OURS,
+                marker="o" if len(steps) < 30 else None,
+                markersize=3,
+                label="train",
+            )
         if eval_steps:
             ax.plot(eval_steps, eval_values, color=_CYCLE[1], marker="s", markersize=4, label="eval")
         if metric == "comm_complexity" and max_devices_per_token is not None:
-            ax.axhline(max_devices_per_token, color=_BUDGET, linestyle="--", linewidth=1.2,
-                       label=f"budget M={max_devices_per_token}")
+            ax.axhline(
+                max_devices_per_token,
+                color=_BUDGET,
+                linestyle="--",
+                linewidth=1.2,
+                label=f"budget M={max_devices_per_token}",
+            )
         if not steps and not eval_steps:
             ax.text(0.5, 0.5, f"{metric} not logged", ha="center", va="center", transform=ax.transAxes)
         else:
@@ -639,8 +701,11 @@ def plot_quality_tradeoff(
         The Figure.
     """
     rows = [dict(r) for r in rows]
-    bad = [r for r in rows
-           if metric not in r or ("criterion" not in r and r.get("max_devices_per_token") is not None)]
+    bad = [
+        r
+        for r in rows
+        if metric not in r or ("criterion" not in r and r.get("max_devices_per_token") is not None)
+    ]
     if bad:
         raise ValueError(f"rows need `criterion`, `max_devices_per_token` and `{metric}`; got {bad[0]}")
     unpruned = [float(r[metric]) for r in rows if r.get("max_devices_per_token") is None]
@@ -659,15 +724,31 @@ def plot_quality_tradeoff(
     for i, (criterion, group) in enumerate(by_criterion.items()):
         group = sorted(group, key=lambda r: int(r["max_devices_per_token"]))
         color = _CYCLE[i % len(_CYCLE)]
-        ax.plot([int(r["max_devices_per_token"]) for r in group], [float(r[metric]) for r in group],
-                marker="o", color=color, label=criterion)
+        ax.plot(
+            [int(r["max_devices_per_token"]) for r in group],
+            [float(r[metric]) for r in group],
+            marker="o",
+            color=color,
+            label=criterion,
+        )
         if with_cc:
             pts = [r for r in group if "comm_complexity" in r]
-            axes[1].plot([float(r["comm_complexity"]) for r in pts], [float(r[metric]) for r in pts],
-                         marker="o", color=color, label=criterion)
+            axes[1].plot(
+                [float(r["comm_complexity"]) for r in pts],
+                [float(r[metric]) for r in pts],
+                marker="o",
+                color=color,
+                label=criterion,
+            )
             for r in pts:
-                axes[1].annotate(f"M={r['max_devices_per_token']}", (float(r["comm_complexity"]), float(r[metric])),
-                                 textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+                axes[1].annotate(
+                    f"M={r['max_devices_per_token']}",
+                    (float(r["comm_complexity"]), float(r[metric])),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=7,
+                    color=color,
+                )
     for a in axes:
         if baseline is not None:
             a.axhline(baseline, color=_PEER, linestyle=":", linewidth=1.4, label=f"unpruned: {baseline:.3f}")
@@ -705,10 +786,14 @@ def plot_bench(
     """
     backends = list(bench_result.get("backends") or [])
     if not backends:
-        raise ValueError("bench result has no `backends` list; pass the report of run_benchmark / occult-ft bench --json")
+        raise ValueError(
+            "bench result has no `backends` list; pass the report of run_benchmark / occult-ft bench --json"
+        )
     missing = [k for k in ("backend", "rows_per_token", "exchange_ms") if k not in backends[0]]
     if missing:
-        raise ValueError(f"bench backends lack {missing}; pass the report of run_benchmark / occult-ft bench --json")
+        raise ValueError(
+            f"bench backends lack {missing}; pass the report of run_benchmark / occult-ft bench --json"
+        )
     names = [str(b["backend"]) for b in backends]
     colors = [_PEER if b.get("peer", not str(b["backend"]).startswith("occult")) else _OURS for b in backends]
     fig, (ax_rows, ax_ms) = _new_figure(ncols=2, size=(12.0, 4.8))
@@ -718,8 +803,13 @@ def plot_bench(
     for x, v in zip(xs, rows):
         ax_rows.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
     if bench_result.get("top_k"):
-        ax_rows.axhline(float(bench_result["top_k"]), color=_PEER, linestyle=":", linewidth=1.2,
-                        label=f"k = {bench_result['top_k']}")
+        ax_rows.axhline(
+            float(bench_result["top_k"]),
+            color=_PEER,
+            linestyle=":",
+            linewidth=1.2,
+            label=f"k = {bench_result['top_k']}",
+        )
         ax_rows.legend(fontsize=8)
     ax_rows.set_ylabel("rows per token (dispatch, per layer)")
     ax_rows.set_title("volume")
@@ -730,12 +820,25 @@ def plot_bench(
     shift = 0.2 if has_path else 0.0
     ax_ms.bar([x - shift for x in xs], [v or 0.0 for v in ms], width=width, color=colors, label="exchange")
     if has_path:
-        ax_ms.bar([x + shift for x in xs], [b.get("path_ms") or 0.0 for b in backends], width=width, color=colors,
-                  alpha=0.45, label="whole dispatch + combine path")
+        ax_ms.bar(
+            [x + shift for x in xs],
+            [b.get("path_ms") or 0.0 for b in backends],
+            width=width,
+            color=colors,
+            alpha=0.45,
+            label="whole dispatch + combine path",
+        )
         ax_ms.legend(fontsize=8)
     for x, v in zip(xs, ms):
-        ax_ms.text(x - shift, v or 0.0, "not measured" if v is None else f"{v:.2f}", ha="center", va="bottom",
-                   fontsize=7, rotation=90 if v is None else 0)
+        ax_ms.text(
+            x - shift,
+            v or 0.0,
+            "not measured" if v is None else f"{v:.2f}",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            rotation=90 if v is None else 0,
+        )
     ax_ms.set_ylabel("ms per forward (dispatch + combine)")
     ax_ms.set_title(str(bench_result.get("transport", "measured exchange time")))
     for ax in (ax_rows, ax_ms):
@@ -743,8 +846,10 @@ def plot_bench(
         ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
     if title is None and "num_experts" in bench_result:
-        title = (f"exchange benchmark: E={bench_result['num_experts']}, top-{bench_result.get('top_k')}, "
-                 f"{bench_result.get('devices')} processes, {bench_result.get('tokens')} tokens")
+        title = (
+            f"exchange benchmark: E={bench_result['num_experts']}, top-{bench_result.get('top_k')}, "
+            f"{bench_result.get('devices')} processes, {bench_result.get('tokens')} tokens"
+        )
     if title:
         fig.suptitle(title)
     return _finish(fig, path)
@@ -778,14 +883,23 @@ def _cost_series(predictions: Any) -> list[dict]:
             if "skipped" in c or not c.get("backends"):
                 continue
             d = int(c.get("num_devices") or c["nodes"] * c["devices_per_node"])
-            clusters.append((str(c["name"]), d, [(str(p["backend"]), float(p["predicted_ms"])) for p in c["backends"]]))
+            clusters.append(
+                (str(c["name"]), d, [(str(p["backend"]), float(p["predicted_ms"])) for p in c["backends"]])
+            )
     elif isinstance(predictions, Mapping):
         for key, result in predictions.items():
             shape = get_cluster(key)
-            clusters.append((shape.name, shape.num_devices,
-                             [(str(name), float(v["exchange_ms"])) for name, v in result.items()]))
+            clusters.append(
+                (
+                    shape.name,
+                    shape.num_devices,
+                    [(str(name), float(v["exchange_ms"])) for name, v in result.items()],
+                )
+            )
     else:
-        raise ValueError("cost-model input must be {cluster: predict_speedup(...)} or a bench report / its cost_model")
+        raise ValueError(
+            "cost-model input must be {cluster: predict_speedup(...)} or a bench report / its cost_model"
+        )
     out = []
     for name, d, entries in clusters:
         points, peers = [], []
@@ -802,10 +916,18 @@ def _cost_series(predictions: Any) -> list[dict]:
         best: dict[int, float] = {}
         for m, ms in points:  # a budget >= D equals plain de-duplication: keep one point per M
             best[m] = min(ms, best.get(m, math.inf))
-        out.append({"name": name, "devices": d, "budgets": sorted(best.items()),
-                    "peer_ms": min(peers) if peers else None})
+        out.append(
+            {
+                "name": name,
+                "devices": d,
+                "budgets": sorted(best.items()),
+                "peer_ms": min(peers) if peers else None,
+            }
+        )
     if not out:
-        raise ValueError("cost-model input holds no de-duplicated predictions (names with `dedup` / `pruneM`)")
+        raise ValueError(
+            "cost-model input holds no de-duplicated predictions (names with `dedup` / `pruneM`)"
+        )
     return out
 
 
@@ -846,8 +968,9 @@ def plot_cost_model(
             speed = [s["peer_ms"] / v if v > 0 else math.inf for _, v in s["budgets"]]
             ax_speed.plot(ms_, speed, marker="o", color=color, label=label)
             for m, v in zip(ms_, speed):
-                ax_speed.annotate(f"{v:.2f}x", (m, v), textcoords="offset points", xytext=(3, 4), fontsize=7,
-                                  color=color)
+                ax_speed.annotate(
+                    f"{v:.2f}x", (m, v), textcoords="offset points", xytext=(3, 4), fontsize=7, color=color
+                )
     ax_speed.axhline(1.0, color=_PEER, linestyle=":", linewidth=1.2, label="per-expert dispatch (1x)")
     ax_ms.plot([], [], color=_PEER, linestyle=":", label="dotted: per-expert dispatch")
     for ax in (ax_ms, ax_speed):

@@ -64,12 +64,18 @@ class Profile:
         """Raise ProfileError unless this profile was made on a model with these experts and MoE layers."""
         rerun = "profile this model with `occult-ft profile`"
         if num_experts != self.num_experts:
-            raise ProfileError(f"profile was made for {self.num_experts} experts, the model has {num_experts}; {rerun}")
+            raise ProfileError(
+                f"profile was made for {self.num_experts} experts, the model has {num_experts}; {rerun}"
+            )
         layers = sorted(int(i) for i in layer_indices)
         if layers != sorted(self.layers):
-            raise ProfileError(f"profile covers MoE layers {sorted(self.layers)}, the model has {layers}; {rerun}")
+            raise ProfileError(
+                f"profile covers MoE layers {sorted(self.layers)}, the model has {layers}; {rerun}"
+            )
         if model_type and self.model_type and model_type != self.model_type:
-            raise ProfileError(f"profile was made on a {self.model_type} model, this one is {model_type}; {rerun}")
+            raise ProfileError(
+                f"profile was made on a {self.model_type} model, this one is {model_type}; {rerun}"
+            )
 
     def similarity(self) -> dict[int, torch.Tensor]:
         return {i: lp.similarity() for i, lp in self.layers.items()}
@@ -86,9 +92,17 @@ class Profile:
             tensors[f"layers.{i}.coactivation"] = lp.coactivation.contiguous()
             tensors[f"layers.{i}.load"] = lp.load.contiguous()
             tensors[f"layers.{i}.prob_gram"] = lp.prob_gram.contiguous()
-        header = dict(format=FORMAT, version=VERSION, model=self.model, model_type=self.model_type,
-                      num_experts=self.num_experts, top_k=self.top_k, num_tokens=self.num_tokens,
-                      layers=sorted(self.layers), group_size=self.group_size)
+        header = dict(
+            format=FORMAT,
+            version=VERSION,
+            model=self.model,
+            model_type=self.model_type,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            num_tokens=self.num_tokens,
+            layers=sorted(self.layers),
+            group_size=self.group_size,
+        )
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         save_file(tensors, path, metadata={"occult_ft": json.dumps(header)})
 
@@ -97,24 +111,37 @@ class Profile:
         from safetensors import safe_open
 
         if not os.path.isfile(path):
-            raise ProfileError(f"profile {path!r} does not exist; create it with `occult-ft profile MODEL --data DATA --out {path}`")
+            raise ProfileError(
+                f"profile {path!r} does not exist; create it with `occult-ft profile MODEL --data DATA --out {path}`"
+            )
         try:
             with safe_open(path, framework="pt") as f:
                 header = json.loads((f.metadata() or {}).get("occult_ft", "{}"))
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
         except Exception as exc:  # safetensors raises several types for corrupt files
-            raise ProfileError(f"profile {path!r} is not a readable occult_ft profile ({exc}); re-run occult-ft profile") from None
+            raise ProfileError(
+                f"profile {path!r} is not a readable occult_ft profile ({exc}); re-run occult-ft profile"
+            ) from None
         if header.get("format") != FORMAT or header.get("version") != VERSION:
             raise ProfileError(
                 f"{path!r} is not an occult_ft profile (format={header.get('format')!r}, version={header.get('version')!r}); "
                 "re-run occult-ft profile"
             )
-        prof = cls(header["model"], header["model_type"], header["num_experts"], header["top_k"], header["num_tokens"],
-                   group_size=int(header.get("group_size", 1)))
+        prof = cls(
+            header["model"],
+            header["model_type"],
+            header["num_experts"],
+            header["top_k"],
+            header["num_tokens"],
+            group_size=int(header.get("group_size", 1)),
+        )
         for i in header["layers"]:
             prof.layers[int(i)] = LayerProfile(
-                int(i), tensors[f"layers.{i}.topk_ids"], tensors[f"layers.{i}.coactivation"],
-                tensors[f"layers.{i}.load"], tensors[f"layers.{i}.prob_gram"],
+                int(i),
+                tensors[f"layers.{i}.topk_ids"],
+                tensors[f"layers.{i}.coactivation"],
+                tensors[f"layers.{i}.load"],
+                tensors[f"layers.{i}.prob_gram"],
             )
         return prof
 
@@ -173,8 +200,14 @@ class RoutingRecorder:
     def profile(self, model_name: str) -> Profile:
         base = unwrap_model(self.model)
         first = self.layers[0]
-        prof = Profile(model_name, get_arch(base).model_type, first.num_experts, first.top_k, self.tokens,
-                       group_size=max(layer.arch.routing_group_size(layer.router) for layer in self.layers))
+        prof = Profile(
+            model_name,
+            get_arch(base).model_type,
+            first.num_experts,
+            first.top_k,
+            self.tokens,
+            group_size=max(layer.arch.routing_group_size(layer.router) for layer in self.layers),
+        )
         for layer in self.layers:
             i = layer.index
             ids = torch.cat(self._ids[i]) if self._ids[i] else torch.zeros(0, first.top_k, dtype=torch.int16)

@@ -285,7 +285,13 @@ def _pruned_class(base: type) -> type:
             ids_in = ids
             if cfg.active:
                 ids, weights, _ = prune_topk(
-                    self.occult_arch, self, logits, ids, weights, cfg, self.occult_expert_device,
+                    self.occult_arch,
+                    self,
+                    logits,
+                    ids,
+                    weights,
+                    cfg,
+                    self.occult_expert_device,
                     getattr(self, "occult_similarity", None),
                 )
             if self.occult_recording:
@@ -300,7 +306,9 @@ def _pruned_class(base: type) -> type:
             return logits, weights, ids
 
         _PRUNED_CLASSES[base] = type(
-            f"Occult{base.__name__}", (base,), {"forward": forward, "_occult_pruned": True, "__module__": __name__}
+            f"Occult{base.__name__}",
+            (base,),
+            {"forward": forward, "_occult_pruned": True, "__module__": __name__},
         )
     return _PRUNED_CLASSES[base]
 
@@ -345,7 +353,8 @@ def apply_pruning(
         router.occult_record = None
         ref = router.weight
         mapping = (
-            expert_device[layer.index] if expert_device is not None
+            expert_device[layer.index]
+            if expert_device is not None
             else contiguous_expert_device(layer.num_experts, config.num_devices)
         )
         _set_buffer(router, "occult_expert_device", mapping.to(ref.device, torch.long))
@@ -363,7 +372,11 @@ def _set_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
 
 def pruned_routers(model: nn.Module) -> list[tuple[MoELayer, nn.Module]]:
     """(layer, router) for every router that `apply_pruning` prepared."""
-    return [(layer, layer.router) for layer in find_moe_layers(model) if getattr(layer.router, "_occult_pruned", False)]
+    return [
+        (layer, layer.router)
+        for layer in find_moe_layers(model)
+        if getattr(layer.router, "_occult_pruned", False)
+    ]
 
 
 def remove_pruning(model: nn.Module) -> None:
@@ -374,7 +387,13 @@ def remove_pruning(model: nn.Module) -> None:
             router.__class__ = router.__class__.__mro__[1]
             for name in ("occult_expert_device", "occult_similarity"):
                 router._buffers.pop(name, None)
-            for name in ("occult_arch", "occult_config", "occult_recording", "occult_keep_graph", "occult_record"):
+            for name in (
+                "occult_arch",
+                "occult_config",
+                "occult_recording",
+                "occult_keep_graph",
+                "occult_record",
+            ):
                 router.__dict__.pop(name, None)
 
 

@@ -27,7 +27,9 @@ from occult_ft.cli import main
 from occult_ft.metrics import contiguous_expert_device, devices_per_token
 
 # DeepSpeed JIT-compiles a small op at its first distributed init; keep it in the repository's cache.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
+)
 
 REQUIRED = {"model", "devices", "tokens", "hidden", "dtype", "backends", "layers", "cost_model"}
 TINY = ["--devices", 2, "--iters", 2, "--warmup", 1, "--json"]
@@ -130,9 +132,21 @@ def synthetic_report():
 def test_synthetic_json_has_the_contract_keys(synthetic_report):
     r = synthetic_report
     assert REQUIRED <= set(r)
-    assert (r["model"], r["devices"], r["tokens"], r["hidden"], r["dtype"]) == ("synthetic", 2, 64, 16, "bfloat16")
+    assert (r["model"], r["devices"], r["tokens"], r["hidden"], r["dtype"]) == (
+        "synthetic",
+        2,
+        64,
+        16,
+        "bfloat16",
+    )
     names = [b["backend"] for b in r["backends"]]
-    assert names[:5] == ["deepspeed_classic", "deepspeed_classic_nodrop", "per_expert", "hf_native_ep", "occult_dedup"]
+    assert names[:5] == [
+        "deepspeed_classic",
+        "deepspeed_classic_nodrop",
+        "per_expert",
+        "hf_native_ep",
+        "occult_dedup",
+    ]
     assert {"occult_dedup_prune2", "occult_dedup_prune1"} <= set(names)
     for b in r["backends"]:
         assert {"backend", "rows_per_token", "exchange_ms", "rows", "bytes", "speedup_vs_best_peer"} <= set(b)
@@ -186,8 +200,22 @@ def test_cost_model_covers_the_presets(synthetic_report):
 def test_bench_on_a_tiny_saved_model(tmp_path, tiny_tokenizer, text_file):
     model_dir = save_tiny_model(tmp_path / "olmoe", "olmoe", tiny_tokenizer)
     plot = tmp_path / "bench.png"
-    r = bench_json(model_dir, "--data", text_file, "--max-tokens", 96, "--seq-len", 32, "--cluster", "4xA6000-pcie",
-                   "--cluster", "lab:devices_per_node=2,intra=50", "--plot", plot, *TINY)
+    r = bench_json(
+        model_dir,
+        "--data",
+        text_file,
+        "--max-tokens",
+        96,
+        "--seq-len",
+        32,
+        "--cluster",
+        "4xA6000-pcie",
+        "--cluster",
+        "lab:devices_per_node=2,intra=50",
+        "--plot",
+        plot,
+        *TINY,
+    )
     assert REQUIRED <= set(r)
     assert r["model"] == model_dir and r["hidden"] == 64 and r["moe_layers"] == [0, 1] and r["tokens"] == 96
     b = by_name(r)
@@ -202,15 +230,27 @@ def test_bench_on_a_tiny_saved_model(tmp_path, tiny_tokenizer, text_file):
 
 
 # ---- bad inputs -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("args, message", [
-    (["--synthetic", "--devices", 3, "--experts", 8], "devices=3 does not divide the 8 experts; use one of [2, 4, 8]"),
-    (["--synthetic", "--devices", 1], "the exchange needs at least 2 processes"),
-    (["--synthetic", "--devices", 2, "--cluster", "dgx-h900"], "unknown cluster 'dgx-h900'; choose one of"),
-    (["--synthetic", "--devices", 2, "--tokens", 1], "1 tokens cannot be shared by 2 processes"),
-    (["--synthetic", "some/model", "--devices", 2], "--synthetic takes no MODEL"),
-    (["--devices", 2], "give MODEL --data DATA, or --synthetic"),
-    (["--synthetic", "--devices", 2, "--experts", 8, "--tokens", 8, "--backends", "tutel"], "unknown or unmeasurable backends ['tutel']"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--synthetic", "--devices", 3, "--experts", 8],
+            "devices=3 does not divide the 8 experts; use one of [2, 4, 8]",
+        ),
+        (["--synthetic", "--devices", 1], "the exchange needs at least 2 processes"),
+        (
+            ["--synthetic", "--devices", 2, "--cluster", "dgx-h900"],
+            "unknown cluster 'dgx-h900'; choose one of",
+        ),
+        (["--synthetic", "--devices", 2, "--tokens", 1], "1 tokens cannot be shared by 2 processes"),
+        (["--synthetic", "some/model", "--devices", 2], "--synthetic takes no MODEL"),
+        (["--devices", 2], "give MODEL --data DATA, or --synthetic"),
+        (
+            ["--synthetic", "--devices", 2, "--experts", 8, "--tokens", 8, "--backends", "tutel"],
+            "unknown or unmeasurable backends ['tutel']",
+        ),
+    ],
+)
 def test_bad_inputs_give_one_line_errors(args, message, capsys):
     assert main(["bench", *[str(a) for a in args]]) == 2
     err = capsys.readouterr().err.strip()

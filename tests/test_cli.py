@@ -26,7 +26,21 @@ def pipeline(tmp_path_factory, tiny_olmoe_dir, text_file):
     """profile -> place on 4 devices, shared by the tests below."""
     out = tmp_path_factory.mktemp("pipe")
     prof = out / "profile.safetensors"
-    assert run_cli("profile", tiny_olmoe_dir, "--data", text_file, "--out", prof, "--seq-len", 32, "--max-tokens", 2000) == 0
+    assert (
+        run_cli(
+            "profile",
+            tiny_olmoe_dir,
+            "--data",
+            text_file,
+            "--out",
+            prof,
+            "--seq-len",
+            32,
+            "--max-tokens",
+            2000,
+        )
+        == 0
+    )
     placement = out / "placement.json"
     assert run_cli("place", prof, "--devices", 4, "--out", placement) == 0
     return dict(model=tiny_olmoe_dir, data=text_file, profile=str(prof), placement=str(placement), out=out)
@@ -56,8 +70,23 @@ def test_prune_without_budget_is_the_same_function(pipeline):
 @pytest.mark.parametrize("criterion", ["score", "similarity", "device_max", "device_topk_sum"])
 def test_pruned_checkpoint_loads_with_pruned_routing(pipeline, criterion):
     out = pipeline["out"] / f"pruned-{criterion}"
-    assert run_cli("prune", pipeline["model"], "--placement", pipeline["placement"], "--max-devices-per-token", 1,
-                   "--criterion", criterion, "--profile", pipeline["profile"], "--out", out) == 0
+    assert (
+        run_cli(
+            "prune",
+            pipeline["model"],
+            "--placement",
+            pipeline["placement"],
+            "--max-devices-per-token",
+            1,
+            "--criterion",
+            criterion,
+            "--profile",
+            pipeline["profile"],
+            "--out",
+            out,
+        )
+        == 0
+    )
     cfg = json.load(open(out / "config.json"))
     assert cfg["occult"]["max_devices_per_token"] == 1 and cfg["occult"]["criterion"] == criterion
     model = occult_ft.from_pretrained(str(out))
@@ -71,30 +100,88 @@ def test_pruned_checkpoint_loads_with_pruned_routing(pipeline, criterion):
 
 def test_analyze_json_reports_overall_and_per_layer(pipeline, capsys):
     capsys.readouterr()
-    assert run_cli("analyze", pipeline["model"], "--data", pipeline["data"], "--devices", 4, "--placement",
-                   pipeline["placement"], "--json", "--seq-len", 32, "--max-tokens", 500) == 0
+    assert (
+        run_cli(
+            "analyze",
+            pipeline["model"],
+            "--data",
+            pipeline["data"],
+            "--devices",
+            4,
+            "--placement",
+            pipeline["placement"],
+            "--json",
+            "--seq-len",
+            32,
+            "--max-tokens",
+            500,
+        )
+        == 0
+    )
     rep = json.loads(capsys.readouterr().out)
     assert 1.0 <= rep["comm_complexity"] <= 2.0 and 0.0 <= rep["intra_share"] <= 1.0
     assert len(rep["layers"]) == 2 and all("comm_complexity" in m for m in rep["layers"])
-    assert run_cli("analyze", pipeline["model"], "--data", pipeline["data"], "--devices", 4, "--json",
-                   "--max-devices-per-token", 1, "--seq-len", 32, "--max-tokens", 500) == 0
+    assert (
+        run_cli(
+            "analyze",
+            pipeline["model"],
+            "--data",
+            pipeline["data"],
+            "--devices",
+            4,
+            "--json",
+            "--max-devices-per-token",
+            1,
+            "--seq-len",
+            32,
+            "--max-tokens",
+            500,
+        )
+        == 0
+    )
     pruned = json.loads(capsys.readouterr().out)
     assert pruned["comm_complexity"] == 1.0
 
 
-@pytest.mark.parametrize("experts,k,budget,n_group,topk_group", [
-    (8, 4, 2, 1, 1),    # k // M == 2, like DeepSeek-V3 itself (top-8 in 4 of 8 groups)
-    (16, 4, 1, 1, 1),   # k // M == 4: the model's own top-2 group score is used
-    (16, 2, 3, 4, 2),   # a model that already routes in groups: the old fields are replaced
-])
-def test_deepseek_v3_topk_sum_writes_native_group_fields(tmp_path, tiny_tokenizer, experts, k, budget, n_group,
-                                                         topk_group):
+@pytest.mark.parametrize(
+    "experts,k,budget,n_group,topk_group",
+    [
+        (8, 4, 2, 1, 1),  # k // M == 2, like DeepSeek-V3 itself (top-8 in 4 of 8 groups)
+        (16, 4, 1, 1, 1),  # k // M == 4: the model's own top-2 group score is used
+        (16, 2, 3, 4, 2),  # a model that already routes in groups: the old fields are replaced
+    ],
+)
+def test_deepseek_v3_topk_sum_writes_native_group_fields(
+    tmp_path, tiny_tokenizer, experts, k, budget, n_group, topk_group
+):
     """Stock transformers routes a device_topk_sum checkpoint exactly like occult_ft does."""
-    src = save_tiny_model(tmp_path / "v3", "deepseek_v3", tiny_tokenizer, n_routed_experts=experts,
-                          num_experts_per_tok=k, n_group=n_group, topk_group=topk_group)
+    src = save_tiny_model(
+        tmp_path / "v3",
+        "deepseek_v3",
+        tiny_tokenizer,
+        n_routed_experts=experts,
+        num_experts_per_tok=k,
+        n_group=n_group,
+        topk_group=topk_group,
+    )
     out = tmp_path / "v3-pruned"
-    assert run_cli("prune", src, "--placement", "sequential", "--devices", 4, "--max-devices-per-token", budget,
-                   "--criterion", "device_topk_sum", "--out", out) == 0
+    assert (
+        run_cli(
+            "prune",
+            src,
+            "--placement",
+            "sequential",
+            "--devices",
+            4,
+            "--max-devices-per-token",
+            budget,
+            "--criterion",
+            "device_topk_sum",
+            "--out",
+            out,
+        )
+        == 0
+    )
     cfg = json.load(open(out / "config.json"))
     assert cfg["n_group"] == 4 and cfg["topk_group"] == budget
     stock = AutoModelForCausalLM.from_pretrained(out)
@@ -126,17 +213,54 @@ def bad_cases(p, bad):
         (["profile", "/nonexistent/model", "--data", data, "--out", bad / "x"], "does not exist"),
         (["profile", m, "--data", bad / "missing.txt", "--out", bad / "x"], "missing.txt"),
         (["place", bad / "nope.safetensors", "--devices", 4, "--out", bad / "p.json"], "does not exist"),
-        (["place", bad / "profile.safetensors", "--devices", 4, "--out", bad / "p.json"], "not a readable occult_ft profile"),
+        (
+            ["place", bad / "profile.safetensors", "--devices", 4, "--out", bad / "p.json"],
+            "not a readable occult_ft profile",
+        ),
         (["place", prof, "--devices", 3, "--out", bad / "p.json"], "devices=3"),
         (["place", prof, "--devices", 4, "--nodes", 3, "--out", bad / "p.json"], "nodes=3"),
         (["place", prof, "--devices", 4, "--algorithm", "magic", "--out", bad / "p.json"], "magic"),
         (["prune", m, "--placement", bad / "corrupt.json", "--out", bad / "o"], "corrupt.json"),
         (["prune", m, "--placement", bad / "wrong.json", "--out", bad / "o"], "wrong.json"),
         (["prune", m, "--placement", bad / "absent.json", "--out", bad / "o"], "absent.json"),
-        (["prune", m, "--placement", place, "--max-devices-per-token", 0, "--out", bad / "o"], "max_devices_per_token=0"),
-        (["prune", m, "--placement", place, "--max-devices-per-token", 5, "--out", bad / "o"], "max_devices_per_token=5"),
-        (["prune", m, "--placement", place, "--max-devices-per-token", 1, "--criterion", "vibes", "--out", bad / "o"], "criterion='vibes'"),
-        (["prune", m, "--placement", place, "--max-devices-per-token", 1, "--criterion", "similarity", "--out", bad / "o"], "--profile"),
+        (
+            ["prune", m, "--placement", place, "--max-devices-per-token", 0, "--out", bad / "o"],
+            "max_devices_per_token=0",
+        ),
+        (
+            ["prune", m, "--placement", place, "--max-devices-per-token", 5, "--out", bad / "o"],
+            "max_devices_per_token=5",
+        ),
+        (
+            [
+                "prune",
+                m,
+                "--placement",
+                place,
+                "--max-devices-per-token",
+                1,
+                "--criterion",
+                "vibes",
+                "--out",
+                bad / "o",
+            ],
+            "criterion='vibes'",
+        ),
+        (
+            [
+                "prune",
+                m,
+                "--placement",
+                place,
+                "--max-devices-per-token",
+                1,
+                "--criterion",
+                "similarity",
+                "--out",
+                bad / "o",
+            ],
+            "--profile",
+        ),
         (["analyze", m, "--data", data, "--devices", 3], "devices=3"),
     ]
 
@@ -154,8 +278,15 @@ def test_every_bad_input_gives_one_clear_line(pipeline, bad_files, capsys):
 def test_unsupported_model_type_is_one_line(tmp_path, capsys, tiny_tokenizer, text_file):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=16, intermediate_size=16,
-                                 num_hidden_layers=1, num_attention_heads=2)).save_pretrained(tmp_path / "llama")
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tiny_tokenizer),
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        )
+    ).save_pretrained(tmp_path / "llama")
     tiny_tokenizer.save_pretrained(tmp_path / "llama")
     code = run_cli("profile", tmp_path / "llama", "--data", text_file, "--out", tmp_path / "p")
     err = capsys.readouterr().err.strip()
@@ -170,9 +301,11 @@ def test_placement_for_another_model_is_rejected(pipeline, tmp_path, capsys, tin
 
 
 def test_bad_flag_values_are_one_line_too(capsys):
-    for argv in (["place", "p.safetensors", "--devices", "0", "--out", "x.json"],
-                 ["bench", "--synthetic", "--devices", "-2"],
-                 ["analyze", "m", "--data", "d", "--devices", "two"]):
+    for argv in (
+        ["place", "p.safetensors", "--devices", "0", "--out", "x.json"],
+        ["bench", "--synthetic", "--devices", "-2"],
+        ["analyze", "m", "--data", "d", "--devices", "two"],
+    ):
         with pytest.raises(SystemExit) as exc:
             run_cli(*argv)
         err = capsys.readouterr().err.strip()
@@ -192,14 +325,44 @@ def test_max_tokens_counts_real_tokens_not_padded_rows(tmp_path, tiny_tokenizer)
 
 def test_analyze_reports_a_pruned_checkpoints_own_routing(pipeline, capsys):
     out = pipeline["out"] / "pruned-for-analyze"
-    assert run_cli("prune", pipeline["model"], "--placement", pipeline["placement"], "--max-devices-per-token", 1,
-                   "--out", out) == 0
+    assert (
+        run_cli(
+            "prune",
+            pipeline["model"],
+            "--placement",
+            pipeline["placement"],
+            "--max-devices-per-token",
+            1,
+            "--out",
+            out,
+        )
+        == 0
+    )
     capsys.readouterr()
-    assert run_cli("analyze", out, "--data", pipeline["data"], "--devices", 4, "--json", "--seq-len", 32,
-                   "--max-tokens", 300) == 0
+    assert (
+        run_cli(
+            "analyze",
+            out,
+            "--data",
+            pipeline["data"],
+            "--devices",
+            4,
+            "--json",
+            "--seq-len",
+            32,
+            "--max-tokens",
+            300,
+        )
+        == 0
+    )
     rep = json.loads(capsys.readouterr().out)
     assert rep["comm_complexity"] == 1.0 and rep["extra"]["max_devices_per_token"] == 1
-    assert run_cli("analyze", out, "--data", pipeline["data"], "--devices", 4, "--placement", pipeline["placement"]) == 2
+    assert (
+        run_cli(
+            "analyze", out, "--data", pipeline["data"], "--devices", 4, "--placement", pipeline["placement"]
+        )
+        == 2
+    )
     assert "already placed" in capsys.readouterr().err
     assert run_cli("analyze", out, "--data", pipeline["data"], "--devices", 2) == 2
     assert "placed for 4 devices" in capsys.readouterr().err
@@ -208,20 +371,45 @@ def test_analyze_reports_a_pruned_checkpoints_own_routing(pipeline, capsys):
 def test_a_profile_of_another_model_is_rejected(pipeline, tmp_path, capsys, tiny_tokenizer, text_file):
     other = save_tiny_model(tmp_path / "m16", "olmoe", tiny_tokenizer, num_experts=16)
     prof = tmp_path / "p16.safetensors"
-    assert run_cli("profile", other, "--data", text_file, "--out", prof, "--max-tokens", 200, "--seq-len", 32) == 0
+    assert (
+        run_cli("profile", other, "--data", text_file, "--out", prof, "--max-tokens", 200, "--seq-len", 32)
+        == 0
+    )
     capsys.readouterr()
-    code = run_cli("prune", pipeline["model"], "--placement", pipeline["placement"], "--max-devices-per-token", 2,
-                   "--criterion", "similarity", "--profile", prof, "--out", tmp_path / "o")
+    code = run_cli(
+        "prune",
+        pipeline["model"],
+        "--placement",
+        pipeline["placement"],
+        "--max-devices-per-token",
+        2,
+        "--criterion",
+        "similarity",
+        "--profile",
+        prof,
+        "--out",
+        tmp_path / "o",
+    )
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "profile was made for 16 experts, the model has 8" in err and len(err.splitlines()) == 1
+    assert (
+        code == 2 and "profile was made for 16 experts, the model has 8" in err and len(err.splitlines()) == 1
+    )
 
 
 def test_routing_commands_read_instruction_data_whatever_the_prompt_length(pipeline, tmp_path, capsys):
-    rows = [{"instruction": "Describe the quick brown fox and the lazy dog in detail " * 3, "input": "", "output": "ok"}
-            for _ in range(20)]
+    rows = [
+        {
+            "instruction": "Describe the quick brown fox and the lazy dog in detail " * 3,
+            "input": "",
+            "output": "ok",
+        }
+        for _ in range(20)
+    ]
     data = tmp_path / "alpaca.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
-    assert run_cli("analyze", pipeline["model"], "--data", data, "--devices", 4, "--json", "--seq-len", 16) == 0
+    assert (
+        run_cli("analyze", pipeline["model"], "--data", data, "--devices", 4, "--json", "--seq-len", 16) == 0
+    )
     assert json.loads(capsys.readouterr().out)["layers"][0]["tokens"] > 0
 
 
@@ -229,8 +417,13 @@ def test_missing_tokenizer_and_unwritable_output_are_named(pipeline, tmp_path, c
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(pipeline["model"]).save_pretrained(tmp_path / "no-tokenizer")
-    assert run_cli("profile", tmp_path / "no-tokenizer", "--data", pipeline["data"], "--out", tmp_path / "p") == 2
+    assert (
+        run_cli("profile", tmp_path / "no-tokenizer", "--data", pipeline["data"], "--out", tmp_path / "p")
+        == 2
+    )
     assert "no tokenizer" in capsys.readouterr().err
-    assert run_cli("place", pipeline["profile"], "--devices", 4, "--out", tmp_path / "nowhere" / "p.json") == 2
+    assert (
+        run_cli("place", pipeline["profile"], "--devices", 4, "--out", tmp_path / "nowhere" / "p.json") == 2
+    )
     err = capsys.readouterr().err
     assert "does not exist; create it first" in err and len(err.strip().splitlines()) == 1

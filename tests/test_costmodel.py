@@ -25,7 +25,9 @@ MB = 1_000_000
 def test_single_node_time_is_the_busiest_link_direction_plus_latency():
     # Device 0 sends 3 MB to device 1 and receives 1 MB from it; at 10 GB/s (= 10 MB/ms) that is
     # max(0.3, 0.1) = 0.3 ms for device 0, and max(0.1, 0.3) = 0.3 ms for device 1; + 10 us latency.
-    shape = ClusterShape("t", devices_per_node=2, nodes=1, intra_node_GBps=10, inter_node_GBps=1, latency_us=10)
+    shape = ClusterShape(
+        "t", devices_per_node=2, nodes=1, intra_node_GBps=10, inter_node_GBps=1, latency_us=10
+    )
     rows = [[5, 3], [1, 5]]
     assert predict_all_to_all_ms(rows, MB, shape) == pytest.approx(0.31)
 
@@ -40,7 +42,9 @@ def test_two_nodes_add_intra_and_inter_node_time():
     # device 0: send 2 MB intra (0.2) + 1 MB inter (1.0) = 1.2; receive 1 MB intra (0.1) + 2 MB inter (2.0) = 2.1
     # device 1: send 0.1, receive 0.2; device 2: send 0.3, receive 1.0; device 3: send 2.0, receive 0.3
     # -> max 2.1 ms + 5 us latency
-    shape = ClusterShape("t", devices_per_node=2, nodes=2, intra_node_GBps=10, inter_node_GBps=1, latency_us=5)
+    shape = ClusterShape(
+        "t", devices_per_node=2, nodes=2, intra_node_GBps=10, inter_node_GBps=1, latency_us=5
+    )
     rows = torch.tensor([[9, 2, 1, 0], [1, 9, 0, 0], [0, 0, 9, 3], [2, 0, 0, 9]])
     assert predict_all_to_all_ms(rows, MB, shape) == pytest.approx(2.105)
     # the combine sends the transpose: sends and receives swap, the maxima stay -> twice the time
@@ -81,17 +85,25 @@ def test_presets_and_custom_specs():
     ib = get_cluster("4x8-ib")
     assert ib.num_devices == 32 and ib.node_of(9) == 1 and ib.inter_node_GBps == 50.0
     custom = get_cluster("lab:devices_per_node=4,nodes=2,intra=100,inter=12.5,latency=8")
-    assert (custom.name, custom.num_devices, custom.inter_node_GBps, custom.latency_us) == ("lab", 8, 12.5, 8.0)
+    assert (custom.name, custom.num_devices, custom.inter_node_GBps, custom.latency_us) == (
+        "lab",
+        8,
+        12.5,
+        8.0,
+    )
     assert all(shape.source for shape in CLUSTER_PRESETS.values())
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("dgx-h900", "unknown cluster 'dgx-h900'; choose one of 8xH100-nvlink"),
-    ("lab:dpn=4,speed=3", "cannot read 'speed=3'"),
-    ("lab:dpn=four,intra=3", "dpn='four' is not a number"),
-    ("lab:nodes=2", "lacks devices_per_node, intra_node_GBps"),
-    ("lab:dpn=4,intra=0", "intra_node_GBps=0.0 must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("dgx-h900", "unknown cluster 'dgx-h900'; choose one of 8xH100-nvlink"),
+        ("lab:dpn=4,speed=3", "cannot read 'speed=3'"),
+        ("lab:dpn=four,intra=3", "dpn='four' is not a number"),
+        ("lab:nodes=2", "lacks devices_per_node, intra_node_GBps"),
+        ("lab:dpn=4,intra=0", "intra_node_GBps=0.0 must be a positive number"),
+    ],
+)
 def test_bad_cluster_specs_give_one_line_errors(spec, message):
     with pytest.raises(ValueError, match=message) as err:
         get_cluster(spec)
@@ -111,7 +123,9 @@ def test_pruned_topk_keeps_fitting_tokens_and_limits_the_others():
 def test_predict_speedup_orders_dispatch_kinds():
     gen = torch.Generator().manual_seed(0)
     scores = torch.softmax(torch.randn(512, 16, generator=gen), dim=-1)
-    shape = ClusterShape("t", devices_per_node=4, nodes=1, intra_node_GBps=25, inter_node_GBps=25, latency_us=0)
+    shape = ClusterShape(
+        "t", devices_per_node=4, nodes=1, intra_node_GBps=25, inter_node_GBps=25, latency_us=0
+    )
     pred = predict_speedup(scores, 4, shape, bytes_per_row=4096, budgets=(2, 1))
     assert pred["per_expert"]["rows_per_token"] == 4
     assert pred["dedup_prune1"]["rows_per_token"] == 1
@@ -119,5 +133,7 @@ def test_predict_speedup_orders_dispatch_kinds():
     assert 1 < pred["dedup"]["speedup_vs_per_expert"] < pred["dedup_prune2"]["speedup_vs_per_expert"]
     assert pred["dedup_prune2"]["speedup_vs_per_expert"] < pred["dedup_prune1"]["speedup_vs_per_expert"]
     assert math.isclose(pred["per_expert"]["speedup_vs_per_expert"], 1.0)
-    with pytest.raises(ValueError, match="max_devices_per_token=1 cannot hold top-8 with 4 experts per device"):
+    with pytest.raises(
+        ValueError, match="max_devices_per_token=1 cannot hold top-8 with 4 experts per device"
+    ):
         predict_speedup(scores, 8, shape, 4096, budgets=(1,))

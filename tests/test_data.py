@@ -43,7 +43,9 @@ def _write_jsonl(path, rows):
 # ---- loading -------------------------------------------------------------------------------------
 def test_txt_splits_on_blank_lines_and_keeps_indentation(tmp_path):
     path = tmp_path / "a.txt"
-    path.write_text("First paragraph,\nstill first.\n\n   \n\ndef f():\n    return 1\n\n\nlast  \n", encoding="utf-8")
+    path.write_text(
+        "First paragraph,\nstill first.\n\n   \n\ndef f():\n    return 1\n\n\nlast  \n", encoding="utf-8"
+    )
     ds = load_text_dataset(path)
     # three documents: the whitespace-only line counts as blank, trailing spaces are dropped
     assert ds["text"] == ["First paragraph,\nstill first.", "def f():\n    return 1", "last"]
@@ -85,8 +87,9 @@ def test_json_object_holding_one_list(tmp_path):
 def test_saved_dataset_and_dataset_dict(tmp_path):
     Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(str(tmp_path / "ds"))
     assert load_text_dataset(tmp_path / "ds")["text"] == ["a", "b"]
-    DatasetDict({"train": Dataset.from_list(ALPACA), "test": Dataset.from_dict({"text": ["c"]})}).save_to_disk(
-        str(tmp_path / "dd"))
+    DatasetDict(
+        {"train": Dataset.from_list(ALPACA), "test": Dataset.from_dict({"text": ["c"]})}
+    ).save_to_disk(str(tmp_path / "dd"))
     assert load_text_dataset(tmp_path / "dd").column_names == ["instruction", "input", "output"]
     assert load_text_dataset(tmp_path / "dd", split="test")["text"] == ["c"]
 
@@ -98,7 +101,9 @@ def test_embedded_splits():
     instructions = load_text_dataset("embedded", split="instructions")
     assert len(instructions) >= 300 and set(instructions.column_names) == {"instruction", "input", "output"}
     assert embedded_data_path("eval").endswith("eval.txt")
-    with pytest.raises(ValueError, match="embedded split 'dev' does not exist; use one of train, eval, instructions"):
+    with pytest.raises(
+        ValueError, match="embedded split 'dev' does not exist; use one of train, eval, instructions"
+    ):
         embedded_data_path("dev")
 
 
@@ -113,8 +118,10 @@ def test_embedded_model_files():
 def test_missing_file_message(tmp_path):
     with pytest.raises(DataError) as err:
         load_text_dataset("x.jsonl")
-    assert str(err.value) == ("data file 'x.jsonl' does not exist; pass a .txt/.jsonl/.json file, "
-                              "a saved dataset directory or a Hub dataset id")
+    assert str(err.value) == (
+        "data file 'x.jsonl' does not exist; pass a .txt/.jsonl/.json file, "
+        "a saved dataset directory or a Hub dataset id"
+    )
     with pytest.raises(DataError, match="does not exist"):
         load_text_dataset(str(tmp_path / "nested" / "dir" / "data"))
 
@@ -131,7 +138,9 @@ def test_unknown_field_layout_names_fields(tmp_path):
     with pytest.raises(DataError) as err:
         load_text_dataset(path)
     message = str(err.value)
-    assert "['question', 'answer']" in message and "'text'" in message and "'instruction' + 'output'" in message
+    assert (
+        "['question', 'answer']" in message and "'text'" in message and "'instruction' + 'output'" in message
+    )
     with pytest.raises(DataError, match="text_field 'body' is not a field"):
         load_text_dataset(path, text_field="body")
 
@@ -174,7 +183,9 @@ def test_split_errors(tmp_path):
 def test_offline_hub_id(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(DataError, match="cannot load Hub dataset 'occult-ft-test/no-such-dataset' while offline"):
+    with pytest.raises(
+        DataError, match="cannot load Hub dataset 'occult-ft-test/no-such-dataset' while offline"
+    ):
         load_text_dataset("occult-ft-test/no-such-dataset")
 
 
@@ -183,7 +194,9 @@ def test_response_only_labels_mask_the_prompt_exactly(tokenizer):
     ds = tokenize_dataset(Dataset.from_list(ALPACA), tokenizer, seq_len=64)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     for row, example in zip(ALPACA, ds):
-        prompt = tokenizer(format_prompt(row["instruction"], row["input"]), add_special_tokens=False)["input_ids"]
+        prompt = tokenizer(format_prompt(row["instruction"], row["input"]), add_special_tokens=False)[
+            "input_ids"
+        ]
         response = tokenizer(row["output"], add_special_tokens=False)["input_ids"] + [eos]
         n, m = len(prompt), len(response)
         assert example["input_ids"][: n + m] == prompt + response
@@ -195,7 +208,9 @@ def test_response_only_labels_mask_the_prompt_exactly(tokenizer):
 
 
 def test_prompt_template():
-    assert format_prompt("Do it.", "data") == "### Instruction:\nDo it.\n\n### Input:\ndata\n\n### Response:\n"
+    assert (
+        format_prompt("Do it.", "data") == "### Instruction:\nDo it.\n\n### Input:\ndata\n\n### Response:\n"
+    )
     assert format_prompt("Do it.") == "### Instruction:\nDo it.\n\n### Response:\n"
 
 
@@ -224,7 +239,11 @@ def test_truncation_and_dropped_rows(tokenizer):
 def test_packing_makes_full_blocks(tokenizer):
     docs = [f"Document number {i} says something about experts." for i in range(40)]
     ds = tokenize_dataset(Dataset.from_dict({"text": docs}), tokenizer, seq_len=32, packing=True)
-    stream = [t for d in docs for t in tokenizer(d, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
+    stream = [
+        t
+        for d in docs
+        for t in tokenizer(d, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ]
     assert len(ds) == len(stream) // 32  # the remainder is dropped
     for i, block in enumerate(ds):
         assert block["input_ids"] == stream[i * 32 : (i + 1) * 32]

@@ -11,16 +11,26 @@ from occult_ft.demo import DemoSettings, run_demo
 
 @pytest.mark.slow
 def test_demo_runs_the_whole_pipeline(tmp_path):
-    s = DemoSettings(output_dir=str(tmp_path / "demo"), steps=6, batch_size=4, seq_len=64, eval_tokens=2048,
-                     profile_tokens=4096)
+    s = DemoSettings(
+        output_dir=str(tmp_path / "demo"),
+        steps=6,
+        batch_size=4,
+        seq_len=64,
+        eval_tokens=2048,
+        profile_tokens=4096,
+    )
     result = run_demo(s, verbose=False)
     rows = {r["setting"]: r for r in result["rows"]}
-    seq, occ, search = (rows[f"placement: {a}"]["comm_complexity"] for a in ("sequential", "occult", "search"))
+    seq, occ, search = (
+        rows[f"placement: {a}"]["comm_complexity"] for a in ("sequential", "occult", "search")
+    )
     assert search <= occ + 1e-9 and search < seq  # the trained model's co-activation has structure
     assert rows["random placement (expected)"]["comm_complexity"] == pytest.approx(2.8176, abs=1e-3)
     assert rows["pruned to 2, fine-tuned"]["comm_complexity"] <= 2.0
     assert rows["pruned to 2, no fine-tuning"]["removed_mass"] > 0
-    assert rows["reloaded checkpoint"]["loss"] == pytest.approx(rows["pruned to 2, fine-tuned"]["loss"], abs=1e-4)
+    assert rows["reloaded checkpoint"]["loss"] == pytest.approx(
+        rows["pruned to 2, fine-tuned"]["loss"], abs=1e-4
+    )
     cfg = json.load(open(os.path.join(result["checkpoint"], "config.json")))
     assert cfg["occult"]["max_devices_per_token"] == 2 and cfg["occult"]["placement"]["algorithm"] == "search"
     assert os.path.isfile(tmp_path / "demo" / "demo_results.json")

@@ -38,12 +38,22 @@ class FakeHubApi:
         self.create_calls.append(dict(repo_id=repo_id, private=private, exist_ok=exist_ok, token=token))
         return SimpleNamespace(url=f"https://huggingface.co/{repo_id}")
 
-    def upload_folder(self, *, repo_id, folder_path, commit_message=None, ignore_patterns=None, token=None, **kwargs):
+    def upload_folder(
+        self, *, repo_id, folder_path, commit_message=None, ignore_patterns=None, token=None, **kwargs
+    ):
         files = hub.upload_file_list(folder_path, ignore_patterns or [])
         with open(os.path.join(folder_path, "README.md")) as f:
             readme = f.read()
-        self.upload_calls.append(dict(repo_id=repo_id, folder_path=folder_path, commit_message=commit_message,
-                                      token=token, files=files, readme=readme))
+        self.upload_calls.append(
+            dict(
+                repo_id=repo_id,
+                folder_path=folder_path,
+                commit_message=commit_message,
+                token=token,
+                files=files,
+                readme=readme,
+            )
+        )
         return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/abc123")
 
 
@@ -52,8 +62,15 @@ def _save_olmoe(out_dir, pruning=None, placement=True, extra=None):
     model = AutoModelForCausalLM.from_config(tiny_config("olmoe"))
     place = None
     if placement:
-        place = Placement(model="allenai/OLMoE-1B-7B-0924", model_type="olmoe", num_experts=8, num_devices=4,
-                          num_nodes=1, algorithm="search", groups={0: GROUPS, 1: GROUPS})
+        place = Placement(
+            model="allenai/OLMoE-1B-7B-0924",
+            model_type="olmoe",
+            num_experts=8,
+            num_devices=4,
+            num_nodes=1,
+            algorithm="search",
+            groups={0: GROUPS, 1: GROUPS},
+        )
     save_pruned(model, str(out_dir), pruning=pruning, placement=place, extra=extra)
     return str(out_dir)
 
@@ -61,7 +78,9 @@ def _save_olmoe(out_dir, pruning=None, placement=True, extra=None):
 @pytest.fixture(scope="module")
 def pruned_dir(tmp_path_factory):
     """OLMoE-shaped (E=8, k=2), placed on D=4, budget M=2, similarity criterion, measured numbers."""
-    pruning = PruningConfig(num_devices=4, max_devices_per_token=2, criterion="similarity", gate_weights="preserve_mass")
+    pruning = PruningConfig(
+        num_devices=4, max_devices_per_token=2, criterion="similarity", gate_weights="preserve_mass"
+    )
     extra = {
         "base_model": "allenai/OLMoE-1B-7B-0924",
         "dataset": "tatsu-lab/alpaca",
@@ -83,13 +102,24 @@ def placed_dir(tmp_path_factory):
 def adapter_dir(tmp_path):
     """A LoRA adapter directory as OccultTrainer writes it (the weights file content is irrelevant)."""
     adapter = {
-        "base_model_name_or_path": "allenai/OLMoE-1B-7B-0924", "peft_type": "LORA", "r": 8, "lora_alpha": 16,
-        "lora_dropout": 0.05, "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        "base_model_name_or_path": "allenai/OLMoE-1B-7B-0924",
+        "peft_type": "LORA",
+        "r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.05,
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
         "modules_to_save": ["mlp.gate"],
     }
-    block = {"version": 1, "placed": False, "num_devices": 4, "num_nodes": 1, "max_devices_per_token": 1,
-             "criterion": "score", "gate_weights": "model",
-             "placement": {"algorithm": "occult", "layers": {"0": GROUPS, "1": GROUPS}}}
+    block = {
+        "version": 1,
+        "placed": False,
+        "num_devices": 4,
+        "num_nodes": 1,
+        "max_devices_per_token": 1,
+        "criterion": "score",
+        "gate_weights": "model",
+        "placement": {"algorithm": "occult", "layers": {"0": GROUPS, "1": GROUPS}},
+    }
     (tmp_path / "adapter_config.json").write_text(json.dumps(adapter))
     (tmp_path / ADAPTER_OCCULT_FILE).write_text(json.dumps(block))
     (tmp_path / "adapter_model.safetensors").write_bytes(b"\0" * 16)
@@ -108,11 +138,18 @@ def test_card_metadata_of_a_pruned_checkpoint(pruned_dir):
 
 def test_card_body_records_placement_budget_and_criterion(pruned_dir):
     text = hub.build_model_card(pruned_dir, repo_id="me/olmoe-occult").text
-    for row in ("| placement algorithm | search |", "| devices (D) | 4 |", "| nodes | 1 |",
-                "| experts per device (E/D) | 2 |", "| max_devices_per_token (M) | 2 |",
-                "| criterion | similarity |", "| gate weights | preserve_mass |",
-                "| routed experts per layer (E) | 8 |", "| experts per token (k) | 2 |",
-                "| train_mode | moe |"):
+    for row in (
+        "| placement algorithm | search |",
+        "| devices (D) | 4 |",
+        "| nodes | 1 |",
+        "| experts per device (E/D) | 2 |",
+        "| max_devices_per_token (M) | 2 |",
+        "| criterion | similarity |",
+        "| gate weights | preserve_mass |",
+        "| routed experts per layer (E) | 8 |",
+        "| experts per token (k) | 2 |",
+        "| train_mode | moe |",
+    ):
         assert row in text, row
     assert "at most 2 of the 4 devices" in text
 
@@ -160,7 +197,11 @@ def test_native_group_routing_card_offers_plain_transformers(tmp_path):
     """DeepSeek-V2 with device_max: the budget is written as n_group / topk_group in config.json."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v2"))
-    save_pruned(model, str(tmp_path), pruning=PruningConfig(num_devices=4, max_devices_per_token=2, criterion="device_max"))
+    save_pruned(
+        model,
+        str(tmp_path),
+        pruning=PruningConfig(num_devices=4, max_devices_per_token=2, criterion="device_max"),
+    )
     summary = hub.describe_checkpoint(tmp_path)
     assert summary.native_routing and summary.pruned and not summary.needs_occult_ft
     text = hub.build_model_card(tmp_path, repo_id="me/dsv2").text
@@ -194,7 +235,9 @@ def test_figure_outside_the_folder_is_referenced_by_name(pruned_dir, tmp_path):
     assert "![occult_ft figure](comm.png)" in hub.build_model_card(pruned_dir, figure=figure).text
 
 
-@pytest.mark.parametrize("name, content, match", [("plot.jpg", PNG_BYTES, "not a .png"), ("missing.png", None, "does not exist")])
+@pytest.mark.parametrize(
+    "name, content, match", [("plot.jpg", PNG_BYTES, "not a .png"), ("missing.png", None, "does not exist")]
+)
 def test_bad_figure_is_a_one_line_error(pruned_dir, tmp_path, name, content, match):
     if content is not None:
         (tmp_path / name).write_bytes(content)
@@ -226,11 +269,17 @@ def test_push_creates_repo_and_uploads_folder_with_card(pruned_dir, tmp_path):
     figure = tmp_path / "fig.png"
     figure.write_bytes(PNG_BYTES)
     api = FakeHubApi()
-    url = hub.push_checkpoint(path, "me/olmoe-occult", private=True, token="hf_x", commit_message="first", figure=figure, api=api)
+    url = hub.push_checkpoint(
+        path, "me/olmoe-occult", private=True, token="hf_x", commit_message="first", figure=figure, api=api
+    )
     assert url == "https://huggingface.co/me/olmoe-occult/commit/abc123"
     assert api.create_calls == [dict(repo_id="me/olmoe-occult", private=True, exist_ok=True, token="hf_x")]
     (upload,) = api.upload_calls
-    assert upload["repo_id"] == "me/olmoe-occult" and upload["commit_message"] == "first" and upload["token"] == "hf_x"
+    assert (
+        upload["repo_id"] == "me/olmoe-occult"
+        and upload["commit_message"] == "first"
+        and upload["token"] == "hf_x"
+    )
     assert {"README.md", "config.json", "model.safetensors", "fig.png"} <= set(upload["files"])
     assert not any(f.startswith("checkpoint-") for f in upload["files"])
     readme = upload["readme"]
@@ -243,7 +292,9 @@ def test_push_adapter_dir(adapter_dir):
     api = FakeHubApi()
     hub.push_checkpoint(adapter_dir, "me/olmoe-lora", api=api)
     (upload,) = api.upload_calls
-    assert {"README.md", "adapter_config.json", ADAPTER_OCCULT_FILE, "adapter_model.safetensors"} <= set(upload["files"])
+    assert {"README.md", "adapter_config.json", ADAPTER_OCCULT_FILE, "adapter_model.safetensors"} <= set(
+        upload["files"]
+    )
     assert "library_name: peft" in upload["readme"]
     assert api.create_calls[0]["private"] is False
 
@@ -292,7 +343,9 @@ def test_push_after_training_reads_trainer_args_and_last_eval(placed_dir, tmp_pa
 
 
 def test_push_after_training_only_on_the_main_process(placed_dir):
-    args = SimpleNamespace(output_dir=placed_dir, hub_model_id="me/run", hub_private_repo=None, hub_token=None)
+    args = SimpleNamespace(
+        output_dir=placed_dir, hub_model_id="me/run", hub_private_repo=None, hub_token=None
+    )
     trainer = SimpleNamespace(args=args, state=None, is_world_process_zero=lambda: False)
     api = FakeHubApi()
     assert hub.push_after_training(trainer, api=api) is None
@@ -322,7 +375,9 @@ def test_cli_push_uses_the_hub_api(placed_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: fake.create_repo(repo_id, **kw))
     monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: fake.upload_folder(**kw))
     path = _copy_checkpoint(placed_dir, tmp_path / "ckpt")
-    rc = cli_main(["push", path, "--repo-id", "me/p", "--private", "--token", "hf_c", "--message", "m1", "--no-figure"])
+    rc = cli_main(
+        ["push", path, "--repo-id", "me/p", "--private", "--token", "hf_c", "--message", "m1", "--no-figure"]
+    )
     assert rc == 0 and "commit/abc123" in capsys.readouterr().out
     assert fake.create_calls[0]["private"] is True and fake.create_calls[0]["token"] == "hf_c"
     assert fake.upload_calls[0]["commit_message"] == "m1"
@@ -330,18 +385,36 @@ def test_cli_push_uses_the_hub_api(placed_dir, tmp_path, monkeypatch, capsys):
 
 def test_cli_push_embeds_the_measured_comm_complexity_figure(tiny_olmoe_dir, tmp_path, capsys):
     out = tmp_path / "pruned"
-    assert cli_main(["prune", tiny_olmoe_dir, "--placement", "sequential", "--devices", "4",
-                     "--max-devices-per-token", "1", "--out", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "prune",
+                tiny_olmoe_dir,
+                "--placement",
+                "sequential",
+                "--devices",
+                "4",
+                "--max-devices-per-token",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert cli_main(["push", str(out), "--repo-id", "me/p", "--dry-run"]) == 0
     assert os.path.getsize(out / hub.FIGURE_NAME) > 1000
     assert hub.FIGURE_NAME in (out / "README.md").read_text()
     assert hub.FIGURE_NAME in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv_tail, match", [
-    (["/no/such/dir", "--repo-id", "me/x"], "does not exist"),
-    (["{tmp}", "--repo-id", "a b"], "not a valid Hub repo id"),
-])
+@pytest.mark.parametrize(
+    "argv_tail, match",
+    [
+        (["/no/such/dir", "--repo-id", "me/x"], "does not exist"),
+        (["{tmp}", "--repo-id", "a b"], "not a valid Hub repo id"),
+    ],
+)
 def test_cli_errors_are_one_line(tmp_path, capsys, argv_tail, match):
     argv = ["push"] + [a.replace("{tmp}", str(tmp_path)) for a in argv_tail]
     assert cli_main(argv) == 2

@@ -58,9 +58,14 @@ def test_qwen_mlp_only_layers_are_skipped():
 
 
 def test_unsupported_model_type_says_how_to_add_one():
-    model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=16,
-                                                         num_hidden_layers=1, num_attention_heads=2))
-    with pytest.raises(UnsupportedModelError, match="model_type 'llama' is not supported.*register a MoEArch"):
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
+        )
+    )
+    with pytest.raises(
+        UnsupportedModelError, match="model_type 'llama' is not supported.*register a MoEArch"
+    ):
         find_moe_layers(model)
 
 

@@ -43,8 +43,11 @@ def kernel_name(tmp_path_factory):
     root = tmp_path_factory.mktemp("jupyter")
     spec_dir = root / "kernels" / KERNEL
     spec_dir.mkdir(parents=True)
-    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "Python 3 (occult_ft tests)", "language": "python"}
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (occult_ft tests)",
+        "language": "python",
+    }
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JUPYTER_PATH", os.pathsep.join(filter(None, [str(root), os.environ.get("JUPYTER_PATH")])))
@@ -54,8 +57,12 @@ def kernel_name(tmp_path_factory):
 
 def test_there_are_notebooks():
     names = [p.name for p in NOTEBOOKS]
-    assert names[:4] == ["01_quickstart.ipynb", "02_coactivation_and_placement.ipynb",
-                         "03_pruned_finetuning.ipynb", "04_communication.ipynb"]
+    assert names[:4] == [
+        "01_quickstart.ipynb",
+        "02_coactivation_and_placement.ipynb",
+        "03_pruned_finetuning.ipynb",
+        "04_communication.ipynb",
+    ]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -66,7 +73,9 @@ def test_notebook_is_committed_with_outputs(path):
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(c.get("execution_count") for c in code), f"{path.name}: run every cell before committing"
+    assert code and all(c.get("execution_count") for c in code), (
+        f"{path.name}: run every cell before committing"
+    )
     outputs = [o for c in code for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"], f"{path.name} was saved with an error"
     assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name} holds no figure"
@@ -79,8 +88,12 @@ def test_notebook_runs_top_to_bottom(path, kernel_name):
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name=kernel_name,
-                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    client = NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name=kernel_name,
+        resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
+    )
     client.execute()  # raises CellExecutionError, naming the cell, on the first error
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors

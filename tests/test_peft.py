@@ -22,9 +22,23 @@ pytest.importorskip("peft")
 
 def make_config(out, **overrides) -> OccultConfig:
     base = dict(
-        output_dir=str(out), seq_len=32, devices=4, per_device_train_batch_size=4, max_steps=3, logging_steps=1,
-        learning_rate=1e-2, save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
-        profile_tokens=2000, train_mode="lora", lora_r=4, lora_alpha=8, max_devices_per_token=1,
+        output_dir=str(out),
+        seq_len=32,
+        devices=4,
+        per_device_train_batch_size=4,
+        max_steps=3,
+        logging_steps=1,
+        learning_rate=1e-2,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        profile_tokens=2000,
+        train_mode="lora",
+        lora_r=4,
+        lora_alpha=8,
+        max_devices_per_token=1,
     )
     base.update(overrides)
     return OccultConfig(**base)
@@ -65,7 +79,12 @@ def test_lora_targets_come_from_the_registry(model_type):
     assert targets["modules_to_save"] == [f"mlp.{get_arch(model).router_attr}"]
     assert targets["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     linears = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert targets["target_modules"] and set(targets["target_modules"]) <= linears & {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert targets["target_modules"] and set(targets["target_modules"]) <= linears & {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    }
     if model_type.startswith("deepseek"):  # MLA: no k_proj / v_proj
         assert targets["target_modules"] == ["q_proj", "o_proj"]
     if model_type == "gpt_oss":
@@ -96,7 +115,12 @@ def test_lora_checkpoint_reloads_with_pruned_routing_and_the_same_logits(tiny_ol
     trainer.train()
     out = str(tmp_path / "adapter")
     trainer.save_model(out)
-    for name in ("adapter_config.json", "occult_config.json", "occult_similarity.safetensors", "tokenizer.json"):
+    for name in (
+        "adapter_config.json",
+        "occult_config.json",
+        "occult_similarity.safetensors",
+        "tokenizer.json",
+    ):
         assert os.path.isfile(os.path.join(out, name)), name
     block = json.load(open(os.path.join(out, "occult_config.json")))
     assert block["placed"] is False and block["max_devices_per_token"] == 1 and block["train_mode"] == "lora"
@@ -108,7 +132,9 @@ def test_lora_checkpoint_reloads_with_pruned_routing_and_the_same_logits(tiny_ol
     logits_of(reloaded, ids)
     records = collect_routing(reloaded)
     assert sorted(records) == [0, 1]
-    assert all(devices_per_token(r.topk_ids, contiguous_expert_device(8, 4), 4).max() == 1 for r in records.values())
+    assert all(
+        devices_per_token(r.topk_ids, contiguous_expert_device(8, 4), 4).max() == 1 for r in records.values()
+    )
 
 
 def test_eval_command_loads_a_lora_adapter_with_its_budget(tiny_olmoe_dir, rows, tmp_path, capsys):
@@ -116,7 +142,9 @@ def test_eval_command_loads_a_lora_adapter_with_its_budget(tiny_olmoe_dir, rows,
 
     data = tmp_path / "eval.txt"
     data.write_text(SAMPLE_TEXT * 3)
-    trainer = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "run", max_steps=1), train_dataset=rows)
+    trainer = OccultTrainer(
+        tiny_olmoe_dir, args=make_config(tmp_path / "run", max_steps=1), train_dataset=rows
+    )
     trainer.train()
     trainer.save_model(str(tmp_path / "adapter"))
     capsys.readouterr()
@@ -131,8 +159,11 @@ def test_lora_resume_ends_where_the_uninterrupted_run_ends(tiny_olmoe_dir, rows,
     straight.train()
     checkpoint = str(tmp_path / "a" / "checkpoint-3")
     assert os.path.isfile(os.path.join(checkpoint, "occult_config.json"))
-    resumed = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "b", resume_from_checkpoint=checkpoint, **common),
-                            train_dataset=rows)
+    resumed = OccultTrainer(
+        tiny_olmoe_dir,
+        args=make_config(tmp_path / "b", resume_from_checkpoint=checkpoint, **common),
+        train_dataset=rows,
+    )
     resumed.train(resume_from_checkpoint=checkpoint)
     end_a, end_b = params(straight.model), params(resumed.model)
     for name in end_a:
@@ -154,15 +185,21 @@ def test_an_adapter_directory_continues_training_without_replacing(tiny_olmoe_di
     assert second.occult.placement.groups == first.occult.placement.groups
     second.train()
     with pytest.raises(ValueError, match="set train_mode='lora'"):
-        OccultTrainer(second.model, args=make_config(tmp_path / "three", train_mode="full"), train_dataset=rows)
+        OccultTrainer(
+            second.model, args=make_config(tmp_path / "three", train_mode="full"), train_dataset=rows
+        )
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_lora_on_other_architectures_reloads_exactly(model_type, tiny_tokenizer, rows, tmp_path):
-    overrides = {"num_key_value_heads": 4} if model_type == "deepseek_v3" else {}  # MLA has no grouped KV heads
+    overrides = (
+        {"num_key_value_heads": 4} if model_type == "deepseek_v3" else {}
+    )  # MLA has no grouped KV heads
     base = save_tiny_model(tmp_path / model_type, model_type, tiny_tokenizer, **overrides)
     check = MaxDevices()
-    trainer = OccultTrainer(base, args=make_config(tmp_path / "run", max_steps=2), train_dataset=rows, callbacks=[check])
+    trainer = OccultTrainer(
+        base, args=make_config(tmp_path / "run", max_steps=2), train_dataset=rows, callbacks=[check]
+    )
     trainer.train()
     assert check.worst == 1
     out = str(tmp_path / "adapter")

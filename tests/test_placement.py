@@ -409,7 +409,10 @@ def test_group_limited_models_are_placed_in_whole_routing_groups():
     from occult_ft.profiling import profile_model
 
     model = tiny_model("deepseek_v3", num_experts_per_tok=2, n_group=4, topk_group=2, n_routed_experts=16)
-    batches = [{"input_ids": torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(s))} for s in range(3)]
+    batches = [
+        {"input_ids": torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(s))}
+        for s in range(3)
+    ]
     prof = profile_model(model, batches, progress=False)
     assert prof.group_size == 4
     input_ids = batches[0]["input_ids"]
@@ -420,7 +423,9 @@ def test_group_limited_models_are_placed_in_whole_routing_groups():
         for layer in placement.layers:
             for group in placement.groups[layer]:
                 assert len(group) == 8 and all(sum(e // 4 == q for e in group) in (0, 4) for q in range(4))
-        placed = tiny_model("deepseek_v3", num_experts_per_tok=2, n_group=4, topk_group=2, n_routed_experts=16)
+        placed = tiny_model(
+            "deepseek_v3", num_experts_per_tok=2, n_group=4, topk_group=2, n_routed_experts=16
+        )
         permute_experts(placed, placement)
         with torch.no_grad():
             torch.testing.assert_close(placed(input_ids).logits, before, atol=1e-5, rtol=0)
@@ -429,7 +434,9 @@ def test_group_limited_models_are_placed_in_whole_routing_groups():
         for layer in placement.layers:
             for d, group in enumerate(placement.groups[layer]):
                 assert len(group) == 2 and {e // 4 for e in group} == {d // 2}
-        placed = tiny_model("deepseek_v3", num_experts_per_tok=2, n_group=4, topk_group=2, n_routed_experts=16)
+        placed = tiny_model(
+            "deepseek_v3", num_experts_per_tok=2, n_group=4, topk_group=2, n_routed_experts=16
+        )
         permute_experts(placed, placement)
         with torch.no_grad():
             torch.testing.assert_close(placed(input_ids).logits, before, atol=1e-5, rtol=0)
@@ -446,8 +453,14 @@ def test_search_on_a_token_subset_is_still_never_worse_than_occult_on_all_tokens
 
 def test_devices_that_would_split_routing_groups_unevenly_are_refused():
     ids = random_routing(24, top_k=2, tokens=64)
-    prof = SimpleNamespace(model=None, model_type="deepseek_v3", num_experts=24, top_k=2, group_size=6,
-                           layers={0: SimpleNamespace(topk_ids=ids)})
+    prof = SimpleNamespace(
+        model=None,
+        model_type="deepseek_v3",
+        num_experts=24,
+        top_k=2,
+        group_size=6,
+        layers={0: SimpleNamespace(topk_ids=ids)},
+    )
     with pytest.raises(PlacementError, match="4 groups of 6 experts.*devices dividing or divisible by 4"):
         compute_placement(prof, 6)  # 4 experts per device: neither whole groups nor an even split
     assert compute_placement(prof, 6, algorithm="sequential").num_devices == 6

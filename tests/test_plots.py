@@ -110,9 +110,14 @@ def test_plot_coactivation_rejects_a_mapping_of_the_wrong_size():
 
 def test_plot_placement_comparison_writes_png(tmp_path):
     per_layer = {"sequential": [2.9, 3.0, 2.8], "occult": [2.4, 2.5, 2.3], "search": [2.2, 2.3, 2.1]}
-    plots.plot_placement_comparison(per_layer, random_placement_comm_complexity(16, 4, 4),
-                                    comm_complexity_lower_bound(16, 4, 4), layers=[0, 1, 3], top_k=4,
-                                    path=tmp_path / "cmp.png")
+    plots.plot_placement_comparison(
+        per_layer,
+        random_placement_comm_complexity(16, 4, 4),
+        comm_complexity_lower_bound(16, 4, 4),
+        layers=[0, 1, 3],
+        top_k=4,
+        path=tmp_path / "cmp.png",
+    )
     assert_png(tmp_path / "cmp.png")
 
 
@@ -132,8 +137,16 @@ def test_plot_devices_histogram_writes_png(tmp_path):
 def log_history():
     history = []
     for step in range(1, 6):
-        history.append({"loss": 3.0 - 0.1 * step, "comm_complexity": 2.0 - 0.05 * step,
-                        "removed_mass": 0.2 - 0.01 * step, "learning_rate": 1e-4, "step": step, "epoch": step / 5})
+        history.append(
+            {
+                "loss": 3.0 - 0.1 * step,
+                "comm_complexity": 2.0 - 0.05 * step,
+                "removed_mass": 0.2 - 0.01 * step,
+                "learning_rate": 1e-4,
+                "step": step,
+                "epoch": step / 5,
+            }
+        )
     history.append({"eval_loss": 2.6, "eval_comm_complexity": 1.8, "eval_removed_mass": 0.15, "step": 5})
     history.append({"train_runtime": 1.0, "train_loss": 2.7, "step": 5})  # the summary entry, not a point
     return history
@@ -158,13 +171,20 @@ def test_plot_quality_tradeoff_writes_png(tmp_path):
     rows = [{"criterion": None, "max_devices_per_token": None, "eval_loss": 2.50, "comm_complexity": 2.9}]
     for criterion, shift in (("score", 0.0), ("similarity", -0.02)):
         for m, loss, cc in ((1, 2.9, 1.0), (2, 2.6, 1.9), (3, 2.52, 2.5)):
-            rows.append({"criterion": criterion, "max_devices_per_token": m, "eval_loss": loss + shift,
-                         "comm_complexity": cc})
+            rows.append(
+                {
+                    "criterion": criterion,
+                    "max_devices_per_token": m,
+                    "eval_loss": loss + shift,
+                    "comm_complexity": cc,
+                }
+            )
     fig = plots.plot_quality_tradeoff(rows, tmp_path / "quality.png")
     assert len(fig.axes) == 2
     assert_png(tmp_path / "quality.png")
-    fig = plots.plot_quality_tradeoff([{"criterion": "score", "max_devices_per_token": 1, "eval_loss": 3.0}],
-                                      baseline=2.5)
+    fig = plots.plot_quality_tradeoff(
+        [{"criterion": "score", "max_devices_per_token": 1, "eval_loss": 3.0}], baseline=2.5
+    )
     assert len(fig.axes) == 1
 
 
@@ -176,28 +196,63 @@ def test_plot_quality_tradeoff_rejects_rows_without_the_metric():
 def bench_result():
     backends = [
         {"backend": "per_expert", "peer": True, "rows_per_token": 4.0, "exchange_ms": 2.0, "path_ms": 3.0},
-        {"backend": "hf_native_ep", "peer": True, "rows_per_token": 4.0, "exchange_ms": None, "path_ms": None},
+        {
+            "backend": "hf_native_ep",
+            "peer": True,
+            "rows_per_token": 4.0,
+            "exchange_ms": None,
+            "path_ms": None,
+        },
         {"backend": "occult_dedup", "peer": False, "rows_per_token": 2.9, "exchange_ms": 1.5, "path_ms": 2.4},
-        {"backend": "occult_dedup_prune1", "peer": False, "rows_per_token": 1.0, "exchange_ms": 0.7,
-         "path_ms": 1.1},
+        {
+            "backend": "occult_dedup_prune1",
+            "peer": False,
+            "rows_per_token": 1.0,
+            "exchange_ms": 0.7,
+            "path_ms": 1.1,
+        },
     ]
     clusters = [
-        {"name": "8xH100-nvlink", "nodes": 1, "devices_per_node": 8, "num_devices": 8,
-         "backends": [{"backend": "per_expert", "predicted_ms": 0.4},
-                      {"backend": "occult_dedup", "predicted_ms": 0.3},
-                      {"backend": "occult_dedup_prune1", "predicted_ms": 0.1}]},
-        {"name": "4x8-ib", "nodes": 4, "devices_per_node": 8, "num_devices": 32, "skipped": "too few experts"},
+        {
+            "name": "8xH100-nvlink",
+            "nodes": 1,
+            "devices_per_node": 8,
+            "num_devices": 8,
+            "backends": [
+                {"backend": "per_expert", "predicted_ms": 0.4},
+                {"backend": "occult_dedup", "predicted_ms": 0.3},
+                {"backend": "occult_dedup_prune1", "predicted_ms": 0.1},
+            ],
+        },
+        {
+            "name": "4x8-ib",
+            "nodes": 4,
+            "devices_per_node": 8,
+            "num_devices": 32,
+            "skipped": "too few experts",
+        },
     ]
-    return {"num_experts": 16, "top_k": 4, "devices": 2, "tokens": 64, "transport": "2 gloo processes on CPU",
-            "backends": backends, "cost_model": {"bytes_per_row": 128, "clusters": clusters}}
+    return {
+        "num_experts": 16,
+        "top_k": 4,
+        "devices": 2,
+        "tokens": 64,
+        "transport": "2 gloo processes on CPU",
+        "backends": backends,
+        "cost_model": {"bytes_per_row": 128, "clusters": clusters},
+    }
 
 
 def test_plot_bench_writes_png(tmp_path):
     plots.plot_bench(bench_result(), tmp_path / "bench.png")
     assert_png(tmp_path / "bench.png")
     # the minimal form the issue names: backend, rows_per_token, exchange_ms
-    minimal = {"backends": [{"backend": b["backend"], "rows_per_token": b["rows_per_token"],
-                             "exchange_ms": b["exchange_ms"]} for b in bench_result()["backends"]]}
+    minimal = {
+        "backends": [
+            {"backend": b["backend"], "rows_per_token": b["rows_per_token"], "exchange_ms": b["exchange_ms"]}
+            for b in bench_result()["backends"]
+        ]
+    }
     plots.plot_bench(minimal, tmp_path / "minimal.png")
     assert_png(tmp_path / "minimal.png")
 
@@ -222,16 +277,29 @@ def test_plot_cost_model_from_predict_speedup(tmp_path):
     assert_png(tmp_path / "cost.png")
     # one line per cluster on the time panel, its last point at M = D (de-duplication only)
     lines = [line for line in fig.axes[0].get_lines() if line.get_marker() == "o"]
-    assert sorted(int(line.get_xdata()[-1]) for line in lines) == sorted(s.num_devices for s in CLUSTER_PRESETS.values())
+    assert sorted(int(line.get_xdata()[-1]) for line in lines) == sorted(
+        s.num_devices for s in CLUSTER_PRESETS.values()
+    )
 
 
 def test_plot_cost_model_from_a_bench_report(tmp_path):
     plots.plot_cost_model(bench_result(), tmp_path / "cost_bench.png")  # the skipped cluster is left out
     assert_png(tmp_path / "cost_bench.png")
     with pytest.raises(ValueError, match="de-duplicated"):
-        plots.plot_cost_model({"cost_model": {"clusters": [{"name": "x", "nodes": 1, "devices_per_node": 2,
-                                                            "backends": [{"backend": "per_expert",
-                                                                          "predicted_ms": 1.0}]}]}})
+        plots.plot_cost_model(
+            {
+                "cost_model": {
+                    "clusters": [
+                        {
+                            "name": "x",
+                            "nodes": 1,
+                            "devices_per_node": 2,
+                            "backends": [{"backend": "per_expert", "predicted_ms": 1.0}],
+                        }
+                    ]
+                }
+            }
+        )
 
 
 def test_comm_complexity_figure_from_report(tmp_path):
@@ -249,8 +317,12 @@ def test_comm_complexity_figure_from_checkpoint_feeds_the_model_card(tmp_path, t
     from transformers import AutoTokenizer
 
     out = tmp_path / "ckpt"
-    save_pruned(model, str(out), tokenizer=AutoTokenizer.from_pretrained(tiny_olmoe_dir),
-                pruning=PruningConfig(num_devices=2, max_devices_per_token=1))
+    save_pruned(
+        model,
+        str(out),
+        tokenizer=AutoTokenizer.from_pretrained(tiny_olmoe_dir),
+        pruning=PruningConfig(num_devices=2, max_devices_per_token=1),
+    )
     png = out / "comm_complexity.png"
     fig = plots.comm_complexity_figure(str(out), png, data=text_file, max_tokens=128, seq_len=32)
     assert_png(png)
@@ -266,8 +338,22 @@ def test_analyze_cli_plot_writes_png(tmp_path, tiny_olmoe_dir, text_file, capsys
     from occult_ft.cli import main
 
     png = tmp_path / "analyze.png"
-    rc = main(["analyze", tiny_olmoe_dir, "--data", text_file, "--devices", "2", "--max-tokens", "128",
-               "--seq-len", "32", "--plot", str(png)])
+    rc = main(
+        [
+            "analyze",
+            tiny_olmoe_dir,
+            "--data",
+            text_file,
+            "--devices",
+            "2",
+            "--max-tokens",
+            "128",
+            "--seq-len",
+            "32",
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     assert "comm_cx" in capsys.readouterr().out
     assert_png(png)
@@ -277,9 +363,27 @@ def test_place_cli_plot_draws_heatmaps_and_the_comparison(tmp_path, tiny_olmoe_d
     from occult_ft.cli import main
 
     prof, png = tmp_path / "p.safetensors", tmp_path / "place.png"
-    assert main(["profile", tiny_olmoe_dir, "--data", text_file, "--out", str(prof), "--max-tokens", "256",
-                 "--seq-len", "32"]) == 0
-    assert main(["place", str(prof), "--devices", "4", "--out", str(tmp_path / "pl.json"), "--plot", str(png)]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                tiny_olmoe_dir,
+                "--data",
+                text_file,
+                "--out",
+                str(prof),
+                "--max-tokens",
+                "256",
+                "--seq-len",
+                "32",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(["place", str(prof), "--devices", "4", "--out", str(tmp_path / "pl.json"), "--plot", str(png)])
+        == 0
+    )
     assert png.stat().st_size > 10_000
     assert str(png) in capsys.readouterr().err
 
@@ -295,7 +399,9 @@ def test_plot_placement_has_two_heatmaps_and_bars():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("olmoe"))
     prof = profile_model(model, [{"input_ids": torch.randint(0, 128, (4, 32))}], progress=False)
-    fig = plot_placement(prof, {"sequential": sequential_placement(8, 4, list(prof.layers)),
-                                "search": compute_placement(prof, 4)})
+    fig = plot_placement(
+        prof,
+        {"sequential": sequential_placement(8, 4, list(prof.layers)), "search": compute_placement(prof, 4)},
+    )
     assert len(fig.axes) >= 3
     assert "search placement" in fig.axes[1].get_title()

@@ -24,8 +24,13 @@ RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 MODELS = yaml.safe_load((RECIPES_DIR / "models.yaml").read_text())["models"]
 RECIPES = sorted(p.name for p in RECIPES_DIR.glob("*.yaml") if p.name != "models.yaml")
 EXPECTED = {
-    "tiny.yaml", "mixtral-8x7b.yaml", "deepseek-v2-lite.yaml", "deepseek-moe-16b.yaml", "olmoe-1b-7b.yaml",
-    "qwen1.5-moe-a2.7b.yaml", "qwen3-30b-a3b.yaml",
+    "tiny.yaml",
+    "mixtral-8x7b.yaml",
+    "deepseek-v2-lite.yaml",
+    "deepseek-moe-16b.yaml",
+    "olmoe-1b-7b.yaml",
+    "qwen1.5-moe-a2.7b.yaml",
+    "qwen3-30b-a3b.yaml",
 }
 FIELD_TYPES = typing.get_type_hints(OccultConfig)
 # launch forms checked by hand (see recipes/README.md); `{n}` is the process count
@@ -114,7 +119,9 @@ def test_devices_divide_the_experts_and_the_budget_holds_top_k(name):
         assert 1 <= m <= d
         assert m * (e // d) >= k, f"{name}: {m} devices of {e // d} experts cannot hold top-{k}"
     # the library's own check says the same
-    PruningConfig(num_devices=d, max_devices_per_token=m, criterion=recipe.get("criterion", "similarity")).check(e, k)
+    PruningConfig(
+        num_devices=d, max_devices_per_token=m, criterion=recipe.get("criterion", "similarity")
+    ).check(e, k)
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -134,7 +141,9 @@ def test_header_has_launch_line_hardware_and_model_facts(name):
     for m in launches:
         procs = m["a"] or m["t"] or m["d"]
         if procs is not None:
-            assert int(procs) % ep == 0, f"{name}: {procs} processes is not a multiple of expert_parallel_size={ep}"
+            assert int(procs) % ep == 0, (
+                f"{name}: {procs} processes is not a multiple of expert_parallel_size={ep}"
+            )
     assert "# Hardware:" in text
     facts = model_facts(load(name))
     assert f"{facts['num_experts']} " in text and "experts per layer" in text
@@ -195,7 +204,12 @@ def test_readme_lists_every_recipe():
 def test_module_entry_point_of_the_launch_lines_runs_a_command():
     """`-m occult_ft.cli CMD ...` (what accelerate / torchrun / deepspeed run) reaches the subcommand."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "occult_ft.cli", "push", "--help"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "occult_ft.cli", "push", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "usage: occult-ft push" in done.stdout

@@ -114,7 +114,9 @@ def test_each_token_reaches_at_most_max_devices(model_type, criterion):
     layers = find_moe_layers(model)
     E = layers[0].num_experts
     sim = {layer.index: torch.eye(E) + 0.01 * torch.rand(E, E) for layer in layers}
-    apply_pruning(model, PruningConfig(num_devices=4, max_devices_per_token=1, criterion=criterion), similarity=sim)
+    apply_pruning(
+        model, PruningConfig(num_devices=4, max_devices_per_token=1, criterion=criterion), similarity=sim
+    )
     set_recording(model, True)
     with torch.no_grad():
         model(torch.randint(0, 128, (2, 16)))

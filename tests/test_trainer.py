@@ -17,13 +17,30 @@ from occult_ft.metrics import contiguous_expert_device, devices_per_token
 from occult_ft.routing import RouterRecord, collect_routing, set_recording
 from occult_ft.trainer import OccultConfig, OccultTrainer, balance_loss, balance_loss_factor, train
 
-ROUTING_KEYS = ("comm_complexity", "intra_share", "removed_mass", "load_imbalance", "max_token_devices", "balance_loss")
+ROUTING_KEYS = (
+    "comm_complexity",
+    "intra_share",
+    "removed_mass",
+    "load_imbalance",
+    "max_token_devices",
+    "balance_loss",
+)
 
 
 def make_config(out, **overrides) -> OccultConfig:
     base = dict(
-        output_dir=str(out), seq_len=32, devices=4, per_device_train_batch_size=4, max_steps=4, logging_steps=1,
-        learning_rate=5e-3, save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+        output_dir=str(out),
+        seq_len=32,
+        devices=4,
+        per_device_train_batch_size=4,
+        max_steps=4,
+        logging_steps=1,
+        learning_rate=5e-3,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
         profile_tokens=2000,
     )
     base.update(overrides)
@@ -55,7 +72,9 @@ class BudgetCheck(TrainerCallback):
         records = collect_routing(model)
         assert records, "the routers recorded nothing during training"
         for rec in records.values():
-            self.worst = max(self.worst, int(devices_per_token(rec.topk_ids, self.dev, self.num_devices).max()))
+            self.worst = max(
+                self.worst, int(devices_per_token(rec.topk_ids, self.dev, self.num_devices).max())
+            )
         self.steps += 1
 
 
@@ -81,7 +100,9 @@ def test_balance_loss_is_one_for_uniform_routing_and_e_for_collapse():
     rec = RouterRecord(torch.arange(4).unsqueeze(1), probs, torch.zeros(4))
     assert balance_loss({0: rec}, torch.tensor([True, False, False, False])).item() == pytest.approx(4.0)
     # sigmoid-style scores are normalised per token: 2 * uniform scores behave as uniform
-    assert balance_loss({0: RouterRecord(uniform.topk_ids, uniform.probs * 2, uniform.removed_mass)}).item() == pytest.approx(1.0)
+    assert balance_loss(
+        {0: RouterRecord(uniform.topk_ids, uniform.probs * 2, uniform.removed_mass)}
+    ).item() == pytest.approx(1.0)
 
 
 def test_balance_loss_factor_divides_only_when_trainer_does_not():
@@ -90,8 +111,12 @@ def test_balance_loss_factor_divides_only_when_trainer_does_not():
 
 
 # ---- training ------------------------------------------------------------------------------------------------------
-def test_training_lowers_loss_logs_routing_metrics_and_keeps_every_token_in_budget(tiny_olmoe_dir, tiny_tokenizer, data, tmp_path):
-    cfg = make_config(tmp_path, max_steps=8, max_devices_per_token=1, train_mode="full", criterion="similarity")
+def test_training_lowers_loss_logs_routing_metrics_and_keeps_every_token_in_budget(
+    tiny_olmoe_dir, tiny_tokenizer, data, tmp_path
+):
+    cfg = make_config(
+        tmp_path, max_steps=8, max_devices_per_token=1, train_mode="full", criterion="similarity"
+    )
     check = BudgetCheck(budget=1)
     trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=data[1], callbacks=[check])
     trainer.train()
@@ -100,7 +125,11 @@ def test_training_lowers_loss_logs_routing_metrics_and_keeps_every_token_in_budg
     for entry in logs:
         assert all(key in entry for key in ROUTING_KEYS), entry
         # M=1: every token reaches exactly one device, so every co-selected pair is intra-device
-        assert entry["comm_complexity"] == 1.0 and entry["intra_share"] == 1.0 and entry["max_token_devices"] == 1
+        assert (
+            entry["comm_complexity"] == 1.0
+            and entry["intra_share"] == 1.0
+            and entry["max_token_devices"] == 1
+        )
         assert 0.0 <= entry["removed_mass"] < 1.0 and entry["load_imbalance"] >= 1.0
     assert sum(e["loss"] for e in logs[-2:]) < sum(e["loss"] for e in logs[:2])
     assert check.steps == 8 and check.worst == 1
@@ -164,10 +193,19 @@ def test_gradient_accumulation_gives_the_same_step_as_one_big_batch(tiny_olmoe_d
     rows = Dataset.from_list([row] * 4)
     results = []
     for accumulation, batch in ((1, 4), (2, 2)):
-        cfg = make_config(tmp_path / f"ga{accumulation}", max_steps=1, per_device_train_batch_size=batch,
-                          gradient_accumulation_steps=accumulation, max_devices_per_token=1, criterion="score",
-                          placement="sequential", balance_loss_coef=5.0, optim="sgd", learning_rate=0.5,
-                          lr_scheduler_type="constant")
+        cfg = make_config(
+            tmp_path / f"ga{accumulation}",
+            max_steps=1,
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation,
+            max_devices_per_token=1,
+            criterion="score",
+            placement="sequential",
+            balance_loss_coef=5.0,
+            optim="sgd",
+            learning_rate=0.5,
+            lr_scheduler_type="constant",
+        )
         trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=rows, processing_class=tiny_tokenizer)
         trainer.train()
         results.append((train_logs(trainer)[0], flat_params(trainer.model)))
@@ -180,12 +218,18 @@ def test_gradient_accumulation_gives_the_same_step_as_one_big_batch(tiny_olmoe_d
 
 @pytest.mark.parametrize("resume_in", ["config", "train"])
 def test_resume_ends_where_the_uninterrupted_run_ends(tiny_olmoe_dir, data, tmp_path, resume_in):
-    common = dict(max_steps=6, max_devices_per_token=1, train_mode="full", save_strategy="steps", save_steps=3)
-    straight = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "a", **common), train_dataset=data[1])
+    common = dict(
+        max_steps=6, max_devices_per_token=1, train_mode="full", save_strategy="steps", save_steps=3
+    )
+    straight = OccultTrainer(
+        tiny_olmoe_dir, args=make_config(tmp_path / "a", **common), train_dataset=data[1]
+    )
     straight.train()
     checkpoint = str(tmp_path / "a" / "checkpoint-3")
     extra = {"resume_from_checkpoint": checkpoint} if resume_in == "config" else {}
-    resumed = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "b", **common, **extra), train_dataset=data[1])
+    resumed = OccultTrainer(
+        tiny_olmoe_dir, args=make_config(tmp_path / "b", **common, **extra), train_dataset=data[1]
+    )
     resumed.train(resume_from_checkpoint=checkpoint)
     assert resumed.occult.placement.groups == straight.occult.placement.groups
     end_a, end_b = flat_params(straight.model), flat_params(resumed.model)
@@ -215,8 +259,11 @@ def test_full_checkpoint_reloads_with_pruned_routing_and_the_same_logits(tiny_ol
 
 
 def test_a_pruned_checkpoint_continues_training_without_replacing(tiny_olmoe_dir, data, tmp_path):
-    first = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "one", max_steps=2, max_devices_per_token=2),
-                          train_dataset=data[1])
+    first = OccultTrainer(
+        tiny_olmoe_dir,
+        args=make_config(tmp_path / "one", max_steps=2, max_devices_per_token=2),
+        train_dataset=data[1],
+    )
     first.train()
     first.save_model(str(tmp_path / "one-final"))
     cfg = make_config(tmp_path / "two", max_steps=2, max_devices_per_token=1, placement="auto")
@@ -234,8 +281,14 @@ def test_evaluate_reports_perplexity_and_routing(tiny_olmoe_dir, data, tmp_path)
     cfg = make_config(tmp_path, max_devices_per_token=1, per_device_eval_batch_size=8)
     trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=data[1], eval_dataset=data[1])
     metrics = trainer.evaluate()
-    assert metrics["eval_perplexity"] == pytest.approx(torch.tensor(metrics["eval_loss"]).exp().item(), rel=1e-6)
-    assert metrics["eval_comm_complexity"] == 1.0 and "eval_removed_mass" in metrics and "eval_balance_loss" not in metrics
+    assert metrics["eval_perplexity"] == pytest.approx(
+        torch.tensor(metrics["eval_loss"]).exp().item(), rel=1e-6
+    )
+    assert (
+        metrics["eval_comm_complexity"] == 1.0
+        and "eval_removed_mass" in metrics
+        and "eval_balance_loss" not in metrics
+    )
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "gpt_oss"])
@@ -282,17 +335,23 @@ def test_bad_config_fields_raise_one_clear_error(overrides, message, tmp_path):
 
 
 def test_devices_that_do_not_divide_the_experts_fail_at_construction(tiny_olmoe_dir, data, tmp_path):
-    with pytest.raises(ValueError, match=r"devices=3 does not divide the 8 experts; use one of \[1, 2, 4, 8\]"):
+    with pytest.raises(
+        ValueError, match=r"devices=3 does not divide the 8 experts; use one of \[1, 2, 4, 8\]"
+    ):
         OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path, devices=3), train_dataset=data[1])
 
 
 def test_reentrant_checkpointing_is_refused_with_the_balance_loss(tmp_path):
     with pytest.raises(ValueError, match="use_reentrant"):
-        make_config(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+        make_config(
+            tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}
+        )
 
 
 def test_gradient_checkpointing_keeps_the_balance_loss_gradient(tiny_olmoe_dir, data, tmp_path):
-    cfg = make_config(tmp_path, max_steps=2, max_devices_per_token=1, gradient_checkpointing=True, train_mode="full")
+    cfg = make_config(
+        tmp_path, max_steps=2, max_devices_per_token=1, gradient_checkpointing=True, train_mode="full"
+    )
     trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=data[1])
     trainer.train()
     model = trainer.model
@@ -307,30 +366,78 @@ def test_gradient_checkpointing_keeps_the_balance_loss_gradient(tiny_olmoe_dir, 
 def test_cli_train_from_a_yaml_recipe_then_eval(tiny_olmoe_dir, data, tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     out = tmp_path / "out"
-    recipe.write_text(yaml.safe_dump(dict(
-        model_name_or_path=tiny_olmoe_dir, dataset=data[0], eval_dataset=data[0], output_dir=str(out), seq_len=32,
-        devices=4, max_devices_per_token=1, max_steps=5, per_device_train_batch_size=4, use_cpu=True,
-        disable_tqdm=True, logging_steps=1, save_strategy="no", train_mode="full",
-    )) + "learning_rate: 1e-3\n")  # YAML reads 1e-3 (no dot) as a string; it must still work
-    assert main(["train", str(recipe), "--max_steps", "2", "--criterion", "score"]) == 0  # flags override the recipe
+    recipe.write_text(
+        yaml.safe_dump(
+            dict(
+                model_name_or_path=tiny_olmoe_dir,
+                dataset=data[0],
+                eval_dataset=data[0],
+                output_dir=str(out),
+                seq_len=32,
+                devices=4,
+                max_devices_per_token=1,
+                max_steps=5,
+                per_device_train_batch_size=4,
+                use_cpu=True,
+                disable_tqdm=True,
+                logging_steps=1,
+                save_strategy="no",
+                train_mode="full",
+            )
+        )
+        + "learning_rate: 1e-3\n"
+    )  # YAML reads 1e-3 (no dot) as a string; it must still work
+    assert (
+        main(["train", str(recipe), "--max_steps", "2", "--criterion", "score"]) == 0
+    )  # flags override the recipe
     state = json.load(open(out / "trainer_state.json"))
     assert state["global_step"] == 2
     block = json.load(open(out / "config.json"))["occult"]
     assert block["criterion"] == "score" and block["max_devices_per_token"] == 1
     assert "eval_comm_complexity" in json.load(open(out / "all_results.json"))
     capsys.readouterr()
-    assert main(["eval", str(out), "--data", data[0], "--seq-len", "32", "--max-tokens", "512", "--json"]) == 0
+    assert (
+        main(["eval", str(out), "--data", data[0], "--seq-len", "32", "--max-tokens", "512", "--json"]) == 0
+    )
     report = json.loads(capsys.readouterr().out)
-    assert report["comm_complexity"] == 1.0 and report["max_devices_per_token"] == 1 and report["num_devices"] == 4
+    assert (
+        report["comm_complexity"] == 1.0
+        and report["max_devices_per_token"] == 1
+        and report["num_devices"] == 4
+    )
     assert report["perplexity"] == pytest.approx(torch.tensor(report["loss"]).exp().item(), rel=1e-6)
     assert 0.0 <= report["removed_mass"] < 1.0 and report["intra_share"] == 1.0 and len(report["layers"]) == 2
 
 
 def test_cli_train_without_recipe(tiny_olmoe_dir, data, tmp_path):
     out = tmp_path / "out"
-    assert main(["train", "--model_name_or_path", tiny_olmoe_dir, "--dataset", data[0], "--output_dir", str(out),
-                 "--seq_len", "32", "--max_steps", "1", "--use_cpu", "--placement", "sequential", "--criterion", "score",
-                 "--save_strategy", "no", "--disable_tqdm", "true"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--model_name_or_path",
+                tiny_olmoe_dir,
+                "--dataset",
+                data[0],
+                "--output_dir",
+                str(out),
+                "--seq_len",
+                "32",
+                "--max_steps",
+                "1",
+                "--use_cpu",
+                "--placement",
+                "sequential",
+                "--criterion",
+                "score",
+                "--save_strategy",
+                "no",
+                "--disable_tqdm",
+                "true",
+            ]
+        )
+        == 0
+    )
     assert json.load(open(out / "config.json"))["occult"]["placement"]["algorithm"] == "sequential"
 
 
@@ -338,7 +445,11 @@ def test_cli_train_without_recipe(tiny_olmoe_dir, data, tmp_path):
     "recipe_text, argv, message",
     [
         ("lerning_rate: 0.1\n", [], "unknown field 'lerning_rate' in recipe"),
-        ("", ["--max_device_per_token", "2"], "unknown field 'max_device_per_token' on the command line; did you mean 'max_devices_per_token'?"),
+        (
+            "",
+            ["--max_device_per_token", "2"],
+            "unknown field 'max_device_per_token' on the command line; did you mean 'max_devices_per_token'?",
+        ),
         ("criterion: scor\n", [], "criterion='scor' is unknown (did you mean 'score'?)"),
         ("seq_len: many\n", [], "seq_len='many' is not a valid int"),
         ("- a\n- b\n", [], "expected a mapping of field: value"),
@@ -355,10 +466,30 @@ def test_cli_train_bad_fields_give_one_line_errors(recipe_text, argv, message, t
 
 def test_eval_on_a_plain_model_measures_routing_for_the_given_devices(tiny_olmoe_dir, data, capsys):
     capsys.readouterr()
-    assert main(["eval", tiny_olmoe_dir, "--data", data[0], "--devices", "2", "--seq-len", "32",
-                 "--max-tokens", "256", "--json"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                tiny_olmoe_dir,
+                "--data",
+                data[0],
+                "--devices",
+                "2",
+                "--seq-len",
+                "32",
+                "--max-tokens",
+                "256",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
-    assert report["num_devices"] == 2 and report["max_devices_per_token"] is None and report["removed_mass"] == 0.0
+    assert (
+        report["num_devices"] == 2
+        and report["max_devices_per_token"] is None
+        and report["removed_mass"] == 0.0
+    )
     assert 1.0 <= report["comm_complexity"] <= 2.0 and report["tokens"] >= 256
 
 
@@ -376,7 +507,11 @@ def test_cli_parses_launcher_local_rank_before_the_recipe(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"output_dir: {tmp_path / 'o'}\nmax_devices_per_token: 2\nuse_cpu: true\n")
     config = parse_config(["--local_rank=0", str(recipe), "--max_steps", "7"])
-    assert config.max_devices_per_token == 2 and config.max_steps == 7 and config.output_dir == str(tmp_path / "o")
+    assert (
+        config.max_devices_per_token == 2
+        and config.max_steps == 7
+        and config.output_dir == str(tmp_path / "o")
+    )
 
 
 @pytest.mark.slow
@@ -386,16 +521,42 @@ def test_cli_train_under_torchrun_with_two_processes(tiny_olmoe_dir, data, tmp_p
 
     recipe = tmp_path / "recipe.yaml"
     out = tmp_path / "out"
-    recipe.write_text(yaml.safe_dump(dict(
-        model_name_or_path=tiny_olmoe_dir, dataset=data[0], output_dir=str(out), seq_len=32, devices=4,
-        max_devices_per_token=1, max_steps=2, per_device_train_batch_size=2, disable_tqdm=True,
-        logging_steps=1, save_strategy="no", profile_tokens=1000,
-    )))  # no use_cpu: CPU processes under a launcher must still train as one data-parallel job
+    recipe.write_text(
+        yaml.safe_dump(
+            dict(
+                model_name_or_path=tiny_olmoe_dir,
+                dataset=data[0],
+                output_dir=str(out),
+                seq_len=32,
+                devices=4,
+                max_devices_per_token=1,
+                max_steps=2,
+                per_device_train_batch_size=2,
+                disable_tqdm=True,
+                logging_steps=1,
+                save_strategy="no",
+                profile_tokens=1000,
+            )
+        )
+    )  # no use_cpu: CPU processes under a launcher must still train as one data-parallel job
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-         "-m", "occult_ft.commands.train", str(recipe)],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29533",
+            "-m",
+            "occult_ft.commands.train",
+            str(recipe),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("saved the pruned model") == 1  # one job (rank 0 reports), not two lone runs
@@ -405,7 +566,8 @@ def test_cli_train_under_torchrun_with_two_processes(tiny_olmoe_dir, data, tmp_p
 
 
 def test_push_to_hub_from_training_uploads_the_pruned_checkpoint_with_the_occult_card(
-        tiny_olmoe_dir, data, tmp_path, monkeypatch):
+    tiny_olmoe_dir, data, tmp_path, monkeypatch
+):
     """`push_to_hub=True`: the final pruned checkpoint, its Occult card and comm_complexity figure go up."""
     from types import SimpleNamespace
 
@@ -424,8 +586,16 @@ def test_push_to_hub_from_training_uploads_the_pruned_checkpoint_with_the_occult
             return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
 
     monkeypatch.setattr(hf_hub, "_hf_api", FakeApi())
-    cfg = make_config(tmp_path / "run", model_name_or_path=tiny_olmoe_dir, dataset=data[0], max_steps=2,
-                      max_devices_per_token=1, criterion="score", push_to_hub=True, hub_model_id="me/tiny-occult")
+    cfg = make_config(
+        tmp_path / "run",
+        model_name_or_path=tiny_olmoe_dir,
+        dataset=data[0],
+        max_steps=2,
+        max_devices_per_token=1,
+        criterion="score",
+        push_to_hub=True,
+        hub_model_id="me/tiny-occult",
+    )
     trainer, _ = train(cfg)
     assert calls["create"] == ["me/tiny-occult"]
     repo, files, card = calls["upload"][-1]
@@ -447,7 +617,9 @@ def test_devices_follow_expert_parallel_size_unless_set(tmp_path):
 
 
 def test_training_a_pruned_checkpoint_keeps_its_budget(tiny_olmoe_dir, data, tmp_path):
-    first = make_config(tmp_path / "a", max_steps=1, max_devices_per_token=1, criterion="score", placement="sequential")
+    first = make_config(
+        tmp_path / "a", max_steps=1, max_devices_per_token=1, criterion="score", placement="sequential"
+    )
     trainer = OccultTrainer(tiny_olmoe_dir, args=first, train_dataset=data[1])
     trainer.train()
     trainer.save_model(first.output_dir)

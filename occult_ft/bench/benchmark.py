@@ -55,13 +55,13 @@ TARGETS = {"occult_dedup": 1.5, pruned_name(2): 2.5}
 
 DEFINITIONS = {
     "rows": "rows sent by the dispatch all-to-alls over all processes and measured layers (the combine sends "
-            "as many back); rows a process sends itself are included, as in comm_complexity",
+    "as many back); rows a process sends itself are included, as in comm_complexity",
     "rows_per_token": "rows / (tokens x layers): top_k for per-expert dispatch, comm_complexity for de-duplicated",
     "remote_rows": "rows that cross processes",
     "bytes": "payload of dispatch + combine: 2 x rows x hidden x element size",
     "collective_bytes": "bytes handed to the collectives, measured (payload + split sizes, expert ids, weights)",
     "exchange_ms": "time inside the collectives of one forward dispatch + combine over the measured layers; "
-                   "per iteration the slowest process, median over iterations",
+    "per iteration the slowest process, median over iterations",
     "path_ms": "the same for the whole dispatch + combine path (packing, layouts and unpacking included)",
     "speedup_vs_best_peer": "exchange_ms of the fastest peer / exchange_ms of this backend",
 }
@@ -77,25 +77,33 @@ def check_inputs(num_experts: int, top_k: int, tokens: int, settings: BenchSetti
         raise ValueError(f"{tokens} tokens cannot be shared by {d} processes; use more tokens (at least {d})")
 
 
-def _feasible_budgets(budgets: Sequence[int], num_experts: int, top_k: int, devices: int) -> tuple[list[int], list[str]]:
+def _feasible_budgets(
+    budgets: Sequence[int], num_experts: int, top_k: int, devices: int
+) -> tuple[list[int], list[str]]:
     kept, notes = [], []
     per_device = num_experts // devices
     for m in sorted(set(budgets), reverse=True):
         if m < 1:
             raise ValueError(f"max_devices_per_token={m} must be at least 1")
         if m > devices:
-            notes.append(f"max_devices_per_token={m} exceeds devices={devices}: same as occult_dedup, not measured")
+            notes.append(
+                f"max_devices_per_token={m} exceeds devices={devices}: same as occult_dedup, not measured"
+            )
         elif m * per_device < top_k:
-            notes.append(f"max_devices_per_token={m} holds {m * per_device} experts < top_k={top_k}: not measured")
+            notes.append(
+                f"max_devices_per_token={m} holds {m * per_device} experts < top_k={top_k}: not measured"
+            )
         else:
             kept.append(m)
     return kept, notes
 
 
-def _check_volumes(name: str, li: int, measured: dict, ids_TK: torch.Tensor, num_experts: int,
-                   settings: BenchSettings) -> None:
-    expected_DD, dropped = layer_volumes(ids_TK, name, num_experts, settings.devices, settings.capacity_factor,
-                                         settings.min_capacity)
+def _check_volumes(
+    name: str, li: int, measured: dict, ids_TK: torch.Tensor, num_experts: int, settings: BenchSettings
+) -> None:
+    expected_DD, dropped = layer_volumes(
+        ids_TK, name, num_experts, settings.devices, settings.capacity_factor, settings.min_capacity
+    )
     got_DD = torch.tensor(measured["rows_DD"], dtype=torch.long)
     if not torch.equal(got_DD, expected_DD) or measured["dropped_routes"] != dropped:
         raise RuntimeError(
@@ -104,8 +112,15 @@ def _check_volumes(name: str, li: int, measured: dict, ids_TK: torch.Tensor, num
         )
 
 
-def _cluster_rows(name: str, ids_TK: torch.Tensor, scores_TE: torch.Tensor, num_experts: int, devices: int,
-                  settings: BenchSettings, budget: int | None) -> torch.Tensor:
+def _cluster_rows(
+    name: str,
+    ids_TK: torch.Tensor,
+    scores_TE: torch.Tensor,
+    num_experts: int,
+    devices: int,
+    settings: BenchSettings,
+    budget: int | None,
+) -> torch.Tensor:
     """(D', D') dispatch rows of backend `name` when the same tokens run on D' devices."""
     if name.startswith("deepspeed_classic"):
         factor = settings.capacity_factor if name == "deepspeed_classic" else None
@@ -117,22 +132,37 @@ def _cluster_rows(name: str, ids_TK: torch.Tensor, scores_TE: torch.Tensor, num_
     return rows_matrix(ids_TK, dev_E, devices, dedup=name.startswith("occult_dedup"))
 
 
-def _cost_model(workload: Workload, backends: list[dict], measured_rows: dict, settings: BenchSettings,
-                clusters: Sequence[str] | None) -> dict:
+def _cost_model(
+    workload: Workload,
+    backends: list[dict],
+    measured_rows: dict,
+    settings: BenchSettings,
+    clusters: Sequence[str] | None,
+) -> dict:
     bytes_per_row = workload.hidden * settings.element_size
     shapes = [get_cluster(c) for c in (clusters if clusters else CLUSTER_PRESETS)]
     budget_of = {b["backend"]: b.get("max_devices_per_token") for b in backends}
-    out = {"bytes_per_row": bytes_per_row, "clusters": [], "notes": [
-        "predicted forward exchange (dispatch + combine) of all measured layers; nominal link speeds",
-        "a cluster with as many devices as processes uses the measured volumes; others re-derive the volumes "
-        "from the same routing and tokens spread over their devices (pruning re-applied at that size with the "
-        "score criterion; a placement made for the benchmark's devices is kept as contiguous blocks)",
-    ]}
+    out = {
+        "bytes_per_row": bytes_per_row,
+        "clusters": [],
+        "notes": [
+            "predicted forward exchange (dispatch + combine) of all measured layers; nominal link speeds",
+            "a cluster with as many devices as processes uses the measured volumes; others re-derive the volumes "
+            "from the same routing and tokens spread over their devices (pruning re-applied at that size with the "
+            "score criterion; a placement made for the benchmark's devices is kept as contiguous blocks)",
+        ],
+    }
     for shape in shapes:
         d = shape.num_devices
-        entry = {**shape.to_dict(), "num_devices": d, "volumes": "measured" if d == settings.devices else "derived"}
+        entry = {
+            **shape.to_dict(),
+            "num_devices": d,
+            "volumes": "measured" if d == settings.devices else "derived",
+        }
         if workload.num_experts % d or workload.tokens < d:
-            entry["skipped"] = f"{d} devices do not divide the {workload.num_experts} experts or exceed the tokens"
+            entry["skipped"] = (
+                f"{d} devices do not divide the {workload.num_experts} experts or exceed the tokens"
+            )
             out["clusters"].append(entry)
             continue
         preds, left_out = [], []
@@ -148,25 +178,40 @@ def _cost_model(workload: Workload, backends: list[dict], measured_rows: dict, s
                 if d == settings.devices and (name, li) in measured_rows:
                     rows_DD = measured_rows[(name, li)]
                 else:
-                    rows_DD = _cluster_rows(name, lr.topk_ids_TK, lr.scores_TE, workload.num_experts, d, settings,
-                                            budget)
+                    rows_DD = _cluster_rows(
+                        name, lr.topk_ids_TK, lr.scores_TE, workload.num_experts, d, settings, budget
+                    )
                 total += predict_exchange_ms(rows_DD, bytes_per_row, shape)
                 rows += int(rows_DD.sum())
-            preds.append({"backend": name, "rows_per_token": rows / (workload.tokens * len(workload.layers)),
-                          "predicted_ms": total})
+            preds.append(
+                {
+                    "backend": name,
+                    "rows_per_token": rows / (workload.tokens * len(workload.layers)),
+                    "predicted_ms": total,
+                }
+            )
         best_peer = min((p["predicted_ms"] for p in preds if p["backend"] in PEERS), default=None)
         for p in preds:
-            p["speedup_vs_best_peer"] = best_peer / p["predicted_ms"] if best_peer and p["predicted_ms"] else None
+            p["speedup_vs_best_peer"] = (
+                best_peer / p["predicted_ms"] if best_peer and p["predicted_ms"] else None
+            )
         entry["backends"] = preds
         if left_out:
-            entry["not_predicted"] = (f"{', '.join(left_out)}: {workload.num_experts // d} experts per device x budget "
-                                      f"< top_k={workload.top_k}")
+            entry["not_predicted"] = (
+                f"{', '.join(left_out)}: {workload.num_experts // d} experts per device x budget "
+                f"< top_k={workload.top_k}"
+            )
         out["clusters"].append(entry)
     return out
 
 
-def run_benchmark(workload: Workload, settings: BenchSettings, budgets: Sequence[int] = DEFAULT_BUDGETS,
-                  backends: Sequence[str] | None = None, clusters: Sequence[str] | None = None) -> dict:
+def run_benchmark(
+    workload: Workload,
+    settings: BenchSettings,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    backends: Sequence[str] | None = None,
+    clusters: Sequence[str] | None = None,
+) -> dict:
     """Measure every backend on `workload` with `settings.devices` processes; return the report dict.
 
     Args:
@@ -213,13 +258,24 @@ def run_benchmark(workload: Workload, settings: BenchSettings, budgets: Sequence
                 measured_rows[(name, li)] = rows_DD
                 dropped = got[name]["dropped_routes"]
             else:
-                rows_DD, dropped = layer_volumes(ids_TK, name, e, d, settings.capacity_factor, settings.min_capacity)
-            row = {"backend": name, "rows": int(rows_DD.sum()), "rows_per_token": float(rows_DD.sum()) / tokens,
-                   "remote_rows": int(rows_DD.sum() - rows_DD.diagonal().sum()), "dropped_routes": dropped}
+                rows_DD, dropped = layer_volumes(
+                    ids_TK, name, e, d, settings.capacity_factor, settings.min_capacity
+                )
+            row = {
+                "backend": name,
+                "rows": int(rows_DD.sum()),
+                "rows_per_token": float(rows_DD.sum()) / tokens,
+                "remote_rows": int(rows_DD.sum() - rows_DD.diagonal().sum()),
+                "dropped_routes": dropped,
+            }
             if name in got:
-                row.update(exchange_ms=got[name]["exchange_ms"], path_ms=got[name]["path_ms"],
-                           collective_bytes=got[name]["collective_bytes"],
-                           exchange_ms_runs=got[name]["exchange_ms_runs"], path_ms_runs=got[name]["path_ms_runs"])
+                row.update(
+                    exchange_ms=got[name]["exchange_ms"],
+                    path_ms=got[name]["path_ms"],
+                    collective_bytes=got[name]["collective_bytes"],
+                    exchange_ms_runs=got[name]["exchange_ms_runs"],
+                    path_ms_runs=got[name]["path_ms_runs"],
+                )
             entry["backends"].append(row)
         per_layer.append(entry)
 
@@ -254,22 +310,31 @@ def run_benchmark(workload: Workload, settings: BenchSettings, budgets: Sequence
                 implementation=implementation[name],
             )
         else:
-            row.update(exchange_ms=None, path_ms=None,
-                       reason=raw["unavailable"].get(name, "not measured"))
+            row.update(exchange_ms=None, path_ms=None, reason=raw["unavailable"].get(name, "not measured"))
         summary.append(row)
-    best = {key: min((r[key] for r in summary if r["peer"] and r["measured"]), default=None)
-            for key in ("exchange_ms", "path_ms")}
-    best_peer = min((r for r in summary if r["peer"] and r["measured"]), key=lambda r: r["exchange_ms"], default=None)
+    best = {
+        key: min((r[key] for r in summary if r["peer"] and r["measured"]), default=None)
+        for key in ("exchange_ms", "path_ms")
+    }
+    best_peer = min(
+        (r for r in summary if r["peer"] and r["measured"]), key=lambda r: r["exchange_ms"], default=None
+    )
     for row in summary:
-        for key, out_key in (("exchange_ms", "speedup_vs_best_peer"), ("path_ms", "path_speedup_vs_best_peer")):
+        for key, out_key in (
+            ("exchange_ms", "speedup_vs_best_peer"),
+            ("path_ms", "path_speedup_vs_best_peer"),
+        ):
             row[out_key] = best[key] / row[key] if row["measured"] and best[key] and row[key] else None
 
     targets = {}
     for name, goal in TARGETS.items():
         row = next((r for r in summary if r["backend"] == name and r["measured"]), None)
         if row is not None and row["speedup_vs_best_peer"] is not None:
-            targets[name] = {"target_speedup_vs_best_peer": goal, "measured": row["speedup_vs_best_peer"],
-                             "met": row["speedup_vs_best_peer"] >= goal}
+            targets[name] = {
+                "target_speedup_vs_best_peer": goal,
+                "measured": row["speedup_vs_best_peer"],
+                "met": row["speedup_vs_best_peer"] >= goal,
+            }
     if "occult_dedup" in names:
         # sum over tokens of C_T, in integers: the exact rows a de-duplicated dispatch must send
         dev_E = contiguous_expert_device(e, d)
@@ -284,9 +349,13 @@ def run_benchmark(workload: Workload, settings: BenchSettings, budgets: Sequence
         if how.startswith("occult_ft replica"):
             notes.append(f"{name}: {how}")
     if "hf_native_ep" in raw["unavailable"]:
-        notes.append(f"hf_native_ep not measured: {raw['unavailable']['hf_native_ep']}; it sends what per_expert sends")
-    notes.append("DeepSpeed AutoEP is not run: with transformers >= 5.23 deepspeed.initialize crashes on its "
-                 "HF-model replacement; it sends one row per (token, expert), the per_expert volume")
+        notes.append(
+            f"hf_native_ep not measured: {raw['unavailable']['hf_native_ep']}; it sends what per_expert sends"
+        )
+    notes.append(
+        "DeepSpeed AutoEP is not run: with transformers >= 5.23 deepspeed.initialize crashes on its "
+        "HF-model replacement; it sends one row per (token, expert), the per_expert volume"
+    )
     return {
         "model": workload.name,
         "placement": workload.placement,
@@ -311,4 +380,3 @@ def run_benchmark(workload: Workload, settings: BenchSettings, budgets: Sequence
         "notes": notes,
         "definitions": DEFINITIONS,
     }
-

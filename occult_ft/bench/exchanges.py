@@ -139,7 +139,9 @@ class PerExpertExchange(Exchange):
     """One row per (token, expert): sort routes by expert, exchange counts, rows out, rows back."""
 
     name = "per_expert"
-    implementation = "occult_ft: one row per (token, expert), torch.distributed.all_to_all_single with uneven splits"
+    implementation = (
+        "occult_ft: one row per (token, expert), torch.distributed.all_to_all_single with uneven splits"
+    )
 
     def __init__(self, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, group):
         super().__init__()
@@ -190,8 +192,10 @@ class HFNativeEPExchange(Exchange):
         from transformers.distributed.expert_parallel import AllToAllEP
 
         num_devices = dist.get_world_size(group)
-        self.implementation = (f"transformers {transformers.__version__} "
-                               "transformers.distributed.expert_parallel.AllToAllEP, identity experts")
+        self.implementation = (
+            f"transformers {transformers.__version__} "
+            "transformers.distributed.expert_parallel.AllToAllEP, identity experts"
+        )
         self.impl = AllToAllEP(_IdentityExperts(num_experts // num_devices), mesh["ep"], mesh["tp"])
         self.args = (hidden_TH, topk_ids_TK, weights_TK)
         counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=num_experts)
@@ -204,8 +208,16 @@ class HFNativeEPExchange(Exchange):
 class DeepSpeedClassicExchange(Exchange):
     """DeepSpeed's classic MoE dispatch: dense [E, C, H] buffer, equal-split all-to-all both ways."""
 
-    def __init__(self, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, group,
-                 capacity_factor: float | None, min_capacity: int):
+    def __init__(
+        self,
+        hidden_TH,
+        topk_ids_TK,
+        weights_TK,
+        num_experts: int,
+        group,
+        capacity_factor: float | None,
+        min_capacity: int,
+    ):
         super().__init__()
         import deepspeed
         from deepspeed.moe import sharded_moe as sm
@@ -213,16 +225,26 @@ class DeepSpeedClassicExchange(Exchange):
         self.sm, self.group, self.hidden_TH = sm, group, hidden_TH
         self.name = "deepspeed_classic" if capacity_factor is not None else "deepspeed_classic_nodrop"
         setting = f"capacity_factor={capacity_factor}" if capacity_factor is not None else "drop_tokens=False"
-        self.implementation = (f"deepspeed {deepspeed.__version__} sharded_moe.topkgating({setting}, "
-                               f"min_capacity={min_capacity}) + _sparse_encode/_AllToAll x2/_sparse_decode")
+        self.implementation = (
+            f"deepspeed {deepspeed.__version__} sharded_moe.topkgating({setting}, "
+            f"min_capacity={min_capacity}) + _sparse_encode/_AllToAll x2/_sparse_decode"
+        )
         num_tokens, k = topk_ids_TK.shape
         # Router logits whose softmax top-k is exactly the given experts, with the given weights as
         # relative gate values (DeepSpeed's "probs" drop policy keeps the highest-gate routes).
-        logits_TE = torch.full((num_tokens, num_experts), -1.0e4, dtype=torch.float32, device=hidden_TH.device)
+        logits_TE = torch.full(
+            (num_tokens, num_experts), -1.0e4, dtype=torch.float32, device=hidden_TH.device
+        )
         logits_TE.scatter_(1, topk_ids_TK, weights_TK.float().clamp_min(1e-6).log())
-        gate_out = sm.topkgating(logits_TE, k, capacity_factor if capacity_factor is not None else 0.0,
-                                 min_capacity, drop_tokens=capacity_factor is not None, ep_group=group,
-                                 sparse_routes=True)
+        gate_out = sm.topkgating(
+            logits_TE,
+            k,
+            capacity_factor if capacity_factor is not None else 0.0,
+            min_capacity,
+            drop_tokens=capacity_factor is not None,
+            ep_group=group,
+            sparse_routes=True,
+        )
         _, capacity, _, indices_KT, locations_KT, gates_KT, counts_E = gate_out
         self.capacity, self.num_experts = int(capacity), num_experts
         kept_KT = indices_KT >= 0
@@ -245,16 +267,26 @@ class DeepSpeedClassicExchange(Exchange):
         buf_ECH = sm._sparse_encode(self.hidden_TH, self.slots_KT, self.num_experts, self.capacity)
         recv_ECH = sm._AllToAll.apply(self.group, buf_ECH)
         back_ECH = sm._AllToAll.apply(self.group, recv_ECH)
-        return sm._sparse_decode(back_ECH.reshape(-1, back_ECH.shape[-1]), self.slots_KT, self.gates_KT,
-                                 self.hidden_TH.shape[0])
+        return sm._sparse_decode(
+            back_ECH.reshape(-1, back_ECH.shape[-1]), self.slots_KT, self.gates_KT, self.hidden_TH.shape[0]
+        )
 
 
 class CapacityReplicaExchange(Exchange):
     """DeepSpeed classic's exchange shape when deepspeed is not importable: the same [E, C, H] buffer
     (same capacity formula), built here, moved by two equal-split `all_to_all_single` calls."""
 
-    def __init__(self, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, group,
-                 capacity_factor: float | None, min_capacity: int, reason: str):
+    def __init__(
+        self,
+        hidden_TH,
+        topk_ids_TK,
+        weights_TK,
+        num_experts: int,
+        group,
+        capacity_factor: float | None,
+        min_capacity: int,
+        reason: str,
+    ):
         super().__init__()
         import math
 
@@ -336,17 +368,29 @@ def init_deepspeed_comm(backend: str) -> str | None:
     return None
 
 
-def build_exchange(name: str, hidden_TH: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-                   num_experts: int, group, *, capacity_factor: float = 1.0, min_capacity: int = 4,
-                   deepspeed_error: str | None = None, mesh=None) -> Exchange:
+def build_exchange(
+    name: str,
+    hidden_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    num_experts: int,
+    group,
+    *,
+    capacity_factor: float = 1.0,
+    min_capacity: int = 4,
+    deepspeed_error: str | None = None,
+    mesh=None,
+) -> Exchange:
     """The `Exchange` of backend `name` for this rank's tokens (see the module docstring)."""
     if name in ("deepspeed_classic", "deepspeed_classic_nodrop"):
         factor = capacity_factor if name == "deepspeed_classic" else None
         if deepspeed_error is None:
-            return DeepSpeedClassicExchange(hidden_TH, topk_ids_TK, weights_TK, num_experts, group, factor,
-                                            min_capacity)
-        return CapacityReplicaExchange(hidden_TH, topk_ids_TK, weights_TK, num_experts, group, factor,
-                                       min_capacity, deepspeed_error)
+            return DeepSpeedClassicExchange(
+                hidden_TH, topk_ids_TK, weights_TK, num_experts, group, factor, min_capacity
+            )
+        return CapacityReplicaExchange(
+            hidden_TH, topk_ids_TK, weights_TK, num_experts, group, factor, min_capacity, deepspeed_error
+        )
     if name == "per_expert":
         return PerExpertExchange(hidden_TH, topk_ids_TK, weights_TK, num_experts, group)
     if name == "hf_native_ep":

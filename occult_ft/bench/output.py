@@ -12,13 +12,18 @@ def _num(value, fmt: str, width: int) -> str:
 def format_report(report: dict) -> str:
     """The report of `run_benchmark` as text: header, one line per backend, per-layer C_T, cost model, notes."""
     r = report
-    head = (f"occult-ft bench: {r['model']}" + (f" (placement {r['placement']})" if r.get("placement") else "")
-            + f" | E={r['num_experts']} top-{r['top_k']} | {r['transport']} | {r['tokens']} tokens "
-            f"({r['tokens_per_device']}/process) | hidden {r['hidden']} {r['dtype']} | "
-            f"{len(r['moe_layers'])} MoE layer(s) | median of {r['iters']} after {r['warmup']} warm-up")
+    head = (
+        f"occult-ft bench: {r['model']}"
+        + (f" (placement {r['placement']})" if r.get("placement") else "")
+        + f" | E={r['num_experts']} top-{r['top_k']} | {r['transport']} | {r['tokens']} tokens "
+        f"({r['tokens_per_device']}/process) | hidden {r['hidden']} {r['dtype']} | "
+        f"{len(r['moe_layers'])} MoE layer(s) | median of {r['iters']} after {r['warmup']} warm-up"
+    )
     lines = [head, ""]
-    lines.append(f"{'backend':<26} {'rows/tok':>8} {'rows':>10} {'remote':>10} {'MB':>9} {'exch ms':>9} "
-                 f"{'path ms':>9} {'vs best':>8}  notes")
+    lines.append(
+        f"{'backend':<26} {'rows/tok':>8} {'rows':>10} {'remote':>10} {'MB':>9} {'exch ms':>9} "
+        f"{'path ms':>9} {'vs best':>8}  notes"
+    )
     mb = 1e6
     for b in r["backends"]:
         notes = []
@@ -35,30 +40,44 @@ def format_report(report: dict) -> str:
             f"{_num(speed, '.2f', 7)}{'x' if speed is not None else ' '}  {'; '.join(notes)}"
         )
     lines.append("")
-    lines.append("comm_complexity per layer: " + ", ".join(
-        f"{pl['layer']}: {pl['comm_complexity']:.3f}"
-        + "".join(f" / prune{m} {pl[f'comm_complexity_prune{m}']:.3f}" for m in r["budgets"])
-        for pl in r["layers"]))
+    lines.append(
+        "comm_complexity per layer: "
+        + ", ".join(
+            f"{pl['layer']}: {pl['comm_complexity']:.3f}"
+            + "".join(f" / prune{m} {pl[f'comm_complexity_prune{m}']:.3f}" for m in r["budgets"])
+            for pl in r["layers"]
+        )
+    )
     for name, t in r["targets"].items():
         if isinstance(t, dict):
-            lines.append(f"target {name}: {t['measured']:.2f}x vs best peer (target {t['target_speedup_vs_best_peer']}x)"
-                         f" -> {'met' if t['met'] else 'NOT met'}")
+            lines.append(
+                f"target {name}: {t['measured']:.2f}x vs best peer (target {t['target_speedup_vs_best_peer']}x)"
+                f" -> {'met' if t['met'] else 'NOT met'}"
+            )
         else:
             lines.append(f"target {name}: {'yes' if t else 'NO'}")
     cm = r["cost_model"]
     lines.append("")
-    lines.append(f"cost model: predicted forward exchange ms (dispatch + combine, {cm['bytes_per_row']} bytes/row)")
+    lines.append(
+        f"cost model: predicted forward exchange ms (dispatch + combine, {cm['bytes_per_row']} bytes/row)"
+    )
     for c in cm["clusters"]:
-        label = (f"  {c['name']:<16} {c['nodes']}x{c['devices_per_node']} intra {c['intra_node_GBps']:g} GB/s "
-                 f"inter {c['inter_node_GBps']:g} GB/s ({c['volumes']} volumes)")
+        label = (
+            f"  {c['name']:<16} {c['nodes']}x{c['devices_per_node']} intra {c['intra_node_GBps']:g} GB/s "
+            f"inter {c['inter_node_GBps']:g} GB/s ({c['volumes']} volumes)"
+        )
         if "skipped" in c:
             lines.append(f"{label}: skipped, {c['skipped']}")
             continue
         lines.append(label)
-        lines.append("    " + "  ".join(
-            f"{p['backend']} {p['predicted_ms']:.3f}"
-            + (f" ({p['speedup_vs_best_peer']:.2f}x)" if p.get("speedup_vs_best_peer") else "")
-            for p in c["backends"]))
+        lines.append(
+            "    "
+            + "  ".join(
+                f"{p['backend']} {p['predicted_ms']:.3f}"
+                + (f" ({p['speedup_vs_best_peer']:.2f}x)" if p.get("speedup_vs_best_peer") else "")
+                for p in c["backends"]
+            )
+        )
         if c.get("not_predicted"):
             lines.append(f"    not predicted: {c['not_predicted']}")
     if r["notes"]:

@@ -69,13 +69,17 @@ class BenchSettings:
 
     def __post_init__(self):
         if not isinstance(self.devices, int) or self.devices < 2:
-            raise ValueError(f"devices={self.devices!r}: the exchange needs at least 2 processes, e.g. --devices 4")
+            raise ValueError(
+                f"devices={self.devices!r}: the exchange needs at least 2 processes, e.g. --devices 4"
+            )
         if self.iters < 1 or self.warmup < 0:
             raise ValueError(f"iters={self.iters} must be >= 1 and warmup={self.warmup} >= 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
         if not self.capacity_factor > 0:
-            raise ValueError(f"capacity_factor={self.capacity_factor} must be positive (DeepSpeed's default is 1.0)")
+            raise ValueError(
+                f"capacity_factor={self.capacity_factor} must be positive (DeepSpeed's default is 1.0)"
+            )
         if self.transport not in ("auto", "cpu"):
             raise ValueError(f"transport={self.transport!r}: use 'auto' or 'cpu'")
 
@@ -149,9 +153,17 @@ def _measure(rank: int, world: int, spec: dict, device: torch.device, backend: s
             try:
                 with torch.no_grad():
                     exchanges[name] = build_exchange(
-                        name, hidden_TH, ids_TK, weights_TK, spec["num_experts"], group,
-                        capacity_factor=settings["capacity_factor"], min_capacity=settings["min_capacity"],
-                        deepspeed_error=ds_error, mesh=mesh)
+                        name,
+                        hidden_TH,
+                        ids_TK,
+                        weights_TK,
+                        spec["num_experts"],
+                        group,
+                        capacity_factor=settings["capacity_factor"],
+                        min_capacity=settings["min_capacity"],
+                        deepspeed_error=ds_error,
+                        mesh=mesh,
+                    )
                     exchanges[name].run()  # a trial run: failures surface here, on every process alike
             except Exception as exc:  # noqa: BLE001 - reported as "not measured, because ..."
                 error = f"{name} could not be set up: {_one_line(exc)}"
@@ -178,7 +190,9 @@ def _measure(rank: int, world: int, spec: dict, device: torch.device, backend: s
                     times[i, it, 0] = time.perf_counter() - start
                     times[i, it, 1] = clock.seconds
                     nbytes[i] = clock.bytes
-        rows = torch.tensor([exchanges[n].send_rows_D for n in active], dtype=torch.float64).reshape(len(active), world)
+        rows = torch.tensor([exchanges[n].send_rows_D for n in active], dtype=torch.float64).reshape(
+            len(active), world
+        )
         dropped = torch.tensor([exchanges[n].dropped_routes for n in active], dtype=torch.float64)
         local = torch.cat([times.flatten(), nbytes, rows.flatten(), dropped]).to(device)
         gathered = [torch.empty_like(local) for _ in range(world)]
@@ -188,14 +202,16 @@ def _measure(rank: int, world: int, spec: dict, device: torch.device, backend: s
     return {"unavailable": unavailable, "layers": layers_out}
 
 
-def _summarise(active: list[str], exchanges: dict, gathered: list[torch.Tensor], iters: int, world: int) -> dict:
+def _summarise(
+    active: list[str], exchanges: dict, gathered: list[torch.Tensor], iters: int, world: int
+) -> dict:
     b = len(active)
     per_rank = torch.stack([g.cpu() for g in gathered])  # (world, n)
     n_times = b * iters * 2
     times_WBI2 = per_rank[:, :n_times].reshape(world, b, iters, 2)
-    bytes_WB = per_rank[:, n_times:n_times + b]
-    rows_WBD = per_rank[:, n_times + b:n_times + b + b * world].reshape(world, b, world)
-    dropped_WB = per_rank[:, n_times + b + b * world:]
+    bytes_WB = per_rank[:, n_times : n_times + b]
+    rows_WBD = per_rank[:, n_times + b : n_times + b + b * world].reshape(world, b, world)
+    dropped_WB = per_rank[:, n_times + b + b * world :]
     worst_BI2 = times_WBI2.max(dim=0).values * 1000.0  # a run ends when its slowest process is done
     out = {}
     for i, name in enumerate(active):
@@ -227,10 +243,21 @@ def _worker(rank: int, world: int, port: int, spec_path: str, out_dir: str) -> N
         device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank if backend == "nccl" else 0), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=spec["settings"]["timeout_s"]))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank if backend == "nccl" else 0),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=spec["settings"]["timeout_s"]),
+    )
     try:
         result = _measure(rank, world, spec, device, backend)
         if rank == 0:
@@ -254,8 +281,9 @@ def _failure(out_dir: str, fallback: str) -> str:
     return fallback
 
 
-def run_exchanges(layers: list[dict], backends: list[str], num_experts: int, hidden: int,
-                  settings: BenchSettings) -> dict:
+def run_exchanges(
+    layers: list[dict], backends: list[str], num_experts: int, hidden: int, settings: BenchSettings
+) -> dict:
     """Measure `backends` on D processes.
 
     Args:
@@ -282,15 +310,22 @@ def run_exchanges(layers: list[dict], backends: list[str], num_experts: int, hid
         "settings": asdict(settings),
         "layers": [{name: tuple(layer[name]) for name in backends} for layer in layers],
     }
-    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+    saved_env = {
+        k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+    }
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     try:
         with tempfile.TemporaryDirectory(prefix="occult-bench-") as tmp:
             spec_path = os.path.join(tmp, "spec.pt")
             torch.save(spec, spec_path)
             try:
-                mp.start_processes(_worker, args=(settings.devices, _free_port(), spec_path, tmp),
-                                   nprocs=settings.devices, join=True, start_method="spawn")
+                mp.start_processes(
+                    _worker,
+                    args=(settings.devices, _free_port(), spec_path, tmp),
+                    nprocs=settings.devices,
+                    join=True,
+                    start_method="spawn",
+                )
             except mp.ProcessRaisedException as exc:
                 lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
                 raise RuntimeError(f"benchmark process failed: {lines[-1] if lines else exc}") from None

@@ -115,8 +115,14 @@ class Workload:
             lr.scores_TE = lr.scores_TE[:num_tokens]
 
 
-def synthetic_workload(num_experts: int = 64, top_k: int = 8, tokens: int = 8192, hidden: int = 2048,
-                       num_layers: int = 1, seed: int = 0) -> Workload:
+def synthetic_workload(
+    num_experts: int = 64,
+    top_k: int = 8,
+    tokens: int = 8192,
+    hidden: int = 2048,
+    num_layers: int = 1,
+    seed: int = 0,
+) -> Workload:
     """An OLMoE-shaped layer without a model: N(0, 1) router logits, softmax scores, top-k.
 
     Every token's k experts are then a uniformly random k-subset of the E experts, the setting of the
@@ -163,9 +169,15 @@ class _Capture:
 
 
 @torch.no_grad()
-def model_workload(model: nn.Module, batches: Iterable[dict], name: str = "model", max_tokens: int | None = None,
-                   hidden: int | None = None, layer_indices: Sequence[int] | None = None,
-                   placement: str | None = None) -> Workload:
+def model_workload(
+    model: nn.Module,
+    batches: Iterable[dict],
+    name: str = "model",
+    max_tokens: int | None = None,
+    hidden: int | None = None,
+    layer_indices: Sequence[int] | None = None,
+    placement: str | None = None,
+) -> Workload:
     """Run `model` over `batches` and record every MoE layer's routing of the non-padding tokens.
 
     Args:
@@ -184,7 +196,9 @@ def model_workload(model: nn.Module, batches: Iterable[dict], name: str = "model
     if layer_indices is not None:
         unknown = [i for i in layer_indices if i not in by_index]
         if unknown:
-            raise ValueError(f"--layers {unknown} are not MoE layers of this model; it has MoE layers {sorted(by_index)}")
+            raise ValueError(
+                f"--layers {unknown} are not MoE layers of this model; it has MoE layers {sorted(by_index)}"
+            )
         layers = [by_index[i] for i in layer_indices]
     width = hidden or int(getattr(unwrap_model(model).config, "hidden_size", 0))
     if width < 1:
@@ -211,10 +225,19 @@ def model_workload(model: nn.Module, batches: Iterable[dict], name: str = "model
     for layer in layers:
         i = layer.index
         logits_TE = torch.cat(capture.logits[i])[:max_tokens]
-        scores_TE = layer.arch.selection_scores(layer.router, logits_TE.to(layer.router.weight.device)).float().cpu()
+        scores_TE = (
+            layer.arch.selection_scores(layer.router, logits_TE.to(layer.router.weight.device)).float().cpu()
+        )
         gate = _model_gate(layer, logits_TE)
-        out.append(LayerRouting(i, torch.cat(capture.ids[i])[:max_tokens], torch.cat(capture.weights[i])[:max_tokens],
-                                scores_TE, gate))
+        out.append(
+            LayerRouting(
+                i,
+                torch.cat(capture.ids[i])[:max_tokens],
+                torch.cat(capture.weights[i])[:max_tokens],
+                scores_TE,
+                gate,
+            )
+        )
     first = layers[0]
     note = f"routing recorded from {name} on the data ({seen if max_tokens is None else min(seen, max_tokens)} tokens)"
     return Workload(name, first.num_experts, first.top_k, width, out, placement, [note])
@@ -251,8 +274,13 @@ def routing_variants(workload: Workload, num_devices: int, budgets: Sequence[int
     return out
 
 
-def deepspeed_capacity(topk_ids_TK: torch.Tensor, num_experts: int, num_devices: int,
-                       capacity_factor: float | None, min_capacity: int = DEEPSPEED_MIN_CAPACITY) -> tuple[int, int]:
+def deepspeed_capacity(
+    topk_ids_TK: torch.Tensor,
+    num_experts: int,
+    num_devices: int,
+    capacity_factor: float | None,
+    min_capacity: int = DEEPSPEED_MIN_CAPACITY,
+) -> tuple[int, int]:
     """(capacity C, dropped routes) of DeepSpeed's `topkgating` on D ranks holding T/D tokens each.
 
     With a capacity factor, C = max(ceil(T_r / E * capacity_factor * K), min_capacity) per rank
@@ -263,8 +291,11 @@ def deepspeed_capacity(topk_ids_TK: torch.Tensor, num_experts: int, num_devices:
     k = topk_ids_TK.shape[1]
     ranks_T = token_ranks(topk_ids_TK.shape[0], num_devices)
     counts_RE = torch.zeros(num_devices, num_experts, dtype=torch.long)
-    counts_RE.index_put_((ranks_T[:, None].expand_as(topk_ids_TK), topk_ids_TK.long()),
-                         torch.ones_like(topk_ids_TK, dtype=torch.long), accumulate=True)
+    counts_RE.index_put_(
+        (ranks_T[:, None].expand_as(topk_ids_TK), topk_ids_TK.long()),
+        torch.ones_like(topk_ids_TK, dtype=torch.long),
+        accumulate=True,
+    )
     if capacity_factor is None:
         return int(counts_RE.max()) if counts_RE.numel() else 0, 0
     tokens_per_rank = int(torch.bincount(ranks_T, minlength=num_devices).max()) if ranks_T.numel() else 0
@@ -272,8 +303,14 @@ def deepspeed_capacity(topk_ids_TK: torch.Tensor, num_experts: int, num_devices:
     return capacity, int((counts_RE - capacity).clamp_min(0).sum())
 
 
-def layer_volumes(topk_ids_TK: torch.Tensor, backend: str, num_experts: int, num_devices: int,
-                  capacity_factor: float = 1.0, min_capacity: int = DEEPSPEED_MIN_CAPACITY) -> tuple[torch.Tensor, int]:
+def layer_volumes(
+    topk_ids_TK: torch.Tensor,
+    backend: str,
+    num_experts: int,
+    num_devices: int,
+    capacity_factor: float = 1.0,
+    min_capacity: int = DEEPSPEED_MIN_CAPACITY,
+) -> tuple[torch.Tensor, int]:
     """((D, D) rows the backend's dispatch all-to-all sends, routes it drops) for one layer's routing."""
     expert_device_E = contiguous_expert_device(num_experts, num_devices)
     if backend in ("deepspeed_classic", "deepspeed_classic_nodrop"):
@@ -289,4 +326,6 @@ def mean_comm_complexity(topk_ids_TK: torch.Tensor, num_experts: int, num_device
     dev_E = contiguous_expert_device(num_experts, num_devices)
     if topk_ids_TK.shape[0] == 0:
         return 0.0
-    return int(devices_per_token(topk_ids_TK, dev_E, num_devices).sum()) / topk_ids_TK.shape[0]  # exact, not fp32
+    return (
+        int(devices_per_token(topk_ids_TK, dev_E, num_devices).sum()) / topk_ids_TK.shape[0]
+    )  # exact, not fp32

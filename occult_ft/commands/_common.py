@@ -22,9 +22,12 @@ def positive_int(text: str) -> int:
 
 def add_model_data_args(p: argparse.ArgumentParser, data_required: bool = True) -> None:
     p.add_argument("model", help="local model directory or Hub model id (with its tokenizer)")
-    p.add_argument("--data", required=data_required,
-                   help="a .txt file, a .jsonl/.json file (text field or Alpaca instruction/input/output), "
-                        "a saved dataset directory, or a Hub dataset id; 'embedded' = the shipped eval text")
+    p.add_argument(
+        "--data",
+        required=data_required,
+        help="a .txt file, a .jsonl/.json file (text field or Alpaca instruction/input/output), "
+        "a saved dataset directory, or a Hub dataset id; 'embedded' = the shipped eval text",
+    )
     p.add_argument("--max-tokens", type=positive_int, default=65536, help="stop after this many tokens")
     p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence")
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")

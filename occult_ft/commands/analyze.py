@@ -18,7 +18,9 @@ __all__ = ["add_parser", "run", "format_report"]
 def add_parser(sub):
     from ..routing import CRITERIA
 
-    p = sub.add_parser("analyze", help="communication metrics of a model's routing on data", description=__doc__)
+    p = sub.add_parser(
+        "analyze", help="communication metrics of a model's routing on data", description=__doc__
+    )
     add_model_data_args(p)
     p.add_argument("--devices", type=positive_int, required=True, help="expert-parallel size D")
     p.add_argument("--placement", default=None, help="placement JSON (default: the model's own expert order)")
@@ -32,19 +34,33 @@ def add_parser(sub):
 
 
 def format_report(report) -> str:
-    lines = [f"{'layer':>5} {'tokens':>8} {'comm_cx':>8} {'intra':>7} {'rows k':>7} {'rows dedup':>10} {'imbal':>6}  devices/token histogram"]
+    lines = [
+        f"{'layer':>5} {'tokens':>8} {'comm_cx':>8} {'intra':>7} {'rows k':>7} {'rows dedup':>10} {'imbal':>6}  devices/token histogram"
+    ]
     for m in report.layers:
-        lines.append(f"{m.layer:>5} {m.tokens:>8} {m.comm_complexity:>8.3f} {m.intra_share:>7.3f} {m.naive_rows_per_token:>7}"
-                     f" {m.dedup_rows_per_token:>10.3f} {m.load_imbalance:>6.2f}  {m.devices_histogram}")
-    lines.append(f"{'all':>5} {sum(m.tokens for m in report.layers):>8} {report.comm_complexity:>8.3f} {report.intra_share:>7.3f}"
-                 f" {report.top_k:>7} {report.comm_complexity:>10.3f} {report.load_imbalance:>6.2f}  {report.devices_histogram}")
+        lines.append(
+            f"{m.layer:>5} {m.tokens:>8} {m.comm_complexity:>8.3f} {m.intra_share:>7.3f} {m.naive_rows_per_token:>7}"
+            f" {m.dedup_rows_per_token:>10.3f} {m.load_imbalance:>6.2f}  {m.devices_histogram}"
+        )
+    lines.append(
+        f"{'all':>5} {sum(m.tokens for m in report.layers):>8} {report.comm_complexity:>8.3f} {report.intra_share:>7.3f}"
+        f" {report.top_k:>7} {report.comm_complexity:>10.3f} {report.load_imbalance:>6.2f}  {report.devices_histogram}"
+    )
     for key, value in report.extra.items():
         lines.append(f"{key}: {value}")
     return "\n".join(lines)
 
 
-def analyze_model(model, batches, devices, placement=None, max_devices_per_token=None, criterion="score",
-                  similarity=None, max_tokens=None):
+def analyze_model(
+    model,
+    batches,
+    devices,
+    placement=None,
+    max_devices_per_token=None,
+    criterion="score",
+    similarity=None,
+    max_tokens=None,
+):
     """Routing report of `model` on `batches` (placement applied in memory first). A model whose routers
     already prune (a pruned checkpoint) keeps its budget unless `max_devices_per_token` is given."""
     from ..metrics import contiguous_expert_device, random_placement_comm_complexity, routing_report
@@ -65,7 +81,9 @@ def analyze_model(model, batches, devices, placement=None, max_devices_per_token
     layers = find_moe_layers(model)
     e, k = layers[0].num_experts, layers[0].top_k
     report = routing_report(prof.topk_ids(), contiguous_expert_device(e, devices), devices, e)
-    report.extra["random_placement_comm_complexity"] = round(random_placement_comm_complexity(e, k, devices), 4)
+    report.extra["random_placement_comm_complexity"] = round(
+        random_placement_comm_complexity(e, k, devices), 4
+    )
     report.extra["max_devices_per_token"] = pruning.max_devices_per_token
     report.extra["criterion"] = pruning.criterion if pruning.active else None
     return report
@@ -85,11 +103,15 @@ def run(args) -> int:
         if args.placement:
             raise ValueError(f"{args.model} is already placed (config.json occult block); drop --placement")
         if block.get("num_devices") and int(block["num_devices"]) != args.devices:
-            raise ValueError(f"--devices {args.devices} but {args.model} is placed for {block['num_devices']} devices; "
-                             f"use --devices {block['num_devices']}")
+            raise ValueError(
+                f"--devices {args.devices} but {args.model} is placed for {block['num_devices']} devices; "
+                f"use --devices {block['num_devices']}"
+            )
     placement = load_placement(args.placement, model, args.devices) if args.placement else None
     if placement is not None and placement.num_devices != args.devices:
-        raise ValueError(f"--devices {args.devices} disagrees with the placement's {placement.num_devices} devices")
+        raise ValueError(
+            f"--devices {args.devices} disagrees with the placement's {placement.num_devices} devices"
+        )
     similarity = None
     if args.max_devices_per_token is not None and args.criterion == "similarity":
         if args.profile is None:
@@ -99,10 +121,22 @@ def run(args) -> int:
         prof.check_model(moe[0].num_experts, [layer.index for layer in moe], get_arch(model).model_type)
         similarity = prof.similarity()
         if placement is not None:
-            similarity = {i: s[placement.expert_order(i)][:, placement.expert_order(i)] for i, s in similarity.items()}
-    batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False)
-    report = analyze_model(model, batches, args.devices, placement, args.max_devices_per_token, args.criterion,
-                           similarity, args.max_tokens)
+            similarity = {
+                i: s[placement.expert_order(i)][:, placement.expert_order(i)] for i, s in similarity.items()
+            }
+    batches = data_batches(
+        tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False
+    )
+    report = analyze_model(
+        model,
+        batches,
+        args.devices,
+        placement,
+        args.max_devices_per_token,
+        args.criterion,
+        similarity,
+        args.max_tokens,
+    )
     if args.plot:
         from ..plots import plot_report
 

@@ -44,34 +44,67 @@ def add_parser(sub):
     from ..bench import BACKENDS, DTYPES
     from ..costmodel import CLUSTER_PRESETS
 
-    p = sub.add_parser("bench", help="measure the all-to-all of DeepSpeed, HF native EP and occult_ft side by side",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", default=None, help="local model directory or Hub model id (with its tokenizer)")
-    p.add_argument("--data", default=None, help="data to route (as for occult-ft analyze); 'embedded' = shipped text")
+    p = sub.add_parser(
+        "bench",
+        help="measure the all-to-all of DeepSpeed, HF native EP and occult_ft side by side",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "model", nargs="?", default=None, help="local model directory or Hub model id (with its tokenizer)"
+    )
+    p.add_argument(
+        "--data", default=None, help="data to route (as for occult-ft analyze); 'embedded' = shipped text"
+    )
     p.add_argument("--max-tokens", type=positive_int, default=4096, help="tokens to route and exchange")
     p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence")
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
-    p.add_argument("--layers", type=_int_list, default=None, help="MoE layers to measure, e.g. 0,7 (default: all)")
-    p.add_argument("--synthetic", action="store_true", help="no model: an OLMoE-shaped layer with uniform routing")
+    p.add_argument(
+        "--layers", type=_int_list, default=None, help="MoE layers to measure, e.g. 0,7 (default: all)"
+    )
+    p.add_argument(
+        "--synthetic", action="store_true", help="no model: an OLMoE-shaped layer with uniform routing"
+    )
     p.add_argument("--experts", type=positive_int, default=64, help="--synthetic: experts E")
     p.add_argument("--top-k", type=positive_int, default=8, help="--synthetic: experts per token K")
     p.add_argument("--tokens", type=positive_int, default=8192, help="--synthetic: tokens T (all processes)")
     p.add_argument("--num-layers", type=positive_int, default=1, help="--synthetic: MoE layers")
-    p.add_argument("--devices", type=positive_int, required=True, help="processes = expert-parallel size D (>= 2)")
+    p.add_argument(
+        "--devices", type=positive_int, required=True, help="processes = expert-parallel size D (>= 2)"
+    )
     p.add_argument("--placement", default=None, help="placement JSON applied to the model first")
-    p.add_argument("--max-devices-per-token", type=positive_int, default=None,
-                   help="also measure pruning to N devices (1 and 2 are always measured)")
-    p.add_argument("--hidden", type=positive_int, default=None,
-                   help="width of the exchanged rows (default: the model's hidden_size; 2048 with --synthetic)")
+    p.add_argument(
+        "--max-devices-per-token",
+        type=positive_int,
+        default=None,
+        help="also measure pruning to N devices (1 and 2 are always measured)",
+    )
+    p.add_argument(
+        "--hidden",
+        type=positive_int,
+        default=None,
+        help="width of the exchanged rows (default: the model's hidden_size; 2048 with --synthetic)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="dtype of the exchanged rows")
-    p.add_argument("--iters", type=positive_int, default=5, help="timed iterations per backend and layer (median)")
+    p.add_argument(
+        "--iters", type=positive_int, default=5, help="timed iterations per backend and layer (median)"
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
-    p.add_argument("--capacity-factor", type=_positive_float, default=1.0, help="DeepSpeed classic's capacity factor")
-    p.add_argument("--backends", default=None,
-                   help=f"comma-separated subset to measure: {', '.join(BACKENDS)}, occult_dedup_pruneM")
-    p.add_argument("--cluster", action="append", default=None,
-                   help=f"cost-model cluster (repeatable): {', '.join(CLUSTER_PRESETS)} or NAME:devices_per_node=..,"
-                        "nodes=..,intra=GBps,inter=GBps,latency=us (default: all presets)")
+    p.add_argument(
+        "--capacity-factor", type=_positive_float, default=1.0, help="DeepSpeed classic's capacity factor"
+    )
+    p.add_argument(
+        "--backends",
+        default=None,
+        help=f"comma-separated subset to measure: {', '.join(BACKENDS)}, occult_dedup_pruneM",
+    )
+    p.add_argument(
+        "--cluster",
+        action="append",
+        default=None,
+        help=f"cost-model cluster (repeatable): {', '.join(CLUSTER_PRESETS)} or NAME:devices_per_node=..,"
+        "nodes=..,intra=GBps,inter=GBps,latency=us (default: all presets)",
+    )
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are present")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing and the hidden rows")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -86,10 +119,13 @@ def build_workload(args, settings):
 
     if args.synthetic:
         if args.model is not None or args.data is not None or args.placement is not None:
-            raise ValueError("--synthetic takes no MODEL, --data or --placement; drop them or drop --synthetic")
+            raise ValueError(
+                "--synthetic takes no MODEL, --data or --placement; drop them or drop --synthetic"
+            )
         check_inputs(args.experts, args.top_k, args.tokens, settings)
-        return synthetic_workload(args.experts, args.top_k, args.tokens, args.hidden or 2048, args.num_layers,
-                                  args.seed)
+        return synthetic_workload(
+            args.experts, args.top_k, args.tokens, args.hidden or 2048, args.num_layers, args.seed
+        )
     if args.model is None:
         raise ValueError("give MODEL --data DATA, or --synthetic for a model-free OLMoE-shaped layer")
     if args.data is None:
@@ -106,20 +142,37 @@ def build_workload(args, settings):
     if args.placement is not None:
         placement = load_placement(args.placement, model, args.devices)
         if placement.num_devices != args.devices:
-            raise ValueError(f"--devices {args.devices} disagrees with the placement's {placement.num_devices} devices")
+            raise ValueError(
+                f"--devices {args.devices} disagrees with the placement's {placement.num_devices} devices"
+            )
         permute_experts(model, placement)
-    batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False)
-    return model_workload(model, batches, name=args.model, max_tokens=args.max_tokens, hidden=args.hidden,
-                          layer_indices=args.layers, placement=args.placement)
+    batches = data_batches(
+        tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False
+    )
+    return model_workload(
+        model,
+        batches,
+        name=args.model,
+        max_tokens=args.max_tokens,
+        hidden=args.hidden,
+        layer_indices=args.layers,
+        placement=args.placement,
+    )
 
 
 def run(args) -> int:
     from ..bench import DEFAULT_BUDGETS, BenchSettings, format_report, run_benchmark
     from ..costmodel import get_cluster
 
-    settings = BenchSettings(devices=args.devices, iters=args.iters, warmup=args.warmup, dtype=args.dtype,
-                             capacity_factor=args.capacity_factor, seed=args.seed,
-                             transport="cpu" if args.cpu else "auto")
+    settings = BenchSettings(
+        devices=args.devices,
+        iters=args.iters,
+        warmup=args.warmup,
+        dtype=args.dtype,
+        capacity_factor=args.capacity_factor,
+        seed=args.seed,
+        transport="cpu" if args.cpu else "auto",
+    )
     for cluster in args.cluster or ():
         get_cluster(cluster)
     workload = build_workload(args, settings)

@@ -24,11 +24,18 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub):
-    p = sub.add_parser("eval", help="loss, perplexity and routing metrics of a (pruned) model on held-out data",
-                       description=__doc__)
+    p = sub.add_parser(
+        "eval",
+        help="loss, perplexity and routing metrics of a (pruned) model on held-out data",
+        description=__doc__,
+    )
     add_model_data_args(p)
-    p.add_argument("--devices", type=positive_int, default=None,
-                   help="expert-parallel size D for the routing metrics (default: the model's own, else 4)")
+    p.add_argument(
+        "--devices",
+        type=positive_int,
+        default=None,
+        help="expert-parallel size D for the routing metrics (default: the model's own, else 4)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
     return p

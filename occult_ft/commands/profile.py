@@ -8,12 +8,17 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub):
-    p = sub.add_parser("profile", help="run a model over data and record expert co-selection statistics",
-                       description=__doc__)
+    p = sub.add_parser(
+        "profile", help="run a model over data and record expert co-selection statistics", description=__doc__
+    )
     add_model_data_args(p)
     p.add_argument("--out", required=True, help="where to write the profile (.safetensors)")
-    p.add_argument("--max-routing-tokens", type=int, default=65536,
-                   help="token-level routing rows kept per layer (placements are evaluated on them)")
+    p.add_argument(
+        "--max-routing-tokens",
+        type=int,
+        default=65536,
+        help="token-level routing rows kept per layer (placements are evaluated on them)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -24,12 +29,21 @@ def run(args) -> int:
 
     data = load_data(args.data)
     model, tokenizer = load_model_and_tokenizer(args.model)
-    batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False)
-    prof = profile_model(model, batches, model_name=args.model, max_tokens=args.max_tokens,
-                         max_routing_tokens=args.max_routing_tokens)
+    batches = data_batches(
+        tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False
+    )
+    prof = profile_model(
+        model,
+        batches,
+        model_name=args.model,
+        max_tokens=args.max_tokens,
+        max_routing_tokens=args.max_routing_tokens,
+    )
     prof.save(args.out)
-    print(f"profiled {prof.num_tokens} tokens over {len(prof.layers)} MoE layers "
-          f"({prof.num_experts} experts, top-{prof.top_k}) -> {args.out}")
+    print(
+        f"profiled {prof.num_tokens} tokens over {len(prof.layers)} MoE layers "
+        f"({prof.num_experts} experts, top-{prof.top_k}) -> {args.out}"
+    )
     return 0
 
 

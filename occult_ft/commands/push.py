@@ -30,14 +30,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="create the repo private")
     p.add_argument("--token", default=None, help="Hub token (default: the logged-in token or HF_TOKEN)")
     p.add_argument("--message", default=None, help="commit message (default: 'Upload occult_ft checkpoint')")
-    p.add_argument("--figure", default=None,
-                   help="a PNG to show in the card (copied into DIR); default: measure the checkpoint's "
-                        "comm_complexity on --figure-data and plot it")
-    p.add_argument("--figure-data", default="embedded",
-                   help="text the default figure routes (a --data value; default: the shipped eval text)")
+    p.add_argument(
+        "--figure",
+        default=None,
+        help="a PNG to show in the card (copied into DIR); default: measure the checkpoint's "
+        "comm_complexity on --figure-data and plot it",
+    )
+    p.add_argument(
+        "--figure-data",
+        default="embedded",
+        help="text the default figure routes (a --data value; default: the shipped eval text)",
+    )
     p.add_argument("--no-figure", action="store_true", help="no figure in the card")
-    p.add_argument("--dry-run", action="store_true",
-                   help="write README.md and list the files that would be uploaded; do not contact the Hub")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="write README.md and list the files that would be uploaded; do not contact the Hub",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -63,8 +72,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name}")
         return 0
     url = push_checkpoint(
-        args.checkpoint, args.repo_id, private=args.private, token=args.token,
-        commit_message=args.message, figure=args.figure,
+        args.checkpoint,
+        args.repo_id,
+        private=args.private,
+        token=args.token,
+        commit_message=args.message,
+        figure=args.figure,
     )
     print(f"pushed {args.checkpoint} to {url}")
     return 0

@@ -10,7 +10,9 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub):
-    p = sub.add_parser("study", help="quality study of pruned fine-tuning on the embedded model", description=__doc__)
+    p = sub.add_parser(
+        "study", help="quality study of pruned fine-tuning on the embedded model", description=__doc__
+    )
     add_settings_args(p, "occult-study", 300)
     p.set_defaults(func=run)
     return p

@@ -31,10 +31,15 @@ _RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 def add_parser(sub):
     # '+' as the option prefix lets every --field reach HfArgumentParser untouched
     p = sub.add_parser(
-        "train", help="fine-tune an MoE under a device budget per token (Occult)", description=__doc__,
-        prefix_chars="+", add_help=False,
+        "train",
+        help="fine-tune an MoE under a device budget per token (Occult)",
+        description=__doc__,
+        prefix_chars="+",
+        add_help=False,
     )
-    p.add_argument("argv", nargs="*", help="RECIPE.yaml and/or --field value overrides (any OccultConfig field)")
+    p.add_argument(
+        "argv", nargs="*", help="RECIPE.yaml and/or --field value overrides (any OccultConfig field)"
+    )
     p.set_defaults(func=run)
     return p
 
@@ -48,8 +53,12 @@ def _parser():
         def error(self, message):  # one line through the CLI's error handling, not a usage dump
             raise ValueError(message)
 
-    return _Parser(OccultConfig, prog="occult-ft train", allow_abbrev=False,
-                   description="Fine-tune an MoE with Occult placement and collaboration pruning.")
+    return _Parser(
+        OccultConfig,
+        prog="occult-ft train",
+        allow_abbrev=False,
+        description="Fine-tune an MoE with Occult placement and collaboration pruning.",
+    )
 
 
 def _field_names(parser) -> list[str]:
@@ -71,7 +80,9 @@ def _split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
         if not token.startswith("-"):
             if token.lower().endswith(_RECIPE_SUFFIXES) or os.path.isfile(token):
                 return token, rest[:i] + rest[i + 1 :]
-            raise ValueError(f"{token!r} is not a recipe (.yaml/.yml/.json file); fields are given as --field value")
+            raise ValueError(
+                f"{token!r} is not a recipe (.yaml/.yml/.json file); fields are given as --field value"
+            )
         break
     return None, rest
 
@@ -102,7 +113,9 @@ def _load_recipe(path: str, parser) -> dict:
             try:
                 value = convert(value)  # YAML reads 1e-4 (no dot) as a string
             except ValueError:
-                raise ValueError(f"recipe {path!r}: {name}={value!r} is not a valid {convert.__name__}") from None
+                raise ValueError(
+                    f"recipe {path!r}: {name}={value!r} is not a valid {convert.__name__}"
+                ) from None
         values[name] = value
     return values
 

@@ -90,11 +90,15 @@ def dispatch(
         # exchange (no gradient, so the backward exchange leaves them out) and save a collective
         recv_x_RH, recv_weights_RK, recv_ids_RK = all_to_all_rows(
             [send_x_SH, layout.send_weights_SK, layout.send_local_ids_SK.to(send_x_SH.dtype)],
-            layout.send_splits, recv_splits, group,
+            layout.send_splits,
+            recv_splits,
+            group,
         )
         recv_local_ids_RK = recv_ids_RK.round().long()
     else:
-        (recv_local_ids_RK,) = exchange_rows([layout.send_local_ids_SK], layout.send_splits, recv_splits, group)
+        (recv_local_ids_RK,) = exchange_rows(
+            [layout.send_local_ids_SK], layout.send_splits, recv_splits, group
+        )
         recv_x_RH, recv_weights_RK = all_to_all_rows(
             [send_x_SH, layout.send_weights_SK], layout.send_splits, recv_splits, group
         )

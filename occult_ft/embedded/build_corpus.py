@@ -64,12 +64,55 @@ __all__ = [
 
 DEBIAN_PACKAGES = ("r-cran-janeaustenr", "dict-devil")
 STDLIB_MODULES = (
-    "textwrap", "string", "fractions", "statistics", "heapq", "bisect", "functools", "shlex", "glob",
-    "fnmatch", "calendar", "colorsys", "json/__init__", "json/encoder", "json/decoder", "csv", "queue",
-    "contextlib", "pprint", "numbers", "random", "copy", "base64", "graphlib", "reprlib", "sched", "abc",
-    "operator", "weakref", "gettext", "tempfile", "posixpath", "genericpath", "html/parser",
-    "urllib/parse", "secrets", "hmac", "uuid", "cmd", "codeop", "timeit", "collections/__init__",
-    "dataclasses", "pathlib", "shutil", "difflib", "argparse", "ipaddress", "enum",
+    "textwrap",
+    "string",
+    "fractions",
+    "statistics",
+    "heapq",
+    "bisect",
+    "functools",
+    "shlex",
+    "glob",
+    "fnmatch",
+    "calendar",
+    "colorsys",
+    "json/__init__",
+    "json/encoder",
+    "json/decoder",
+    "csv",
+    "queue",
+    "contextlib",
+    "pprint",
+    "numbers",
+    "random",
+    "copy",
+    "base64",
+    "graphlib",
+    "reprlib",
+    "sched",
+    "abc",
+    "operator",
+    "weakref",
+    "gettext",
+    "tempfile",
+    "posixpath",
+    "genericpath",
+    "html/parser",
+    "urllib/parse",
+    "secrets",
+    "hmac",
+    "uuid",
+    "cmd",
+    "codeop",
+    "timeit",
+    "collections/__init__",
+    "dataclasses",
+    "pathlib",
+    "shutil",
+    "difflib",
+    "argparse",
+    "ipaddress",
+    "enum",
 )
 CODE_BUDGET_CHARS = 520_000  # whole modules are taken in STDLIB_MODULES order until this is reached
 REFERENCE_BUDGET_CHARS = 200_000  # pydoc topics, in sorted topic order
@@ -219,7 +262,9 @@ def _stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def stdlib_code_documents(modules=STDLIB_MODULES, budget: int = CODE_BUDGET_CHARS) -> list[tuple[str, str, ast.AST]]:
+def stdlib_code_documents(
+    modules=STDLIB_MODULES, budget: int = CODE_BUDGET_CHARS
+) -> list[tuple[str, str, ast.AST]]:
     """(module, source, node): the module docstring and each top-level function/class, blank lines removed."""
     out, total = [], 0
     for module in modules:
@@ -228,8 +273,12 @@ def stdlib_code_documents(modules=STDLIB_MODULES, budget: int = CODE_BUDGET_CHAR
         lines = source.splitlines()
         tree = ast.parse(source)
         for node in tree.body:
-            is_doc = isinstance(node, ast.Expr) and isinstance(getattr(node, "value", None), ast.Constant) \
-                and isinstance(node.value.value, str) and node is tree.body[0]
+            is_doc = (
+                isinstance(node, ast.Expr)
+                and isinstance(getattr(node, "value", None), ast.Constant)
+                and isinstance(node.value.value, str)
+                and node is tree.body[0]
+            )
             if not is_doc and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
             start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
@@ -264,7 +313,7 @@ def split_train_eval(docs: list) -> tuple[list, list]:
 
 
 # ---- instructions ------------------------------------------------------------------------------
-_ABBREVIATIONS = {"Mr.", "Mrs.", "Dr.", "St.", "Col.", "Capt.", "Esq.", "Rev.", "\"Mr.", "\"Mrs."}
+_ABBREVIATIONS = {"Mr.", "Mrs.", "Dr.", "St.", "Col.", "Capt.", "Esq.", "Rev.", '"Mr.', '"Mrs.'}
 _SENTENCE_END = re.compile(r'(?<=[.!?])["\')_]*\s+(?=["\'(_]*[A-Z])')
 
 
@@ -288,11 +337,13 @@ def _explain_examples(code_docs: list[tuple[str, str, ast.AST]]) -> list[dict]:
             kept = source[start - 1 : ds.lineno - 1] + source[ds.end_lineno : func.end_lineno]
             body = _no_blank_lines(_dedent("\n".join(kept)))
             if 40 <= len(summary) <= 400 and 80 <= len(body) <= 700:
-                examples.append({
-                    "instruction": "Explain what this Python function does.",
-                    "input": body,
-                    "output": " ".join(summary.split()),
-                })
+                examples.append(
+                    {
+                        "instruction": "Explain what this Python function does.",
+                        "input": body,
+                        "output": " ".join(summary.split()),
+                    }
+                )
     return examples
 
 
@@ -309,16 +360,21 @@ def _continue_examples(paragraphs: list[str]) -> list[dict]:
         flat = " ".join(paragraph.split())
         if not 250 <= len(flat) <= 900:
             continue
-        cuts = [m.end() for m in _SENTENCE_END.finditer(flat)
-                if flat[: m.start()].rsplit(" ", 1)[-1] not in _ABBREVIATIONS]
+        cuts = [
+            m.end()
+            for m in _SENTENCE_END.finditer(flat)
+            if flat[: m.start()].rsplit(" ", 1)[-1] not in _ABBREVIATIONS
+        ]
         if len(cuts) < 2:
             continue
         cut = min(cuts, key=lambda c: abs(c - len(flat) / 2))
-        examples.append({
-            "instruction": "Continue this passage.",
-            "input": flat[:cut].rstrip(),
-            "output": flat[cut:].strip(),
-        })
+        examples.append(
+            {
+                "instruction": "Continue this passage.",
+                "input": flat[:cut].rstrip(),
+                "output": flat[cut:].strip(),
+            }
+        )
     return examples
 
 
@@ -331,11 +387,13 @@ def _define_examples(entries: list[tuple[str, str]]) -> list[dict]:
         first = body.split("\n    ")[0]  # the prose definition, before any indented verse or quote
         definition = re.sub(rf"^{re.escape(word)}[,.]?\s*", "", " ".join(first.split()))
         if 30 <= len(definition) <= 500:
-            examples.append({
-                "instruction": "Define this word as The Devil's Dictionary does.",
-                "input": word.title(),
-                "output": definition,
-            })
+            examples.append(
+                {
+                    "instruction": "Define this word as The Devil's Dictionary does.",
+                    "input": word.title(),
+                    "output": definition,
+                }
+            )
     return examples
 
 
@@ -382,8 +440,9 @@ def build(out: Path, debs: Path) -> dict:
         devil_root = _extract(packages["dict-devil"], Path(tmp) / "devil")
         data_dir = austen_root / "usr/lib/R/site-library/janeaustenr/data"
         novels = read_r_lazyload(data_dir / "Rdata.rdx", data_dir / "Rdata.rdb")
-        devil = devil_documents(devil_root / "usr/share/dictd/devil.dict.dz",
-                                devil_root / "usr/share/dictd/devil.index")
+        devil = devil_documents(
+            devil_root / "usr/share/dictd/devil.dict.dz", devil_root / "usr/share/dictd/devil.index"
+        )
     austen = austen_documents(novels["prideprejudice"])
     code = stdlib_code_documents()
     reference = reference_documents()
@@ -400,8 +459,11 @@ def build(out: Path, debs: Path) -> dict:
         train_docs += [docs[i] for i in tr_idx]
         eval_docs += [docs[i] for i in ev_idx]
         train_items[name] = [items[i] for i in tr_idx]
-        summary[name] = {"documents": len(docs), "train_chars": sum(len(docs[i]) + 2 for i in tr_idx),
-                         "eval_chars": sum(len(docs[i]) + 2 for i in ev_idx)}
+        summary[name] = {
+            "documents": len(docs),
+            "train_chars": sum(len(docs[i]) + 2 for i in tr_idx),
+            "eval_chars": sum(len(docs[i]) + 2 for i in ev_idx),
+        }
     instructions = make_instructions(train_items["code"], train_items["austen"], train_items["devil"])
 
     out.mkdir(parents=True, exist_ok=True)
@@ -410,13 +472,17 @@ def build(out: Path, debs: Path) -> dict:
     with (out / "instructions.jsonl").open("w", encoding="utf-8") as f:
         for row in instructions:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    summary["packages"] = {p: f"{d.name} sha256={hashlib.sha256(d.read_bytes()).hexdigest()}"
-                           for p, d in packages.items()}
+    summary["packages"] = {
+        p: f"{d.name} sha256={hashlib.sha256(d.read_bytes()).hexdigest()}" for p, d in packages.items()
+    }
     summary["python"] = sys.version.split()[0]
-    summary["instructions"] = {kind: sum(r["instruction"].startswith(prefix) for r in instructions)
-                               for kind, prefix in (("explain", "Explain"), ("continue", "Continue"),
-                                                    ("define", "Define"))}
-    summary["files"] = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.suffix in (".txt", ".jsonl")}
+    summary["instructions"] = {
+        kind: sum(r["instruction"].startswith(prefix) for r in instructions)
+        for kind, prefix in (("explain", "Explain"), ("continue", "Continue"), ("define", "Define"))
+    }
+    summary["files"] = {
+        p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.suffix in (".txt", ".jsonl")
+    }
     return summary
 
 
@@ -424,8 +490,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     here = Path(__file__).resolve().parent
     parser.add_argument("--out", type=Path, default=here / "corpus", help="output directory")
-    parser.add_argument("--debs", type=Path, default=Path(tempfile.gettempdir()) / "occult_corpus_debs",
-                        help="where the Debian packages are (downloaded with apt-get if missing)")
+    parser.add_argument(
+        "--debs",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "occult_corpus_debs",
+        help="where the Debian packages are (downloaded with apt-get if missing)",
+    )
     args = parser.parse_args(argv)
     print(json.dumps(build(args.out, args.debs), indent=2))
 

@@ -41,8 +41,16 @@ from occult_ft.metrics import (
 )
 from occult_ft.models import find_moe_layers
 
-__all__ = ["train_tokenizer", "base_config", "evaluate", "unigram_cross_entropy", "router_topk_ids",
-           "train", "build_parser", "main"]
+__all__ = [
+    "train_tokenizer",
+    "base_config",
+    "evaluate",
+    "unigram_cross_entropy",
+    "router_topk_ids",
+    "train",
+    "build_parser",
+    "main",
+]
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -58,13 +66,20 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN, PAD_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-        model_max_length=512, padding_side="right",
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        model_max_length=512,
+        padding_side="right",
     )
 
 
@@ -73,12 +88,22 @@ def base_config(tokenizer, args: argparse.Namespace):
     from transformers import OlmoeConfig
 
     return OlmoeConfig(
-        vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.expert_width,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-        num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=False,
-        max_position_embeddings=512, router_aux_loss_coef=args.aux_coef, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=args.expert_width,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        norm_topk_prob=False,
+        max_position_embeddings=512,
+        router_aux_loss_coef=args.aux_coef,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
 
 
@@ -115,7 +140,9 @@ def router_topk_ids(model, blocks_BS: torch.Tensor, batch_size: int = 32) -> dic
     layers = find_moe_layers(model)
     recorded: dict[int, list[torch.Tensor]] = {layer.index: [] for layer in layers}
     hooks = [
-        layer.router.register_forward_hook(lambda mod, args, out, i=layer.index: recorded[i].append(out[2].detach()))
+        layer.router.register_forward_hook(
+            lambda mod, args, out, i=layer.index: recorded[i].append(out[2].detach())
+        )
         for layer in layers
     ]
     try:
@@ -134,7 +161,9 @@ def _routing_numbers(topk: dict[int, torch.Tensor], num_experts: int, top_k: int
     out = {
         "devices": devices,
         "sequential_per_layer": [round(comm_complexity(ids, seq, devices), 3) for ids in topk.values()],
-        "sequential_intra_share": round(sum(intra_share(ids, seq, devices) for ids in topk.values()) / len(topk), 3),
+        "sequential_intra_share": round(
+            sum(intra_share(ids, seq, devices) for ids in topk.values()) / len(topk), 3
+        ),
         "random_expectation": round(random_placement_comm_complexity(num_experts, top_k, devices), 3),
         "random_intra_share": round((num_experts / devices - 1) / (num_experts - 1), 3),
     }
@@ -171,16 +200,22 @@ def train(args: argparse.Namespace) -> dict:
     train_BS = _blocks(tokenizer, "train", args.seq_len)
     eval_BS = _blocks(tokenizer, "eval", args.seq_len)
     unigram = unigram_cross_entropy(train_BS, eval_BS, len(tokenizer))
-    print(f"tokenizer: {len(tokenizer)} tokens; train {train_BS.numel()} tokens ({len(train_BS)} blocks), "
-          f"eval {eval_BS.numel()}; unigram eval CE {unigram:.3f}", flush=True)
+    print(
+        f"tokenizer: {len(tokenizer)} tokens; train {train_BS.numel()} tokens ({len(train_BS)} blocks), "
+        f"eval {eval_BS.numel()}; unigram eval CE {unigram:.3f}",
+        flush=True,
+    )
 
     model = OlmoeForCausalLM(base_config(tokenizer, args))
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "norm" not in n)]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    optim = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
 
     budget_s = args.max_minutes * 60
 
@@ -217,8 +252,15 @@ def train(args: argparse.Namespace) -> dict:
         step += 1
         if step % args.log_every == 0:
             elapsed = time.time() - train_start
-            history.append({"step": step, "train_ce_ema": round(ema, 4), "aux": round(out.aux_loss.item(), 4),
-                            "lr": lr, "minutes": round(elapsed / 60, 2)})
+            history.append(
+                {
+                    "step": step,
+                    "train_ce_ema": round(ema, 4),
+                    "aux": round(out.aux_loss.item(), 4),
+                    "lr": lr,
+                    "minutes": round(elapsed / 60, 2),
+                }
+            )
             if step % (args.log_every * 10) == 0:
                 history[-1]["eval_ce_probe"] = round(evaluate(model, probe), 4)
             print(json.dumps(history[-1]), flush=True)
@@ -241,11 +283,19 @@ def train(args: argparse.Namespace) -> dict:
     config["dtype"] = "float32"
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     results = {
-        "parameters": params, "steps": step, "tokens_seen": step * args.batch_size * args.seq_len,
-        "train_minutes": round(train_seconds / 60, 2), "total_minutes": round((time.time() - started) / 60, 2),
-        "train_ce": round(train_ce, 4), "eval_ce": round(eval_ce, 4), "unigram_eval_ce": round(unigram, 4),
-        "eval_ppl": round(math.exp(eval_ce), 2), "train_tokens": int(train_BS.numel()),
-        "eval_tokens": int(eval_BS.numel()), "routing": routing, "history": history,
+        "parameters": params,
+        "steps": step,
+        "tokens_seen": step * args.batch_size * args.seq_len,
+        "train_minutes": round(train_seconds / 60, 2),
+        "total_minutes": round((time.time() - started) / 60, 2),
+        "train_ce": round(train_ce, 4),
+        "eval_ce": round(eval_ce, 4),
+        "unigram_eval_ce": round(unigram, 4),
+        "eval_ppl": round(math.exp(eval_ce), 2),
+        "train_tokens": int(train_BS.numel()),
+        "eval_tokens": int(eval_BS.numel()),
+        "routing": routing,
+        "history": history,
     }
     _write_report(out_dir, args, results)
     return results
@@ -255,18 +305,27 @@ def _write_report(out_dir: Path, args: argparse.Namespace, r: dict) -> None:
     size = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file() and p.name != "TRAINING.md")
     routing = r["routing"]
     lines = [
-        "# The embedded base model", "",
-        "An `OlmoeForCausalLM` trained from scratch on `corpus/train.txt` by `occult_ft/embedded/train_base.py`.", "",
-        "## Command", "", "```", f"nice -n 10 python -m occult_ft.embedded.train_base {shlex.join(sys.argv[1:])}".rstrip(),
-        "```", "",
-        "## Shape", "",
+        "# The embedded base model",
+        "",
+        "An `OlmoeForCausalLM` trained from scratch on `corpus/train.txt` by `occult_ft/embedded/train_base.py`.",
+        "",
+        "## Command",
+        "",
+        "```",
+        f"nice -n 10 python -m occult_ft.embedded.train_base {shlex.join(sys.argv[1:])}".rstrip(),
+        "```",
+        "",
+        "## Shape",
+        "",
         f"- hidden {args.hidden}, {args.layers} layers, {args.heads} heads, {args.experts} experts, top-{args.top_k}, "
         f"expert width {args.expert_width}, norm_topk_prob False, router_aux_loss_coef {args.aux_coef}",
         f"- vocabulary: byte-level BPE of {args.vocab_size} tokens (`<|endoftext|>` eos/bos, `<|pad|>` pad), "
         f"tied embeddings, max_position_embeddings 512",
         f"- {r['parameters'] / 1e6:.2f}M parameters, stored as {args.save_dtype} (config dtype float32: "
-        f"`from_pretrained` returns fp32); directory size {size / 1e6:.2f} MB", "",
-        "## Training", "",
+        f"`from_pretrained` returns fp32); directory size {size / 1e6:.2f} MB",
+        "",
+        "## Training",
+        "",
         f"- AdamW (betas 0.9/0.95, weight decay {args.weight_decay} on matrices), lr {args.lr} with {args.warmup} "
         f"warm-up steps, then cosine decay to {args.min_lr} over max(step / {args.max_steps}, "
         f"training minutes / {args.max_minutes:g}) (the schedule ends on whichever budget runs out first), "
@@ -274,34 +333,51 @@ def _write_report(out_dir: Path, args: argparse.Namespace, r: dict) -> None:
         f"torch threads {args.threads} (on the shared 2-core machine 2 threads ran about 8x slower per step)",
         f"- {r['steps']} steps, {r['tokens_seen']:,} tokens seen ({r['tokens_seen'] / r['train_tokens']:.1f} epochs of "
         f"{r['train_tokens']:,} train tokens); wall time {r['train_minutes']} min of training, "
-        f"{r['total_minutes']} min in all (2 shared CPU cores)", "",
-        "## Losses (nats per token, weights as stored)", "",
-        "| | cross-entropy |", "|---|---|",
+        f"{r['total_minutes']} min in all (2 shared CPU cores)",
+        "",
+        "## Losses (nats per token, weights as stored)",
+        "",
+        "| | cross-entropy |",
+        "|---|---|",
         f"| train (a sample of {r['eval_tokens']:,} tokens) | {r['train_ce']} |",
         f"| eval (`corpus/eval.txt`, {r['eval_tokens']:,} tokens) | {r['eval_ce']} (perplexity {r['eval_ppl']}) |",
-        f"| unigram baseline on eval | {r['unigram_eval_ce']} |", "",
-        f"## Routing on eval text ({routing['devices']} devices)", "",
+        f"| unigram baseline on eval | {r['unigram_eval_ce']} |",
+        "",
+        f"## Routing on eval text ({routing['devices']} devices)",
+        "",
         "comm_complexity = mean number of distinct devices hosting a token's top-k experts "
-        "(`occult_ft.metrics.comm_complexity` on the router top-k ids of every layer).", "",
-        "| placement | comm_complexity | per layer |", "|---|---|---|",
+        "(`occult_ft.metrics.comm_complexity` on the router top-k ids of every layer).",
+        "",
+        "| placement | comm_complexity | per layer |",
+        "|---|---|---|",
         f"| sequential (device d holds experts 8d..8d+7) | {routing['sequential']} | {routing['sequential_per_layer']} |",
         f"| random, uniform routing (`random_placement_comm_complexity({args.experts}, {args.top_k}, {routing['devices']})`) "
         f"| {routing['random_expectation']} | |",
     ]
     if "occult_placement" in routing:
-        lines.append(f"| `occult_ft.placement.place_layer(..., algorithm=\"occult\")` on the same tokens "
-                     f"| {routing['occult_placement']} | {routing['occult_placement_per_layer']} |")
+        lines.append(
+            f'| `occult_ft.placement.place_layer(..., algorithm="occult")` on the same tokens '
+            f"| {routing['occult_placement']} | {routing['occult_placement_per_layer']} |"
+        )
     lines += [
-        "", f"intra-device share of co-selected pairs, sequential: {routing['sequential_intra_share']} "
+        "",
+        f"intra-device share of co-selected pairs, sequential: {routing['sequential_intra_share']} "
         f"(random placement: {routing['random_intra_share']}); busiest expert's load / mean load, worst layer: "
-        f"{routing['max_expert_load_over_mean']}.", "",
-        "## Loss curve", "",
+        f"{routing['max_expert_load_over_mean']}.",
+        "",
+        "## Loss curve",
+        "",
         "Train CE is an exponential moving average (0.98) of the batch cross-entropy; the eval probe is the first",
-        "64 eval blocks.", "",
-        "| step | train CE (EMA) | eval CE (probe) | aux loss | lr | minutes |", "|---|---|---|---|---|---|",
+        "64 eval blocks.",
+        "",
+        "| step | train CE (EMA) | eval CE (probe) | aux loss | lr | minutes |",
+        "|---|---|---|---|---|---|",
     ]
-    lines += [f"| {h['step']} | {h['train_ce_ema']} | {h['eval_ce_probe']} | {h['aux']} | {h['lr']:.2e} | {h['minutes']} |"
-              for h in r["history"] if "eval_ce_probe" in h]
+    lines += [
+        f"| {h['step']} | {h['train_ce_ema']} | {h['eval_ce_probe']} | {h['aux']} | {h['lr']:.2e} | {h['minutes']} |"
+        for h in r["history"]
+        if "eval_ce_probe" in h
+    ]
     (out_dir / "TRAINING.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (out_dir / "training_results.json").write_text(json.dumps(r, indent=1) + "\n", encoding="utf-8")
 
@@ -320,17 +396,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aux-coef", type=float, default=0.01, help="router load-balancing loss coefficient")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per training block")
     p.add_argument("--batch-size", type=int, default=16, help="blocks per step")
-    p.add_argument("--max-steps", type=int, default=2500,
-                   help="optimizer steps; the cosine schedule follows the step or the wall-time fraction, whichever is ahead")
-    p.add_argument("--max-minutes", type=float, default=10.0, help="training wall-time budget (see --max-steps)")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=2500,
+        help="optimizer steps; the cosine schedule follows the step or the wall-time fraction, whichever is ahead",
+    )
+    p.add_argument(
+        "--max-minutes", type=float, default=10.0, help="training wall-time budget (see --max-steps)"
+    )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=3e-4, help="final learning rate")
     p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
     p.add_argument("--devices", type=int, default=4, help="expert-parallel devices for the routing report")
-    p.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"], help="stored weight dtype")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (1: on a shared 2-core machine, 2 threads ran 8x slower per step)")
+    p.add_argument(
+        "--save-dtype", default="bfloat16", choices=["float32", "bfloat16"], help="stored weight dtype"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1: on a shared 2-core machine, 2 threads ran 8x slower per step)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--log-every", type=int, default=25, help="steps between log lines")
     return p

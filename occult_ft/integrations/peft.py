@@ -30,7 +30,11 @@ _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 def is_peft_model(model: nn.Module) -> bool:
     """True for a PEFT-wrapped model (also inside DDP/DeepSpeed wrappers)."""
     seen = 0
-    while seen < 4 and not hasattr(model, "peft_config") and isinstance(getattr(model, "module", None), nn.Module):
+    while (
+        seen < 4
+        and not hasattr(model, "peft_config")
+        and isinstance(getattr(model, "module", None), nn.Module)
+    ):
         model, seen = model.module, seen + 1
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
@@ -50,7 +54,9 @@ def lora_targets(model: nn.Module, attention: bool = True) -> dict[str, list[str
     arch = get_arch(base)
     layers = find_moe_layers(base)
     block_attr = layers[0].name.rsplit(".", 1)[-1]  # "mlp" for every registered architecture
-    linear_names = {name.rsplit(".", 1)[-1] for name, module in base.named_modules() if isinstance(module, nn.Linear)}
+    linear_names = {
+        name.rsplit(".", 1)[-1] for name, module in base.named_modules() if isinstance(module, nn.Linear)
+    }
     modules = [name for name in ATTENTION_PROJECTIONS if name in linear_names] if attention else []
     params = [f"{block_attr}.experts.{name}" for name in _EXPERT_WEIGHTS if name in arch.expert_params]
     return {
@@ -60,7 +66,9 @@ def lora_targets(model: nn.Module, attention: bool = True) -> dict[str, list[str
     }
 
 
-def build_lora_config(model: nn.Module, r: int = 16, alpha: float = 32.0, dropout: float = 0.0, attention: bool = True):
+def build_lora_config(
+    model: nn.Module, r: int = 16, alpha: float = 32.0, dropout: float = 0.0, attention: bool = True
+):
     """A `peft.LoraConfig` for `model` with the targets of `lora_targets`.
 
     Raises:
@@ -75,7 +83,9 @@ def build_lora_config(model: nn.Module, r: int = 16, alpha: float = 32.0, dropou
     try:
         from peft import LoraConfig
     except ImportError:
-        raise ImportError("train_mode='lora' needs peft; install it with `pip install occult-ft[peft]`") from None
+        raise ImportError(
+            "train_mode='lora' needs peft; install it with `pip install occult-ft[peft]`"
+        ) from None
     targets = lora_targets(model, attention=attention)
     return LoraConfig(
         r=r,
@@ -88,7 +98,9 @@ def build_lora_config(model: nn.Module, r: int = 16, alpha: float = 32.0, dropou
     )
 
 
-def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32.0, dropout: float = 0.0, attention: bool = True):
+def apply_lora(
+    model: nn.Module, r: int = 16, alpha: float = 32.0, dropout: float = 0.0, attention: bool = True
+):
     """Wrap `model` with LoRA adapters (call after placement and `apply_pruning`).
 
     Returns:

@@ -102,7 +102,9 @@ class MoEArch:
             scores = scores + getattr(router, self.correction_bias_attr).float()
         return scores
 
-    def gate_weights(self, router: nn.Module, logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor) -> torch.Tensor:
+    def gate_weights(
+        self, router: nn.Module, logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor
+    ) -> torch.Tensor:
         """The model's own gate weights for an arbitrary selection `topk_ids_TK` (fp32)."""
         if self.scoring == "logits":
             return torch.softmax(logits_TE.float().gather(1, topk_ids_TK), dim=-1)
@@ -182,7 +184,9 @@ def _model_type_of(obj) -> str:
     config = getattr(obj, "config", obj)
     model_type = getattr(config, "model_type", None)
     if model_type is None:
-        raise UnsupportedModelError(f"{type(obj).__name__} has no config.model_type; pass a transformers model")
+        raise UnsupportedModelError(
+            f"{type(obj).__name__} has no config.model_type; pass a transformers model"
+        )
     return model_type
 
 
@@ -243,7 +247,11 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
     arch = get_arch(base)
     layers: list[MoELayer] = []
     for name, module in base.named_modules():
-        if not name.endswith(".mlp") or not hasattr(module, "experts") or not hasattr(module, arch.router_attr):
+        if (
+            not name.endswith(".mlp")
+            or not hasattr(module, "experts")
+            or not hasattr(module, arch.router_attr)
+        ):
             continue
         parts = name.split(".")
         index = next((int(p) for p in reversed(parts) if p.isdigit()), len(layers))
@@ -260,56 +268,152 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
 
 # ---- the supported architectures --------------------------------------------------------------
 _TINY = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 
-register_arch(MoEArch(
-    "mixtral", router_attr="gate", scoring="softmax", renormalize=True,
-    example_config=dict(_TINY, num_local_experts=8, num_experts_per_tok=2),
-))
-register_arch(MoEArch(
-    "qwen2_moe", router_attr="gate", scoring="softmax", renormalize="norm_topk_prob",
-    shared_attrs=("shared_expert", "shared_expert_gate"),
-    example_config=dict(_TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                        shared_expert_intermediate_size=64, norm_topk_prob=False),
-))
-register_arch(MoEArch(
-    "qwen3_moe", router_attr="gate", scoring="softmax", renormalize="norm_topk_prob",
-    example_config=dict(_TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                        norm_topk_prob=True, head_dim=16),
-))
-register_arch(MoEArch(
-    "olmoe", router_attr="gate", scoring="softmax", renormalize="norm_topk_prob",
-    example_config=dict(_TINY, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
-))
-register_arch(MoEArch(
-    "deepseek_v2", router_attr="gate", scoring="softmax", renormalize=False,
-    scaling_attr="routed_scaling_factor", shared_attrs=("shared_experts",), native_group_routing="max",
-    example_config=dict(_TINY, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                        n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, kv_lora_rank=16,
-                        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                        num_key_value_heads=4, routed_scaling_factor=1.5, topk_method="greedy", n_group=None, topk_group=None),
-))
-register_arch(MoEArch(
-    "deepseek_v3", router_attr="gate", scoring="sigmoid", renormalize="norm_topk_prob",
-    scaling_attr="routed_scaling_factor", correction_bias_attr="e_score_correction_bias",
-    shared_attrs=("shared_experts",), router_params=("weight", "e_score_correction_bias"),
-    native_group_routing="topk_sum", group_score_topn=2,
-    example_config=dict(_TINY, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                        n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, kv_lora_rank=16,
-                        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                        num_key_value_heads=4, routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True),
-))
-register_arch(MoEArch(
-    "gpt_oss", router_attr="router", scoring="logits", renormalize=True,
-    router_params=("weight", "bias"),
-    expert_params=("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
-    example_config=dict(_TINY, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
-                        layer_types=["full_attention", "sliding_attention"], sliding_window=16,
-                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-))
+register_arch(
+    MoEArch(
+        "mixtral",
+        router_attr="gate",
+        scoring="softmax",
+        renormalize=True,
+        example_config=dict(_TINY, num_local_experts=8, num_experts_per_tok=2),
+    )
+)
+register_arch(
+    MoEArch(
+        "qwen2_moe",
+        router_attr="gate",
+        scoring="softmax",
+        renormalize="norm_topk_prob",
+        shared_attrs=("shared_expert", "shared_expert_gate"),
+        example_config=dict(
+            _TINY,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=False,
+        ),
+    )
+)
+register_arch(
+    MoEArch(
+        "qwen3_moe",
+        router_attr="gate",
+        scoring="softmax",
+        renormalize="norm_topk_prob",
+        example_config=dict(
+            _TINY,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            head_dim=16,
+        ),
+    )
+)
+register_arch(
+    MoEArch(
+        "olmoe",
+        router_attr="gate",
+        scoring="softmax",
+        renormalize="norm_topk_prob",
+        example_config=dict(_TINY, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    )
+)
+register_arch(
+    MoEArch(
+        "deepseek_v2",
+        router_attr="gate",
+        scoring="softmax",
+        renormalize=False,
+        scaling_attr="routed_scaling_factor",
+        shared_attrs=("shared_experts",),
+        native_group_routing="max",
+        example_config=dict(
+            _TINY,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            num_hidden_layers=3,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            num_key_value_heads=4,
+            routed_scaling_factor=1.5,
+            topk_method="greedy",
+            n_group=None,
+            topk_group=None,
+        ),
+    )
+)
+register_arch(
+    MoEArch(
+        "deepseek_v3",
+        router_attr="gate",
+        scoring="sigmoid",
+        renormalize="norm_topk_prob",
+        scaling_attr="routed_scaling_factor",
+        correction_bias_attr="e_score_correction_bias",
+        shared_attrs=("shared_experts",),
+        router_params=("weight", "e_score_correction_bias"),
+        native_group_routing="topk_sum",
+        group_score_topn=2,
+        example_config=dict(
+            _TINY,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            num_hidden_layers=3,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            num_key_value_heads=4,
+            routed_scaling_factor=2.5,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+        ),
+    )
+)
+register_arch(
+    MoEArch(
+        "gpt_oss",
+        router_attr="router",
+        scoring="logits",
+        renormalize=True,
+        router_params=("weight", "bias"),
+        expert_params=("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
+        example_config=dict(
+            _TINY,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=16,
+            layer_types=["full_attention", "sliding_attention"],
+            sliding_window=16,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    )
+)
 
 
 def tiny_config(model_type: str, **overrides):

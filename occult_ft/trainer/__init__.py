@@ -1,10 +1,10 @@
 """Occult fine-tuning: `OccultConfig(TrainingArguments)`, `OccultTrainer(Trainer)` and `train(config)`.
 
-    from occult_ft.trainer import OccultConfig, train
+from occult_ft.trainer import OccultConfig, train
 
-    config = OccultConfig(model_name_or_path="embedded", dataset="embedded", devices=4,
-                          max_devices_per_token=2, max_steps=100, output_dir="out")
-    trainer, metrics = train(config)        # out/ is a pruned checkpoint: occult_ft.from_pretrained("out")
+config = OccultConfig(model_name_or_path="embedded", dataset="embedded", devices=4,
+                      max_devices_per_token=2, max_steps=100, output_dir="out")
+trainer, metrics = train(config)        # out/ is a pruned checkpoint: occult_ft.from_pretrained("out")
 """
 
 from .config import MODEL_DTYPES, PLACEMENT_MODES, TRAIN_MODES, OccultConfig

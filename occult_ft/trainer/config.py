@@ -33,7 +33,9 @@ def _suggest(value, choices) -> str:
 
 
 def _choice_error(name: str, value, choices) -> ValueError:
-    return ValueError(f"{name}={value!r} is unknown{_suggest(value, choices)}; choose one of {', '.join(map(str, choices))}")
+    return ValueError(
+        f"{name}={value!r} is unknown{_suggest(value, choices)}; choose one of {', '.join(map(str, choices))}"
+    )
 
 
 @dataclass
@@ -73,40 +75,54 @@ class OccultConfig(TrainingArguments):
     )
     learning_rate: float = field(
         default=2e-5,
-        metadata={"help": "Initial learning rate (AdamW). 2e-5 suits full/moe fine-tuning; LoRA usually wants ~2e-4."},
+        metadata={
+            "help": "Initial learning rate (AdamW). 2e-5 suits full/moe fine-tuning; LoRA usually wants ~2e-4."
+        },
     )
     logging_steps: float = field(
         default=10,
-        metadata={"help": "Log loss and routing metrics every this many optimizer steps (a float < 1 is a share of all steps)."},
+        metadata={
+            "help": "Log loss and routing metrics every this many optimizer steps (a float < 1 is a share of all steps)."
+        },
     )
     bf16: bool | None = field(
         default=None,
-        metadata={"help": "bf16 mixed precision; default (unset): on when the GPU supports bf16, off on CPU."},
+        metadata={
+            "help": "bf16 mixed precision; default (unset): on when the GPU supports bf16, off on CPU."
+        },
     )
 
     # ---- model and data -------------------------------------------------------------------------
     model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "Base MoE model: a local directory, a Hub id, 'embedded' (the shipped OLMoE), a pruned "
-                          "checkpoint or a LoRA adapter directory written by occult-ft train."},
+        metadata={
+            "help": "Base MoE model: a local directory, a Hub id, 'embedded' (the shipped OLMoE), a pruned "
+            "checkpoint or a LoRA adapter directory written by occult-ft train."
+        },
     )
     model_dtype: str = field(
         default="auto",
-        metadata={"help": f"dtype to load the weights in: one of {', '.join(MODEL_DTYPES)} (auto = the checkpoint's)."},
+        metadata={
+            "help": f"dtype to load the weights in: one of {', '.join(MODEL_DTYPES)} (auto = the checkpoint's)."
+        },
     )
     dataset: str | None = field(
         default=None,
-        metadata={"help": "Training data: a .txt / .jsonl / .json file (text or Alpaca instruction rows), a saved "
-                          "dataset directory, a Hub dataset id, or 'embedded'."},
+        metadata={
+            "help": "Training data: a .txt / .jsonl / .json file (text or Alpaca instruction rows), a saved "
+            "dataset directory, a Hub dataset id, or 'embedded'."
+        },
     )
     dataset_split: str | None = field(
-        default=None, metadata={"help": "Split of `dataset` (default train; for 'embedded': train or instructions)."}
+        default=None,
+        metadata={"help": "Split of `dataset` (default train; for 'embedded': train or instructions)."},
     )
     text_field: str | None = field(
         default=None, metadata={"help": "Field holding the text when it is neither 'text' nor 'content'."}
     )
     eval_dataset: str | None = field(
-        default=None, metadata={"help": "Optional held-out data (same forms as `dataset`), evaluated after training."}
+        default=None,
+        metadata={"help": "Optional held-out data (same forms as `dataset`), evaluated after training."},
     )
     eval_dataset_split: str | None = field(
         default=None, metadata={"help": "Split of `eval_dataset` (for 'embedded' the default is eval)."}
@@ -123,27 +139,37 @@ class OccultConfig(TrainingArguments):
     # ---- placement and pruning ------------------------------------------------------------------
     devices: int | None = field(
         default=None,
-        metadata={"help": "Expert-parallel devices D the experts are placed on (must divide the experts); "
-                          "default: expert_parallel_size when that is above 1, else 4."},
+        metadata={
+            "help": "Expert-parallel devices D the experts are placed on (must divide the experts); "
+            "default: expert_parallel_size when that is above 1, else 4."
+        },
     )
-    nodes: int = field(default=1, metadata={"help": "Nodes N the devices span (hierarchical placement); divides devices."})
+    nodes: int = field(
+        default=1, metadata={"help": "Nodes N the devices span (hierarchical placement); divides devices."}
+    )
     placement: str = field(
         default="auto",
-        metadata={"help": "Expert placement: 'auto' (profile the training data, then place), 'sequential' (keep "
-                          "the model's order) or a placement JSON from `occult-ft place`. Ignored for a model that "
-                          "is already placed (a pruned checkpoint) and when resuming (the checkpoint's is used)."},
+        metadata={
+            "help": "Expert placement: 'auto' (profile the training data, then place), 'sequential' (keep "
+            "the model's order) or a placement JSON from `occult-ft place`. Ignored for a model that "
+            "is already placed (a pruned checkpoint) and when resuming (the checkpoint's is used)."
+        },
     )
     placement_algorithm: str = field(
         default="search", metadata={"help": "Algorithm of placement=auto (see occult_ft.placement)."}
     )
     profile_tokens: int = field(
         default=65536,
-        metadata={"help": "Training tokens profiled for placement=auto and for the similarity criterion's tables."},
+        metadata={
+            "help": "Training tokens profiled for placement=auto and for the similarity criterion's tables."
+        },
     )
     max_devices_per_token: int | None = field(
         default=None,
-        metadata={"help": "Pruning budget M: each token reaches at most this many devices (1..devices); unset = "
-                          "no pruning, routing metrics are still logged."},
+        metadata={
+            "help": "Pruning budget M: each token reaches at most this many devices (1..devices); unset = "
+            "no pruning, routing metrics are still logged."
+        },
     )
     criterion: str = field(
         default="similarity",
@@ -155,32 +181,47 @@ class OccultConfig(TrainingArguments):
     )
     balance_loss_coef: float = field(
         default=0.01,
-        metadata={"help": "Weight of the pruning-aware load-balancing loss (E * sum_e f_e P_e over the routing "
-                          "actually used); 0 disables it. The model's own aux loss is always off."},
+        metadata={
+            "help": "Weight of the pruning-aware load-balancing loss (E * sum_e f_e P_e over the routing "
+            "actually used); 0 disables it. The model's own aux loss is always off."
+        },
     )
 
     # ---- what trains ----------------------------------------------------------------------------
     train_mode: str = field(
         default="moe",
-        metadata={"help": "full: every parameter; moe: MoE blocks only (routers + experts, as in the paper); "
-                          "lora: LoRA on experts and attention, routers fully trainable."},
+        metadata={
+            "help": "full: every parameter; moe: MoE blocks only (routers + experts, as in the paper); "
+            "lora: LoRA on experts and attention, routers fully trainable."
+        },
     )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank (train_mode=lora)."})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scaling alpha / r)."})
     lora_dropout: float = field(
         default=0.0,
-        metadata={"help": "LoRA dropout probability; must stay 0 while PEFT's LoRA on expert tensors "
-                          "(target_parameters) has no dropout."},
+        metadata={
+            "help": "LoRA dropout probability; must stay 0 while PEFT's LoRA on expert tensors "
+            "(target_parameters) has no dropout."
+        },
     )
     expert_parallel_size: int = field(
         default=1,
-        metadata={"help": "Processes that split the experts of a layer among them (1 = plain data parallel). "
-                          "When > 1 it must equal devices and divide the world size."},
+        metadata={
+            "help": "Processes that split the experts of a layer among them (1 = plain data parallel). "
+            "When > 1 it must equal devices and divide the world size."
+        },
     )
 
     def __post_init__(self):
-        launched = all(key in os.environ for key in ("MASTER_ADDR", "LOCAL_RANK"))  # torchrun / accelerate / deepspeed
-        if not self.use_cpu and launched and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _accelerator_available():
+        launched = all(
+            key in os.environ for key in ("MASTER_ADDR", "LOCAL_RANK")
+        )  # torchrun / accelerate / deepspeed
+        if (
+            not self.use_cpu
+            and launched
+            and int(os.environ.get("WORLD_SIZE", "1")) > 1
+            and not _accelerator_available()
+        ):
             # several CPU processes (torchrun / accelerate / deepspeed): without use_cpu, TrainingArguments
             # sees no distributed setup on CPU and every process would train alone
             self.use_cpu = True
@@ -204,10 +245,14 @@ class OccultConfig(TrainingArguments):
         for name in ("devices", "nodes", "seq_len", "profile_tokens", "lora_r", "expert_parallel_size"):
             positive(name)
         if self.seq_len < 2:
-            raise ValueError(f"seq_len={self.seq_len} is too short; use at least 2 tokens (typically 128-4096)")
+            raise ValueError(
+                f"seq_len={self.seq_len} is too short; use at least 2 tokens (typically 128-4096)"
+            )
         if self.devices % self.nodes:
             divisors = [n for n in range(1, self.devices + 1) if self.devices % n == 0]
-            raise ValueError(f"nodes={self.nodes} does not divide devices={self.devices}; use one of {divisors}")
+            raise ValueError(
+                f"nodes={self.nodes} does not divide devices={self.devices}; use one of {divisors}"
+            )
         m = self.max_devices_per_token
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= self.devices):
             raise ValueError(
@@ -222,7 +267,9 @@ class OccultConfig(TrainingArguments):
         if self.model_dtype not in MODEL_DTYPES:
             raise _choice_error("model_dtype", self.model_dtype, MODEL_DTYPES)
         if not self.balance_loss_coef >= 0:
-            raise ValueError(f"balance_loss_coef={self.balance_loss_coef!r} must be >= 0 (0 turns the balance loss off)")
+            raise ValueError(
+                f"balance_loss_coef={self.balance_loss_coef!r} must be >= 0 (0 turns the balance loss off)"
+            )
         if not self.lora_alpha > 0:
             raise ValueError(f"lora_alpha={self.lora_alpha!r} must be > 0, e.g. 2 * lora_r")
         if not 0 <= self.lora_dropout < 1:
@@ -261,7 +308,11 @@ class OccultConfig(TrainingArguments):
         enabled = bool(getattr(self, "activation_checkpointing", None) or self.gradient_checkpointing)
         if not enabled:
             return
-        names = [n for n in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if hasattr(self, n)]
+        names = [
+            n
+            for n in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+            if hasattr(self, n)
+        ]
         kwargs = next((getattr(self, n) for n in names if getattr(self, n)), None) or {}
         if kwargs.get("use_reentrant", False) and self.balance_loss_coef > 0:
             raise ValueError(

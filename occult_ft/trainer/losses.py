@@ -26,7 +26,9 @@ from ..routing import RouterRecord
 __all__ = ["balance_loss", "balance_loss_factor"]
 
 
-def balance_loss(records: Mapping[int, RouterRecord], mask_T: torch.Tensor | None = None) -> torch.Tensor | None:
+def balance_loss(
+    records: Mapping[int, RouterRecord], mask_T: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """Pruning-aware Switch balance loss, averaged over the layers in `records`.
 
     Args:
@@ -52,7 +54,9 @@ def balance_loss(records: Mapping[int, RouterRecord], mask_T: torch.Tensor | Non
         p_TE = probs_TE.float()
         p_TE = p_TE / p_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         counts_E = torch.zeros(num_experts, device=p_TE.device, dtype=torch.float32)
-        counts_E.scatter_add_(0, ids_TK.reshape(-1).to(p_TE.device), torch.ones(ids_TK.numel(), device=p_TE.device))
+        counts_E.scatter_add_(
+            0, ids_TK.reshape(-1).to(p_TE.device), torch.ones(ids_TK.numel(), device=p_TE.device)
+        )
         f_E = counts_E / ids_TK.numel()
         per_layer.append(num_experts * (f_E * p_TE.mean(dim=0)).sum())
     if not per_layer:

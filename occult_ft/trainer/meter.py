@@ -27,7 +27,14 @@ from ..routing import RouterRecord
 
 __all__ = ["RoutingMeter", "METRIC_NAMES"]
 
-METRIC_NAMES = ("comm_complexity", "intra_share", "removed_mass", "load_imbalance", "max_token_devices", "balance_loss")
+METRIC_NAMES = (
+    "comm_complexity",
+    "intra_share",
+    "removed_mass",
+    "load_imbalance",
+    "max_token_devices",
+    "balance_loss",
+)
 
 # slots of the running-sum vector
 _COMM, _TOKENS, _INTRA, _PAIRS, _REMOVED, _IMB, _IMB_N, _BAL, _BAL_N = range(9)
@@ -76,7 +83,9 @@ class RoutingMeter:
             if tokens == 0:
                 continue
             self._ensure(ids_TK.device)
-            counts_TD = device_counts(ids_TK, expert_device[index].to(ids_TK.device), self.num_devices).double()
+            counts_TD = device_counts(
+                ids_TK, expert_device[index].to(ids_TK.device), self.num_devices
+            ).double()
             reached_TD = counts_TD > 0
             per_token_T = reached_TD.sum(dim=1)
             load_D = reached_TD.sum(dim=0).double()

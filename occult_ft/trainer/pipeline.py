@@ -13,7 +13,9 @@ from .trainer import OccultTrainer, load_training_model, tokenize_for_training
 __all__ = ["train", "load_run_dataset"]
 
 
-def load_run_dataset(source: str, split: str | None, tokenizer, config: OccultConfig, evaluation: bool = False):
+def load_run_dataset(
+    source: str, split: str | None, tokenizer, config: OccultConfig, evaluation: bool = False
+):
     """Load `source` with `occult_ft.data.load_text_dataset` and tokenize it as `config` says.
 
     For `source="embedded"` the default split is `train` (or `eval` when `evaluation`)."""
@@ -23,7 +25,9 @@ def load_run_dataset(source: str, split: str | None, tokenizer, config: OccultCo
         split = "eval" if evaluation else "train"
     dataset = load_text_dataset(source, split=split, text_field=config.text_field)
     if tokenizer is None:
-        raise ValueError(f"model {config.model_name_or_path!r} has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
+        raise ValueError(
+            f"model {config.model_name_or_path!r} has no tokenizer; save one beside the model (tokenizer.save_pretrained)"
+        )
     return tokenize_for_training(dataset, tokenizer, config)
 
 
@@ -41,15 +45,23 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
     if not config.model_name_or_path:
         raise ValueError("model_name_or_path is required: a model directory, a Hub id or 'embedded'")
     if not config.dataset:
-        raise ValueError("dataset is required: a .txt/.jsonl/.json file, a saved dataset, a Hub id or 'embedded'")
+        raise ValueError(
+            "dataset is required: a .txt/.jsonl/.json file, a saved dataset, a Hub id or 'embedded'"
+        )
     model, tokenizer = load_training_model(config.model_name_or_path, config)
     train_dataset = load_run_dataset(config.dataset, config.dataset_split, tokenizer, config)
     eval_dataset = None
     if config.eval_dataset:
-        eval_dataset = load_run_dataset(config.eval_dataset, config.eval_dataset_split, tokenizer, config, evaluation=True)
+        eval_dataset = load_run_dataset(
+            config.eval_dataset, config.eval_dataset_split, tokenizer, config, evaluation=True
+        )
     trainer = OccultTrainer(
-        model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset,
-        processing_class=tokenizer, **trainer_kwargs,
+        model=model,
+        args=config,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        **trainer_kwargs,
     )
     result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     trainer.save_model(config.output_dir)

@@ -84,7 +84,9 @@ def resolve_checkpoint(resume, output_dir: str | None) -> str | None:
         return get_last_checkpoint(output_dir)
     path = str(resume)
     if not os.path.isdir(path):
-        raise ValueError(f"resume_from_checkpoint={path!r} is not a checkpoint directory; pass a checkpoint-N directory or true")
+        raise ValueError(
+            f"resume_from_checkpoint={path!r} is not a checkpoint directory; pass a checkpoint-N directory or true"
+        )
     return path
 
 
@@ -117,9 +119,14 @@ def placement_from_block(block: dict | None, model: nn.Module):
     layers = {int(k): v for k, v in block["placement"]["layers"].items()}
     first = next(iter(layers.values()))
     return Placement(
-        model=block.get("base_model"), model_type=get_arch(unwrap_model(model)).model_type,
-        num_experts=sum(len(g) for g in first), num_devices=len(first), num_nodes=int(block.get("num_nodes", 1)),
-        algorithm=block["placement"].get("algorithm", "unknown"), groups=layers, metrics={},
+        model=block.get("base_model"),
+        model_type=get_arch(unwrap_model(model)).model_type,
+        num_experts=sum(len(g) for g in first),
+        num_devices=len(first),
+        num_nodes=int(block.get("num_nodes", 1)),
+        algorithm=block["placement"].get("algorithm", "unknown"),
+        groups=layers,
+        metrics={},
     )
 
 
@@ -146,15 +153,20 @@ def _profile(model, dataset, collate, args, name: str):
         )
     was_training = model.training
     batches = profile_batches(dataset, collate, max(1, int(args.per_device_train_batch_size)))
-    profile = profile_model(model, batches, model_name=name, max_tokens=args.profile_tokens,
-                            progress=not args.disable_tqdm)
+    profile = profile_model(
+        model, batches, model_name=name, max_tokens=args.profile_tokens, progress=not args.disable_tqdm
+    )
     model.train(was_training)
     return profile
 
 
 def _broadcast(obj):
     """Rank 0's object on every process (profiling on GPUs may differ in the last bit between ranks)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    ):
         holder = [obj]
         torch.distributed.broadcast_object_list(holder, src=0)
         return holder[0]
@@ -175,7 +187,9 @@ def set_train_mode(model: nn.Module, mode: str) -> None:
             for p in layer.block.parameters():
                 p.requires_grad_(True)
     else:
-        raise ValueError(f"train_mode={mode!r}: set_train_mode handles 'full' and 'moe' (lora goes through PEFT)")
+        raise ValueError(
+            f"train_mode={mode!r}: set_train_mode handles 'full' and 'moe' (lora goes through PEFT)"
+        )
 
 
 def _disable_model_aux_loss(base: nn.Module) -> None:
@@ -228,7 +242,9 @@ def prepare_model(
     pruning.check(num_experts, top_k)
     peft_model = is_peft_model(model)
     if peft_model and args.train_mode != "lora":
-        raise ValueError(f"train_mode={args.train_mode!r} but the model is a LoRA (PEFT) model; set train_mode='lora'")
+        raise ValueError(
+            f"train_mode={args.train_mode!r} but the model is a LoRA (PEFT) model; set train_mode='lora'"
+        )
     name = getattr(base.config, "_name_or_path", None) or getattr(base, "name_or_path", None)
 
     ckpt_block, ckpt_similarity = read_checkpoint_setup(checkpoint) if checkpoint else ({}, None)
@@ -242,7 +258,9 @@ def prepare_model(
                 f"devices={args.devices} but this checkpoint is placed for {placed_devices} devices; set devices={placed_devices}"
             )
         if placement is not None:
-            raise ValueError("this model is already placed (its occult block says so); drop the placement argument")
+            raise ValueError(
+                "this model is already placed (its occult block says so); drop the placement argument"
+            )
         placement = placement_from_block(block, base)
         existing = {layer.index: layer.router._buffers.get("occult_similarity") for layer in layers}
         if all(v is not None for v in existing.values()):
@@ -255,10 +273,14 @@ def prepare_model(
             placement = placement_from_block(ckpt_block, base)
         elif placement is None:
             if args.placement == "sequential":
-                placement = sequential_placement(num_experts, args.devices, indices, model=name, model_type=arch.model_type)
+                placement = sequential_placement(
+                    num_experts, args.devices, indices, model=name, model_type=arch.model_type
+                )
             elif args.placement == "auto":
                 profile = _profile(base, train_dataset, collate, args, name or "model")
-                placement = _broadcast(compute_placement(profile, args.devices, args.nodes, args.placement_algorithm))
+                placement = _broadcast(
+                    compute_placement(profile, args.devices, args.nodes, args.placement_algorithm)
+                )
             else:
                 placement = Placement.load(args.placement)
         if isinstance(placement, (str, os.PathLike)):
@@ -272,7 +294,8 @@ def prepare_model(
         permute_experts(base, placement)
         if profile is not None:
             similarity = {
-                i: s[placement.expert_order(i)][:, placement.expert_order(i)] for i, s in profile.similarity().items()
+                i: s[placement.expert_order(i)][:, placement.expert_order(i)]
+                for i, s in profile.similarity().items()
             }
     if ckpt_similarity is not None:
         similarity = ckpt_similarity
@@ -293,7 +316,8 @@ def prepare_model(
         pruning=pruning,
         placement=placement,
         similarity=similarity,
-        expert_device=expert_device or {i: contiguous_expert_device(num_experts, args.devices) for i in indices},
+        expert_device=expert_device
+        or {i: contiguous_expert_device(num_experts, args.devices) for i in indices},
         base_placed=bool(block.get("placed")),
         base_model=name,
     )

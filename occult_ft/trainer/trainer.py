@@ -78,12 +78,16 @@ def tokenize_for_training(dataset, tokenizer, args: OccultConfig):
     if dataset is None or columns is None or "input_ids" in columns:
         return dataset
     if tokenizer is None:
-        raise ValueError("the dataset holds raw text; pass processing_class=<tokenizer> so it can be tokenized")
+        raise ValueError(
+            "the dataset holds raw text; pass processing_class=<tokenizer> so it can be tokenized"
+        )
     from ..data import tokenize_dataset
 
     packing = args.packing if "text" in columns else None
     with args.main_process_first(desc="tokenizing"):
-        return tokenize_dataset(dataset, tokenizer, args.seq_len, packing=packing, response_only=args.response_only)
+        return tokenize_dataset(
+            dataset, tokenizer, args.seq_len, packing=packing, response_only=args.response_only
+        )
 
 
 def load_training_model(path: str, args: OccultConfig):
@@ -100,8 +104,14 @@ def load_training_model(path: str, args: OccultConfig):
     dtype = None if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
     is_adapter = os.path.isfile(os.path.join(path, "adapter_config.json"))
     if is_adapter and args.train_mode != "lora":
-        raise ValueError(f"model_name_or_path={path!r} is a LoRA adapter; set train_mode='lora' to continue training it")
-    model = from_pretrained(path, dtype=dtype, is_trainable=True) if is_adapter else from_pretrained(path, dtype=dtype)
+        raise ValueError(
+            f"model_name_or_path={path!r} is a LoRA adapter; set train_mode='lora' to continue training it"
+        )
+    model = (
+        from_pretrained(path, dtype=dtype, is_trainable=True)
+        if is_adapter
+        else from_pretrained(path, dtype=dtype)
+    )
     tokenizer = None
     sources = [path] + ([unwrap_model(model).config._name_or_path] if is_adapter else [])
     for source in sources:
@@ -115,8 +125,11 @@ def load_training_model(path: str, args: OccultConfig):
 
 def _pad_id(tokenizer, model) -> int:
     """Padding id: the tokenizer's pad token, else its eos token, else the model config's pad id, else 0."""
-    for owner, name in ((tokenizer, "pad_token_id"), (tokenizer, "eos_token_id"),
-                        (getattr(unwrap_model(model), "config", None), "pad_token_id")):
+    for owner, name in (
+        (tokenizer, "pad_token_id"),
+        (tokenizer, "eos_token_id"),
+        (getattr(unwrap_model(model), "config", None), "pad_token_id"),
+    ):
         value = getattr(owner, name, None) if owner is not None else None
         if isinstance(value, int):
             return value
@@ -182,7 +195,9 @@ class OccultTrainer(Trainer):
         if args is None:
             args = OccultConfig()
         if not isinstance(args, OccultConfig):
-            raise TypeError(f"args must be an OccultConfig, got {type(args).__name__}; build one with OccultConfig(...)")
+            raise TypeError(
+                f"args must be an OccultConfig, got {type(args).__name__}; build one with OccultConfig(...)"
+            )
         if model is None:
             raise ValueError("OccultTrainer needs a model (a transformers MoE model or a model path)")
         if isinstance(model, str):
@@ -190,7 +205,9 @@ class OccultTrainer(Trainer):
             processing_class = processing_class if processing_class is not None else tokenizer
         train_dataset = tokenize_for_training(train_dataset, processing_class, args)
         if isinstance(eval_dataset, dict):
-            eval_dataset = {k: tokenize_for_training(v, processing_class, args) for k, v in eval_dataset.items()}
+            eval_dataset = {
+                k: tokenize_for_training(v, processing_class, args) for k, v in eval_dataset.items()
+            }
         else:
             eval_dataset = tokenize_for_training(eval_dataset, processing_class, args)
         if data_collator is None:
@@ -204,8 +221,13 @@ class OccultTrainer(Trainer):
         if args.expert_parallel_size > 1:
             self.expert_parallel = setup_expert_parallel(model, args)
         super().__init__(
-            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-            eval_dataset=eval_dataset, processing_class=processing_class, **kwargs,
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
         )
         self._meters = {"train": RoutingMeter(args.devices), "eval": RoutingMeter(args.devices)}
         self._routers = pruned_routers(self.model)
@@ -217,7 +239,10 @@ class OccultTrainer(Trainer):
         scaled = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled is not None:
             return bool(scaled)
-        return bool((self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
+        return bool(
+            (self.model_accepts_loss_kwargs and num_items_in_batch is not None)
+            or self.compute_loss_func is not None
+        )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """LM loss + `balance_loss_coef` * pruning-aware balance loss (training only); feeds the routing meter."""
@@ -225,7 +250,9 @@ class OccultTrainer(Trainer):
             inputs = {**inputs, "output_router_logits": False}
         mask = inputs.get("attention_mask")
         mask_T = mask.reshape(-1).bool() if isinstance(mask, torch.Tensor) else None
-        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        loss, outputs = super().compute_loss(
+            model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+        )
         records = self._records()
         training = model.training
         meter = self._meters["train" if training else "eval"]
@@ -234,7 +261,10 @@ class OccultTrainer(Trainer):
             aux = balance_loss(records, mask_T)
             if aux is not None:
                 meter.add_balance_loss(aux)
-                accumulation = getattr(self, "current_gradient_accumulation_steps", None) or self.args.gradient_accumulation_steps
+                accumulation = (
+                    getattr(self, "current_gradient_accumulation_steps", None)
+                    or self.args.gradient_accumulation_steps
+                )
                 factor = balance_loss_factor(self._loss_is_scaled_for_ga(num_items_in_batch), accumulation)
                 loss = loss + (self.args.balance_loss_coef * factor) * aux.to(loss.device, loss.dtype)
         return (loss, outputs) if return_outputs else loss
@@ -289,7 +319,9 @@ class OccultTrainer(Trainer):
         if self.accelerator.num_processes <= 1 or not torch.distributed.is_initialized():
             return tensor
         tensor = tensor.to(self.args.device)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(
+            tensor, op=torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
+        )
         return tensor.cpu()
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
@@ -297,9 +329,13 @@ class OccultTrainer(Trainer):
             logs.update(self._meters["train"].summary(self._reduce))
         super().log(logs, *args, **kwargs)
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
         self._meters["eval"].reset()
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        output = super().evaluation_loop(
+            dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+        )
         for key, value in self._meters["eval"].summary(self._reduce).items():
             if key != "balance_loss":
                 output.metrics[f"{metric_key_prefix}_{key}"] = value
@@ -312,9 +348,14 @@ class OccultTrainer(Trainer):
     def occult_block(self, placed: bool) -> dict:
         """The `occult` block written with every checkpoint of this run."""
         return occult_block(
-            self.occult.pruning, self.occult.placement, placed=placed, num_nodes=self.args.nodes,
-            base_model=self.occult.base_model, train_mode=self.args.train_mode,
-            balance_loss_coef=self.args.balance_loss_coef, **self._measured_comm_complexity(),
+            self.occult.pruning,
+            self.occult.placement,
+            placed=placed,
+            num_nodes=self.args.nodes,
+            base_model=self.occult.base_model,
+            train_mode=self.args.train_mode,
+            balance_loss_coef=self.args.balance_loss_coef,
+            **self._measured_comm_complexity(),
         )
 
     def _measured_comm_complexity(self) -> dict:
@@ -344,9 +385,15 @@ class OccultTrainer(Trainer):
         try:
             figure = make_comm_complexity_figure(output_dir, data=data)
         except Exception as exc:  # noqa: BLE001 - a figure must not cost the user the push of a finished run
-            logger.warning(f"model card without its comm_complexity figure: measuring it on {data!r} failed ({exc})")
-        write_model_card(output_dir, repo_id=self.hub_model_id,
-                         eval_results=_last_eval_metrics(self.state.log_history) or None, figure=figure)
+            logger.warning(
+                f"model card without its comm_complexity figure: measuring it on {data!r} failed ({exc})"
+            )
+        write_model_card(
+            output_dir,
+            repo_id=self.hub_model_id,
+            eval_results=_last_eval_metrics(self.state.log_history) or None,
+            figure=figure,
+        )
 
     def _is_lora(self) -> bool:
         from ..integrations.peft import is_peft_model
@@ -367,7 +414,9 @@ class OccultTrainer(Trainer):
                     json.dump(self.occult_block(placed=self.occult.base_placed), f, indent=2)
         else:
             config = unwrap_model(self.model).config
-            saved = {name: config.__dict__.get(name, _MISSING) for name in (OCCULT_KEY, *_NATIVE_GROUP_FIELDS)}
+            saved = {
+                name: config.__dict__.get(name, _MISSING) for name in (OCCULT_KEY, *_NATIVE_GROUP_FIELDS)
+            }
             setattr(config, OCCULT_KEY, self.occult_block(placed=True))
             write_native_group_fields(config, self.occult.pruning)
             try:
@@ -453,11 +502,24 @@ class OccultTrainer(Trainer):
         if self.expert_parallel is not None and self.is_deepspeed_enabled:
             load_expert_shards(self.model, self.state.best_model_checkpoint)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial=None,
+        ignore_keys_for_eval=None,
+        **kwargs,
+    ):
         """`Trainer.train`; a resumed checkpoint's placement and similarity tables are adopted first."""
         checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint not in (None, False) and checkpoint is None:
-            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r}: no checkpoint-N directory in {self.args.output_dir!r}")
+            raise ValueError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r}: no checkpoint-N directory in {self.args.output_dir!r}"
+            )
         if checkpoint is not None:
             self._adopt_checkpoint(checkpoint)
-        return super().train(resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        return super().train(
+            resume_from_checkpoint=checkpoint,
+            trial=trial,
+            ignore_keys_for_eval=ignore_keys_for_eval,
+            **kwargs,
+        )
