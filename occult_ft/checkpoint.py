@@ -20,39 +20,54 @@ DeepSeek-V3 with `device_topk_sum` (and DeepSeek-V2 with `device_max`) also get 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .models.registry import get_arch, unwrap_model
-from .routing import PruningConfig, apply_pruning
+from .fileio import atomic_directory, atomic_save, atomic_write_text, read_json_object
+from .models.registry import NATIVE_ROUTING_FIELDS, config_num_experts, get_arch, lookup_arch, unwrap_model
+from .routing import PruningConfig
 
 __all__ = [
     "OCCULT_KEY",
     "SIMILARITY_FILE",
     "ADAPTER_OCCULT_FILE",
+    "CheckpointError",
+    "CheckpointSummary",
     "occult_block",
+    "model_block",
+    "read_block",
+    "read_similarity",
+    "write_similarity",
+    "write_adapter_block",
+    "occult_config_fields",
+    "pruning_from_block",
+    "placement_from_block",
+    "describe_checkpoint",
     "write_native_group_fields",
     "save_pruned",
     "from_pretrained",
     "load_model_and_tokenizer",
     "load_tokenizer",
     "resolve_model_path",
-    "CheckpointError",
 ]
 
 OCCULT_KEY = "occult"
 SIMILARITY_FILE = "occult_similarity.safetensors"
 ADAPTER_OCCULT_FILE = "occult_config.json"
 BLOCK_VERSION = 1
+_MISSING = object()
 
 
 class CheckpointError(ValueError):
     """A model path or checkpoint that cannot be used."""
 
 
+# ---- the `occult` block: building it ---------------------------------------------------------------
 def occult_block(
     pruning: PruningConfig | None, placement=None, placed: bool = True, num_nodes: int = 1, **extra
 ) -> dict:
@@ -71,29 +86,203 @@ def occult_block(
     return block
 
 
-def write_native_group_fields(config, pruning: PruningConfig) -> bool:
-    """Express device-limited routing in the model's own config where transformers can (in place).
+# ---- reading it ------------------------------------------------------------------------------------
+def model_block(model: nn.Module) -> dict:
+    """The `occult` block a loaded model carries in its config ({} for a plain model)."""
+    return dict(getattr(unwrap_model(model).config, OCCULT_KEY, None) or {})
 
-    DeepSeek-V3: `n_group=D`, `topk_group=M` (groups ranked by the sum of their top-2 scores: our
-    `device_topk_sum`, which uses the same top-2 on DeepSeek-V3; needs at least 2 experts per device). DeepSeek-V2: `topk_method="group_limited_greedy"`, `n_group=D`,
-    `topk_group=M` (groups ranked by their best score: our `device_max`/`score`).
-    Returns True when the fields were written.
+
+def read_block(path: str) -> dict:
+    """The `occult` block of a checkpoint directory: `occult_config.json` of a LoRA adapter, else the
+    `occult` entry of `config.json` ({} when there is none)."""
+    adapter_file, config_file = os.path.join(path, ADAPTER_OCCULT_FILE), os.path.join(path, "config.json")
+    if os.path.isfile(adapter_file):
+        return read_json_object(adapter_file)
+    if os.path.isfile(config_file):
+        return dict(read_json_object(config_file).get(OCCULT_KEY) or {})
+    return {}
+
+
+def read_similarity(path: str) -> dict[int, torch.Tensor] | None:
+    """The similarity criterion's tables saved beside a checkpoint (placed order), or None."""
+    file = os.path.join(path, SIMILARITY_FILE)
+    if not os.path.isfile(file):
+        return None
+    from safetensors.torch import load_file
+
+    return {int(k.split(".")[1]): v for k, v in load_file(file).items()}
+
+
+def pruning_from_block(block: dict | None) -> PruningConfig | None:
+    """The `PruningConfig` a block records (None without a budget)."""
+    if not block or block.get("max_devices_per_token") is None:
+        return None
+    return PruningConfig(
+        num_devices=int(block["num_devices"]),
+        max_devices_per_token=int(block["max_devices_per_token"]),
+        criterion=block.get("criterion", "score"),
+        gate_weights=block.get("gate_weights", "model"),
+    )
+
+
+def placement_from_block(block: dict | None, model: nn.Module | None = None, model_type: str | None = None):
+    """The `Placement` recorded in an `occult` block (None when it records none)."""
+    if not block or not block.get("placement"):
+        return None
+    from .placement import Placement
+
+    if model_type is None:
+        model_type = block.get("model_type") or (get_arch(unwrap_model(model)).model_type if model else None)
+    layers = {int(k): v for k, v in block["placement"]["layers"].items()}
+    first = next(iter(layers.values()))
+    return Placement(
+        model=block.get("base_model"),
+        model_type=model_type,
+        num_experts=sum(len(g) for g in first),
+        num_devices=len(first),
+        num_nodes=int(block.get("num_nodes", 1)),
+        algorithm=block["placement"].get("algorithm", "unknown"),
+        groups=layers,
+        metrics={},
+    )
+
+
+@dataclass
+class CheckpointSummary:
+    """What a checkpoint directory records (for model cards and checks).
+
+    Args:
+        path: the checkpoint directory.
+        kind: `"full"` (config.json) or `"adapter"` (adapter_config.json).
+        block: the `occult` block ({} when there is none).
+        config: config.json as a dict ({} for adapters).
+        adapter: adapter_config.json as a dict ({} for full checkpoints).
+        base_model: the model this checkpoint derives from, when recorded.
+        model_type: HF model_type, when known.
+        num_experts: E routed experts per layer, when known.
+        top_k: k experts per token, when known.
+        native_routing: the budget is written in the model's own config (`n_group` / `topk_group`).
+        has_similarity: `occult_similarity.safetensors` is present.
+        has_tokenizer: tokenizer files are present.
     """
+
+    path: str
+    kind: str
+    block: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+    adapter: dict = field(default_factory=dict)
+    base_model: str | None = None
+    model_type: str | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
+    native_routing: bool = False
+    has_similarity: bool = False
+    has_tokenizer: bool = False
+
+    @property
+    def pruned(self) -> bool:
+        """A budget below the device count restricts the routing."""
+        m, d = self.block.get("max_devices_per_token"), self.block.get("num_devices")
+        return m is not None and (d is None or int(m) < int(d))
+
+    @property
+    def needs_occult_ft(self) -> bool:
+        """Stock transformers would route differently from training (or cannot attach the placement)."""
+        return (self.kind == "adapter" and bool(self.block)) or (self.pruned and not self.native_routing)
+
+
+def describe_checkpoint(checkpoint_dir: str | os.PathLike) -> CheckpointSummary:
+    """Read the config files of a full or adapter checkpoint directory.
+
+    Raises:
+        CheckpointError: the directory is missing, or holds neither config.json nor adapter_config.json.
+    """
+    path = os.fspath(checkpoint_dir)
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"checkpoint directory {path!r} does not exist; pass the folder written by save/train"
+        )
+    config_file, adapter_file = os.path.join(path, "config.json"), os.path.join(path, "adapter_config.json")
+    if os.path.isfile(adapter_file):
+        adapter = read_json_object(adapter_file)
+        block = read_block(path)
+        summary = CheckpointSummary(path, "adapter", block=block, adapter=adapter)
+        summary.base_model = block.get("base_model") or adapter.get("base_model_name_or_path")
+        summary.model_type = block.get("model_type")
+    elif os.path.isfile(config_file):
+        config = read_json_object(config_file)
+        block = dict(config.get(OCCULT_KEY) or {})
+        summary = CheckpointSummary(path, "full", block=block, config=config)
+        summary.base_model = block.get("base_model") or config.get("_name_or_path") or None
+        summary.model_type = config.get("model_type")
+        summary.num_experts = config_num_experts(config)
+        summary.top_k = int(config["num_experts_per_tok"]) if config.get("num_experts_per_tok") else None
+        arch = lookup_arch(summary.model_type)
+        summary.native_routing = bool(
+            arch is not None
+            and arch.native_routing_matches(
+                config, block.get("num_devices"), block.get("max_devices_per_token")
+            )
+        )
+    else:
+        raise CheckpointError(
+            f"{path!r} is not a checkpoint (no config.json or adapter_config.json); "
+            "pass the directory written by save_pruned, save_model or the trainer"
+        )
+    groups = (summary.block.get("placement") or {}).get("layers") or {}
+    if summary.num_experts is None and groups:
+        summary.num_experts = sum(len(g) for g in next(iter(groups.values())))
+    summary.has_similarity = os.path.isfile(os.path.join(path, SIMILARITY_FILE))
+    summary.has_tokenizer = any(
+        os.path.isfile(os.path.join(path, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
+    return summary
+
+
+# ---- writing it ------------------------------------------------------------------------------------
+def write_native_group_fields(config, pruning: PruningConfig) -> bool:
+    """Express the budget in the model's own config where stock transformers can (in place; see
+    `MoEArch.write_native_routing`). Returns True when the fields were written."""
     if not pruning.active:
         return False
-    arch = get_arch(config)
-    m = pruning.max_devices_per_token
-    per_device = (
-        int(getattr(config, "num_local_experts", 0) or getattr(config, "n_routed_experts", 0))
-        // pruning.num_devices
+    return get_arch(config).write_native_routing(
+        config, pruning.num_devices, pruning.max_devices_per_token, pruning.criterion
     )
-    if arch.native_group_routing == "topk_sum" and pruning.criterion == "device_topk_sum" and per_device >= 2:
-        config.n_group, config.topk_group = pruning.num_devices, m
-        return True
-    if arch.native_group_routing == "max" and pruning.criterion in ("device_max", "score"):
-        config.topk_method, config.n_group, config.topk_group = "group_limited_greedy", pruning.num_devices, m
-        return True
-    return False
+
+
+@contextlib.contextmanager
+def occult_config_fields(config, block: dict, pruning: PruningConfig | None):
+    """Within the context, `config` carries `block` (and the native routing fields of `pruning`); the
+    config's previous values come back afterwards. Wrap `save_pretrained` calls in it."""
+    names = (OCCULT_KEY, *NATIVE_ROUTING_FIELDS)
+    saved = {name: config.__dict__.get(name, _MISSING) for name in names}
+    setattr(config, OCCULT_KEY, block)
+    if pruning is not None:
+        write_native_group_fields(config, pruning)
+    try:
+        yield config
+    finally:
+        for name, value in saved.items():
+            if value is _MISSING:
+                config.__dict__.pop(name, None)
+            else:
+                setattr(config, name, value)
+
+
+def write_similarity(out_dir: str, similarity: dict[int, torch.Tensor] | None) -> None:
+    """Write the similarity tables (placed order) beside a checkpoint (nothing when None/empty)."""
+    if not similarity:
+        return
+    from safetensors.torch import save_file
+
+    tables = {f"layers.{i}": t.detach().float().contiguous().cpu() for i, t in similarity.items()}
+    atomic_save(os.path.join(out_dir, SIMILARITY_FILE), lambda tmp: save_file(tables, tmp))
+
+
+def write_adapter_block(out_dir: str, block: dict) -> None:
+    """Write a LoRA adapter's `occult_config.json`."""
+    atomic_write_text(os.path.join(out_dir, ADAPTER_OCCULT_FILE), json.dumps(block, indent=2))
 
 
 def save_pruned(
@@ -105,55 +294,21 @@ def save_pruned(
     similarity: dict[int, torch.Tensor] | None = None,
     extra: dict | None = None,
 ) -> str:
-    """Write a placed (already permuted) model as a pruned checkpoint; returns `out_dir`."""
-    from safetensors.torch import save_file
+    """Write a placed (already permuted) model as a pruned checkpoint; returns `out_dir`.
 
+    The checkpoint is written into a temporary sibling directory and swapped in whole, so an
+    interrupted write leaves the previous `out_dir` untouched and no stale file (an old adapter, old
+    weights) survives beside the new checkpoint.
+    """
     base = unwrap_model(model)
-    os.makedirs(out_dir, exist_ok=True)
     block = occult_block(pruning, placement, placed=True, **(extra or {}))
-    config = base.config
-    previous = getattr(config, OCCULT_KEY, None)
-    setattr(config, OCCULT_KEY, block)
-    if pruning is not None:
-        write_native_group_fields(config, pruning)
-    try:
-        base.save_pretrained(out_dir)
-    finally:
-        if previous is None:
-            try:
-                delattr(config, OCCULT_KEY)
-            except AttributeError:
-                pass
-        else:
-            setattr(config, OCCULT_KEY, previous)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    if similarity:
-        save_file(
-            {f"layers.{i}": t.float().contiguous() for i, t in similarity.items()},
-            os.path.join(out_dir, SIMILARITY_FILE),
-        )
+    with atomic_directory(out_dir) as tmp:
+        with occult_config_fields(base.config, block, pruning):
+            base.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_similarity(tmp, similarity)
     return out_dir
-
-
-def _read_similarity(path: str) -> dict[int, torch.Tensor] | None:
-    file = os.path.join(path, SIMILARITY_FILE)
-    if not os.path.isfile(file):
-        return None
-    from safetensors.torch import load_file
-
-    return {int(k.split(".")[1]): v for k, v in load_file(file).items()}
-
-
-def _pruning_from_block(block: dict) -> PruningConfig | None:
-    if not block or block.get("max_devices_per_token") is None:
-        return None
-    return PruningConfig(
-        num_devices=int(block["num_devices"]),
-        max_devices_per_token=int(block["max_devices_per_token"]),
-        criterion=block.get("criterion", "score"),
-        gate_weights=block.get("gate_weights", "model"),
-    )
 
 
 def _check_exists(path: str) -> None:
@@ -253,47 +408,34 @@ def from_pretrained(path: str, dtype=None, is_trainable: bool = False, **kwargs)
     if os.path.isfile(adapter_cfg):
         return _from_adapter(path, dtype=dtype, is_trainable=is_trainable, **kwargs)
     model, _ = load_model_and_tokenizer(path, dtype=dtype, **kwargs)
-    block = getattr(model.config, OCCULT_KEY, None)
-    pruning = _pruning_from_block(block)
+    pruning = pruning_from_block(model_block(model))
     if pruning is not None:
-        apply_pruning(model, pruning, similarity=_read_similarity(path))
+        from .apply import apply_occult
+
+        apply_occult(model, pruning=pruning, similarity=read_similarity(path), similarity_placed=True)
     return model
 
 
 def _from_adapter(path: str, dtype=None, is_trainable: bool = False, **kwargs) -> nn.Module:
     from peft import PeftModel
 
-    from .placement import Placement, permute_experts
+    from .apply import apply_occult
 
-    with open(os.path.join(path, "adapter_config.json")) as f:
-        base_name = json.load(f).get("base_model_name_or_path")
+    base_name = read_json_object(os.path.join(path, "adapter_config.json")).get("base_model_name_or_path")
     if not base_name:
         raise CheckpointError(
             f"adapter {path!r} names no base_model_name_or_path; add it to adapter_config.json"
         )
     model, _ = load_model_and_tokenizer(base_name, dtype=dtype, **kwargs)
-    block = {}
-    occult_file = os.path.join(path, ADAPTER_OCCULT_FILE)
-    if os.path.isfile(occult_file):
-        with open(occult_file) as f:
-            block = json.load(f)
-    if block.get("placement") and not block.get("placed", False):
-        layers = {int(k): v for k, v in block["placement"]["layers"].items()}
-        first = next(iter(layers.values()))
-        placement = Placement(
-            model=base_name,
-            model_type=get_arch(model).model_type,
-            num_experts=sum(len(g) for g in first),
-            num_devices=len(first),
-            num_nodes=int(block.get("num_nodes", 1)),
-            algorithm=block["placement"].get("algorithm", "unknown"),
-            groups=layers,
-            metrics={},
-        )
-        permute_experts(model, placement)
-    pruning = _pruning_from_block(block)
-    if pruning is not None:
-        apply_pruning(model, pruning, similarity=_read_similarity(path))
+    block = read_block(path)
+    placement = None if block.get("placed", False) else placement_from_block(block, model)
+    apply_occult(
+        model,
+        placement=placement,
+        pruning=pruning_from_block(block),
+        similarity=read_similarity(path),
+        similarity_placed=True,
+    )
     model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
     model.config.__dict__[OCCULT_KEY] = block
     return model

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .apply import placed_copy
+
 __all__ = ["DemoSettings", "run_demo", "run_quality_study", "format_rows"]
 
 
@@ -66,28 +68,6 @@ def _evaluate(model, batches, devices: int) -> dict:
         k: r[k]
         for k in ("loss", "perplexity", "comm_complexity", "intra_share", "removed_mass", "load_imbalance")
     }
-
-
-def _placed_copy(model, placement, pruning=None, similarity=None):
-    import copy
-
-    from .placement import permute_experts
-    from .routing import apply_pruning, remove_pruning
-
-    placed = copy.deepcopy(model)
-    remove_pruning(placed)
-    permute_experts(placed, placement)
-    if pruning is not None:
-        apply_pruning(placed, pruning, similarity=similarity)
-    return placed
-
-
-def _placed_similarity(profile, placement) -> dict[int, torch.Tensor]:
-    out = {}
-    for i, sim in profile.similarity().items():
-        order = placement.expert_order(i)
-        out[i] = sim[order][:, order]
-    return out
 
 
 def _finetune(s: DemoSettings, placement_path: str, out: str, budget: int | None, criterion: str):
@@ -211,12 +191,12 @@ def run_demo(settings: DemoSettings | None = None, verbose: bool = True) -> dict
     model, tokenizer, eval_batches, profile, placements = _prepare(s)
     rows = _placement_rows(model, eval_batches, placements, s.devices)
     say("[2/5] evaluating the base model")
-    base = _evaluate(_placed_copy(model, placements["search"]), eval_batches, s.devices)
+    base = _evaluate(placed_copy(model, placements["search"]), eval_batches, s.devices)
     rows.append({"setting": "base model (search placement)", **base})
     say(f"[3/5] pruning to {s.max_devices_per_token} devices per token without training ({s.criterion})")
     pruning = PruningConfig(s.devices, s.max_devices_per_token, s.criterion)
-    sim = _placed_similarity(profile, placements["search"])
-    zero = _evaluate(_placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices)
+    sim = profile.similarity()  # original expert order: placed_copy reorders it
+    zero = _evaluate(placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices)
     rows.append({"setting": f"pruned to {s.max_devices_per_token}, no fine-tuning", **zero})
     say(f"[4/5] pruned fine-tuning: {s.steps} steps")
     out = os.path.join(s.output_dir, "model")
@@ -278,11 +258,11 @@ def run_quality_study(
     model, tokenizer, eval_batches, profile, placements = _prepare(s)
     rows = _placement_rows(model, eval_batches, placements, s.devices)
     placement_path = os.path.join(s.output_dir, "placement-search.json")
-    sim = _placed_similarity(profile, placements["search"])
+    sim = profile.similarity()  # original expert order: placed_copy reorders it
     rows.append(
         {
             "setting": "base model",
-            **_evaluate(_placed_copy(model, placements["search"]), eval_batches, s.devices),
+            **_evaluate(placed_copy(model, placements["search"]), eval_batches, s.devices),
         }
     )
     say("standard fine-tuning (no pruning)")
@@ -297,7 +277,7 @@ def run_quality_study(
     for m in budgets:
         for crit in criteria:
             pruning = PruningConfig(s.devices, m, crit)
-            zero = _evaluate(_placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices)
+            zero = _evaluate(placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices)
             rows.append({"setting": f"prune to {m}, {crit}, no fine-tuning", **zero})
             say(f"pruned fine-tuning: {m} device(s), {crit}")
             trainer, run = _finetune(s, placement_path, os.path.join(s.output_dir, f"ft-{m}-{crit}"), m, crit)

@@ -24,15 +24,16 @@ identically in stock transformers.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpoint import ADAPTER_OCCULT_FILE, OCCULT_KEY, SIMILARITY_FILE
+from .checkpoint import CheckpointSummary, describe_checkpoint
+from .fileio import atomic_write_text, read_json_object
 
 __all__ = [
     "FIGURE_NAME",
@@ -49,6 +50,7 @@ __all__ = [
     "check_repo_id",
     "push_checkpoint",
     "push_after_training",
+    "last_eval_metrics",
 ]
 
 OCCULT_CITATION = """@inproceedings{luo2025occult,
@@ -80,7 +82,6 @@ KNOWN_LICENSES = {
     "Qwen/Qwen3-30B-A3B": "apache-2.0",
 }
 
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 # block keys rendered in their own sections; the rest go to "Other recorded settings"
 _BLOCK_KEYS_SHOWN = {
@@ -102,61 +103,21 @@ _BLOCK_KEYS_SHOWN = {
 }
 
 
-@dataclass
-class CheckpointSummary:
-    """What a checkpoint directory records, as the card needs it.
+def _local_name(name: Any) -> str | None:
+    """How a card names a local base model: `embedded` for the shipped model, else the folder's name (an
+    absolute path of the machine that trained it means nothing to a reader of the card)."""
+    if not isinstance(name, str) or not name:
+        return None
+    if not os.path.isabs(name):
+        return name
+    from .embedded import embedded_model_path
 
-    Args:
-        path: the checkpoint directory.
-        kind: `"full"` (config.json) or `"adapter"` (adapter_config.json).
-        block: the `occult` block ({} when there is none).
-        config: config.json as a dict ({} for adapters).
-        adapter: adapter_config.json as a dict ({} for full checkpoints).
-        base_model: the model this checkpoint derives from, when recorded.
-        model_type: HF model_type, when known.
-        num_experts: E routed experts per layer, when known.
-        top_k: k experts per token, when known.
-        native_routing: the budget is written in the model's own config (`n_group` / `topk_group`).
-        has_similarity: `occult_similarity.safetensors` is present.
-        has_tokenizer: tokenizer files are present.
-    """
-
-    path: str
-    kind: str
-    block: dict = field(default_factory=dict)
-    config: dict = field(default_factory=dict)
-    adapter: dict = field(default_factory=dict)
-    base_model: str | None = None
-    model_type: str | None = None
-    num_experts: int | None = None
-    top_k: int | None = None
-    native_routing: bool = False
-    has_similarity: bool = False
-    has_tokenizer: bool = False
-
-    @property
-    def pruned(self) -> bool:
-        """A budget below the device count restricts the routing."""
-        m, d = self.block.get("max_devices_per_token"), self.block.get("num_devices")
-        return m is not None and (d is None or int(m) < int(d))
-
-    @property
-    def needs_occult_ft(self) -> bool:
-        """Stock transformers would route differently from training (or cannot attach the placement)."""
-        return (self.kind == "adapter" and bool(self.block)) or (self.pruned and not self.native_routing)
-
-
-def _read_json(path: str) -> dict:
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); rewrite or remove it"
-        ) from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object; rewrite or remove it")
-    return data
+        if os.path.realpath(name) == os.path.realpath(embedded_model_path()):
+            return "embedded"
+    except FileNotFoundError:
+        pass
+    return os.path.basename(os.path.normpath(name))
 
 
 def _hub_id(name: Any) -> str | None:
@@ -164,60 +125,6 @@ def _hub_id(name: Any) -> str | None:
     if isinstance(name, str) and _HUB_ID.match(name) and not os.path.exists(name):
         return name
     return None
-
-
-def describe_checkpoint(checkpoint_dir: str | os.PathLike) -> CheckpointSummary:
-    """Read the config files of a full or adapter checkpoint directory.
-
-    Raises:
-        ValueError: the directory is missing, or holds neither config.json nor adapter_config.json.
-    """
-    path = os.fspath(checkpoint_dir)
-    if not os.path.isdir(path):
-        raise ValueError(
-            f"checkpoint directory {path!r} does not exist; pass the folder written by save/train"
-        )
-    config_file, adapter_file = os.path.join(path, "config.json"), os.path.join(path, "adapter_config.json")
-    if os.path.isfile(adapter_file):
-        adapter = _read_json(adapter_file)
-        occult_file = os.path.join(path, ADAPTER_OCCULT_FILE)
-        block = _read_json(occult_file) if os.path.isfile(occult_file) else {}
-        summary = CheckpointSummary(path, "adapter", block=block, adapter=adapter)
-        summary.base_model = block.get("base_model") or adapter.get("base_model_name_or_path")
-        summary.model_type = block.get("model_type")
-    elif os.path.isfile(config_file):
-        config = _read_json(config_file)
-        block = config.get(OCCULT_KEY) or {}
-        summary = CheckpointSummary(path, "full", block=dict(block), config=config)
-        summary.base_model = block.get("base_model") or config.get("_name_or_path") or None
-        summary.model_type = config.get("model_type")
-        summary.num_experts = next((int(config[k]) for k in _EXPERT_KEYS if config.get(k)), None)
-        summary.top_k = int(config["num_experts_per_tok"]) if config.get("num_experts_per_tok") else None
-        m, d = block.get("max_devices_per_token"), block.get("num_devices")
-        summary.native_routing = bool(
-            m is not None
-            and d is not None
-            and config.get("n_group") == d
-            and config.get("topk_group") == m
-            and (
-                config.get("model_type") != "deepseek_v2"
-                or config.get("topk_method") == "group_limited_greedy"
-            )
-        )
-    else:
-        raise ValueError(
-            f"{path!r} is not a checkpoint (no config.json or adapter_config.json); "
-            "pass the directory written by save_pruned, save_model or the trainer"
-        )
-    groups = (summary.block.get("placement") or {}).get("layers") or {}
-    if summary.num_experts is None and groups:
-        summary.num_experts = sum(len(g) for g in next(iter(groups.values())))
-    summary.has_similarity = os.path.isfile(os.path.join(path, SIMILARITY_FILE))
-    summary.has_tokenizer = any(
-        os.path.isfile(os.path.join(path, f))
-        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    )
-    return summary
 
 
 # ---- card body ---------------------------------------------------------------------------------
@@ -248,10 +155,10 @@ def _read_eval_results(path: str) -> dict[str, Any]:
     """Metrics a Trainer saved beside the model (`eval_results.json`, else the eval part of `all_results.json`)."""
     file = os.path.join(path, "eval_results.json")
     if os.path.isfile(file):
-        return _read_json(file)
+        return read_json_object(file)
     file = os.path.join(path, "all_results.json")
     if os.path.isfile(file):
-        return {k: v for k, v in _read_json(file).items() if k.startswith("eval_")}
+        return {k: v for k, v in read_json_object(file).items() if k.startswith("eval_")}
     return {}
 
 
@@ -445,6 +352,7 @@ def build_model_card(
         s.base_model = base_model
     repo = repo_id or os.path.basename(os.path.abspath(s.path))
     hub_base = _hub_id(s.base_model)
+    s.base_model = hub_base or _local_name(s.base_model)
     license = license or s.block.get("license") or KNOWN_LICENSES.get(hub_base or "")
     tags = list(CARD_TAGS)
     if s.model_type:
@@ -534,7 +442,7 @@ def write_model_card(
         if not os.path.isfile(target):
             shutil.copyfile(os.fspath(figure), target)
     readme = os.path.join(path, "README.md")
-    card.save(readme)
+    atomic_write_text(readme, str(card))
     return readme
 
 
@@ -596,8 +504,10 @@ def push_checkpoint(
     ignore_patterns: tuple[str, ...] | list[str] = DEFAULT_IGNORE_PATTERNS,
     api=None,
 ) -> str:
-    """Write the model card as README.md into `checkpoint_dir` (replacing any README.md there) and upload
-    the folder to the Hub.
+    """Upload `checkpoint_dir` to the Hub with the model card as its README.md.
+
+    The card is written into a temporary mirror of the folder, never into the folder itself: a
+    README.md of the user's survives the push, and nothing is written when the Hub cannot be reached.
 
     Args:
         checkpoint_dir: a full or LoRA adapter checkpoint directory (see `build_model_card`).
@@ -618,24 +528,51 @@ def push_checkpoint(
     """
     repo_id = check_repo_id(repo_id)
     path = os.fspath(checkpoint_dir)
-    write_model_card(path, repo_id=repo_id, eval_results=eval_results, figure=figure)
+    card = build_model_card(path, repo_id=repo_id, eval_results=eval_results, figure=figure)
     if api is None:
         from huggingface_hub import HfApi
 
         api = HfApi(token=token)
     repo_url = api.create_repo(repo_id, private=private, exist_ok=True, token=token)
-    info = api.upload_folder(
-        repo_id=repo_id,
-        folder_path=path,
-        commit_message=commit_message or "Upload occult_ft checkpoint",
-        ignore_patterns=list(ignore_patterns),
-        token=token,
-    )
+    with _staged_folder(path, str(card), figure) as staged:
+        info = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=staged,
+            commit_message=commit_message or "Upload occult_ft checkpoint",
+            ignore_patterns=list(ignore_patterns),
+            token=token,
+        )
     url = getattr(info, "commit_url", None) or getattr(repo_url, "url", None) or repo_url
     return str(url) if url is not None else f"https://huggingface.co/{repo_id}"
 
 
-def _last_eval_metrics(log_history: list[dict]) -> dict[str, Any]:
+@contextlib.contextmanager
+def _staged_folder(path: str, card: str, figure: str | os.PathLike | None):
+    """A temporary folder that mirrors `path` (hard links, symlinks across file systems) with the card
+    as README.md and the figure beside it: what gets uploaded. `path` itself is never modified, so a
+    user's own README.md survives a push, failed or not."""
+    with tempfile.TemporaryDirectory(prefix=".occult-push-") as staged:
+        for root, _, names in os.walk(path):
+            rel = os.path.relpath(root, path)
+            os.makedirs(os.path.join(staged, rel), exist_ok=True)
+            for name in names:
+                if rel == "." and name == "README.md":
+                    continue
+                src, dst = os.path.join(root, name), os.path.join(staged, rel, name)
+                try:
+                    os.link(src, dst)
+                except OSError:
+                    os.symlink(os.path.abspath(src), dst)
+        with open(os.path.join(staged, "README.md"), "w", encoding="utf-8") as f:
+            f.write(card)
+        if figure is not None:
+            target = os.path.join(staged, _figure_name(path, figure))
+            if not os.path.exists(target):
+                shutil.copyfile(os.fspath(figure), target)
+        yield staged
+
+
+def last_eval_metrics(log_history: list[dict]) -> dict[str, Any]:
     """The most recent log entry holding eval_* metrics (Trainer.state.log_history)."""
     for entry in reversed(log_history or []):
         metrics = {k: v for k, v in entry.items() if k.startswith("eval_")}
@@ -686,7 +623,7 @@ def push_after_training(
         private = getattr(args, "hub_private_repo", None) if private is None else private
         token = token or getattr(args, "hub_token", None)
         state = getattr(trainer_or_output_dir, "state", None)
-        metrics = _last_eval_metrics(getattr(state, "log_history", []))
+        metrics = last_eval_metrics(getattr(state, "log_history", []))
     repo_id = repo_id or os.path.basename(os.path.abspath(output_dir))
     if eval_results is None and metrics:
         eval_results = metrics

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .fileio import atomic_save
 from .models.registry import find_moe_layers, get_arch, unwrap_model
 
 __all__ = ["LayerProfile", "Profile", "ProfileError", "RoutingRecorder", "profile_model"]
@@ -103,8 +104,8 @@ class Profile:
             layers=sorted(self.layers),
             group_size=self.group_size,
         )
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        save_file(tensors, path, metadata={"occult_ft": json.dumps(header)})
+        metadata = {"occult_ft": json.dumps(header)}
+        atomic_save(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
     @classmethod
     def load(cls, path: str) -> Profile:
@@ -128,22 +129,55 @@ class Profile:
                 "re-run occult-ft profile"
             )
         prof = cls(
-            header["model"],
-            header["model_type"],
-            header["num_experts"],
-            header["top_k"],
-            header["num_tokens"],
-            group_size=int(header.get("group_size", 1)),
+            header.get("model"),
+            header.get("model_type"),
+            header.get("num_experts"),
+            header.get("top_k"),
+            header.get("num_tokens"),
+            group_size=header.get("group_size", 1),
         )
-        for i in header["layers"]:
-            prof.layers[int(i)] = LayerProfile(
-                int(i),
-                tensors[f"layers.{i}.topk_ids"],
-                tensors[f"layers.{i}.coactivation"],
-                tensors[f"layers.{i}.load"],
-                tensors[f"layers.{i}.prob_gram"],
-            )
+        prof.layers = _layers_from_tensors(path, header, tensors)
         return prof
+
+
+def _layers_from_tensors(path: str, header: dict, tensors: dict) -> dict[int, LayerProfile]:
+    """The layers of a profile file, checked against its header (sizes, shapes, ids, token counts)."""
+
+    def bad(what: str) -> ProfileError:
+        return ProfileError(
+            f"profile {path!r}: {what}; the file is damaged or edited, re-run occult-ft profile"
+        )
+
+    e, k, n, g = (header.get(key) for key in ("num_experts", "top_k", "num_tokens", "group_size"))
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (e, k, n))
+    if not ints or not 1 <= k <= e or n < 1:
+        raise bad(
+            f"header num_experts={e!r}, top_k={k!r}, num_tokens={n!r} are not 1 <= top_k <= num_experts, tokens >= 1"
+        )
+    if not isinstance(g, int) or g < 1 or e % g:
+        raise bad(f"header group_size={g!r} does not divide num_experts={e}")
+    layers = header.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise bad(f"header lists no MoE layers ({layers!r})")
+    out = {}
+    for i in layers:
+        names = [f"layers.{i}.{part}" for part in ("topk_ids", "coactivation", "load", "prob_gram")]
+        missing = [name for name in names if name not in tensors]
+        if missing:
+            raise bad(f"tensors {missing} are missing")
+        ids, coact, load, gram = (tensors[name] for name in names)
+        expected = {names[1]: (e, e), names[2]: (e,), names[3]: (e, e)}
+        for name, shape in expected.items():
+            if tuple(tensors[name].shape) != shape:
+                raise bad(f"{name} has shape {tuple(tensors[name].shape)}, the header says {shape}")
+        if ids.dim() != 2 or ids.shape[1] != k or ids.shape[0] < 1:
+            raise bad(f"{names[0]} has shape {tuple(ids.shape)}, expected (tokens >= 1, top_k={k})")
+        if int(ids.min()) < 0 or int(ids.max()) >= e:
+            raise bad(f"{names[0]} holds expert ids outside [0, {e})")
+        if not torch.isfinite(gram).all():
+            raise bad(f"{names[3]} holds NaN or infinite values")
+        out[int(i)] = LayerProfile(int(i), ids, coact, load, gram)
+    return out
 
 
 class RoutingRecorder:

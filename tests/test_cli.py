@@ -427,3 +427,64 @@ def test_missing_tokenizer_and_unwritable_output_are_named(pipeline, tmp_path, c
     )
     err = capsys.readouterr().err
     assert "does not exist; create it first" in err and len(err.strip().splitlines()) == 1
+
+
+# ---- writes that lose nothing (each reproduced by a hostile tester) --------------------------------------
+def _tree(path):
+    return {
+        os.path.relpath(os.path.join(root, n), path): open(os.path.join(root, n), "rb").read()
+        for root, _, names in os.walk(path)
+        for n in names
+    }
+
+
+def test_prune_out_equal_to_or_inside_the_input_is_refused(pipeline, tmp_path, capsys):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(pipeline["model"], model)
+    before = _tree(model)
+    for out in (model, model / "pruned"):
+        assert run_cli("prune", model, "--placement", pipeline["placement"], "--out", out) == 2
+        assert "would overwrite the input" in capsys.readouterr().err
+    assert _tree(model) == before
+
+
+def test_prune_of_a_placed_checkpoint_is_refused(pipeline, tmp_path, capsys):
+    placed = tmp_path / "placed"
+    assert run_cli("prune", pipeline["model"], "--placement", pipeline["placement"], "--out", placed) == 0
+    assert run_cli("prune", placed, "--placement", pipeline["placement"], "--out", tmp_path / "again") == 2
+    err = capsys.readouterr().err
+    assert "already a placed occult_ft checkpoint" in err and not (tmp_path / "again").exists()
+
+
+def test_place_out_equal_to_its_profile_is_refused(pipeline, capsys):
+    before = open(pipeline["profile"], "rb").read()
+    assert run_cli("place", pipeline["profile"], "--devices", 4, "--out", pipeline["profile"]) == 2
+    assert "would overwrite the input" in capsys.readouterr().err
+    assert open(pipeline["profile"], "rb").read() == before
+
+
+def test_profile_with_zero_routing_tokens_is_refused(pipeline, tmp_path, capsys):
+    out = tmp_path / "p.safetensors"
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(
+            "profile", pipeline["model"], "--data", pipeline["data"], "--out", out, "--max-routing-tokens", 0
+        )
+    assert exit_.value.code == 2 and "0 must be at least 1" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_profile_whose_header_disagrees_with_its_tensors_is_refused(pipeline, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from occult_ft.profiling import Profile, ProfileError
+
+    with safe_open(pipeline["profile"], framework="pt") as f:
+        header = json.loads(f.metadata()["occult_ft"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for key, value in (("num_experts", 10**15), ("num_experts", 16), ("top_k", 3)):
+        bad = tmp_path / f"{key}-{value}.safetensors"
+        save_file(tensors, str(bad), metadata={"occult_ft": json.dumps({**header, key: value})})
+        with pytest.raises(ProfileError, match="damaged or edited"):
+            Profile.load(str(bad))

@@ -226,7 +226,16 @@ def test_local_base_model_path_is_not_hub_metadata(tmp_path):
     path = _save_olmoe(tmp_path / "ckpt", placement=False, extra={"base_model": str(tmp_path)})
     card = hub.build_model_card(path)
     assert card.data.base_model is None
-    assert str(tmp_path) in card.text  # still named in the body
+    assert str(tmp_path) not in card.text  # an absolute path of the training machine means nothing here
+    assert f"`{tmp_path.name}`" in card.text  # the folder's name does
+
+
+def test_the_embedded_base_model_is_named_embedded(tmp_path):
+    from occult_ft.embedded import embedded_model_path
+
+    path = _save_olmoe(tmp_path / "ckpt", placement=False, extra={"base_model": embedded_model_path()})
+    text = hub.build_model_card(path).text
+    assert "`embedded`" in text and embedded_model_path() not in text
 
 
 def test_figure_outside_the_folder_is_referenced_by_name(pruned_dir, tmp_path):
@@ -427,3 +436,23 @@ def test_tokenizer_snippet_only_when_tokenizer_files_are_there(placed_dir, tmp_p
     path = _copy_checkpoint(placed_dir, tmp_path / "ckpt")
     open(os.path.join(path, "tokenizer_config.json"), "w").write("{}")
     assert 'AutoTokenizer.from_pretrained("me/t")' in hub.build_model_card(path, repo_id="me/t").text
+
+
+def test_a_users_readme_survives_push_failed_or_not(pruned_dir, tmp_path):
+    path = _copy_checkpoint(pruned_dir, tmp_path / "ckpt")
+    readme = os.path.join(path, "README.md")
+    with open(readme, "w") as f:
+        f.write("my own notes")
+
+    class Unreachable(FakeHubApi):
+        def create_repo(self, *args, **kwargs):
+            raise OSError("cannot reach the Hub")
+
+    with pytest.raises(OSError):
+        hub.push_checkpoint(path, "me/x", api=Unreachable())
+    assert open(readme).read() == "my own notes"
+    api = FakeHubApi()
+    hub.push_checkpoint(path, "me/x", api=api)
+    assert open(readme).read() == "my own notes"  # the card goes to the Hub, not into the folder
+    assert api.upload_calls[0]["readme"].startswith("---\n")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the staging folder is gone

@@ -626,5 +626,6 @@ def test_training_a_pruned_checkpoint_keeps_its_budget(tiny_olmoe_dir, data, tmp
     again = make_config(tmp_path / "b", max_steps=2)  # no budget given
     trainer = OccultTrainer(first.output_dir, args=again, train_dataset=data[1])
     trainer.train()
-    assert again.max_devices_per_token == 1
+    assert trainer.occult.pruning.max_devices_per_token == 1
+    assert again.max_devices_per_token is None  # the run's config is not rewritten behind the user's back
     assert all(e["max_token_devices"] == 1 for e in train_logs(trainer))

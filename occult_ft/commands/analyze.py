@@ -63,20 +63,19 @@ def analyze_model(
 ):
     """Routing report of `model` on `batches` (placement applied in memory first). A model whose routers
     already prune (a pruned checkpoint) keeps its budget unless `max_devices_per_token` is given."""
+    from ..apply import apply_occult
     from ..metrics import contiguous_expert_device, random_placement_comm_complexity, routing_report
     from ..models import find_moe_layers
-    from ..placement import permute_experts
     from ..profiling import profile_model
-    from ..routing import PruningConfig, apply_pruning, pruned_routers
+    from ..routing import PruningConfig, pruned_routers
 
-    if placement is not None:
-        permute_experts(model, placement)
     existing = [router.occult_config for _, router in pruned_routers(model)]
     if max_devices_per_token is None and existing and existing[0].active:
-        pruning = existing[0]
+        pruning = existing[0]  # a pruned checkpoint keeps its own budget
+        apply_occult(model, placement)
     else:
         pruning = PruningConfig(devices, max_devices_per_token, criterion)
-        apply_pruning(model, pruning, similarity=similarity)
+        apply_occult(model, placement, pruning, similarity)
     prof = profile_model(model, batches, max_tokens=max_tokens, progress=False)
     layers = find_moe_layers(model)
     e, k = layers[0].num_experts, layers[0].top_k
@@ -90,15 +89,13 @@ def analyze_model(
 
 
 def run(args) -> int:
-    from ..checkpoint import OCCULT_KEY, from_pretrained, load_tokenizer, resolve_model_path
-    from ..models import find_moe_layers, get_arch
-    from ..profiling import Profile
-    from .prune import load_placement
+    from ..apply import profile_similarity, resolve_placement
+    from ..checkpoint import from_pretrained, load_tokenizer, model_block, resolve_model_path
 
     data = load_data(args.data)
     model = from_pretrained(args.model)  # a pruned checkpoint routes with its own budget
     tokenizer = load_tokenizer(resolve_model_path(args.model))
-    block = getattr(model.config, OCCULT_KEY, None) or {}
+    block = model_block(model)
     if block.get("placed"):
         if args.placement:
             raise ValueError(f"{args.model} is already placed (config.json occult block); drop --placement")
@@ -107,23 +104,10 @@ def run(args) -> int:
                 f"--devices {args.devices} but {args.model} is placed for {block['num_devices']} devices; "
                 f"use --devices {block['num_devices']}"
             )
-    placement = load_placement(args.placement, model, args.devices) if args.placement else None
-    if placement is not None and placement.num_devices != args.devices:
-        raise ValueError(
-            f"--devices {args.devices} disagrees with the placement's {placement.num_devices} devices"
-        )
+    placement = resolve_placement(args.placement, model, args.devices) if args.placement else None
     similarity = None
     if args.max_devices_per_token is not None and args.criterion == "similarity":
-        if args.profile is None:
-            raise ValueError("--criterion similarity needs --profile PROFILE (from occult-ft profile)")
-        prof = Profile.load(args.profile)
-        moe = find_moe_layers(model)
-        prof.check_model(moe[0].num_experts, [layer.index for layer in moe], get_arch(model).model_type)
-        similarity = prof.similarity()
-        if placement is not None:
-            similarity = {
-                i: s[placement.expert_order(i)][:, placement.expert_order(i)] for i, s in similarity.items()
-            }
+        similarity = profile_similarity(args.profile, model)  # original order; apply_occult reorders
     batches = data_batches(
         tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False
     )

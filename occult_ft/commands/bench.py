@@ -130,22 +130,16 @@ def build_workload(args, settings):
         raise ValueError("give MODEL --data DATA, or --synthetic for a model-free OLMoE-shaped layer")
     if args.data is None:
         raise ValueError("MODEL needs --data DATA (a text/jsonl file, a dataset, or 'embedded')")
+    from ..apply import apply_occult, resolve_placement
     from ..checkpoint import load_model_and_tokenizer
     from ..models import find_moe_layers
-    from ..placement import permute_experts
-    from .prune import load_placement
 
     data = load_data(args.data)
     model, tokenizer = load_model_and_tokenizer(args.model)
     first = find_moe_layers(model)[0]
     check_inputs(first.num_experts, first.top_k, args.max_tokens, settings)
     if args.placement is not None:
-        placement = load_placement(args.placement, model, args.devices)
-        if placement.num_devices != args.devices:
-            raise ValueError(
-                f"--devices {args.devices} disagrees with the placement's {placement.num_devices} devices"
-            )
-        permute_experts(model, placement)
+        apply_occult(model, resolve_placement(args.placement, model, args.devices))
     batches = data_batches(
         tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False
     )

@@ -35,10 +35,14 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    from ..fileio import check_output_path
     from ..metrics import contiguous_expert_device, routing_report
     from ..placement import compute_placement
     from ..profiling import Profile
 
+    check_output_path(args.out, args.profile, what="--out")
+    if args.plot:
+        check_output_path(args.plot, args.profile, args.out, what="--plot")
     prof = Profile.load(args.profile)
     placement = compute_placement(prof, args.devices, num_nodes=args.nodes, algorithm=args.algorithm)
     placement.save(args.out)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import add_model_data_args, data_batches, load_data, standalone
+from ._common import add_model_data_args, data_batches, load_data, positive_int, standalone
 
 __all__ = ["add_parser", "run"]
 
@@ -15,7 +15,7 @@ def add_parser(sub):
     p.add_argument("--out", required=True, help="where to write the profile (.safetensors)")
     p.add_argument(
         "--max-routing-tokens",
-        type=int,
+        type=positive_int,
         default=65536,
         help="token-level routing rows kept per layer (placements are evaluated on them)",
     )
@@ -25,8 +25,10 @@ def add_parser(sub):
 
 def run(args) -> int:
     from ..checkpoint import load_model_and_tokenizer
+    from ..fileio import check_output_path
     from ..profiling import profile_model
 
+    check_output_path(args.out, args.model, args.data, what="--out")
     data = load_data(args.data)
     model, tokenizer = load_model_and_tokenizer(args.model)
     batches = data_batches(

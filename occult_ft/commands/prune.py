@@ -32,37 +32,22 @@ def add_parser(sub):
     return p
 
 
-def load_placement(spec: str, model, devices: int | None):
-    """A `Placement` from a JSON path or 'sequential' (checked against the model)."""
-    from ..models import find_moe_layers, get_arch
-    from ..placement import Placement, sequential_placement
-
-    layers = find_moe_layers(model)
-    num_experts = layers[0].num_experts
-    if spec == "sequential":
-        if devices is None:
-            raise ValueError("--placement sequential needs --devices D")
-        return sequential_placement(
-            num_experts, devices, [layer.index for layer in layers], model_type=get_arch(model).model_type
-        )
-    placement = Placement.load(spec)
-    placement.check_model(num_experts, [layer.index for layer in layers], get_arch(model).model_type)
-    return placement
-
-
 def run(args) -> int:
-    from ..checkpoint import load_model_and_tokenizer, save_pruned
-    from ..models import find_moe_layers, get_arch
-    from ..placement import permute_experts
-    from ..profiling import Profile
-    from ..routing import PruningConfig, apply_pruning
+    from ..apply import applied_similarity, apply_occult, profile_similarity, resolve_placement
+    from ..checkpoint import load_model_and_tokenizer, model_block, save_pruned
+    from ..fileio import check_output_path
+    from ..routing import PruningConfig
 
+    check_output_path(args.out, args.model, args.placement, args.profile, what="--out")
     model, tokenizer = load_model_and_tokenizer(args.model)
-    placement = load_placement(args.placement, model, args.devices)
-    if args.devices is not None and args.devices != placement.num_devices:
+    block = model_block(model)
+    if block.get("placed"):
         raise ValueError(
-            f"--devices {args.devices} disagrees with the placement's {placement.num_devices} devices; drop --devices"
+            f"{args.model} is already a placed occult_ft checkpoint (its config.json has an occult block); "
+            "prune the original model instead (its base_model is "
+            f"{block.get('base_model') or 'recorded nowhere'}) so the placement applies to the original expert order"
         )
+    placement = resolve_placement(args.placement, model, args.devices)
     pruning = None
     similarity = None
     if args.max_devices_per_token is not None:
@@ -70,25 +55,15 @@ def run(args) -> int:
             placement.num_devices, args.max_devices_per_token, args.criterion, args.gate_weights
         )
         if args.criterion == "similarity":
-            if args.profile is None:
-                raise ValueError("--criterion similarity needs --profile PROFILE (from occult-ft profile)")
-            prof = Profile.load(args.profile)
-            moe = find_moe_layers(model)
-            prof.check_model(moe[0].num_experts, [layer.index for layer in moe], get_arch(model).model_type)
-            similarity = {}
-            for i, sim in prof.similarity().items():
-                order = placement.expert_order(i)
-                similarity[i] = sim[order][:, order]
-    permute_experts(model, placement)
-    if pruning is not None:
-        apply_pruning(model, pruning, similarity=similarity)  # validates the budget against top-k
+            similarity = profile_similarity(args.profile, model)
+    apply_occult(model, placement, pruning, similarity)  # validates the budget against top-k
     save_pruned(
         model,
         args.out,
         tokenizer=tokenizer,
         pruning=pruning,
         placement=placement,
-        similarity=similarity,
+        similarity=applied_similarity(model),
         extra={"base_model": args.model},
     )
     budget = (

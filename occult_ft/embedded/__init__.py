@@ -12,7 +12,7 @@ without the Hub:
     model/TRAINING.md           how the model was trained, its losses and routing statistics
     model/training_results.json the same numbers as JSON (with the loss curve)
 
-`build_corpus.py` rebuilds the corpus and `train_base.py` the tokenizer and model.
+`scripts/embedded/build_corpus.py` (in the repository, not the installed package) rebuilds the corpus and `scripts/embedded/train_base.py` the tokenizer and model.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ def embedded_model_path() -> str:
 
     Raises:
         FileNotFoundError: if a file of the model directory is missing (a broken install, or the
-            model not built yet: run `python -m occult_ft.embedded.train_base`).
+            model not built yet: run `python scripts/embedded/train_base.py`).
     """
     model_dir = _ROOT / "model"
     missing = [name for name in _MODEL_FILES if not (model_dir / name).is_file()]
     if missing:
         raise FileNotFoundError(
             f"embedded model files {missing} are missing from {model_dir}; reinstall occult_ft "
-            "or rebuild them with `python -m occult_ft.embedded.train_base`"
+            "or rebuild them with `python scripts/embedded/train_base.py`"
         )
     return str(model_dir)
 
@@ -51,7 +51,7 @@ def embedded_data_path(split: str = "train") -> str:
 
     Raises:
         ValueError: for another split name.
-        FileNotFoundError: if the file is missing (rebuild with `python -m occult_ft.embedded.build_corpus`).
+        FileNotFoundError: if the file is missing (rebuild with `python scripts/embedded/build_corpus.py`).
     """
     if split not in EMBEDDED_SPLITS:
         raise ValueError(f"embedded split {split!r} does not exist; use one of {', '.join(EMBEDDED_SPLITS)}")
@@ -59,6 +59,6 @@ def embedded_data_path(split: str = "train") -> str:
     if not path.is_file():
         raise FileNotFoundError(
             f"embedded corpus file {path} is missing; reinstall occult_ft or rebuild it with "
-            "`python -m occult_ft.embedded.build_corpus`"
+            "`python scripts/embedded/build_corpus.py`"
         )
     return str(path)

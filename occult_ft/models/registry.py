@@ -31,11 +31,26 @@ __all__ = [
     "UnsupportedModelError",
     "register_arch",
     "get_arch",
+    "lookup_arch",
+    "config_num_experts",
+    "NATIVE_ROUTING_FIELDS",
     "supported_model_types",
     "find_moe_layers",
     "unwrap_model",
     "tiny_config",
 ]
+
+
+#: config fields that may carry a device budget natively (DeepSeek-V2/V3 group-limited routing)
+NATIVE_ROUTING_FIELDS = ("n_group", "topk_group", "topk_method")
+#: config fields that name the number of routed experts, by architecture
+_EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def config_num_experts(config) -> int | None:
+    """Routed experts per layer from a config object or a `config.json` dict (None when absent)."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    return next((int(get(k)) for k in _EXPERT_COUNT_FIELDS if get(k)), None)
 
 
 class UnsupportedModelError(ValueError):
@@ -130,6 +145,38 @@ class MoEArch:
             active = active and getattr(router, "topk_method", None) == "group_limited_greedy"
         return self.num_experts(router) // int(num_group) if active else 1
 
+    # ---- native routing fields (how a budget is written in the model's own config) ----------------
+    def write_native_routing(
+        self, config, num_devices: int, max_devices_per_token: int | None, criterion: str
+    ) -> bool:
+        """Express device-limited routing in the model's own config where stock transformers can (in place).
+
+        DeepSeek-V3 (`"topk_sum"`): `n_group=D`, `topk_group=M`; groups are ranked by the sum of their
+        top-2 scores, which is `device_topk_sum` (needs at least 2 experts per device). DeepSeek-V2
+        (`"max"`): `topk_method="group_limited_greedy"`, `n_group=D`, `topk_group=M`; groups are ranked
+        by their best score, which is `device_max`/`score`. Returns True when the fields were written.
+        """
+        if max_devices_per_token is None or max_devices_per_token >= num_devices:
+            return False
+        per_device = (config_num_experts(config) or 0) // num_devices
+        m = int(max_devices_per_token)
+        if self.native_group_routing == "topk_sum" and criterion == "device_topk_sum" and per_device >= 2:
+            config.n_group, config.topk_group = num_devices, m
+            return True
+        if self.native_group_routing == "max" and criterion in ("device_max", "score"):
+            config.topk_method, config.n_group, config.topk_group = "group_limited_greedy", num_devices, m
+            return True
+        return False
+
+    def native_routing_matches(self, config: dict, num_devices, max_devices_per_token) -> bool:
+        """Whether a saved `config.json` (a dict) routes with budget M over D devices by itself."""
+        if self.native_group_routing is None or max_devices_per_token is None or num_devices is None:
+            return False
+        same = config.get("n_group") == num_devices and config.get("topk_group") == max_devices_per_token
+        if self.native_group_routing == "max":
+            same = same and config.get("topk_method") == "group_limited_greedy"
+        return same
+
     def num_experts(self, router: nn.Module) -> int:
         return int(router.num_experts)
 
@@ -172,6 +219,11 @@ def register_arch(arch: MoEArch) -> MoEArch:
         raise ValueError(f"model_type {arch.model_type!r} is already registered; edit its entry instead")
     _REGISTRY[arch.model_type] = arch
     return arch
+
+
+def lookup_arch(model_type: str | None) -> MoEArch | None:
+    """The registered `MoEArch` of `model_type`, or None (for readers of saved configs)."""
+    return _REGISTRY.get(model_type) if model_type else None
 
 
 def supported_model_types() -> list[str]:

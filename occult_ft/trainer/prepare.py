@@ -20,7 +20,6 @@ pruning config, the similarity tables and each layer's expert -> device map.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,10 +28,11 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from ..checkpoint import ADAPTER_OCCULT_FILE, OCCULT_KEY, SIMILARITY_FILE
+from ..apply import applied_similarity, apply_occult, placed_similarity, resolve_placement
+from ..checkpoint import model_block, placement_from_block, read_block, read_similarity
 from ..metrics import contiguous_expert_device
-from ..models.registry import find_moe_layers, get_arch, unwrap_model
-from ..routing import PruningConfig, apply_pruning, pruned_routers, set_recording
+from ..models.registry import find_moe_layers, unwrap_model
+from ..routing import PruningConfig, pruned_routers, set_recording
 
 logger = logging.get_logger(__name__)
 
@@ -40,9 +40,8 @@ __all__ = [
     "OccultSetup",
     "prepare_model",
     "profile_batches",
-    "read_checkpoint_setup",
-    "placement_from_block",
     "resolve_checkpoint",
+    "checkpoint_is_complete",
     "set_train_mode",
 ]
 
@@ -71,63 +70,52 @@ class OccultSetup:
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
+def checkpoint_is_complete(path: str) -> bool:
+    """Trainer writes `trainer_state.json` last in a `checkpoint-N` folder: a folder without a readable
+    one was interrupted (killed, full disk) and must not be resumed from."""
+    from ..fileio import read_json_object
+
+    try:
+        read_json_object(os.path.join(path, "trainer_state.json"))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def resolve_checkpoint(resume, output_dir: str | None) -> str | None:
     """A checkpoint directory from a `resume_from_checkpoint` value (path, True/"true"/"last" = newest
-    `checkpoint-N` under `output_dir`, None/False = none)."""
+    complete `checkpoint-N` under `output_dir`, None/False = none). Interrupted checkpoints (no readable
+    `trainer_state.json`) are skipped with a warning, or refused when named explicitly."""
     if resume is None or resume is False or resume == "":
         return None
     if resume is True or (isinstance(resume, str) and resume.lower() in ("true", "last")):
-        from transformers.trainer_utils import get_last_checkpoint
-
         if not output_dir or not os.path.isdir(output_dir):
             return None
-        return get_last_checkpoint(output_dir)
+        found = []
+        for name in os.listdir(output_dir):
+            step = name.removeprefix("checkpoint-")
+            if (
+                name.startswith("checkpoint-")
+                and step.isdigit()
+                and os.path.isdir(os.path.join(output_dir, name))
+            ):
+                found.append((int(step), os.path.join(output_dir, name)))
+        for _, path in sorted(found, reverse=True):
+            if checkpoint_is_complete(path):
+                return path
+            logger.warning(f"skipping {path}: its write was interrupted (no readable trainer_state.json)")
+        return None
     path = str(resume)
     if not os.path.isdir(path):
         raise ValueError(
             f"resume_from_checkpoint={path!r} is not a checkpoint directory; pass a checkpoint-N directory or true"
         )
+    if not checkpoint_is_complete(path):
+        raise ValueError(
+            f"resume_from_checkpoint={path!r} was not written completely (no readable trainer_state.json); "
+            "resume from an earlier checkpoint-N or pass true to pick the newest complete one"
+        )
     return path
-
-
-def read_checkpoint_setup(path: str) -> tuple[dict, dict[int, torch.Tensor] | None]:
-    """The `occult` block and the similarity tables of a checkpoint or LoRA adapter directory."""
-    block = {}
-    occult_file = os.path.join(path, ADAPTER_OCCULT_FILE)
-    config_file = os.path.join(path, "config.json")
-    if os.path.isfile(occult_file):
-        with open(occult_file) as f:
-            block = json.load(f)
-    elif os.path.isfile(config_file):
-        with open(config_file) as f:
-            block = json.load(f).get(OCCULT_KEY) or {}
-    similarity = None
-    sim_file = os.path.join(path, SIMILARITY_FILE)
-    if os.path.isfile(sim_file):
-        from safetensors.torch import load_file
-
-        similarity = {int(k.split(".")[1]): v for k, v in load_file(sim_file).items()}
-    return block, similarity
-
-
-def placement_from_block(block: dict | None, model: nn.Module):
-    """The `Placement` recorded in an `occult` block (None when it records none)."""
-    if not block or not block.get("placement"):
-        return None
-    from ..placement import Placement
-
-    layers = {int(k): v for k, v in block["placement"]["layers"].items()}
-    first = next(iter(layers.values()))
-    return Placement(
-        model=block.get("base_model"),
-        model_type=get_arch(unwrap_model(model)).model_type,
-        num_experts=sum(len(g) for g in first),
-        num_devices=len(first),
-        num_nodes=int(block.get("num_nodes", 1)),
-        algorithm=block["placement"].get("algorithm", "unknown"),
-        groups=layers,
-        metrics={},
-    )
 
 
 # ---- profiling -------------------------------------------------------------------------------------
@@ -221,24 +209,23 @@ def prepare_model(
         (model, setup): the model to train (a `PeftModel` for `train_mode="lora"`) and its `OccultSetup`.
     """
     from ..integrations.peft import apply_lora, is_peft_model
-    from ..placement import Placement, compute_placement, permute_experts, sequential_placement
+    from ..placement import compute_placement
 
     base = unwrap_model(model)
-    arch = get_arch(base)
     layers = find_moe_layers(base)
     num_experts, top_k = layers[0].num_experts, layers[0].top_k
-    indices = [layer.index for layer in layers]
-    block = getattr(base.config, OCCULT_KEY, None) or {}
-    if args.max_devices_per_token is None and block.get("max_devices_per_token") is not None:
+    block = model_block(base)
+    budget, criterion, gate_weights = args.max_devices_per_token, args.criterion, args.gate_weights
+    if budget is None and block.get("max_devices_per_token") is not None:
         # continuing from a pruned checkpoint: its budget stays unless the run sets one
-        args.max_devices_per_token = int(block["max_devices_per_token"])
-        args.criterion = block.get("criterion", args.criterion)
-        args.gate_weights = block.get("gate_weights", args.gate_weights)
+        budget = int(block["max_devices_per_token"])
+        criterion = block.get("criterion", criterion)
+        gate_weights = block.get("gate_weights", gate_weights)
         logger.warning(
-            f"{getattr(base.config, '_name_or_path', 'the model')} is pruned to {args.max_devices_per_token} devices "
-            f"per token ({args.criterion}); training keeps that budget (set max_devices_per_token to change it)"
+            f"{getattr(base.config, '_name_or_path', 'the model')} is pruned to {budget} devices "
+            f"per token ({criterion}); training keeps that budget (set max_devices_per_token to change it)"
         )
-    pruning = PruningConfig(args.devices, args.max_devices_per_token, args.criterion, args.gate_weights)
+    pruning = PruningConfig(args.devices, budget, criterion, gate_weights)
     pruning.check(num_experts, top_k)
     peft_model = is_peft_model(model)
     if peft_model and args.train_mode != "lora":
@@ -247,62 +234,47 @@ def prepare_model(
         )
     name = getattr(base.config, "_name_or_path", None) or getattr(base, "name_or_path", None)
 
-    ckpt_block, ckpt_similarity = read_checkpoint_setup(checkpoint) if checkpoint else ({}, None)
+    ckpt_block = read_block(checkpoint) if checkpoint else {}
+    ckpt_similarity = read_similarity(checkpoint) if checkpoint else None
     already_placed = bool(block.get("placed")) or (peft_model and bool(block))
-    similarity = None
+    similarity = None  # placed order
     profile = None
     if already_placed:
         placed_devices = block.get("num_devices")
         if placed_devices is not None and int(placed_devices) != args.devices:
             raise ValueError(
-                f"devices={args.devices} but this checkpoint is placed for {placed_devices} devices; set devices={placed_devices}"
+                f"devices={args.devices} but this checkpoint is placed for {placed_devices} devices; "
+                f"set devices={placed_devices}"
             )
         if placement is not None:
             raise ValueError(
                 "this model is already placed (its occult block says so); drop the placement argument"
             )
         placement = placement_from_block(block, base)
-        existing = {layer.index: layer.router._buffers.get("occult_similarity") for layer in layers}
-        if all(v is not None for v in existing.values()):
-            similarity = {k: v.detach().float().cpu() for k, v in existing.items()}
-        elif name and os.path.isdir(name):
-            similarity = read_checkpoint_setup(name)[1]
+        similarity = applied_similarity(base)
+        if similarity is None and name and os.path.isdir(name):
+            similarity = read_similarity(name)
         name = block.get("base_model") or name
     else:
         if ckpt_block.get("placement"):
             placement = placement_from_block(ckpt_block, base)
-        elif placement is None:
-            if args.placement == "sequential":
-                placement = sequential_placement(
-                    num_experts, args.devices, indices, model=name, model_type=arch.model_type
-                )
-            elif args.placement == "auto":
-                profile = _profile(base, train_dataset, collate, args, name or "model")
-                placement = _broadcast(
-                    compute_placement(profile, args.devices, args.nodes, args.placement_algorithm)
-                )
-            else:
-                placement = Placement.load(args.placement)
-        if isinstance(placement, (str, os.PathLike)):
-            placement = Placement.load(placement)
-        placement.check_model(num_experts, indices, arch.model_type)
-        if placement.num_devices != args.devices:
-            raise ValueError(
-                f"devices={args.devices} but the placement puts experts on {placement.num_devices} devices; "
-                f"set devices={placement.num_devices} or make a placement for {args.devices}"
+        elif placement is None and args.placement == "auto":
+            profile = _profile(base, train_dataset, collate, args, name or "model")
+            placement = _broadcast(
+                compute_placement(profile, args.devices, args.nodes, args.placement_algorithm)
             )
-        permute_experts(base, placement)
+        placement = resolve_placement(
+            placement if placement is not None else args.placement, base, args.devices
+        )
+        apply_occult(base, placement)
         if profile is not None:
-            similarity = {
-                i: s[placement.expert_order(i)][:, placement.expert_order(i)]
-                for i, s in profile.similarity().items()
-            }
+            similarity = placed_similarity(profile.similarity(), placement)
     if ckpt_similarity is not None:
         similarity = ckpt_similarity
     if pruning.criterion == "similarity" and pruning.active and similarity is None:
         similarity = _broadcast(_profile(base, train_dataset, collate, args, name or "model").similarity())
 
-    apply_pruning(base, pruning, similarity=similarity)
+    apply_occult(base, pruning=pruning, similarity=similarity, similarity_placed=True)
     _disable_model_aux_loss(base)
     if args.train_mode == "lora" and not peft_model:
         model = apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout)
@@ -317,7 +289,7 @@ def prepare_model(
         placement=placement,
         similarity=similarity,
         expert_device=expert_device
-        or {i: contiguous_expert_device(num_experts, args.devices) for i in indices},
+        or {layer.index: contiguous_expert_device(num_experts, args.devices) for layer in layers},
         base_placed=bool(block.get("placed")),
         base_model=name,
     )

@@ -23,7 +23,6 @@ On construction the model is placed, pruned and set up for its `train_mode` (see
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import os
 
@@ -33,11 +32,13 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from ..checkpoint import (
-    ADAPTER_OCCULT_FILE,
-    OCCULT_KEY,
-    SIMILARITY_FILE,
     occult_block,
-    write_native_group_fields,
+    occult_config_fields,
+    placement_from_block,
+    read_block,
+    read_similarity,
+    write_adapter_block,
+    write_similarity,
 )
 from ..models.registry import unwrap_model
 from ..routing import apply_pruning, pruned_routers
@@ -55,20 +56,11 @@ from .expert_parallel import (
 )
 from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
-from .prepare import (
-    OccultSetup,
-    placement_from_block,
-    prepare_model,
-    read_checkpoint_setup,
-    resolve_checkpoint,
-)
+from .prepare import OccultSetup, prepare_model, resolve_checkpoint
 
 logger = logging.get_logger(__name__)
 
 __all__ = ["OccultTrainer", "tokenize_for_training", "load_training_model"]
-
-_NATIVE_GROUP_FIELDS = ("n_group", "topk_group", "topk_method")
-_MISSING = object()
 
 
 def tokenize_for_training(dataset, tokenizer, args: OccultConfig):
@@ -377,7 +369,7 @@ class OccultTrainer(Trainer):
         results, how to load) instead of Trainer's generic one; `push_to_hub` uploads it."""
         if not self.is_world_process_zero():
             return
-        from ..hub import _last_eval_metrics, make_comm_complexity_figure, write_model_card
+        from ..hub import last_eval_metrics, make_comm_complexity_figure, write_model_card
 
         output_dir = self.args.output_dir
         figure = None
@@ -391,9 +383,27 @@ class OccultTrainer(Trainer):
         write_model_card(
             output_dir,
             repo_id=self.hub_model_id,
-            eval_results=_last_eval_metrics(self.state.log_history) or None,
+            eval_results=last_eval_metrics(self.state.log_history) or None,
             figure=figure,
         )
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`; a save the user asks for (not an intermediate checkpoint) also writes the
+        Occult model card (README.md: placement, budget, measured comm_complexity, how to load) beside
+        the model. The card's figure is only drawn on push, where the measurement is worth its cost."""
+        super().save_model(output_dir, _internal_call=_internal_call)
+        if _internal_call or not self.is_world_process_zero():
+            return
+        from ..hub import last_eval_metrics, write_model_card
+
+        try:
+            write_model_card(
+                output_dir if output_dir is not None else self.args.output_dir,
+                repo_id=getattr(self, "hub_model_id", None) or self.args.hub_model_id,
+                eval_results=last_eval_metrics(self.state.log_history) or None,
+            )
+        except (OSError, ValueError) as exc:  # the weights are saved; a card must not fail the run
+            logger.warning(f"saved the model without its model card: {exc}")
 
     def _is_lora(self) -> bool:
         from ..integrations.peft import is_peft_model
@@ -410,33 +420,18 @@ class OccultTrainer(Trainer):
         if self._is_lora():
             super()._save(output_dir, state_dict=state_dict)
             if self.args.should_save:
-                with open(os.path.join(output_dir, ADAPTER_OCCULT_FILE), "w") as f:
-                    json.dump(self.occult_block(placed=self.occult.base_placed), f, indent=2)
+                write_adapter_block(output_dir, self.occult_block(placed=self.occult.base_placed))
         else:
             config = unwrap_model(self.model).config
-            saved = {
-                name: config.__dict__.get(name, _MISSING) for name in (OCCULT_KEY, *_NATIVE_GROUP_FIELDS)
-            }
-            setattr(config, OCCULT_KEY, self.occult_block(placed=True))
-            write_native_group_fields(config, self.occult.pruning)
-            try:
+            with occult_config_fields(config, self.occult_block(placed=True), self.occult.pruning):
                 super()._save(output_dir, state_dict=state_dict)
-            finally:
-                for name, value in saved.items():
-                    if value is _MISSING:
-                        config.__dict__.pop(name, None)
-                    else:
-                        setattr(config, name, value)
-        if self.args.should_save and self.occult.similarity:
-            from safetensors.torch import save_file
-
-            tables = {f"layers.{i}": t.float().contiguous().cpu() for i, t in self.occult.similarity.items()}
-            save_file(tables, os.path.join(output_dir, SIMILARITY_FILE))
+        if self.args.should_save:
+            write_similarity(output_dir, self.occult.similarity)
 
     # ---- resuming -----------------------------------------------------------------------------
     def _adopt_checkpoint(self, checkpoint: str) -> None:
         """Make the placement and similarity tables those of `checkpoint` (its weights follow them)."""
-        block, similarity = read_checkpoint_setup(checkpoint)
+        block, similarity = read_block(checkpoint), read_similarity(checkpoint)
         theirs = placement_from_block(block, self.model)
         ours = self.occult.placement
         if theirs is not None and (ours is None or theirs.groups != ours.groups):

@@ -15,7 +15,7 @@ The unigram baseline is the cross-entropy of eval tokens under the add-one-smoot
 distribution; a model that learned nothing beyond token frequencies scores about that.
 
 Usage:
-    nice -n 10 python -m occult_ft.embedded.train_base [--max-steps N] [--out DIR] ...
+    nice -n 10 python scripts/embedded/train_base.py [--max-steps N] [--out DIR] ...
 """
 
 from __future__ import annotations
@@ -307,12 +307,12 @@ def _write_report(out_dir: Path, args: argparse.Namespace, r: dict) -> None:
     lines = [
         "# The embedded base model",
         "",
-        "An `OlmoeForCausalLM` trained from scratch on `corpus/train.txt` by `occult_ft/embedded/train_base.py`.",
+        "An `OlmoeForCausalLM` trained from scratch on `corpus/train.txt` by `scripts/embedded/train_base.py`.",
         "",
         "## Command",
         "",
         "```",
-        f"nice -n 10 python -m occult_ft.embedded.train_base {shlex.join(sys.argv[1:])}".rstrip(),
+        f"nice -n 10 python scripts/embedded/train_base.py {shlex.join(sys.argv[1:])}".rstrip(),
         "```",
         "",
         "## Shape",
@@ -383,7 +383,7 @@ def _write_report(out_dir: Path, args: argparse.Namespace, r: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[2] / "occult_ft" / "embedded"  # the package data it rebuilds
     p = argparse.ArgumentParser(description="Train the embedded tokenizer and OLMoE base model on CPU.")
     p.add_argument("--out", default=str(here / "model"), help="output directory (model + tokenizer)")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")

@@ -30,7 +30,7 @@ sampled with `random.Random(SEED)`:
 
 Usage (needs `apt-get update` once for the two Debian packages; nothing else leaves the machine):
 
-    python -m occult_ft.embedded.build_corpus [--out DIR] [--debs DIR]
+    python scripts/embedded/build_corpus.py [--out DIR] [--debs DIR]
 """
 
 from __future__ import annotations
@@ -488,7 +488,7 @@ def build(out: Path, debs: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[2] / "occult_ft" / "embedded"  # the package data it rebuilds
     parser.add_argument("--out", type=Path, default=here / "corpus", help="output directory")
     parser.add_argument(
         "--debs",

@@ -1,0 +1,169 @@
+"""Applying a placement and a budget to a model: the one place that turns a plain MoE into an Occult one.
+
+Commands (`prune`, `analyze`, `bench`), the trainer, the demo and the checkpoint loader all call
+these functions instead of permuting and pruning by hand:
+
+    resolve_placement(spec, model, devices)    a `Placement` from a JSON path / 'sequential' / object,
+                                               checked against the model and the device count
+    profile_similarity(path, model)            a saved profile's similarity tables, checked against the model
+    placed_similarity(similarity, placement)   the profile's (E, E) tables reordered into placed order
+    apply_occult(model, placement, pruning,    permute the experts (placement), then install the
+                 similarity)                   pruned routers (budget) in place
+    applied_similarity(model)                  the placed-order tables the pruned routers hold
+    placed_copy(model, placement, pruning)     the same on a deep copy with its own routers
+
+Similarity tables come in one of two orders: the *original* expert order (a fresh profile) or the
+*placed* order (saved beside a checkpoint). `apply_occult` takes `similarity_placed` to say which.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import nn
+
+from .models.registry import find_moe_layers, get_arch, unwrap_model
+from .routing import PruningConfig, apply_pruning, remove_pruning
+
+__all__ = [
+    "resolve_placement",
+    "profile_similarity",
+    "placed_similarity",
+    "apply_occult",
+    "applied_similarity",
+    "placed_copy",
+]
+
+
+def resolve_placement(spec, model: nn.Module, devices: int | None = None):
+    """A `Placement` for `model` from a JSON path, `"sequential"` (needs `devices`) or a `Placement`.
+
+    Raises:
+        ValueError: the placement does not fit the model, or disagrees with `devices`.
+    """
+    from .placement import Placement, sequential_placement
+
+    layers = find_moe_layers(model)
+    num_experts, indices = layers[0].num_experts, [layer.index for layer in layers]
+    model_type = get_arch(unwrap_model(model)).model_type
+    if isinstance(spec, str) and spec == "sequential":
+        if devices is None:
+            raise ValueError("placement 'sequential' needs the device count: pass --devices D")
+        return sequential_placement(num_experts, devices, indices, model_type=model_type)
+    placement = Placement.load(spec) if isinstance(spec, (str, os.PathLike)) else spec
+    placement.check_model(num_experts, indices, model_type)
+    if devices is not None and placement.num_devices != devices:
+        raise ValueError(
+            f"devices={devices} disagrees with the placement's {placement.num_devices} devices; "
+            f"use {placement.num_devices} or make a placement for {devices}"
+        )
+    return placement
+
+
+def profile_similarity(profile_path: str | None, model: nn.Module) -> dict[int, torch.Tensor]:
+    """The similarity tables (original expert order) of a saved profile, checked against `model`."""
+    from .profiling import Profile
+
+    if profile_path is None:
+        raise ValueError(
+            "criterion 'similarity' needs a profile: pass --profile PROFILE (from occult-ft profile)"
+        )
+    profile = Profile.load(profile_path)
+    layers = find_moe_layers(model)
+    profile.check_model(
+        layers[0].num_experts, [layer.index for layer in layers], get_arch(unwrap_model(model)).model_type
+    )
+    return profile.similarity()
+
+
+def placed_similarity(
+    similarity: dict[int, torch.Tensor] | None, placement
+) -> dict[int, torch.Tensor] | None:
+    """Reorder (E, E) similarity tables from the original expert order into `placement`'s placed order
+    (`sim[order][:, order]`, order = original id of each placed slot). None stays None."""
+    if similarity is None or placement is None:
+        return similarity
+    out = {}
+    for i, sim in similarity.items():
+        order = placement.expert_order(i).to(sim.device)
+        out[i] = sim.index_select(0, order).index_select(1, order)
+    return out
+
+
+def apply_occult(
+    model: nn.Module,
+    placement=None,
+    pruning: PruningConfig | None = None,
+    similarity: dict[int, torch.Tensor] | None = None,
+    *,
+    similarity_placed: bool = False,
+    expert_device: dict[int, torch.Tensor] | None = None,
+) -> nn.Module:
+    """Permute `model`'s experts by `placement` and install pruned routers for `pruning`, in place.
+
+    Args:
+        model: a supported transformers MoE model (PEFT/DDP wrappers are unwrapped).
+        placement: a `Placement` (original ids per device) or None when the experts stay where they are.
+        pruning: the budget; None leaves the routers alone (a placement-only model).
+        similarity: layer -> (E, E) tables, in the original order unless `similarity_placed`.
+        similarity_placed: the tables are already in placed order (read from a checkpoint).
+        expert_device: layer -> (E,) device of each expert, default contiguous blocks.
+
+    Returns:
+        `model` (the same object).
+    """
+    from .placement import permute_experts
+
+    base = unwrap_model(model)
+    if placement is not None:
+        permute_experts(base, placement)
+        if not similarity_placed:
+            similarity = placed_similarity(similarity, placement)
+    if pruning is not None:
+        if pruning.active and pruning.criterion == "similarity":
+            _check_tables(similarity, find_moe_layers(base)[0].num_experts)
+        apply_pruning(base, pruning, similarity=similarity, expert_device=expert_device)
+    return model
+
+
+def _check_tables(similarity: dict[int, torch.Tensor] | None, num_experts: int) -> None:
+    """Similarity tables must be finite (E, E) matrices: a NaN table would replace experts at random."""
+    for i, table in (similarity or {}).items():
+        if tuple(table.shape) != (num_experts, num_experts):
+            raise ValueError(
+                f"similarity table of MoE layer {i} has shape {tuple(table.shape)}, expected "
+                f"({num_experts}, {num_experts}); re-profile this model (occult-ft profile)"
+            )
+        if not torch.isfinite(table).all():
+            raise ValueError(
+                f"similarity table of MoE layer {i} holds NaN or infinite values; re-profile the model "
+                "(occult-ft profile) or use criterion='score'"
+            )
+
+
+def placed_copy(
+    model: nn.Module,
+    placement,
+    pruning: PruningConfig | None = None,
+    similarity: dict[int, torch.Tensor] | None = None,
+    *,
+    similarity_placed: bool = False,
+) -> nn.Module:
+    """A deep copy of `model` with its routers reset, then placed and pruned by `apply_occult`."""
+    placed = copy.deepcopy(model)
+    remove_pruning(placed)
+    return apply_occult(placed, placement, pruning, similarity, similarity_placed=similarity_placed)
+
+
+def applied_similarity(model: nn.Module) -> dict[int, torch.Tensor] | None:
+    """The placed-order similarity tables held by `model`'s pruned routers (None when none holds one),
+    detached on the CPU: what a checkpoint of the model must save beside its weights."""
+    from .routing import pruned_routers
+
+    tables = {
+        layer.index: router._buffers.get("occult_similarity") for layer, router in pruned_routers(model)
+    }
+    tables = {i: t.detach().float().cpu() for i, t in tables.items() if t is not None}
+    return tables or None

@@ -1,0 +1,269 @@
+"""The checkpoint owner (`occult_ft.checkpoint`), the atomic writers (`occult_ft.fileio`) and the one place
+that applies a placement and a budget (`occult_ft.apply`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from occult_ft.apply import (
+    apply_occult,
+    applied_similarity,
+    placed_copy,
+    placed_similarity,
+    resolve_placement,
+)
+from occult_ft.checkpoint import (
+    ADAPTER_OCCULT_FILE,
+    OCCULT_KEY,
+    SIMILARITY_FILE,
+    describe_checkpoint,
+    from_pretrained,
+    model_block,
+    occult_config_fields,
+    placement_from_block,
+    pruning_from_block,
+    read_block,
+    read_similarity,
+    save_pruned,
+)
+from occult_ft.fileio import OutputPathError, atomic_directory, atomic_write_text, check_output_path
+from occult_ft.models import find_moe_layers, tiny_config
+from occult_ft.placement import Placement
+from occult_ft.routing import PruningConfig
+
+
+def _model(model_type="olmoe", seed=0, **overrides):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).eval()
+
+
+def _shuffled_placement(model, devices=4, seed=0) -> Placement:
+    """A random equal-size placement of every MoE layer (original expert ids per device)."""
+    layers = find_moe_layers(model)
+    e = layers[0].num_experts
+    g = torch.Generator().manual_seed(seed)
+    groups = {}
+    for layer in layers:
+        perm = torch.randperm(e, generator=g).tolist()
+        groups[layer.index] = [
+            sorted(perm[d * e // devices : (d + 1) * e // devices]) for d in range(devices)
+        ]
+    return Placement(
+        model=None,
+        model_type=layers[0].arch.model_type,
+        num_experts=e,
+        num_devices=devices,
+        num_nodes=1,
+        algorithm="test",
+        groups=groups,
+        metrics={},
+    )
+
+
+def _random_similarity(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    e = find_moe_layers(model)[0].num_experts
+    out = {}
+    for layer in find_moe_layers(model):
+        x = torch.rand(e, e, generator=g)
+        out[layer.index] = (x + x.T) / 2
+    return out
+
+
+def _ids():
+    return torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+# ---- apply ------------------------------------------------------------------------------------------
+def test_placed_similarity_is_the_table_indexed_by_the_placed_order():
+    model = _model()
+    placement = _shuffled_placement(model)
+    sim = _random_similarity(model)
+    placed = placed_similarity(sim, placement)
+    for i, table in sim.items():
+        order = placement.expert_order(i)
+        # slot a of the placed model holds original expert order[a]: entry (a, b) = sim[order[a], order[b]]
+        for a in range(len(order)):
+            for b in range(len(order)):
+                assert placed[i][a, b] == table[order[a], order[b]]
+
+
+def test_placement_alone_keeps_the_logits():
+    model = _model()
+    ids = _ids()
+    with torch.no_grad():
+        before = model(ids).logits
+        apply_occult(model, _shuffled_placement(model))
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+def test_placed_copy_leaves_the_original_alone_and_equals_apply_occult():
+    model = _model()
+    placement = _shuffled_placement(model)
+    pruning = PruningConfig(4, 1, "similarity")
+    sim = _random_similarity(model)
+    reference = apply_occult(_model(), placement, pruning, sim)
+    copied = placed_copy(model, placement, pruning, sim)
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(copied(ids).logits, reference(ids).logits)
+    assert applied_similarity(model) is None  # the original has no pruned routers
+    held = applied_similarity(copied)
+    for i, table in placed_similarity(sim, placement).items():
+        torch.testing.assert_close(held[i], table)
+
+
+def test_resolve_placement_checks_devices_and_needs_devices_for_sequential(tmp_path):
+    model = _model()
+    with pytest.raises(ValueError, match="needs the device count"):
+        resolve_placement("sequential", model)
+    assert resolve_placement("sequential", model, 2).num_devices == 2
+    path = tmp_path / "p.json"
+    _shuffled_placement(model).save(path)
+    with pytest.raises(ValueError, match="devices=2 disagrees with the placement's 4 devices"):
+        resolve_placement(str(path), model, 2)
+
+
+# ---- the occult block ---------------------------------------------------------------------------------
+def test_save_pruned_round_trip_block_similarity_and_logits(tmp_path):
+    model = _model()
+    placement = _shuffled_placement(model)
+    pruning = PruningConfig(4, 2, "similarity")
+    apply_occult(model, placement, pruning, _random_similarity(model))
+    out = str(tmp_path / "ckpt")
+    save_pruned(model, out, pruning=pruning, placement=placement, similarity=applied_similarity(model))
+    block = read_block(out)
+    assert block["max_devices_per_token"] == 2 and block["criterion"] == "similarity"
+    assert block["placed"] is True and block["num_devices"] == 4
+    assert pruning_from_block(block) == pruning
+    assert placement_from_block(block, model).groups == placement.groups
+    assert set(read_similarity(out)) == {layer.index for layer in find_moe_layers(model)}
+    # the live config is left as it was
+    assert OCCULT_KEY not in model.config.__dict__
+    reloaded = from_pretrained(out)
+    assert model_block(reloaded)["max_devices_per_token"] == 2
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+
+
+def test_occult_config_fields_restores_the_config_even_on_error():
+    model = _model("deepseek_v3")
+    config = model.config
+    before = dict(config.__dict__)
+    pruning = PruningConfig(4, 2, "device_topk_sum")
+    with pytest.raises(RuntimeError):
+        with occult_config_fields(config, {"version": 1}, pruning):
+            assert config.n_group == 4 and config.topk_group == 2
+            assert getattr(config, OCCULT_KEY) == {"version": 1}
+            raise RuntimeError("save failed")
+    assert config.__dict__ == before
+
+
+def test_describe_checkpoint_reads_native_routing_from_the_registry(tmp_path):
+    model = _model("deepseek_v3")
+    pruning = PruningConfig(4, 2, "device_topk_sum")
+    apply_occult(model, _shuffled_placement(model), pruning)
+    out = str(tmp_path / "v3")
+    save_pruned(model, out, pruning=pruning, placement=_shuffled_placement(model))
+    summary = describe_checkpoint(out)
+    assert summary.kind == "full" and summary.native_routing and not summary.needs_occult_ft
+    assert summary.num_experts == 8 and summary.top_k == 2
+
+
+def test_adapter_block_is_read_from_occult_config_json(tmp_path):
+    (tmp_path / ADAPTER_OCCULT_FILE).write_text(json.dumps({"version": 1, "placed": False}))
+    (tmp_path / "config.json").write_text(json.dumps({OCCULT_KEY: {"placed": True}}))
+    assert read_block(str(tmp_path)) == {"version": 1, "placed": False}
+    assert read_block(str(tmp_path / "missing")) == {}
+
+
+# ---- writes that lose nothing ---------------------------------------------------------------------------
+def test_save_pruned_over_an_adapter_dir_leaves_no_stale_adapter(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "adapter_config.json").write_text("{}")
+    (out / SIMILARITY_FILE).write_text("stale")
+    model = _model()
+    save_pruned(model, str(out), pruning=None, placement=_shuffled_placement(model))
+    assert not (out / "adapter_config.json").exists() and not (out / SIMILARITY_FILE).exists()
+    assert describe_checkpoint(str(out)).kind == "full"
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    model = _model()
+    out = str(tmp_path / "ckpt")
+    save_pruned(model, out, pruning=PruningConfig(4, 2, "score"), placement=_shuffled_placement(model))
+    before = {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)}
+
+    def crash(self, path, *args, **kwargs):
+        with open(os.path.join(path, "config.json"), "w") as f:
+            f.write('{"half": ')  # a partial write, then the disk fills up
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(model), "save_pretrained", crash)
+    with pytest.raises(OSError, match="No space left"):
+        save_pruned(model, out, pruning=PruningConfig(4, 1, "score"), placement=_shuffled_placement(model))
+    after = {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)}
+    assert after == before
+    assert [n for n in os.listdir(tmp_path) if n != "ckpt"] == []  # the temporary sibling is gone
+
+
+def test_atomic_directory_replaces_whole_and_cleans_leftovers(tmp_path):
+    target = tmp_path / "d"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    (tmp_path / ".d.tmp-leftover").mkdir()  # an earlier write killed with -9
+    with atomic_directory(target) as tmp:
+        with open(os.path.join(tmp, "new.txt"), "w") as f:
+            f.write("new")
+        assert (target / "old.txt").exists()  # readers still see the old one while writing
+    assert sorted(os.listdir(target)) == ["new.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["d"]
+
+
+def test_atomic_write_text_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
+    path = tmp_path / "placement.json"
+    atomic_write_text(path, "old")
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError):
+        atomic_write_text(path, "new")
+    assert path.read_text() == "old"
+    assert os.listdir(tmp_path) == ["placement.json"]
+
+
+@pytest.mark.parametrize(
+    "out, inputs",
+    [
+        ("model", ["model"]),  # the input itself
+        ("model/pruned", ["model"]),  # inside the input
+        (".", ["model"]),  # a folder holding the input
+        ("profile.safetensors", ["profile.safetensors"]),  # place --out = its own profile
+    ],
+)
+def test_check_output_path_refuses_outputs_that_destroy_an_input(tmp_path, monkeypatch, out, inputs):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "profile.safetensors").write_text("x")
+    with pytest.raises(OutputPathError, match="would overwrite the input"):
+        check_output_path(out, *inputs)
+    check_output_path("elsewhere", *inputs)  # a new sibling is fine
+    check_output_path("model", "org/hub-id")  # Hub ids are not local inputs
+
+
+def test_a_nan_similarity_table_is_refused():
+    model = _model()
+    sim = _random_similarity(model)
+    sim[next(iter(sim))][:] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        apply_occult(model, None, PruningConfig(4, 2, "similarity"), sim)
