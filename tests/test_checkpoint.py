@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from occult_ft.apply import (
-    apply_occult,
     applied_similarity,
+    apply_occult,
     placed_copy,
     placed_similarity,
     resolve_placement,
