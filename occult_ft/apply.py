@@ -11,6 +11,9 @@ these functions instead of permuting and pruning by hand:
                  similarity)                   pruned routers (budget) in place
     applied_similarity(model)                  the placed-order tables the pruned routers hold
     placed_copy(model, placement, pruning)     the same on a deep copy with its own routers
+    permute_state_dict(model, state, placement, inverse=False)
+                                               the same permutation on a state dict, PEFT LoRA factors
+                                               of the fused experts and router copies included
 
 Similarity tables come in one of two orders: the *original* expert order (a fresh profile) or the
 *placed* order (saved beside a checkpoint). `apply_occult` takes `similarity_placed` to say which.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 
 import torch
 from torch import nn
@@ -34,6 +38,7 @@ __all__ = [
     "apply_occult",
     "applied_similarity",
     "placed_copy",
+    "permute_state_dict",
 ]
 
 
@@ -79,15 +84,18 @@ def profile_similarity(profile_path: str | None, model: nn.Module) -> dict[int, 
 
 
 def placed_similarity(
-    similarity: dict[int, torch.Tensor] | None, placement
+    similarity: dict[int, torch.Tensor] | None, placement, inverse: bool = False
 ) -> dict[int, torch.Tensor] | None:
     """Reorder (E, E) similarity tables from the original expert order into `placement`'s placed order
-    (`sim[order][:, order]`, order = original id of each placed slot). None stays None."""
+    (`sim[order][:, order]`, order = original id of each placed slot; `inverse=True`: from the placed
+    order back to the original one). None stays None."""
     if similarity is None or placement is None:
         return similarity
     out = {}
     for i, sim in similarity.items():
         order = placement.expert_order(i).to(sim.device)
+        if inverse:
+            order = torch.argsort(order)
         out[i] = sim.index_select(0, order).index_select(1, order)
     return out
 
@@ -167,3 +175,50 @@ def applied_similarity(model: nn.Module) -> dict[int, torch.Tensor] | None:
     }
     tables = {i: t.detach().float().cpu() for i, t in tables.items() if t is not None}
     return tables or None
+
+
+def permute_state_dict(
+    model: nn.Module, state: dict[str, torch.Tensor], placement, inverse: bool = False
+) -> dict[str, torch.Tensor]:
+    """`state` (a state dict of `model`, possibly PEFT-wrapped) with every expert-indexed tensor reordered
+    as `permute_experts` reorders the live model (`inverse=True`: back to the original order).
+
+    Expert-indexed tensors, found under each MoE block's name (`...layers.3.mlp`):
+      - the router's parameters and buffers named by the registry (`gate.weight`, DeepSeek-V3's
+        `e_score_correction_bias`, GPT-OSS `router.bias`), also PEFT's `original_module` /
+        `modules_to_save` copies of the router: dim 0;
+      - the fused expert tensors (`experts.gate_up_proj`, ...), also under PEFT's `base_layer`: dim 0;
+      - PEFT LoRA factors of the fused expert tensors (`target_parameters`): `lora_A.weight` is
+        (r*E, in) with expert-major rows, reshaped (E, r, in); `lora_B.weight` is (out, r*E) with
+        expert-minor columns, reshaped (out, r, E).
+    Other tensors are returned as they are (the same objects).
+    """
+    layers = find_moe_layers(model)
+    e = layers[0].num_experts
+    out = dict(state)
+    for layer in layers:
+        order = placement.expert_order(layer.index)
+        if inverse:
+            order = torch.argsort(order)
+        block = re.escape(layer.name.split("model.", 1)[-1] if "model." in layer.name else layer.name)
+        router = rf"(^|\.){block}\.{re.escape(layer.arch.router_attr)}\.(?:[\w.]*\.)?(?:{'|'.join(map(re.escape, layer.arch.router_params))})$"
+        experts = rf"(^|\.){block}\.experts\.(?:base_layer\.)*(?:{'|'.join(map(re.escape, layer.arch.expert_params))})$"
+        lora = rf"(^|\.){block}\.experts\.(?:base_layer\.)*lora_([AB])\.(?:[\w]+\.)?weight$"
+        for key, tensor in state.items():
+            if re.search(router, key) or re.search(experts, key):
+                if tensor.shape[0] != e:
+                    raise ValueError(
+                        f"{key} has {tensor.shape[0]} rows, expected {e} experts; is it sharded?"
+                    )
+                out[key] = tensor.index_select(0, order.to(tensor.device))
+                continue
+            match = re.search(lora, key)
+            if match is None:
+                continue
+            if match.group(2) == "A":
+                rows = tensor.reshape(e, -1, tensor.shape[-1])
+                out[key] = rows.index_select(0, order.to(tensor.device)).reshape(tensor.shape)
+            else:
+                cols = tensor.reshape(tensor.shape[0], -1, e)
+                out[key] = cols.index_select(2, order.to(tensor.device)).reshape(tensor.shape)
+    return out

@@ -417,9 +417,16 @@ def from_pretrained(path: str, dtype=None, is_trainable: bool = False, **kwargs)
 
 
 def _from_adapter(path: str, dtype=None, is_trainable: bool = False, **kwargs) -> nn.Module:
+    """An occult_ft LoRA adapter on its base model, placed and pruned like in training.
+
+    `expert_order: "original"` (what training saves at the end): the adapter fits the stock base as it
+    is; it is attached first, then the whole model (base experts, routers, LoRA factors) is permuted
+    into the placed order. Otherwise (checkpoint-N folders) the adapter is in the placed order: the base
+    is permuted first (unless it is stored placed) and the adapter attached to it.
+    """
     from peft import PeftModel
 
-    from .apply import apply_occult
+    from .apply import apply_occult, permute_state_dict, placed_similarity
 
     base_name = read_json_object(os.path.join(path, "adapter_config.json")).get("base_model_name_or_path")
     if not base_name:
@@ -429,13 +436,14 @@ def _from_adapter(path: str, dtype=None, is_trainable: bool = False, **kwargs) -
     model, _ = load_model_and_tokenizer(base_name, dtype=dtype, **kwargs)
     block = read_block(path)
     placement = None if block.get("placed", False) else placement_from_block(block, model)
-    apply_occult(
-        model,
-        placement=placement,
-        pruning=pruning_from_block(block),
-        similarity=read_similarity(path),
-        similarity_placed=True,
-    )
-    model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+    pruning, similarity = pruning_from_block(block), read_similarity(path)
+    if block.get("expert_order") == "original" and placement is not None:
+        model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+        model.load_state_dict(permute_state_dict(model, model.state_dict(), placement))
+        similarity = placed_similarity(similarity, placement)
+        apply_occult(model, pruning=pruning, similarity=similarity, similarity_placed=True)
+    else:
+        apply_occult(model, placement, pruning, similarity, similarity_placed=True)
+        model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
     model.config.__dict__[OCCULT_KEY] = block
     return model

@@ -279,6 +279,26 @@ def _usage_section(s: CheckpointSummary, repo: str) -> str:
             f"This is a LoRA adapter for `{s.base_model or 'its base model'}`: `occult_ft.from_pretrained` loads "
             "the base model, applies the recorded placement and routing budget, then attaches the adapter."
         )
+        if s.block.get("expert_order") == "original":
+            base = _hub_id(s.base_model) or s.base_model or "BASE_MODEL"
+            pruned = s.pruned
+            lines += [
+                "",
+                "The adapter is stored in the base model's own expert order, so stock PEFT on the stock base "
+                + (
+                    "computes the fine-tuned model without the collaboration pruning it was trained with "
+                    "(each token may then reach more devices than the budget; quality stays close):"
+                    if pruned
+                    else "computes exactly the fine-tuned model:"
+                ),
+                "",
+                "```python",
+                "from peft import PeftModel",
+                "from transformers import AutoModelForCausalLM",
+                "",
+                f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{repo}")',
+                "```",
+            ]
     elif s.needs_occult_ft:
         lines.append(
             "`occult_ft.from_pretrained` restores the pruned routing the model was fine-tuned with. Plain "

@@ -31,6 +31,7 @@ from torch import nn
 from transformers import Trainer
 from transformers.utils import logging
 
+from ..apply import permute_state_dict, placed_similarity
 from ..checkpoint import (
     occult_block,
     occult_config_fields,
@@ -391,7 +392,11 @@ class OccultTrainer(Trainer):
         """`Trainer.save_model`; a save the user asks for (not an intermediate checkpoint) also writes the
         Occult model card (README.md: placement, budget, measured comm_complexity, how to load) beside
         the model. The card's figure is only drawn on push, where the measurement is worth its cost."""
-        super().save_model(output_dir, _internal_call=_internal_call)
+        self._occult_final_save = not _internal_call
+        try:
+            super().save_model(output_dir, _internal_call=_internal_call)
+        finally:
+            self._occult_final_save = False
         if _internal_call or not self.is_world_process_zero():
             return
         from ..hub import last_eval_metrics, write_model_card
@@ -417,16 +422,36 @@ class OccultTrainer(Trainer):
             state_dict = gathered_state_dict(self.model, state_dict)
             if not self.args.should_save:
                 return
+        similarity = self.occult.similarity
         if self._is_lora():
+            block = self.occult_block(placed=self.occult.base_placed)
+            if getattr(self, "_occult_final_save", False) and self._adapter_unplaceable():
+                # the adapter a user takes away: in the base model's own expert order, so stock PEFT on
+                # the stock base computes the trained model (without the pruning); checkpoint-N folders
+                # keep the live (placed) order for exact resumption
+                placement = self.occult.placement
+                state_dict = permute_state_dict(
+                    self.model,
+                    state_dict if state_dict is not None else self.model.state_dict(),
+                    placement,
+                    inverse=True,
+                )
+                similarity = placed_similarity(similarity, placement, inverse=True)
+                block["expert_order"] = "original"
             super()._save(output_dir, state_dict=state_dict)
             if self.args.should_save:
-                write_adapter_block(output_dir, self.occult_block(placed=self.occult.base_placed))
+                write_adapter_block(output_dir, block)
         else:
             config = unwrap_model(self.model).config
             with occult_config_fields(config, self.occult_block(placed=True), self.occult.pruning):
                 super()._save(output_dir, state_dict=state_dict)
         if self.args.should_save:
-            write_similarity(output_dir, self.occult.similarity)
+            write_similarity(output_dir, similarity)
+
+    def _adapter_unplaceable(self) -> bool:
+        """A LoRA adapter can be saved in the original expert order: the base on disk is not placed and
+        the placement is known."""
+        return not self.occult.base_placed and self.occult.placement is not None
 
     # ---- resuming -----------------------------------------------------------------------------
     def _adopt_checkpoint(self, checkpoint: str) -> None:
