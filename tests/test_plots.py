@@ -281,7 +281,7 @@ def test_bench_figures_read_the_budget_from_the_field_not_the_name(tmp_path):
     fig = plots.plot_bench(report, tmp_path / "bench_fields.png")
     assert_png(tmp_path / "bench_fields.png")
     labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
-    assert labels == ["peer_a", "peer_b", "ours", "ours_small\nM=2"]
+    assert labels == ["peer_a", "peer_b", "ours", "ours_small (M=2)"]
     # kind "dedup" is drawn in our colour, the peers in grey
     from matplotlib.colors import to_hex
 

@@ -41,7 +41,7 @@ def plot_bench(
         bench_result: the report of `occult_ft.bench.run_benchmark` (or `occult-ft bench --json`): a dict
             whose `backends` list holds `backend`, `rows_per_token`, `exchange_ms` (None when not
             measured) and optionally `kind` (`dedup` bars are drawn as ours, the rest as peers; without it
-            `peer` decides), `max_devices_per_token` (the budget, written under the bar's name) and
+            `peer` decides), `max_devices_per_token` (the budget, written beside the bar's name) and
             `path_ms`. Names are labels only: nothing is read from them.
         path: also write the figure to this PNG.
         title: figure title (default: E, k, devices, transport).
@@ -61,7 +61,7 @@ def plot_bench(
         )
     names = [
         str(b["backend"])
-        + (f"\nM={b['max_devices_per_token']}" if b.get("max_devices_per_token") is not None else "")
+        + (f" (M={b['max_devices_per_token']})" if b.get("max_devices_per_token") is not None else "")
         for b in backends
     ]
     colors = [_OURS if _is_ours(b) else _PEER for b in backends]
