@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -315,7 +316,7 @@ def predict_speedup(
     budgets: Iterable[int] = (2, 1),
     topk_ids_TK: torch.Tensor | None = None,
     expert_device_E: torch.Tensor | None = None,
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, Any]]:
     """Predicted exchange time of per-expert dispatch, de-duplicated dispatch and pruned de-duplicated
     dispatch for each budget, on `shape` (its D devices), from one layer's router scores.
 
@@ -329,13 +330,18 @@ def predict_speedup(
         expert_device_E: placement (default: contiguous blocks of E / D experts).
 
     Returns:
-        name -> {"rows_per_token", "exchange_ms", "speedup_vs_per_expert"} for "per_expert",
-        "dedup" and "dedup_prune{M}".
+        name -> {"kind", "max_devices_per_token", "rows_per_token", "exchange_ms", "speedup_vs_per_expert"}
+        for "per_expert", "dedup" and "dedup_prune{M}"; `kind` is "per_expert" or "dedup" and
+        `max_devices_per_token` the budget M (None when unpruned).
     """
     num_devices, num_experts = shape.num_devices, scores_TE.shape[1]
     dev_E = contiguous_expert_device(num_experts, num_devices) if expert_device_E is None else expert_device_E
     ids_TK = scores_TE.topk(top_k, dim=-1).indices if topk_ids_TK is None else topk_ids_TK.long()
-    routings: dict[str, tuple[torch.Tensor, bool]] = {"per_expert": (ids_TK, False), "dedup": (ids_TK, True)}
+    # name -> (selection, de-duplicated, budget)
+    routings: dict[str, tuple[torch.Tensor, bool, int | None]] = {
+        "per_expert": (ids_TK, False, None),
+        "dedup": (ids_TK, True, None),
+    }
     for m in budgets:
         if not 1 <= m or m * (num_experts // num_devices) < top_k:
             raise ValueError(
@@ -345,12 +351,15 @@ def predict_speedup(
         routings[f"dedup_prune{m}"] = (
             pruned_topk(scores_TE, ids_TK, dev_E, num_devices, min(m, num_devices)),
             True,
+            int(m),
         )
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}
     tokens = max(1, ids_TK.shape[0])
-    for name, (ids, dedup) in routings.items():
+    for name, (ids, dedup, budget) in routings.items():
         rows_DD = rows_matrix(ids, dev_E, num_devices, dedup=dedup)
         out[name] = {
+            "kind": "dedup" if dedup else "per_expert",
+            "max_devices_per_token": budget,
             "rows_per_token": float(rows_DD.sum()) / tokens,
             "exchange_ms": predict_exchange_ms(rows_DD, bytes_per_row, shape),
         }

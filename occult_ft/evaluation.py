@@ -1,14 +1,18 @@
 """Held-out evaluation: loss, perplexity and routing metrics of a (pruned) MoE model on data.
 
-Used by `occult-ft eval`, the demo and the quality study. `eval_batches` turns a data source into
-padded batches with labels; `evaluate_model` runs the model over them with its routers recording.
+Used by `occult-ft eval`, the demo and the quality study. `data_batches` turns a data source into
+padded batches with labels; `evaluate_model` runs the model over them with its routers recording;
+`measure_checkpoint` loads a saved checkpoint and measures its own routing as a `RoutingReport` (the
+model card's comm_complexity figure draws it).
 """
 
 from __future__ import annotations
 
 import math
+import os
+from typing import Any
 
-__all__ = ["load_data", "data_batches", "evaluate_model", "format_results"]
+__all__ = ["load_data", "data_batches", "evaluate_model", "format_results", "measure_checkpoint"]
 
 
 def load_data(data: str):
@@ -154,3 +158,67 @@ def format_results(results: dict) -> str:
             f"{m['intra_share']:.3f}  load_imbalance {m['load_imbalance']:.2f}"
         )
     return "\n".join(lines)
+
+
+def measure_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    data: Any = "embedded",
+    devices: int | None = None,
+    max_tokens: int = 2048,
+    seq_len: int = 128,
+    batch_size: int = 8,
+):
+    """`RoutingReport` of a checkpoint's own (placed, pruned) routing on `data`.
+
+    The checkpoint (written by `save_pruned`, the trainer or `occult-ft prune`) is loaded with
+    `occult_ft.from_pretrained`, its placement and pruned routing active, and run over `max_tokens`
+    tokens of `data`. Its experts are stored placed, so device d holds experts [d*E/D, (d+1)*E/D).
+    The report's `extra` carries `model` (the folder name), `max_devices_per_token` and `criterion`
+    (None when unpruned), which `occult_ft.plots.plot_report` puts in the title and reference lines:
+
+        report = measure_checkpoint("out")
+        comm_complexity_figure(report, "out/comm_complexity.png")
+
+    Args:
+        checkpoint_dir: the checkpoint directory (full or LoRA adapter).
+        data: what to route (a `--data` value: a text/JSONL file, a dataset, or "embedded" for the
+            shipped eval text).
+        devices: D (default: the `num_devices` the checkpoint records).
+        max_tokens, seq_len, batch_size: how much data, in which shape.
+
+    Raises:
+        ValueError: the directory is missing, or neither it nor `devices` gives D.
+    """
+    from .checkpoint import from_pretrained, load_tokenizer
+    from .hub import describe_checkpoint
+    from .metrics import contiguous_expert_device, routing_report
+    from .models import find_moe_layers
+    from .profiling import profile_model
+
+    path = os.fspath(checkpoint_dir)
+    if not os.path.isdir(path):
+        raise ValueError(
+            f"checkpoint directory {path!r} does not exist; pass the folder written by save/train"
+        )
+    if devices is not None and (not isinstance(devices, int) or devices < 1):
+        raise ValueError(f"devices={devices!r} must be a positive int (the expert-parallel size)")
+    summary = describe_checkpoint(path)
+    block = summary.block
+    devices = devices or block.get("num_devices")
+    if not devices:
+        raise ValueError(
+            f"checkpoint {path!r} records no num_devices; pass devices=D (the expert-parallel size)"
+        )
+    model = from_pretrained(path)
+    tokenizer = load_tokenizer(path, summary.base_model)
+    batches = data_batches(tokenizer, data, seq_len, batch_size, max_tokens)
+    profile = profile_model(model, batches, model_name=path, max_tokens=max_tokens, progress=False)
+    num_experts = find_moe_layers(model)[0].num_experts
+    report = routing_report(
+        profile.topk_ids(), contiguous_expert_device(num_experts, int(devices)), int(devices), num_experts
+    )
+    budget = block.get("max_devices_per_token")
+    report.extra["model"] = os.path.basename(os.path.abspath(path))
+    report.extra["max_devices_per_token"] = budget
+    report.extra["criterion"] = block.get("criterion", "score") if budget else None
+    return report

@@ -503,12 +503,14 @@ FIGURE_NAME = "comm_complexity.png"
 def make_comm_complexity_figure(
     checkpoint_dir: str | os.PathLike, data: Any = "embedded", max_tokens: int = 2048
 ) -> str:
-    """Measure the checkpoint's routing on `data` and write its comm_complexity figure into the
-    directory (`comm_complexity.png`), for the card; returns the PNG's path."""
+    """Measure the checkpoint's routing on `data` (`evaluation.measure_checkpoint`) and write its
+    comm_complexity figure into the directory (`comm_complexity.png`), for the card; returns the PNG's path."""
+    from .evaluation import measure_checkpoint
     from .plots import comm_complexity_figure
 
+    report = measure_checkpoint(checkpoint_dir, data=data, max_tokens=max_tokens)
     path = os.path.join(os.fspath(checkpoint_dir), FIGURE_NAME)
-    comm_complexity_figure(os.fspath(checkpoint_dir), path, data=data, max_tokens=max_tokens)
+    comm_complexity_figure(report, path)
     return path
 
 

@@ -179,6 +179,25 @@ def test_rows_per_token_is_k_for_per_expert_and_comm_complexity_for_dedup(synthe
     assert b["occult_dedup"]["bytes"] == 2 * b["occult_dedup"]["rows"] * 16 * 2
 
 
+def test_backends_carry_their_kind_and_budget(synthetic_report):
+    # the budget is a field of every row (None when the backend does not prune), not only a name suffix
+    kinds = {
+        "deepspeed_classic": ("capacity", None),
+        "deepspeed_classic_nodrop": ("capacity", None),
+        "per_expert": ("per_expert", None),
+        "hf_native_ep": ("per_expert", None),
+        "occult_dedup": ("dedup", None),
+        pruned_name(2): ("dedup", 2),
+        pruned_name(1): ("dedup", 1),
+    }
+    got = {b["backend"]: (b["kind"], b["max_devices_per_token"]) for b in synthetic_report["backends"]}
+    assert got == kinds
+    for cluster in synthetic_report["cost_model"]["clusters"]:
+        for p in cluster.get("backends", []):
+            assert (p["kind"], p["max_devices_per_token"]) == kinds[p["backend"]]
+    assert {"kind", "max_devices_per_token"} <= set(synthetic_report["definitions"])
+
+
 def test_deepspeed_sends_its_dense_capacity_buffer(synthetic_report):
     b = by_name(synthetic_report)
     # 32 tokens per process, E=8, top-2: C = max(ceil(32 / 8 * 1.0 * 2), 4) = 8 -> E * C = 64 rows per process

@@ -133,6 +133,13 @@ def test_predict_speedup_orders_dispatch_kinds():
     assert 1 < pred["dedup"]["speedup_vs_per_expert"] < pred["dedup_prune2"]["speedup_vs_per_expert"]
     assert pred["dedup_prune2"]["speedup_vs_per_expert"] < pred["dedup_prune1"]["speedup_vs_per_expert"]
     assert math.isclose(pred["per_expert"]["speedup_vs_per_expert"], 1.0)
+    # what each routing is, as fields: the budget is never only in the name
+    assert {name: (p["kind"], p["max_devices_per_token"]) for name, p in pred.items()} == {
+        "per_expert": ("per_expert", None),
+        "dedup": ("dedup", None),
+        "dedup_prune2": ("dedup", 2),
+        "dedup_prune1": ("dedup", 1),
+    }
     with pytest.raises(
         ValueError, match="max_devices_per_token=1 cannot hold top-8 with 4 experts per device"
     ):

@@ -193,24 +193,24 @@ def test_plot_quality_tradeoff_rejects_rows_without_the_metric():
         plots.plot_quality_tradeoff([{"criterion": "score", "max_devices_per_token": 1}])
 
 
+def bench_row(name, kind, budget, rows, ms, path_ms):
+    return {
+        "backend": name,
+        "peer": kind != "dedup",
+        "kind": kind,
+        "max_devices_per_token": budget,
+        "rows_per_token": rows,
+        "exchange_ms": ms,
+        "path_ms": path_ms,
+    }
+
+
 def bench_result():
     backends = [
-        {"backend": "per_expert", "peer": True, "rows_per_token": 4.0, "exchange_ms": 2.0, "path_ms": 3.0},
-        {
-            "backend": "hf_native_ep",
-            "peer": True,
-            "rows_per_token": 4.0,
-            "exchange_ms": None,
-            "path_ms": None,
-        },
-        {"backend": "occult_dedup", "peer": False, "rows_per_token": 2.9, "exchange_ms": 1.5, "path_ms": 2.4},
-        {
-            "backend": "occult_dedup_prune1",
-            "peer": False,
-            "rows_per_token": 1.0,
-            "exchange_ms": 0.7,
-            "path_ms": 1.1,
-        },
+        bench_row("per_expert", "per_expert", None, 4.0, 2.0, 3.0),
+        bench_row("hf_native_ep", "per_expert", None, 4.0, None, None),
+        bench_row("occult_dedup", "dedup", None, 2.9, 1.5, 2.4),
+        bench_row("occult_dedup_prune1", "dedup", 1, 1.0, 0.7, 1.1),
     ]
     clusters = [
         {
@@ -219,9 +219,24 @@ def bench_result():
             "devices_per_node": 8,
             "num_devices": 8,
             "backends": [
-                {"backend": "per_expert", "predicted_ms": 0.4},
-                {"backend": "occult_dedup", "predicted_ms": 0.3},
-                {"backend": "occult_dedup_prune1", "predicted_ms": 0.1},
+                {
+                    "backend": "per_expert",
+                    "kind": "per_expert",
+                    "max_devices_per_token": None,
+                    "predicted_ms": 0.4,
+                },
+                {
+                    "backend": "occult_dedup",
+                    "kind": "dedup",
+                    "max_devices_per_token": None,
+                    "predicted_ms": 0.3,
+                },
+                {
+                    "backend": "occult_dedup_prune1",
+                    "kind": "dedup",
+                    "max_devices_per_token": 1,
+                    "predicted_ms": 0.1,
+                },
             ],
         },
         {
@@ -255,6 +270,51 @@ def test_plot_bench_writes_png(tmp_path):
     }
     plots.plot_bench(minimal, tmp_path / "minimal.png")
     assert_png(tmp_path / "minimal.png")
+
+
+def test_bench_figures_read_the_budget_from_the_field_not_the_name(tmp_path):
+    # backend names that carry no budget text: only `kind` and `max_devices_per_token` say what each is
+    report = bench_result()
+    for row, name in zip(report["backends"], ("peer_a", "peer_b", "ours", "ours_small")):
+        row["backend"] = name
+    report["backends"][3]["max_devices_per_token"] = 2  # a budget the old name (prune1) did not say
+    fig = plots.plot_bench(report, tmp_path / "bench_fields.png")
+    assert_png(tmp_path / "bench_fields.png")
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert labels == ["peer_a", "peer_b", "ours", "ours_small (M=2)"]
+    # kind "dedup" is drawn in our colour, the peers in grey
+    from matplotlib.colors import to_hex
+
+    colors = [to_hex(bar.get_facecolor()) for bar in fig.axes[0].patches]
+    assert colors[0] == colors[1] != colors[2] == colors[3]
+
+    clusters = [
+        {
+            "name": "8 devices",
+            "nodes": 1,
+            "devices_per_node": 8,
+            "num_devices": 8,
+            "backends": [
+                {"backend": "a", "kind": "per_expert", "max_devices_per_token": None, "predicted_ms": 0.8},
+                {"backend": "b", "kind": "dedup", "max_devices_per_token": None, "predicted_ms": 0.4},
+                {"backend": "c", "kind": "dedup", "max_devices_per_token": 2, "predicted_ms": 0.2},
+                {"backend": "d", "kind": "dedup", "max_devices_per_token": 16, "predicted_ms": 0.5},
+            ],
+        }
+    ]
+    fig = plots.plot_cost_model({"cost_model": {"clusters": clusters}}, tmp_path / "cost_fields.png")
+    assert_png(tmp_path / "cost_fields.png")
+    (line,) = [ln for ln in fig.axes[0].get_lines() if ln.get_marker() == "o"]
+    # unpruned at M = D = 8; budget 16 >= D is plain de-duplication too, the faster (0.4) point is kept
+    assert line.get_xdata().tolist() == [2, 8] and line.get_ydata().tolist() == [0.2, 0.4]
+    (speed,) = [ln for ln in fig.axes[1].get_lines() if ln.get_marker() == "o"]
+    assert speed.get_ydata().tolist() == [0.8 / 0.2, 0.8 / 0.4]  # the peer (0.8 ms) over each point
+
+
+def test_plot_cost_model_rejects_entries_without_a_kind():
+    result = {"per_expert": {"exchange_ms": 1.0}, "dedup_prune1": {"exchange_ms": 0.5}}
+    with pytest.raises(ValueError, match="has no `kind`"):
+        plots.plot_cost_model({"8xH100-nvlink": result})
 
 
 def test_plot_bench_rejects_a_report_without_backends():
@@ -294,7 +354,9 @@ def test_plot_cost_model_from_a_bench_report(tmp_path):
                             "name": "x",
                             "nodes": 1,
                             "devices_per_node": 2,
-                            "backends": [{"backend": "per_expert", "predicted_ms": 1.0}],
+                            "backends": [
+                                {"backend": "per_expert", "kind": "per_expert", "predicted_ms": 1.0}
+                            ],
                         }
                     ]
                 }
@@ -308,8 +370,26 @@ def test_comm_complexity_figure_from_report(tmp_path):
     assert_png(tmp_path / "card.png")
 
 
+def test_comm_complexity_figure_draws_reports_only(tmp_path):
+    with pytest.raises(ValueError, match="measure_checkpoint"):
+        plots.comm_complexity_figure(str(tmp_path), tmp_path / "card.png")
+
+
+def test_plots_import_no_model_loading_code():
+    # figures draw data: the package never imports the loaders, the profiler or the evaluation
+    import ast
+    from pathlib import Path
+
+    forbidden = {"hub", "checkpoint", "profiling", "evaluation"}
+    for file in Path(plots.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert not forbidden & set((node.module or "").split(".")), (file.name, node.module)
+
+
 def test_comm_complexity_figure_from_checkpoint_feeds_the_model_card(tmp_path, tiny_olmoe_dir, text_file):
     from occult_ft.checkpoint import from_pretrained, save_pruned
+    from occult_ft.evaluation import measure_checkpoint
     from occult_ft.hub import build_model_card
     from occult_ft.routing import PruningConfig
 
@@ -324,14 +404,31 @@ def test_comm_complexity_figure_from_checkpoint_feeds_the_model_card(tmp_path, t
         pruning=PruningConfig(num_devices=2, max_devices_per_token=1),
     )
     png = out / "comm_complexity.png"
-    fig = plots.comm_complexity_figure(str(out), png, data=text_file, max_tokens=128, seq_len=32)
+    report = measure_checkpoint(str(out), data=text_file, max_tokens=128, seq_len=32)
+    assert report.extra == {"model": "ckpt", "max_devices_per_token": 1, "criterion": "score"}
+    # the budget holds: every measured token reaches exactly one of the 2 devices
+    assert report.devices_histogram[0] == 0 and report.devices_histogram[2] == 0
+    assert report.devices_histogram[1] == sum(m.tokens for m in report.layers) > 0
+    fig = plots.comm_complexity_figure(report, png)
     assert_png(png)
+    assert fig._suptitle.get_text().startswith("ckpt: ")
     assert "max_devices_per_token=1" in fig._suptitle.get_text()
-    # the budget holds: every measured token reaches one device
-    hist_ax = fig.axes[1]
+    hist_ax = fig.axes[1]  # c = 1 .. D = 2 (no token reached none)
     assert hist_ax.get_xticks().tolist()[-1] == 2
     card = build_model_card(str(out), figure=str(png))
     assert "](comm_complexity.png)" in card.content
+
+
+def test_measure_checkpoint_rejects_bad_input(tmp_path, tiny_olmoe_dir):
+    from occult_ft.evaluation import measure_checkpoint
+
+    with pytest.raises(ValueError, match="does not exist"):
+        measure_checkpoint(tmp_path / "missing")
+    # a plain (never pruned) checkpoint records no device count
+    with pytest.raises(ValueError, match="records no num_devices; pass devices=D"):
+        measure_checkpoint(tiny_olmoe_dir)
+    with pytest.raises(ValueError, match="devices=0"):
+        measure_checkpoint(tiny_olmoe_dir, devices=0)
 
 
 def test_analyze_cli_plot_writes_png(tmp_path, tiny_olmoe_dir, text_file, capsys):

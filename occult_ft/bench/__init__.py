@@ -26,6 +26,7 @@ from .output import format_report
 from .runner import DTYPES, BenchSettings, choose_transport, run_exchanges
 from .workload import (
     BACKENDS,
+    KINDS,
     OURS,
     PEERS,
     LayerRouting,
@@ -41,6 +42,7 @@ from .workload import (
 
 __all__ = [
     "BACKENDS",
+    "KINDS",
     "PEERS",
     "OURS",
     "DEFAULT_BUDGETS",

@@ -7,6 +7,8 @@ de-duplicated dispatch that is sum over tokens of C_T), then aggregate per backe
 exchange on named cluster shapes (`occult_ft.costmodel`) and state whether the targets were reached.
 
 Report fields (`definitions` in the report repeats them):
+    kind              dispatch family: capacity (DeepSpeed classic), per_expert or dedup (`workload.KINDS`)
+    max_devices_per_token  the pruning budget M of a pruned de-duplicated backend; None for the others
     rows              rows sent by the dispatch all-to-alls, all processes and measured layers (the
                       combine sends as many back); rows a process sends itself are included, as in C_T
     rows_per_token    rows / (tokens x layers): K for per-expert dispatch, C_T for de-duplicated
@@ -38,6 +40,7 @@ from ..metrics import contiguous_expert_device, devices_per_token
 from .runner import BenchSettings, run_exchanges
 from .workload import (
     BACKENDS,
+    KINDS,
     PEERS,
     Workload,
     deepspeed_capacity,
@@ -54,6 +57,10 @@ TARGETS = {"occult_dedup": 1.5, pruned_name(2): 2.5}
 """Exchange-time speed-up over the best peer that de-duplication (and pruning to 2 devices) should reach."""
 
 DEFINITIONS = {
+    "kind": "dispatch family: capacity (DeepSpeed classic, a dense [E, C, H] buffer), per_expert (one row per "
+    "(token, expert)) or dedup (one row per (token, device))",
+    "max_devices_per_token": "pruning budget M of a de-duplicated backend (collaboration pruning to M devices per "
+    "token); None when the backend does not prune",
     "rows": "rows sent by the dispatch all-to-alls over all processes and measured layers (the combine sends "
     "as many back); rows a process sends itself are included, as in comm_complexity",
     "rows_per_token": "rows / (tokens x layers): top_k for per-expert dispatch, comm_complexity for de-duplicated",
@@ -113,7 +120,8 @@ def _check_volumes(
 
 
 def _cluster_rows(
-    name: str,
+    kind: str,
+    capacity_factor: float | None,
     ids_TK: torch.Tensor,
     scores_TE: torch.Tensor,
     num_experts: int,
@@ -121,15 +129,15 @@ def _cluster_rows(
     settings: BenchSettings,
     budget: int | None,
 ) -> torch.Tensor:
-    """(D', D') dispatch rows of backend `name` when the same tokens run on D' devices."""
-    if name.startswith("deepspeed_classic"):
-        factor = settings.capacity_factor if name == "deepspeed_classic" else None
-        capacity, _ = deepspeed_capacity(ids_TK, num_experts, devices, factor, settings.min_capacity)
+    """(D', D') dispatch rows of a backend of `kind` (`capacity_factor` None = drop-free) when the same
+    tokens run on D' devices."""
+    if kind == "capacity":
+        capacity, _ = deepspeed_capacity(ids_TK, num_experts, devices, capacity_factor, settings.min_capacity)
         return capacity_rows_matrix(devices, num_experts, capacity)
     dev_E = contiguous_expert_device(num_experts, devices)
     if budget is not None:
         ids_TK = pruned_topk(scores_TE, ids_TK, dev_E, devices, min(budget, devices))
-    return rows_matrix(ids_TK, dev_E, devices, dedup=name.startswith("occult_dedup"))
+    return rows_matrix(ids_TK, dev_E, devices, dedup=kind == "dedup")
 
 
 def _cost_model(
@@ -141,7 +149,6 @@ def _cost_model(
 ) -> dict:
     bytes_per_row = workload.hidden * settings.element_size
     shapes = [get_cluster(c) for c in (clusters if clusters else CLUSTER_PRESETS)]
-    budget_of = {b["backend"]: b.get("max_devices_per_token") for b in backends}
     out = {
         "bytes_per_row": bytes_per_row,
         "clusters": [],
@@ -167,8 +174,7 @@ def _cost_model(
             continue
         preds, left_out = [], []
         for b in backends:
-            name = b["backend"]
-            budget = budget_of[name]
+            name, kind, budget = b["backend"], b["kind"], b["max_devices_per_token"]
             if budget is not None and budget * (workload.num_experts // d) < workload.top_k:
                 left_out.append(name)
                 continue
@@ -178,14 +184,17 @@ def _cost_model(
                 if d == settings.devices and (name, li) in measured_rows:
                     rows_DD = measured_rows[(name, li)]
                 else:
+                    factor = settings.capacity_factor if name == "deepspeed_classic" else None
                     rows_DD = _cluster_rows(
-                        name, lr.topk_ids_TK, lr.scores_TE, workload.num_experts, d, settings, budget
+                        kind, factor, lr.topk_ids_TK, lr.scores_TE, workload.num_experts, d, settings, budget
                     )
                 total += predict_exchange_ms(rows_DD, bytes_per_row, shape)
                 rows += int(rows_DD.sum())
             preds.append(
                 {
                     "backend": name,
+                    "kind": kind,
+                    "max_devices_per_token": budget,
                     "rows_per_token": rows / (workload.tokens * len(workload.layers)),
                     "predicted_ms": total,
                 }
@@ -232,7 +241,9 @@ def run_benchmark(
         get_cluster(c)  # unknown presets fail before minutes of measuring
     workload.truncate(workload.tokens - workload.tokens % d)
     kept, notes = _feasible_budgets(budgets, e, k, d)
-    all_names = list(BACKENDS) + [pruned_name(m) for m in kept]
+    budget_of = {pruned_name(m): m for m in kept}
+    kind_of = {**KINDS, **dict.fromkeys(budget_of, "dedup")}
+    all_names = list(BACKENDS) + list(budget_of)
     names = all_names if backends is None else list(backends)
     unknown = [n for n in names if n not in all_names]
     if unknown:
@@ -290,17 +301,17 @@ def run_benchmark(
         row = {
             "backend": name,
             "peer": name in PEERS,
+            "kind": kind_of[name],
+            "max_devices_per_token": budget_of.get(name),
             "measured": name in implementation,
             "rows_per_token": rows / (tokens * n_layers),
             "rows": rows,
             "remote_rows": sum(r["remote_rows"] for r in rows_l),
             "bytes": 2 * rows * workload.hidden * elem,
         }
-        if name.startswith("occult_dedup_prune"):
-            row["max_devices_per_token"] = int(name.removeprefix("occult_dedup_prune"))
-        if name.startswith("occult_dedup"):
+        if row["kind"] == "dedup":
             row["comm_complexity"] = row["rows_per_token"]
-        if name.startswith("deepspeed_classic"):
+        if row["kind"] == "capacity":
             row["dropped_share"] = sum(r["dropped_routes"] for r in rows_l) / (tokens * k * n_layers)
         if row["measured"]:
             row.update(

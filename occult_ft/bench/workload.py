@@ -33,6 +33,7 @@ __all__ = [
     "PEERS",
     "OURS",
     "BACKENDS",
+    "KINDS",
     "DEEPSPEED_MIN_CAPACITY",
     "pruned_name",
     "LayerRouting",
@@ -51,11 +52,22 @@ PEERS = ("deepspeed_classic", "deepspeed_classic_nodrop", "per_expert", "hf_nati
 transformers' own `AllToAllEP`."""
 OURS = ("occult_dedup",)
 BACKENDS = PEERS + OURS
+KINDS = {
+    "deepspeed_classic": "capacity",
+    "deepspeed_classic_nodrop": "capacity",
+    "per_expert": "per_expert",
+    "hf_native_ep": "per_expert",
+    "occult_dedup": "dedup",
+}
+"""Dispatch family of each backend in `BACKENDS`, the `kind` field of the report: `capacity` (a dense
+[E, C, H] buffer per process), `per_expert` (one row per (token, expert)) or `dedup` (one row per
+(token, device)). The pruned variants `pruned_name(M)` are `dedup` too, with budget M."""
 DEEPSPEED_MIN_CAPACITY = 4  # deepspeed.moe.layer.MoE(min_capacity=4), its default
 
 
 def pruned_name(max_devices: int) -> str:
-    """Backend name of de-duplicated dispatch with collaboration pruning to `max_devices` devices."""
+    """Backend name of de-duplicated dispatch with collaboration pruning to `max_devices` devices (a label:
+    the report carries the budget itself as `max_devices_per_token`)."""
     return f"occult_dedup_prune{max_devices}"
 
 

@@ -1,0 +1,263 @@
+"""Figures of the exchange benchmark and the cost model.
+
+    plot_bench        rows per token and exchange time per backend of an `occult-ft bench` report
+    plot_cost_model   predicted exchange time and speed-up against the budget, per cluster shape
+
+Both read what each backend is from the report's fields (`kind`, `max_devices_per_token`), never from
+its name.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .base import _CYCLE, _OURS, _PEER, _finish, _new_figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["plot_bench", "plot_cost_model"]
+
+
+def _is_ours(backend: Mapping[str, Any]) -> bool:
+    """De-duplicated dispatch (`kind` "dedup"), or, in a report without kinds, a backend marked `peer: false`."""
+    if "kind" in backend:
+        return backend["kind"] == "dedup"
+    return backend.get("peer") is False
+
+
+def plot_bench(
+    bench_result: Mapping[str, Any],
+    path: str | os.PathLike | None = None,
+    *,
+    title: str | None = None,
+) -> Figure:
+    """Rows per token and measured exchange time per backend of one exchange-benchmark report.
+
+    Args:
+        bench_result: the report of `occult_ft.bench.run_benchmark` (or `occult-ft bench --json`): a dict
+            whose `backends` list holds `backend`, `rows_per_token`, `exchange_ms` (None when not
+            measured) and optionally `kind` (`dedup` bars are drawn as ours, the rest as peers; without it
+            `peer` decides), `max_devices_per_token` (the budget, written beside the bar's name) and
+            `path_ms`. Names are labels only: nothing is read from them.
+        path: also write the figure to this PNG.
+        title: figure title (default: E, k, devices, transport).
+
+    Returns:
+        The Figure (two axes: rows per token, milliseconds).
+    """
+    backends = list(bench_result.get("backends") or [])
+    if not backends:
+        raise ValueError(
+            "bench result has no `backends` list; pass the report of run_benchmark / occult-ft bench --json"
+        )
+    missing = [k for k in ("backend", "rows_per_token", "exchange_ms") if k not in backends[0]]
+    if missing:
+        raise ValueError(
+            f"bench backends lack {missing}; pass the report of run_benchmark / occult-ft bench --json"
+        )
+    names = [
+        str(b["backend"])
+        + (f" (M={b['max_devices_per_token']})" if b.get("max_devices_per_token") is not None else "")
+        for b in backends
+    ]
+    colors = [_OURS if _is_ours(b) else _PEER for b in backends]
+    fig, (ax_rows, ax_ms) = _new_figure(ncols=2, size=(12.0, 4.8))
+    xs = list(range(len(backends)))
+    rows = [float(b["rows_per_token"]) for b in backends]
+    ax_rows.bar(xs, rows, color=colors)
+    for x, v in zip(xs, rows):
+        ax_rows.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    if bench_result.get("top_k"):
+        ax_rows.axhline(
+            float(bench_result["top_k"]),
+            color=_PEER,
+            linestyle=":",
+            linewidth=1.2,
+            label=f"k = {bench_result['top_k']}",
+        )
+        ax_rows.legend(fontsize=8)
+    ax_rows.set_ylabel("rows per token (dispatch, per layer)")
+    ax_rows.set_title("volume")
+
+    ms = [b.get("exchange_ms") for b in backends]
+    has_path = any(b.get("path_ms") is not None for b in backends)
+    width = 0.4 if has_path else 0.7
+    shift = 0.2 if has_path else 0.0
+    ax_ms.bar([x - shift for x in xs], [v or 0.0 for v in ms], width=width, color=colors, label="exchange")
+    if has_path:
+        ax_ms.bar(
+            [x + shift for x in xs],
+            [b.get("path_ms") or 0.0 for b in backends],
+            width=width,
+            color=colors,
+            alpha=0.45,
+            label="whole dispatch + combine path",
+        )
+        ax_ms.legend(fontsize=8)
+    for x, v in zip(xs, ms):
+        ax_ms.text(
+            x - shift,
+            v or 0.0,
+            "not measured" if v is None else f"{v:.2f}",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            rotation=90 if v is None else 0,
+        )
+    ax_ms.set_ylabel("ms per forward (dispatch + combine)")
+    ax_ms.set_title(str(bench_result.get("transport", "measured exchange time")))
+    for ax in (ax_rows, ax_ms):
+        ax.set_xticks(xs)
+        ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
+    if title is None and "num_experts" in bench_result:
+        title = (
+            f"exchange benchmark: E={bench_result['num_experts']}, top-{bench_result.get('top_k')}, "
+            f"{bench_result.get('devices')} processes, {bench_result.get('tokens')} tokens"
+        )
+    if title:
+        fig.suptitle(title)
+    return _finish(fig, path)
+
+
+def _label_2_and_5(value: float, _position) -> str:
+    """Minor tick label on a log axis: only at 2 and 5 times a power of ten."""
+    if value <= 0:
+        return ""
+    mantissa = value / 10 ** math.floor(math.log10(value))
+    return f"{value:g}" if round(mantissa, 6) in (2.0, 5.0) else ""
+
+
+def _entry(name: Any, entry: Mapping[str, Any], ms_key: str) -> tuple[str, int | None, float]:
+    """(kind, budget, ms) of one cost-model entry, from its fields."""
+    if "kind" not in entry:
+        raise ValueError(
+            f"cost-model entry {name!r} has no `kind`; pass predict_speedup / run_benchmark output of this "
+            "version (each entry carries `kind` and `max_devices_per_token`)"
+        )
+    budget = entry.get("max_devices_per_token")
+    return str(entry["kind"]), None if budget is None else int(budget), float(entry[ms_key])
+
+
+def _cost_series(predictions: Any) -> list[dict]:
+    """Normalise cost-model results to [{name, devices, budgets: [(M, ms)], peer_ms}], one per cluster.
+
+    Entries of kind `dedup` are de-duplicated dispatch, drawn at their `max_devices_per_token` M
+    (capped at D) or, unpruned (M None), at M = D (a budget of D restricts nothing); the rest are peers
+    (per-expert dispatch and the like), of which the fastest is the reference.
+    """
+    from ..costmodel import get_cluster
+
+    if isinstance(predictions, Mapping) and "cost_model" in predictions:
+        predictions = predictions["cost_model"]
+    clusters: list[tuple[str, int, list[tuple[str, int | None, float]]]] = []
+    if isinstance(predictions, Mapping) and "clusters" in predictions:
+        for c in predictions["clusters"]:
+            if "skipped" in c or not c.get("backends"):
+                continue
+            d = int(c.get("num_devices") or c["nodes"] * c["devices_per_node"])
+            entries = [_entry(p.get("backend"), p, "predicted_ms") for p in c["backends"]]
+            clusters.append((str(c["name"]), d, entries))
+    elif isinstance(predictions, Mapping):
+        for key, result in predictions.items():
+            shape = get_cluster(key)
+            entries = [_entry(name, v, "exchange_ms") for name, v in result.items()]
+            clusters.append((shape.name, shape.num_devices, entries))
+    else:
+        raise ValueError(
+            "cost-model input must be {cluster: predict_speedup(...)} or a bench report / its cost_model"
+        )
+    out = []
+    for name, d, entries in clusters:
+        points, peers = [], []
+        for kind, budget, ms in entries:
+            if kind == "dedup":
+                points.append((d if budget is None else min(budget, d), ms))
+            else:
+                peers.append(ms)
+        if not points:
+            continue
+        best: dict[int, float] = {}
+        for m, ms in points:  # a budget >= D equals plain de-duplication: keep one point per M
+            best[m] = min(ms, best.get(m, math.inf))
+        out.append(
+            {
+                "name": name,
+                "devices": d,
+                "budgets": sorted(best.items()),
+                "peer_ms": min(peers) if peers else None,
+            }
+        )
+    if not out:
+        raise ValueError(
+            "cost-model input holds no de-duplicated predictions (entries of kind `dedup`); "
+            "include occult_dedup or a budget"
+        )
+    return out
+
+
+def plot_cost_model(
+    predictions: Mapping[Any, Any],
+    path: str | os.PathLike | None = None,
+    *,
+    title: str | None = None,
+) -> Figure:
+    """Predicted exchange time and speed-up over per-expert dispatch against the budget, per cluster shape.
+
+    For each cluster, de-duplicated dispatch is drawn at M = 1, 2, ... and, unpruned, at M = D; the
+    fastest peer (per-expert dispatch) is a dotted line of the same colour on the time panel, and the
+    reference (1x) of the speed-up panel.
+
+    Args:
+        predictions: either {cluster: `occult_ft.costmodel.predict_speedup(...)`} (cluster = a preset
+            name, a spec string or a `ClusterShape`; values map routing names to dicts with `kind`,
+            `max_devices_per_token` and `exchange_ms`), or a bench report / its `cost_model` dict
+            (`clusters` with `backends` of `backend`, `kind`, `max_devices_per_token`, `predicted_ms`).
+            The budget is read from `max_devices_per_token`, never from a name.
+        path: also write the figure to this PNG.
+        title: figure title.
+
+    Returns:
+        The Figure (two axes: predicted ms, speed-up), M on a log2 axis.
+    """
+    series = _cost_series(predictions)
+    fig, (ax_ms, ax_speed) = _new_figure(ncols=2, size=(12.0, 4.6))
+    ticks: set[int] = set()
+    for i, s in enumerate(series):
+        color = _CYCLE[i % len(_CYCLE)]
+        ms_ = [m for m, _ in s["budgets"]]
+        ticks.update(ms_)
+        label = f"{s['name']} (D={s['devices']})"
+        ax_ms.plot(ms_, [v for _, v in s["budgets"]], marker="o", color=color, label=label)
+        if s["peer_ms"] is not None:
+            ax_ms.axhline(s["peer_ms"], color=color, linestyle=":", linewidth=1.2)
+            speed = [s["peer_ms"] / v if v > 0 else math.inf for _, v in s["budgets"]]
+            ax_speed.plot(ms_, speed, marker="o", color=color, label=label)
+            for m, v in zip(ms_, speed):
+                ax_speed.annotate(
+                    f"{v:.2f}x", (m, v), textcoords="offset points", xytext=(3, 4), fontsize=7, color=color
+                )
+    ax_speed.axhline(1.0, color=_PEER, linestyle=":", linewidth=1.2, label="per-expert dispatch (1x)")
+    ax_ms.plot([], [], color=_PEER, linestyle=":", label="dotted: per-expert dispatch")
+    for ax in (ax_ms, ax_speed):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(ticks))
+        ax.set_xticklabels([str(t) for t in sorted(ticks)])
+        ax.set_xlabel("max_devices_per_token M (M = D: de-duplication only)")
+        ax.legend(fontsize=8)
+    from matplotlib.ticker import FuncFormatter
+
+    ax_ms.set_yscale("log")  # clusters differ by orders of magnitude (PCIe vs NVLink)
+    ax_ms.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax_ms.yaxis.set_minor_formatter(FuncFormatter(_label_2_and_5))
+    ax_ms.set_ylabel("predicted exchange ms (dispatch + combine)")
+    ax_ms.set_title("predicted all-to-all time")
+    ax_speed.set_ylabel("speed-up over per-expert dispatch")
+    ax_speed.set_title("predicted speed-up")
+    if title:
+        fig.suptitle(title)
+    return _finish(fig, path)

@@ -1,0 +1,188 @@
+"""Figures of training and quality: logged curves over steps, quality against the budget.
+
+plot_training_curves        loss, comm_complexity and removed router mass from `Trainer.state.log_history`
+plot_quality_tradeoff       eval loss against max_devices_per_token, one line per pruning criterion
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .base import _BUDGET, _CYCLE, _OURS, _PEER, _finish, _new_figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["plot_training_curves", "plot_quality_tradeoff"]
+
+
+_TRAINING_LABELS = {
+    "loss": "loss",
+    "comm_complexity": "comm_complexity (devices per token)",
+    "removed_mass": "removed router mass (share of top-k probability)",
+}
+
+
+def _series(log_history: Iterable[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of `key` over the log entries that carry it (the final summary entry is skipped)."""
+    steps, values = [], []
+    for i, entry in enumerate(log_history):
+        if "train_runtime" in entry or key not in entry or entry[key] is None:
+            continue
+        steps.append(float(entry.get("step", i)))
+        values.append(float(entry[key]))
+    return steps, values
+
+
+def plot_training_curves(
+    log_history: Sequence[Mapping[str, Any]],
+    path: str | os.PathLike | None = None,
+    *,
+    metrics: Sequence[str] = ("loss", "comm_complexity", "removed_mass"),
+    max_devices_per_token: int | None = None,
+    title: str | None = None,
+) -> Figure:
+    """One panel per metric over training steps: the training log and, where logged, the evaluation.
+
+    Args:
+        log_history: `trainer.state.log_history` (list of dicts with `step`; training entries carry
+            `loss`, `comm_complexity`, `removed_mass`, ...; evaluation entries the `eval_` forms).
+        path: also write the figure to this PNG.
+        metrics: metric names to plot (without the `eval_` prefix).
+        max_devices_per_token: draw the budget on the comm_complexity panel.
+        title: figure title.
+
+    Returns:
+        The Figure (one axes per metric; a metric never logged shows "not logged").
+
+    Raises:
+        ValueError: none of `metrics` appears in the log.
+    """
+    history = list(log_history)
+    found = {m: (_series(history, m), _series(history, f"eval_{m}")) for m in metrics}
+    if not any(train[0] or ev[0] for train, ev in found.values()):
+        keys = sorted({k for entry in history for k in entry})
+        raise ValueError(f"log_history has none of {list(metrics)}; its keys are {keys}")
+    fig, axes = _new_figure(ncols=len(metrics), size=(4.6 * len(metrics), 3.8))
+    for ax, metric in zip(axes, metrics):
+        (steps, values), (eval_steps, eval_values) = found[metric]
+        if steps:
+            ax.plot(
+                steps,
+                values,
+                color=_OURS,
+                marker="o" if len(steps) < 30 else None,
+                markersize=3,
+                label="train",
+            )
+        if eval_steps:
+            ax.plot(eval_steps, eval_values, color=_CYCLE[1], marker="s", markersize=4, label="eval")
+        if metric == "comm_complexity" and max_devices_per_token is not None:
+            ax.axhline(
+                max_devices_per_token,
+                color=_BUDGET,
+                linestyle="--",
+                linewidth=1.2,
+                label=f"budget M={max_devices_per_token}",
+            )
+        if not steps and not eval_steps:
+            ax.text(0.5, 0.5, f"{metric} not logged", ha="center", va="center", transform=ax.transAxes)
+        else:
+            ax.legend(fontsize=8)
+        ax.set_xlabel("step")
+        ax.set_ylabel(_TRAINING_LABELS.get(metric, metric))
+        ax.set_title(metric)
+    if title:
+        fig.suptitle(title)
+    return _finish(fig, path)
+
+
+def plot_quality_tradeoff(
+    rows: Iterable[Mapping[str, Any]],
+    path: str | os.PathLike | None = None,
+    *,
+    metric: str = "eval_loss",
+    baseline: float | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Quality against the budget: `metric` vs max_devices_per_token, one line per pruning criterion.
+
+    When the rows carry `comm_complexity`, a second panel plots the same metric against the measured
+    comm_complexity (the trade-off itself: what each row per token costs in quality).
+
+    Args:
+        rows: dicts with `criterion`, `max_devices_per_token` (None = unpruned) and `metric`, optionally
+            `comm_complexity`. An unpruned row gives the baseline line.
+        path: also write the figure to this PNG.
+        metric: the quality key (lower is better for losses).
+        baseline: the unpruned value (default: the mean of the rows whose max_devices_per_token is None).
+        title: figure title.
+
+    Returns:
+        The Figure.
+    """
+    rows = [dict(r) for r in rows]
+    bad = [
+        r
+        for r in rows
+        if metric not in r or ("criterion" not in r and r.get("max_devices_per_token") is not None)
+    ]
+    if bad:
+        raise ValueError(f"rows need `criterion`, `max_devices_per_token` and `{metric}`; got {bad[0]}")
+    unpruned = [float(r[metric]) for r in rows if r.get("max_devices_per_token") is None]
+    if baseline is None and unpruned:
+        baseline = sum(unpruned) / len(unpruned)
+    pruned = [r for r in rows if r.get("max_devices_per_token") is not None]
+    if not pruned and baseline is None:
+        raise ValueError("no rows to plot; pass rows with max_devices_per_token and the metric")
+    by_criterion: dict[str, list[dict]] = {}
+    for r in pruned:
+        by_criterion.setdefault(str(r["criterion"]), []).append(r)
+    with_cc = any("comm_complexity" in r for r in pruned)
+    fig, axes = _new_figure(ncols=2 if with_cc else 1, size=(11.0 if with_cc else 6.0, 4.3))
+    ax = axes[0]
+    budgets = sorted({int(r["max_devices_per_token"]) for r in pruned})
+    for i, (criterion, group) in enumerate(by_criterion.items()):
+        group = sorted(group, key=lambda r: int(r["max_devices_per_token"]))
+        color = _CYCLE[i % len(_CYCLE)]
+        ax.plot(
+            [int(r["max_devices_per_token"]) for r in group],
+            [float(r[metric]) for r in group],
+            marker="o",
+            color=color,
+            label=criterion,
+        )
+        if with_cc:
+            pts = [r for r in group if "comm_complexity" in r]
+            axes[1].plot(
+                [float(r["comm_complexity"]) for r in pts],
+                [float(r[metric]) for r in pts],
+                marker="o",
+                color=color,
+                label=criterion,
+            )
+            for r in pts:
+                axes[1].annotate(
+                    f"M={r['max_devices_per_token']}",
+                    (float(r["comm_complexity"]), float(r[metric])),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=7,
+                    color=color,
+                )
+    for a in axes:
+        if baseline is not None:
+            a.axhline(baseline, color=_PEER, linestyle=":", linewidth=1.4, label=f"unpruned: {baseline:.3f}")
+        a.set_ylabel(metric.replace("_", " "))
+        a.legend(fontsize=8)
+    ax.set_xticks(budgets)
+    ax.set_xlabel("max_devices_per_token (M)")
+    ax.set_title(f"{metric} against the budget")
+    if with_cc:
+        axes[1].set_xlabel("comm_complexity (devices per token)")
+        axes[1].set_title(f"{metric} against communication")
+    if title:
+        fig.suptitle(title)
+    return _finish(fig, path)
