@@ -189,8 +189,7 @@ def measure_checkpoint(
     Raises:
         ValueError: the directory is missing, or neither it nor `devices` gives D.
     """
-    from .checkpoint import from_pretrained, load_tokenizer
-    from .hub import describe_checkpoint
+    from .checkpoint import describe_checkpoint, from_pretrained, load_tokenizer
     from .metrics import contiguous_expert_device, routing_report
     from .models import find_moe_layers
     from .profiling import profile_model
