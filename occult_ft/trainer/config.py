@@ -60,7 +60,8 @@ class OccultConfig(TrainingArguments):
         profile_tokens: tokens of training data profiled for `auto` placement and similarity tables.
         max_devices_per_token: the pruning budget M (None = no pruning, routing is only measured).
         criterion / gate_weights: how tokens over budget are re-routed and weighted (`occult_ft.routing`).
-        balance_loss_coef: weight of the pruning-aware load-balancing loss.
+        balance_loss_coef: weight of the pruning-aware load-balancing loss (on the scale of the model's
+            own `router_aux_loss_coef`, see `occult_ft.trainer.losses`).
 
     Training:
         train_mode: `full`, `moe` (MoE blocks only: routers, experts, shared experts) or `lora`.
@@ -183,7 +184,9 @@ class OccultConfig(TrainingArguments):
         default=0.01,
         metadata={
             "help": "Weight of the pruning-aware load-balancing loss (E * sum_e f_e P_e over the routing "
-            "actually used); 0 disables it. The model's own aux loss is always off."
+            "actually used, on the scale of transformers' load_balancing_loss_func: K at uniform routing, "
+            "so a model's router_aux_loss_coef carries over; 0.01 is OLMoE's, Mixtral/Qwen use 0.001); "
+            "0 disables it. The model's own aux loss is always off."
         },
     )
 
