@@ -196,11 +196,11 @@ class PruningConfig:
         n = self.max_nodes_per_token
         if n is not None and self.device_budget * per_device < top_k:
             per_node = per_device * (self.num_devices // self.num_nodes)
-            need = -(-top_k // per_node)
+            with_m = "" if m is None else f" with max_devices_per_token={m}"
             raise ValueError(
-                f"max_nodes_per_token={n} with max_devices_per_token={m} holds only "
-                f"{self.device_budget * per_device} experts ({per_node} per node) but tokens pick top-{top_k}; "
-                f"use max_nodes_per_token >= {need} and enough devices"
+                f"max_nodes_per_token={n}{with_m} holds only {self.device_budget * per_device} experts "
+                f"({per_node} per node) but tokens pick top-{top_k}; use max_nodes_per_token >= "
+                f"{-(-top_k // per_node)}"
             )
 
     def to_dict(self) -> dict:

@@ -11,6 +11,7 @@ from occult_ft.routing import (
     PruningConfig,
     apply_pruning,
     collect_routing,
+    fits_budget,
     limit_devices,
     limit_topk,
     remove_pruning,
@@ -276,6 +277,71 @@ def test_ranking_devices_by_their_best_expert_leaves_a_group_limited_selection()
     assert not (~own_TD.gather(1, dev[walked])).any(dim=1).any()
 
 
+def node_walk_reference(scores_E, topk, k, dev_E, m, per_node, mn):
+    """The walk with a node budget: the token's top-k by score, then its other experts by score; a
+    device is admitted while fewer than m are and its node is admitted or fewer than mn nodes are."""
+    rest = [e for e in range(len(scores_E)) if e not in topk]
+    order = sorted(topk, key=lambda e: -scores_E[e]) + sorted(rest, key=lambda e: -scores_E[e])
+    admitted, nodes = [], set()
+    for e in order:
+        d = int(dev_E[e])
+        if d in admitted or len(admitted) >= m:
+            continue
+        if d // per_node in nodes or len(nodes) < mn:
+            admitted.append(d)
+            nodes.add(d // per_node)
+    allowed = [e for e in range(len(scores_E)) if int(dev_E[e]) in admitted]
+    return sorted(sorted(allowed, key=lambda e: -scores_E[e])[:k])
+
+
+def nodes_per_token(ids_TK, dev_E, per_node):
+    return torch.tensor([len({int(dev_E[e]) // per_node for e in row}) for row in ids_TK.tolist()])
+
+
+@pytest.mark.parametrize("criterion", CRITERIA)
+@pytest.mark.parametrize("m,mn", [(None, 1), (None, 2), (2, 1), (3, 2), (4, 1)])
+def test_node_budget_limits_nodes_and_devices(criterion, m, mn):
+    # E=32 on D=8 devices (4 experts each) in N=4 nodes of 2 devices; top-4
+    torch.manual_seed(4)
+    E, D, N, k = 32, 8, 4, 4
+    scores = torch.rand(300, E)
+    topk = scores.topk(k, dim=-1).indices
+    dev = torch.randperm(E) // (E // D)
+    sim = torch.rand(E, E)
+    ids = limit_topk(scores, topk, dev, D, m, criterion, sim, num_nodes=N, max_nodes=mn)
+    assert (nodes_per_token(ids, dev, D // N) <= mn).all()
+    assert (devices_per_token(ids, dev, D) <= (m or D)).all()
+    fits = fits_budget(topk, dev, D, m, N, mn)
+    assert 0 < fits.sum() < len(fits)
+    if criterion != "device_topk_sum":
+        assert torch.equal(ids[fits], topk[fits])
+    if criterion in ("score", "device_max"):
+        for t in (~fits).nonzero().flatten().tolist():
+            expected = node_walk_reference(scores[t].tolist(), topk[t].tolist(), k, dev, m or D, D // N, mn)
+            assert sorted(ids[t].tolist()) == expected
+
+
+def test_node_budget_in_the_pruned_router_and_its_config():
+    cfg = PruningConfig(num_devices=4, criterion="score", num_nodes=2, max_nodes_per_token=1)
+    assert cfg.active and cfg.device_budget == 2
+    assert cfg.to_dict()["max_nodes_per_token"] == 1 and cfg.to_dict()["num_nodes"] == 2
+    assert not PruningConfig(4, num_nodes=2, max_nodes_per_token=2).active  # every node: no limit
+    model = _tiny("qwen3_moe")
+    apply_pruning(model, cfg)
+    set_recording(model, True)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (2, 16)))
+    dev = contiguous_expert_device(8, 4)
+    for rec in collect_routing(model).values():  # node 0 = devices 0, 1 = experts 0-3; node 1 = experts 4-7
+        assert (nodes_per_token(rec.topk_ids, dev, 2) == 1).all()
+    # 4 nodes of one device (2 experts each): one node cannot hold top-4 -> at least 2 nodes
+    bad = PruningConfig(4, num_nodes=4, max_nodes_per_token=1)
+    with pytest.raises(
+        ValueError, match="max_nodes_per_token=1 holds only 2 experts .* use max_nodes_per_token >= 2"
+    ):
+        apply_pruning(_tiny("olmoe", num_experts_per_tok=4), bad)
+
+
 def test_budget_of_all_devices_is_the_unpruned_model():
     model = _tiny("qwen2_moe")
     x = torch.randint(0, 128, (2, 12))
@@ -325,6 +391,12 @@ def test_state_dict_names_do_not_change():
         (dict(num_devices=4, criterion="nope"), "criterion='nope'"),
         (dict(num_devices=4, gate_weights="x"), "gate_weights='x'"),
         (dict(num_devices=0), "devices=0"),
+        (dict(num_devices=4, num_nodes=3), "nodes=3 does not divide devices=4"),
+        (
+            dict(num_devices=4, num_nodes=2, max_nodes_per_token=3),
+            "max_nodes_per_token=3 must be between 1 and nodes=2",
+        ),
+        (dict(num_devices=4, max_devices_per_token=True), "max_devices_per_token=True"),
     ],
 )
 def test_bad_pruning_settings_name_the_value(kwargs, match):

@@ -382,6 +382,29 @@ def test_bad_config_fields_raise_one_clear_error(overrides, message, tmp_path):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(criterion="scor"),
+        dict(max_devices_per_token=5),
+        dict(gate_weights="keep"),
+        dict(devices=0),
+        dict(nodes=3),
+    ],
+)
+def test_config_and_pruning_config_share_one_check(overrides, tmp_path):
+    """OccultConfig delegates its pruning fields to the router's own check: one message for both."""
+    from occult_ft.routing import PruningConfig
+
+    names = dict(devices="num_devices", nodes="num_nodes")
+    pruning = {"num_devices": 4, **{names.get(k, k): v for k, v in overrides.items()}}
+    with pytest.raises(ValueError) as from_pruning:
+        PruningConfig(**pruning)
+    with pytest.raises(ValueError) as from_config:
+        make_config(tmp_path, **overrides)
+    assert str(from_config.value) == str(from_pruning.value)
+
+
 def test_devices_that_do_not_divide_the_experts_fail_at_construction(tiny_olmoe_dir, data, tmp_path):
     with pytest.raises(
         ValueError, match=r"devices=3 does not divide the 8 experts; use one of \[1, 2, 4, 8\]"
