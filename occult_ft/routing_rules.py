@@ -178,35 +178,46 @@ def walk_admitted_devices(
     `max_nodes` nodes are. It stops when min(max_devices, max_nodes * D / N) devices are admitted, which
     for a device budget alone happens inside the top-k of any token that does not fit.
     """
-    t, e = scores_TE.shape
+    t = scores_TE.shape[0]
     dev_of_E = expert_device_E.to(scores_TE.device)
     per_node = num_devices // num_nodes
-    m = max_devices or num_devices
     mn = max_nodes or num_nodes
-    cap = min(m, mn * per_node)
-    rank_TE = torch.ones(t, e, dtype=torch.long, device=scores_TE.device)
-    if selectable_TE is not None:
-        rank_TE = rank_TE + selectable_TE.long()
-    rank_TE.scatter_(1, topk_ids_TK.long(), 3)  # selected (3) > selectable (2) > the rest (1)
-    walk_TE = dev_of_E[_order_desc(rank_TE, scores_TE)]
-    device_mask_TD = torch.zeros(t, num_devices, dtype=torch.bool, device=scores_TE.device)
-    node_mask_TN = torch.zeros(t, num_nodes, dtype=torch.bool, device=scores_TE.device)
-    n_dev_T = torch.zeros(t, dtype=torch.long, device=scores_TE.device)
-    n_node_T = torch.zeros_like(n_dev_T)
+    cap = min(max_devices or num_devices, mn * per_node)
+    state = (
+        torch.zeros(t, num_devices, dtype=torch.bool, device=scores_TE.device),  # admitted devices
+        torch.zeros(t, num_nodes, dtype=torch.bool, device=scores_TE.device),  # admitted nodes
+        torch.zeros(t, dtype=torch.long, device=scores_TE.device),  # admitted device count
+        torch.zeros(t, dtype=torch.long, device=scores_TE.device),  # admitted node count
+    )
+    ids_TK = topk_ids_TK.long()
+    by_score_TK = ids_TK.gather(1, scores_TE.gather(1, ids_TK).argsort(dim=1, descending=True))
     rows = torch.arange(t, device=scores_TE.device)
-    for j in range(e):
-        open_T = n_dev_T < cap
-        if not open_T.any():
+    _walk(dev_of_E[by_score_TK], rows, state, cap, per_node, mn)
+    open_R = rows[state[2] < cap]  # a node budget can leave room after the top-k: walk on
+    if open_R.numel():
+        rank_RE = torch.ones(open_R.numel(), scores_TE.shape[1], dtype=torch.long, device=scores_TE.device)
+        if selectable_TE is not None:
+            rank_RE = rank_RE + selectable_TE[open_R].long()
+        rank_RE.scatter_(1, ids_TK[open_R], 3)  # selected (3) > selectable (2) > the rest (1)
+        _walk(dev_of_E[_order_desc(rank_RE, scores_TE[open_R])], open_R, state, cap, per_node, mn)
+    return state[0]
+
+
+def _walk(walk_RJ: torch.Tensor, rows_R: torch.Tensor, state, cap: int, per_node: int, mn: int) -> None:
+    """Admit the devices `walk_RJ` visits (row r of token rows_R[r]) into `state`, in place."""
+    device_mask_TD, node_mask_TN, n_dev_T, n_node_T = state
+    for j in range(walk_RJ.shape[1]):
+        open_R = n_dev_T[rows_R] < cap
+        if not open_R.any():
             break
-        d_T = walk_TE[:, j]
-        node_T = d_T // per_node
-        node_in_T = node_mask_TN[rows, node_T]
-        ok_T = open_T & ~device_mask_TD[rows, d_T] & (node_in_T | (n_node_T < mn))
-        device_mask_TD[rows[ok_T], d_T[ok_T]] = True
-        node_mask_TN[rows[ok_T], node_T[ok_T]] = True
-        n_dev_T += ok_T
-        n_node_T += ok_T & ~node_in_T
-    return device_mask_TD
+        d_R = walk_RJ[:, j]
+        node_R = d_R // per_node
+        node_in_R = node_mask_TN[rows_R, node_R]
+        ok_R = open_R & ~device_mask_TD[rows_R, d_R] & (node_in_R | (n_node_T[rows_R] < mn))
+        device_mask_TD[rows_R[ok_R], d_R[ok_R]] = True
+        node_mask_TN[rows_R[ok_R], node_R[ok_R]] = True
+        n_dev_T[rows_R] += ok_R
+        n_node_T[rows_R] += ok_R & ~node_in_R
 
 
 def _top_admitted(
@@ -218,12 +229,13 @@ def _top_admitted(
 ) -> torch.Tensor:
     """Top-k among the admitted experts, those the router could select first (sorted by score)."""
     allowed_TE = _admitted_expert_mask(device_mask_TD, expert_device_E)
-    rank_TE = allowed_TE.long() * 2
-    if selectable_TE is not None:
-        rank_TE = rank_TE + (allowed_TE & selectable_TE).long()
-    else:
-        rank_TE = rank_TE + allowed_TE.long()
-    return _order_desc(rank_TE, scores_TE)[:, :top_k]
+    preferred_TE = allowed_TE if selectable_TE is None else allowed_TE & selectable_TE
+    ids_TK = scores_TE.masked_fill(~preferred_TE, float("-inf")).topk(top_k, dim=-1).indices
+    short = (preferred_TE.sum(dim=1) < top_k).nonzero().squeeze(1)  # fill up with the other admitted
+    if short.numel():
+        rank_RE = allowed_TE[short].long() + preferred_TE[short].long()
+        ids_TK[short] = _order_desc(rank_RE, scores_TE[short])[:, :top_k]
+    return ids_TK
 
 
 def _replace_outside(
