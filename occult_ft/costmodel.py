@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .metrics import contiguous_expert_device, device_counts
-from .routing import limit_devices
+from .routing import limit_topk
 
 __all__ = [
     "ClusterShape",
@@ -296,16 +296,13 @@ def pruned_topk(
     num_devices: int,
     max_devices: int,
 ) -> torch.Tensor:
-    """Collaboration pruning with the router-score criterion (`occult_ft.routing`, criterion "score").
+    """Collaboration pruning with the router-score criterion (`occult_ft.routing.limit_topk`, "score").
 
-    Tokens whose top-k already fits in `max_devices` devices keep their selection; the others take the
-    top-k among the experts of their `max_devices` best devices (ranked by their best expert score).
+    Tokens whose top-k already fits in `max_devices` devices keep their selection; the others walk their
+    top-k by descending score, admit devices until `max_devices` are admitted and take the top-k among
+    the experts there.
     """
-    new_TK, _ = limit_devices(
-        scores_TE, topk_ids_TK.shape[1], expert_device_E, num_devices, max_devices, "max"
-    )
-    fits_T = (device_counts(topk_ids_TK, expert_device_E, num_devices) > 0).sum(dim=1) <= max_devices
-    return torch.where(fits_T[:, None], topk_ids_TK.long(), new_TK)
+    return limit_topk(scores_TE, topk_ids_TK, expert_device_E, num_devices, max_devices, "score")
 
 
 def predict_speedup(

@@ -2,26 +2,39 @@
 
 Each token normally picks its top-k experts wherever they live; collaboration pruning restricts the
 choice to experts on at most `max_devices_per_token` (M) devices, so a de-duplicated all-to-all sends
-it at most M rows. The criteria (pure functions below, fast and vectorised over tokens):
+it at most M rows, and optionally on at most `max_nodes_per_token` nodes (DeepSeek-V3's node limit;
+device d sits on node d // (D / num_nodes)). The criteria (pure functions below, vectorised over tokens):
 
-- `score` (the paper's router-score rule): walk the token's top-k experts in descending score and
-  admit each one's device until M devices are admitted; then re-select the top-k among all experts on
-  the admitted devices. The first M distinct devices of that walk are exactly the M devices with the
-  highest *best* expert score (a device that hosts a top-k expert has a higher maximum than any
-  device that hosts none), so the rule is computed as "rank devices by their best expert".
-- `device_max` (DeepSeek-V2 device-limited routing): rank devices by their best expert, keep M, top-k
-  inside. The same rule as `score`, reached from the DeepSeek side; both names are kept because users
-  come from both (tests check both against a literal walk of the paper's rule).
+- `score` (the paper's router-score rule): walk the token's selected top-k experts (as the model's
+  router chose them: group limiting and DeepSeek-V3's correction bias included) in descending selection
+  score and admit each one's device until M devices are admitted; then re-select the top-k among the
+  experts on the admitted devices. For a plain top-k router the first M devices of that walk are the M
+  devices with the best expert; for a group-limited router (DeepSeek `n_group` > 1) they are not, and
+  ranking devices by their best expert would send tokens to groups the model's router excluded.
+- `device_max` (DeepSeek-V2 device-limited routing: rank devices by their best expert, keep M, top-k
+  inside): among the experts the model's router may select this is the same rule as `score`, reached
+  from the DeepSeek side; both names are kept because users come from both.
 - `device_topk_sum` (DeepSeek-V3 node-limited routing): rank devices by the sum of their top
-  max(1, k // M) scores (for DeepSeek-V3 models their router's own top-2), keep M, top-k inside. Applied to every token, verbatim as DeepSeek-V3 does,
-  so that the native `n_group`/`topk_group` fields reproduce it; unlike the others it may move a token
-  whose top-k already fits.
+  max(1, k // M) scores (for DeepSeek-V3 models their router's own top-2), keep M, top-k inside. Applied
+  to every token, verbatim as DeepSeek-V3 does, so that the native `n_group`/`topk_group` fields
+  reproduce it; unlike the others it may move a token whose top-k already fits.
 - `similarity` (the paper's expert-similarity rule): admit devices as `score` does, keep the selected
   experts that live there, and replace each one outside (in descending score order) by the most similar
   expert on the admitted devices that is not selected yet. Similarity is the cosine between experts'
   router-probability profiles, measured by `occult_ft.profiling`.
 
-For `score`, `similarity` and `device_max` a token whose top-k already fits in M devices keeps its
+Group-limited routers: re-selection (the top-k of `score`/`device_max`, the replacements of
+`similarity`) takes experts of the groups the model's router allowed for the token; only when the
+admitted devices hold too few of them (groups that straddle devices) does it fill up with the admitted
+devices' other experts, because the device budget is the harder limit. The admitted devices always hold
+at least one of the token's own selected experts, so no token moves to a device it did not choose.
+
+With a node budget the walk admits a device only while its node is admitted or fewer than
+`max_nodes_per_token` nodes are; when the selected top-k leaves room (fewer than M devices admitted) it
+goes on through the token's other experts in descending score, so a token can use every device of its
+admitted nodes that the device budget allows.
+
+For `score`, `similarity` and `device_max` a token whose top-k already fits in the budget keeps its
 routing and weights bit for bit.
 
 Gate weights (the paper leaves them open; `gate_weights=`):
@@ -31,7 +44,10 @@ Gate weights (the paper leaves them open; `gate_weights=`):
 - `preserve_mass`: as `model`, then rescaled so that each pruned token's weights sum to what its
   unpruned weights summed to (keeps the output scale of models that do not renormalise, e.g. OLMoE).
 
-Shape legend: T tokens, E experts, K top-k, D devices, M = max_devices_per_token.
+The criteria are pure tensor functions in `occult_ft.routing_rules` (re-exported here); this module
+holds `PruningConfig`, the model-aware `prune_topk` and the pruned router class.
+
+Shape legend: T tokens, E experts, K top-k, D devices, N nodes, M = max_devices_per_token.
 """
 
 from __future__ import annotations
@@ -43,15 +59,31 @@ from torch import nn
 
 from .metrics import contiguous_expert_device
 from .models.registry import MoEArch, MoELayer, find_moe_layers
+from .routing_rules import (
+    CRITERIA,
+    GATE_WEIGHT_POLICIES,
+    check_pruning_settings,
+    device_scores,
+    fits_budget,
+    limit_devices,
+    limit_topk,
+    replace_by_similarity,
+    walk_admitted_devices,
+)
 
 __all__ = [
     "CRITERIA",
     "GATE_WEIGHT_POLICIES",
     "PruningConfig",
     "RouterRecord",
+    "check_pruning_settings",
     "device_scores",
+    "fits_budget",
     "limit_devices",
+    "limit_topk",
+    "walk_admitted_devices",
     "replace_by_similarity",
+    "router_selectable",
     "prune_topk",
     "apply_pruning",
     "remove_pruning",
@@ -60,9 +92,6 @@ __all__ = [
     "set_recording",
 ]
 
-CRITERIA = ("score", "similarity", "device_max", "device_topk_sum")
-GATE_WEIGHT_POLICIES = ("model", "preserve_mass")
-
 
 @dataclass(frozen=True)
 class PruningConfig:
@@ -70,36 +99,44 @@ class PruningConfig:
 
     Args:
         num_devices: D, the expert-parallel size the budget refers to.
-        max_devices_per_token: M, at most this many devices per token; None = no pruning (the router
-            only records its routing).
+        max_devices_per_token: M, at most this many devices per token; None = no device budget (with no
+            node budget either, the router only records its routing).
         criterion: one of `CRITERIA`.
         gate_weights: one of `GATE_WEIGHT_POLICIES`.
+        num_nodes: N, the nodes the D devices span (node i holds devices [i*D/N, (i+1)*D/N)).
+        max_nodes_per_token: at most this many nodes per token (DeepSeek-V3's node limit), alone or
+            together with `max_devices_per_token`; None = no node budget.
     """
 
     num_devices: int
     max_devices_per_token: int | None = None
     criterion: str = "score"
     gate_weights: str = "model"
+    num_nodes: int = 1
+    max_nodes_per_token: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.num_devices, int) or self.num_devices < 1:
-            raise ValueError(f"devices={self.num_devices!r} must be a positive integer, e.g. devices=4")
-        m = self.max_devices_per_token
-        if m is not None and (not isinstance(m, int) or not 1 <= m <= self.num_devices):
-            raise ValueError(
-                f"max_devices_per_token={m!r} must be between 1 and devices={self.num_devices}; "
-                "omit it (or pass none) for no pruning"
-            )
-        if self.criterion not in CRITERIA:
-            raise ValueError(f"criterion={self.criterion!r} is unknown; choose one of {', '.join(CRITERIA)}")
-        if self.gate_weights not in GATE_WEIGHT_POLICIES:
-            raise ValueError(
-                f"gate_weights={self.gate_weights!r} is unknown; choose one of {', '.join(GATE_WEIGHT_POLICIES)}"
-            )
+        check_pruning_settings(
+            self.num_devices,
+            self.max_devices_per_token,
+            self.criterion,
+            self.gate_weights,
+            self.num_nodes,
+            self.max_nodes_per_token,
+        )
 
     @property
     def active(self) -> bool:
-        return self.max_devices_per_token is not None and self.max_devices_per_token < self.num_devices
+        m, n = self.max_devices_per_token, self.max_nodes_per_token
+        return (m is not None and m < self.num_devices) or (n is not None and n < self.num_nodes)
+
+    @property
+    def device_budget(self) -> int:
+        """Devices a token may reach under both budgets: min(M, max_nodes * D / N)."""
+        m = self.max_devices_per_token or self.num_devices
+        if self.max_nodes_per_token is not None:
+            m = min(m, self.max_nodes_per_token * (self.num_devices // self.num_nodes))
+        return m
 
     def check(self, num_experts: int, top_k: int) -> None:
         """Raise ValueError when the budget cannot hold k experts or D does not divide E."""
@@ -108,103 +145,45 @@ class PruningConfig:
             raise ValueError(
                 f"devices={self.num_devices} does not divide the {num_experts} experts; use one of {divisors}"
             )
+        per_device = num_experts // self.num_devices
         m = self.max_devices_per_token
-        if m is not None and m * (num_experts // self.num_devices) < top_k:
+        if m is not None and m * per_device < top_k:
             need = -(-top_k * self.num_devices // num_experts)
             raise ValueError(
-                f"max_devices_per_token={m} holds only {m * (num_experts // self.num_devices)} experts "
-                f"({num_experts // self.num_devices} per device) but tokens pick top-{top_k}; use at least {need}"
+                f"max_devices_per_token={m} holds only {m * per_device} experts "
+                f"({per_device} per device) but tokens pick top-{top_k}; use at least {need}"
+            )
+        n = self.max_nodes_per_token
+        if n is not None and self.device_budget * per_device < top_k:
+            per_node = per_device * (self.num_devices // self.num_nodes)
+            with_m = "" if m is None else f" with max_devices_per_token={m}"
+            raise ValueError(
+                f"max_nodes_per_token={n}{with_m} holds only {self.device_budget * per_device} experts "
+                f"({per_node} per node) but tokens pick top-{top_k}; use max_nodes_per_token >= "
+                f"{-(-top_k // per_node)}"
             )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-# ---- pure routing maths ------------------------------------------------------------------------
-def _grouped_by_device(x_TE: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int):
-    """(T, D, E/D) view of per-expert values grouped by device, and the (E,) order used."""
-    order_E = torch.argsort(expert_device_E, stable=True)
-    return x_TE[:, order_E].reshape(x_TE.shape[0], num_devices, -1), order_E
-
-
-def device_scores(
-    scores_TE: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int, rank: str = "max", n: int = 1
-) -> torch.Tensor:
-    """(T, D) device ranking scores: best expert (`max`) or sum of the top-n experts (`topk_sum`)."""
-    grouped_TDX, _ = _grouped_by_device(scores_TE, expert_device_E, num_devices)
-    if rank == "max":
-        return grouped_TDX.max(dim=-1).values
-    if rank == "topk_sum":
-        return grouped_TDX.topk(min(n, grouped_TDX.shape[-1]), dim=-1).values.sum(dim=-1)
-    raise ValueError(f"rank={rank!r}: use 'max' or 'topk_sum'")
-
-
-def _admitted_expert_mask(device_mask_TD: torch.Tensor, expert_device_E: torch.Tensor) -> torch.Tensor:
-    return device_mask_TD[:, expert_device_E.to(device_mask_TD.device)]
-
-
-def limit_devices(
-    scores_TE: torch.Tensor,
-    top_k: int,
-    expert_device_E: torch.Tensor,
-    num_devices: int,
-    max_devices: int,
-    rank: str = "max",
-    n: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k restricted to the best `max_devices` devices of each token.
-
-    Args:
-        rank: `max` (devices ranked by their best expert) or `topk_sum` (by the sum of their top `n`
-            scores; default n = max(1, k // max_devices)).
-    Returns:
-        topk_ids_TK (long, sorted by descending score) and device_mask_TD (bool, admitted devices).
-    """
-    n = n or max(1, top_k // max_devices)
-    dev_TD = device_scores(scores_TE, expert_device_E, num_devices, rank, n)
-    keep = dev_TD.topk(max_devices, dim=-1).indices
-    device_mask_TD = torch.zeros_like(dev_TD, dtype=torch.bool).scatter_(1, keep, True)
-    allowed_TE = _admitted_expert_mask(device_mask_TD, expert_device_E)
-    masked = scores_TE.masked_fill(~allowed_TE, float("-inf"))
-    return masked.topk(top_k, dim=-1).indices, device_mask_TD
-
-
-def replace_by_similarity(
-    scores_TE: torch.Tensor,
-    topk_ids_TK: torch.Tensor,
-    expert_device_E: torch.Tensor,
-    num_devices: int,
-    max_devices: int,
-    similarity_EE: torch.Tensor,
-) -> torch.Tensor:
-    """The paper's similarity criterion (see the module docstring); returns the new topk_ids_TK.
-
-    Slots are processed in descending score order; a slot whose expert sits outside the admitted
-    devices takes the most similar admitted, not yet selected expert.
-    """
-    n_tok, k = topk_ids_TK.shape
-    dev_TD = device_scores(scores_TE, expert_device_E, num_devices, "max")
-    keep = dev_TD.topk(max_devices, dim=-1).indices
-    device_mask_TD = torch.zeros_like(dev_TD, dtype=torch.bool).scatter_(1, keep, True)
-    allowed_TE = _admitted_expert_mask(device_mask_TD, expert_device_E)
-    # process slots by descending score
-    slot_scores = scores_TE.gather(1, topk_ids_TK)
-    ids_TK = topk_ids_TK.gather(1, slot_scores.argsort(dim=1, descending=True)).clone()
-    ok_TK = allowed_TE.gather(1, ids_TK)
-    taken_TE = torch.zeros_like(allowed_TE)
-    rows = torch.arange(n_tok, device=ids_TK.device)
-    taken_TE[rows.unsqueeze(1).expand_as(ids_TK)[ok_TK], ids_TK[ok_TK]] = True
-    sim = similarity_EE.to(scores_TE.device, torch.float32)
-    for j in range(k):
-        bad = ~ok_TK[:, j]
-        if not bad.any():
-            continue
-        t = rows[bad]
-        cand = sim[ids_TK[t, j]].masked_fill(~allowed_TE[t] | taken_TE[t], float("-inf"))
-        new = cand.argmax(dim=-1)
-        ids_TK[t, j] = new
-        taken_TE[t, new] = True
-    return ids_TK
+# ---- the model's own group limit and one router output ----------------------------------------
+def router_selectable(arch: MoEArch, router: nn.Module, scores_TE: torch.Tensor) -> torch.Tensor | None:
+    """(T, E) bool: the experts of the groups the model's own group-limited router allows each token
+    (DeepSeek-V3 `n_group`/`topk_group`, DeepSeek-V2 `group_limited_greedy`), recomputed from the
+    selection scores exactly as the router does; None when the router has no active group limit."""
+    size = arch.routing_group_size(router)
+    if size == 1:
+        return None
+    t, e = scores_TE.shape
+    grouped = scores_TE.view(t, e // size, size)
+    if arch.native_group_routing == "topk_sum":
+        group_T_G = grouped.topk(min(arch.group_score_topn or 2, size), dim=-1).values.sum(dim=-1)
+    else:
+        group_T_G = grouped.max(dim=-1).values
+    keep = group_T_G.topk(int(router.topk_group), dim=-1).indices
+    mask = torch.zeros_like(group_T_G, dtype=torch.bool).scatter_(1, keep, True)
+    return mask.repeat_interleave(size, dim=1)
 
 
 def prune_topk(
@@ -224,24 +203,21 @@ def prune_topk(
     Returns:
         (topk_ids_TK, weights_TK, changed_T) where weights keep the dtype of `weights_TK`.
     """
-    m, d, k = config.max_devices_per_token, config.num_devices, topk_ids_TK.shape[1]
-    counts = torch.zeros(topk_ids_TK.shape[0], d, dtype=torch.long, device=topk_ids_TK.device)
-    counts.scatter_add_(1, expert_device_E[topk_ids_TK], torch.ones_like(topk_ids_TK))
-    fits_T = (counts > 0).sum(dim=1) <= m
     scores = arch.selection_scores(router, logits_TE.detach())
-    if config.criterion in ("score", "device_max"):
-        new_ids, _ = limit_devices(scores, k, expert_device_E, d, m, "max")
-    elif config.criterion == "device_topk_sum":
-        new_ids, _ = limit_devices(scores, k, expert_device_E, d, m, "topk_sum", arch.group_score_topn)
-    else:
-        if similarity_EE is None:
-            raise ValueError(
-                "criterion='similarity' needs an expert similarity table; profile the model first "
-                "(occult-ft profile) or choose criterion='score'"
-            )
-        new_ids = replace_by_similarity(scores, topk_ids_TK, expert_device_E, d, m, similarity_EE)
-    if config.criterion != "device_topk_sum":
-        new_ids = torch.where(fits_T.unsqueeze(1), topk_ids_TK, new_ids)
+    selectable = None if config.criterion == "device_topk_sum" else router_selectable(arch, router, scores)
+    new_ids = limit_topk(
+        scores,
+        topk_ids_TK,
+        expert_device_E,
+        config.num_devices,
+        config.max_devices_per_token,
+        config.criterion,
+        similarity_EE,
+        selectable,
+        config.num_nodes,
+        config.max_nodes_per_token,
+        arch.group_score_topn,
+    )
     changed_T = (new_ids.sort(dim=1).values != topk_ids_TK.sort(dim=1).values).any(dim=1)
     new_w = arch.gate_weights(router, logits_TE, new_ids)
     if config.gate_weights == "preserve_mass":

@@ -118,6 +118,7 @@ def test_pruned_topk_keeps_fitting_tokens_and_limits_the_others():
     ids = scores.topk(2, dim=-1).indices
     out = pruned_topk(scores, ids, contiguous_expert_device(4, 2), 2, 1)
     assert sorted(out[0].tolist()) == [0, 1] and sorted(out[1].tolist()) == [2, 3]
+    assert torch.equal(out[0], ids[0])  # a token that fits keeps its selection as it was, order included
 
 
 def test_predict_speedup_orders_dispatch_kinds():

@@ -88,21 +88,69 @@ def data(tiny_tokenizer, tmp_path_factory):
 
 
 # ---- the balance loss, worked by hand ----------------------------------------------------------------------------
-def test_balance_loss_is_one_for_uniform_routing_and_e_for_collapse():
-    # E=4, K=1, 4 tokens each on a different expert, uniform probabilities: f = P = 1/4 -> 4 * 4 * 1/16 = 1
+def test_balance_loss_is_k_for_uniform_routing_and_e_for_collapse():
+    # E=4, K=1, 4 tokens each on a different expert, uniform probabilities: f = P = 1/4 -> 4 * 4 * 1/16 = 1 = K
     uniform = RouterRecord(torch.arange(4).unsqueeze(1), torch.full((4, 4), 0.25), torch.zeros(4))
     assert balance_loss({0: uniform}).item() == pytest.approx(1.0)
     # every token on expert 0 with all the probability: f_0 = P_0 = 1 -> 4 * 1 = E
     collapsed = RouterRecord(torch.zeros(4, 1, dtype=torch.long), torch.eye(4)[[0, 0, 0, 0]], torch.zeros(4))
-    assert balance_loss({0: uniform, 1: collapsed}).item() == pytest.approx((1.0 + 4.0) / 2)
+    assert balance_loss({1: collapsed}).item() == pytest.approx(4.0)
+    # layers are pooled as transformers pools them: 8 rows, counts (5, 1, 1, 1), probability sums
+    # (1+4, 1, 1, 1) -> f = P = (5, 1, 1, 1) / 8 -> 4 * (25 + 1 + 1 + 1) / 64 = 1.75
+    assert balance_loss({0: uniform, 1: collapsed}).item() == pytest.approx(1.75)
+    # K=2, uniform: tokens pick (0,1), (2,3), (0,2), (1,3): every expert in 2 of 4 tokens, f = 1/2 each,
+    # P = 1/4 -> 4 * 4 * 1/8 = 2 = K (transformers' scale: the slots are not normalised away)
+    pairs = RouterRecord(
+        torch.tensor([[0, 1], [2, 3], [0, 2], [1, 3]]), torch.full((4, 4), 0.25), torch.zeros(4)
+    )
+    assert balance_loss({0: pairs}).item() == pytest.approx(2.0)
     # masked tokens are ignored: only token 0 (expert 0, prob 1) counts -> E * 1 * 1 = 4
     probs = torch.eye(4)
     rec = RouterRecord(torch.arange(4).unsqueeze(1), probs, torch.zeros(4))
     assert balance_loss({0: rec}, torch.tensor([True, False, False, False])).item() == pytest.approx(4.0)
+    assert balance_loss({0: rec}, torch.zeros(4, dtype=torch.bool)) is None
     # sigmoid-style scores are normalised per token: 2 * uniform scores behave as uniform
     assert balance_loss(
         {0: RouterRecord(uniform.topk_ids, uniform.probs * 2, uniform.removed_mass)}
     ).item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "olmoe"])
+def test_unpruned_balance_loss_equals_the_models_own(model_type):
+    """Same logits, same top-k, no pruning: our loss is transformers' `load_balancing_loss_func`, so the
+    model's `router_aux_loss_coef` means the same for `balance_loss_coef`."""
+    import importlib
+
+    own = importlib.import_module(
+        f"transformers.models.{model_type}.modeling_{model_type}"
+    ).load_balancing_loss_func
+    gen = torch.Generator().manual_seed(3)
+    E, K, T = 8, 2, 96
+    logits = tuple(torch.randn(T, E, generator=gen) * 2 for _ in range(3))  # 3 layers
+    records = {
+        i: RouterRecord(torch.softmax(x, -1).topk(K, -1).indices, torch.softmax(x, -1), torch.zeros(T))
+        for i, x in enumerate(logits)
+    }
+    torch.testing.assert_close(balance_loss(records), own(logits, E, K), rtol=0, atol=1e-6)
+    # with padding: transformers weights rows by the attention mask, we drop the masked rows
+    mask_BS = torch.rand(4, T // 4, generator=gen) > 0.3
+    torch.testing.assert_close(
+        balance_loss(records, mask_BS.flatten()), own(logits, E, K, mask_BS), rtol=0, atol=1e-6
+    )
+
+    # and on a real model: the recorded routing of its own forward
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft.models import tiny_config
+    from occult_ft.routing import PruningConfig, apply_pruning
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    apply_pruning(model, PruningConfig(num_devices=4))  # no budget: records only
+    set_recording(model, True, keep_graph=True)
+    out = model(torch.randint(0, 128, (2, 16)), output_router_logits=True)
+    expected = own(out.router_logits, 8, 2)  # tiny configs: 8 experts, top-2
+    torch.testing.assert_close(balance_loss(collect_routing(model)), expected, rtol=0, atol=1e-6)
 
 
 def test_balance_loss_factor_divides_only_when_trainer_does_not():
@@ -332,6 +380,29 @@ def test_bad_config_fields_raise_one_clear_error(overrides, message, tmp_path):
     with pytest.raises(ValueError) as err:
         make_config(tmp_path, **overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(criterion="scor"),
+        dict(max_devices_per_token=5),
+        dict(gate_weights="keep"),
+        dict(devices=0),
+        dict(nodes=3),
+    ],
+)
+def test_config_and_pruning_config_share_one_check(overrides, tmp_path):
+    """OccultConfig delegates its pruning fields to the router's own check: one message for both."""
+    from occult_ft.routing import PruningConfig
+
+    names = dict(devices="num_devices", nodes="num_nodes")
+    pruning = {"num_devices": 4, **{names.get(k, k): v for k, v in overrides.items()}}
+    with pytest.raises(ValueError) as from_pruning:
+        PruningConfig(**pruning)
+    with pytest.raises(ValueError) as from_config:
+        make_config(tmp_path, **overrides)
+    assert str(from_config.value) == str(from_pruning.value)
 
 
 def test_devices_that_do_not_divide_the_experts_fail_at_construction(tiny_olmoe_dir, data, tmp_path):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from ..routing import CRITERIA, GATE_WEIGHT_POLICIES
+from ..routing import CRITERIA, GATE_WEIGHT_POLICIES, check_pruning_settings
 
 __all__ = ["OccultConfig", "TRAIN_MODES", "PLACEMENT_MODES", "MODEL_DTYPES"]
 
@@ -60,7 +60,8 @@ class OccultConfig(TrainingArguments):
         profile_tokens: tokens of training data profiled for `auto` placement and similarity tables.
         max_devices_per_token: the pruning budget M (None = no pruning, routing is only measured).
         criterion / gate_weights: how tokens over budget are re-routed and weighted (`occult_ft.routing`).
-        balance_loss_coef: weight of the pruning-aware load-balancing loss.
+        balance_loss_coef: weight of the pruning-aware load-balancing loss (on the scale of the model's
+            own `router_aux_loss_coef`, see `occult_ft.trainer.losses`).
 
     Training:
         train_mode: `full`, `moe` (MoE blocks only: routers, experts, shared experts) or `lora`.
@@ -183,7 +184,9 @@ class OccultConfig(TrainingArguments):
         default=0.01,
         metadata={
             "help": "Weight of the pruning-aware load-balancing loss (E * sum_e f_e P_e over the routing "
-            "actually used); 0 disables it. The model's own aux loss is always off."
+            "actually used, on the scale of transformers' load_balancing_loss_func: K at uniform routing, "
+            "so a model's router_aux_loss_coef carries over; 0.01 is OLMoE's, Mixtral/Qwen use 0.001); "
+            "0 disables it. The model's own aux loss is always off."
         },
     )
 
@@ -242,26 +245,16 @@ class OccultConfig(TrainingArguments):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
 
-        for name in ("devices", "nodes", "seq_len", "profile_tokens", "lora_r", "expert_parallel_size"):
+        # devices, nodes, the budget, criterion and gate weights: the pruning router's own checks
+        check_pruning_settings(
+            self.devices, self.max_devices_per_token, self.criterion, self.gate_weights, self.nodes
+        )
+        for name in ("seq_len", "profile_tokens", "lora_r", "expert_parallel_size"):
             positive(name)
         if self.seq_len < 2:
             raise ValueError(
                 f"seq_len={self.seq_len} is too short; use at least 2 tokens (typically 128-4096)"
             )
-        if self.devices % self.nodes:
-            divisors = [n for n in range(1, self.devices + 1) if self.devices % n == 0]
-            raise ValueError(
-                f"nodes={self.nodes} does not divide devices={self.devices}; use one of {divisors}"
-            )
-        m = self.max_devices_per_token
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= self.devices):
-            raise ValueError(
-                f"max_devices_per_token={m!r} must be between 1 and devices={self.devices}; leave it unset for no pruning"
-            )
-        if self.criterion not in CRITERIA:
-            raise _choice_error("criterion", self.criterion, CRITERIA)
-        if self.gate_weights not in GATE_WEIGHT_POLICIES:
-            raise _choice_error("gate_weights", self.gate_weights, GATE_WEIGHT_POLICIES)
         if self.train_mode not in TRAIN_MODES:
             raise _choice_error("train_mode", self.train_mode, TRAIN_MODES)
         if self.model_dtype not in MODEL_DTYPES:

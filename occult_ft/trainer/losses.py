@@ -2,15 +2,18 @@
 
 The model's own auxiliary loss (`load_balancing_loss_func`) recomputes softmax + top-k from the raw
 router logits, so it balances the routing the model *would* use without pruning. Occult fine-tuning
-balances the routing it actually uses: per MoE layer, Switch-Transformer style,
+balances the routing it actually uses, with the model's own formula and scale (Switch Transformer
+style, pooled over the MoE layers exactly as transformers pools them):
 
     balance = E * sum_e f_e * P_e
 
-where f_e is the share of the layer's (token, slot) assignments that went to expert e under the pruned
-`topk_ids_TK` (sum_e f_e = 1; no gradient) and P_e is the mean over tokens of the router probability of
-e (the gradient path). For routers whose scores do not sum to one (DeepSeek-V3's sigmoid), each token's
-scores are normalised first. Perfectly uniform routing gives 1.0; all tokens on one expert that also
-gets all the probability gives E. The loss is the mean over MoE layers; padding tokens are skipped.
+where f_e is the share of tokens whose used selection (`topk_ids_TK`, after pruning) contains expert e
+(sum_e f_e = K; no gradient) and P_e is the mean router probability of e (the gradient path), both
+taken over every (layer, token) row. Perfectly uniform routing gives K, as transformers' loss does, so a
+model's `router_aux_loss_coef` means the same here (OLMoE 0.01; Mixtral, Qwen, GPT-OSS 0.001). On
+unpruned routing of a softmax router it equals `load_balancing_loss_func`. For routers whose scores do
+not sum to one (DeepSeek-V3's sigmoid), each token's scores are normalised first. Padding tokens are
+skipped (transformers weights them by the attention mask, the same thing).
 
 Shape legend: T tokens, E experts, K experts per token.
 """
@@ -29,17 +32,19 @@ __all__ = ["balance_loss", "balance_loss_factor"]
 def balance_loss(
     records: Mapping[int, RouterRecord], mask_T: torch.Tensor | None = None
 ) -> torch.Tensor | None:
-    """Pruning-aware Switch balance loss, averaged over the layers in `records`.
+    """Pruning-aware Switch balance loss over the layers in `records`, on transformers' scale.
 
     Args:
         records: layer index -> `RouterRecord` with `probs` (T, E) attached to the graph and the
-            `topk_ids` (T, K) actually used.
+            `topk_ids` (T, K) actually used; every layer must route to the same E experts.
         mask_T: optional (T,) bool, True for real tokens (the flattened attention mask).
 
     Returns:
-        A scalar fp32 tensor, or None when no record carries probabilities (recording without graph).
+        A scalar fp32 tensor (K for uniform routing, at most E), or None when no record carries
+        probabilities (recording without graph) or every token is masked.
     """
-    per_layer = []
+    counts_E = probs_E = None
+    rows = 0
     for index in sorted(records):
         rec = records[index]
         if rec.probs is None:
@@ -49,19 +54,26 @@ def balance_loss(
             keep = mask_T.to(probs_TE.device)
             probs_TE, ids_TK = probs_TE[keep], ids_TK[keep.to(ids_TK.device)]
         tokens, num_experts = probs_TE.shape
+        if counts_E is None:
+            counts_E = torch.zeros(num_experts, device=probs_TE.device, dtype=torch.float32)
+            probs_E = torch.zeros(num_experts, device=probs_TE.device, dtype=torch.float32)
+        elif num_experts != counts_E.numel():
+            raise ValueError(
+                f"MoE layer {index} routes to {num_experts} experts, earlier layers to {counts_E.numel()}; "
+                "the balance loss pools layers of one expert count"
+            )
         if tokens == 0:
             continue
         p_TE = probs_TE.float()
         p_TE = p_TE / p_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-        counts_E = torch.zeros(num_experts, device=p_TE.device, dtype=torch.float32)
-        counts_E.scatter_add_(
+        counts_E = counts_E.scatter_add(
             0, ids_TK.reshape(-1).to(p_TE.device), torch.ones(ids_TK.numel(), device=p_TE.device)
         )
-        f_E = counts_E / ids_TK.numel()
-        per_layer.append(num_experts * (f_E * p_TE.mean(dim=0)).sum())
-    if not per_layer:
+        probs_E = probs_E + p_TE.sum(dim=0)
+        rows += tokens
+    if rows == 0:
         return None
-    return torch.stack(per_layer).mean()
+    return counts_E.numel() * ((counts_E / rows) * (probs_E / rows)).sum()
 
 
 def balance_loss_factor(loss_is_scaled_for_ga: bool, accumulation_steps: int) -> float:

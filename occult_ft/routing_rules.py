@@ -1,0 +1,389 @@
+"""The pruning criteria as pure tensor functions (no model, no router): what `occult_ft.routing` applies.
+
+`limit_topk` applies one criterion to a router's selection: it keeps tokens that fit the budget,
+admits devices by walking each other token's selected top-k (`walk_admitted_devices`, with an optional
+node budget), then re-selects (`score`, `device_max`) or replaces by similarity (`similarity`);
+`device_topk_sum` ranks devices (and nodes) by their top-n score sums for every token. The rules and
+their reasons are described in `occult_ft.routing`. `check_pruning_settings` is the one validation of
+the pruning settings, shared by `PruningConfig` and `OccultConfig`.
+
+Shape legend: T tokens, E experts, K top-k, D devices, N nodes.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import torch
+
+__all__ = [
+    "CRITERIA",
+    "GATE_WEIGHT_POLICIES",
+    "check_pruning_settings",
+    "device_scores",
+    "fits_budget",
+    "limit_devices",
+    "limit_topk",
+    "replace_by_similarity",
+    "walk_admitted_devices",
+]
+
+CRITERIA = ("score", "similarity", "device_max", "device_topk_sum")
+GATE_WEIGHT_POLICIES = ("model", "preserve_mass")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _unknown(name: str, value, choices) -> ValueError:
+    close = difflib.get_close_matches(str(value), list(choices), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ValueError(f"{name}={value!r} is unknown{hint}; choose one of {', '.join(choices)}")
+
+
+def check_pruning_settings(
+    num_devices,
+    max_devices_per_token=None,
+    criterion="score",
+    gate_weights="model",
+    num_nodes=1,
+    max_nodes_per_token=None,
+) -> None:
+    """Raise a one-line ValueError for the first bad pruning setting (`PruningConfig` and `OccultConfig`).
+
+    Args:
+        num_devices: D, a positive integer. num_nodes: N, a positive divisor of D.
+        max_devices_per_token: None or 1..D. max_nodes_per_token: None or 1..N.
+        criterion: one of `CRITERIA`. gate_weights: one of `GATE_WEIGHT_POLICIES`.
+    """
+    if not _is_int(num_devices) or num_devices < 1:
+        raise ValueError(f"devices={num_devices!r} must be a positive integer, e.g. devices=4")
+    if not _is_int(num_nodes) or num_nodes < 1:
+        raise ValueError(f"nodes={num_nodes!r} must be a positive integer, e.g. nodes=1")
+    if num_devices % num_nodes:
+        divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
+        raise ValueError(f"nodes={num_nodes} does not divide devices={num_devices}; use one of {divisors}")
+    m = max_devices_per_token
+    if m is not None and (not _is_int(m) or not 1 <= m <= num_devices):
+        raise ValueError(
+            f"max_devices_per_token={m!r} must be between 1 and devices={num_devices}; "
+            "leave it unset (None) for no device budget"
+        )
+    n = max_nodes_per_token
+    if n is not None and (not _is_int(n) or not 1 <= n <= num_nodes):
+        raise ValueError(
+            f"max_nodes_per_token={n!r} must be between 1 and nodes={num_nodes}; "
+            "leave it unset (None) for no node budget"
+        )
+    if criterion not in CRITERIA:
+        raise _unknown("criterion", criterion, CRITERIA)
+    if gate_weights not in GATE_WEIGHT_POLICIES:
+        raise _unknown("gate_weights", gate_weights, GATE_WEIGHT_POLICIES)
+
+
+# ---- pure routing maths ------------------------------------------------------------------------
+def _grouped_by_device(x_TE: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int):
+    """(T, D, E/D) view of per-expert values grouped by device, and the (E,) order used."""
+    order_E = torch.argsort(expert_device_E, stable=True)
+    return x_TE[:, order_E].reshape(x_TE.shape[0], num_devices, -1), order_E
+
+
+def device_scores(
+    scores_TE: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int, rank: str = "max", n: int = 1
+) -> torch.Tensor:
+    """(T, D) device ranking scores: best expert (`max`) or sum of the top-n experts (`topk_sum`)."""
+    grouped_TDX, _ = _grouped_by_device(scores_TE, expert_device_E, num_devices)
+    if rank == "max":
+        return grouped_TDX.max(dim=-1).values
+    if rank == "topk_sum":
+        return grouped_TDX.topk(min(n, grouped_TDX.shape[-1]), dim=-1).values.sum(dim=-1)
+    raise ValueError(f"rank={rank!r}: use 'max' or 'topk_sum'")
+
+
+def _admitted_expert_mask(device_mask_TD: torch.Tensor, expert_device_E: torch.Tensor) -> torch.Tensor:
+    return device_mask_TD[:, expert_device_E.to(device_mask_TD.device)]
+
+
+def _order_desc(primary_TE: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+    """(T, E) expert indices of each row sorted by `primary` (descending), ties by score (descending)."""
+    by_score = scores_TE.argsort(dim=1, descending=True, stable=True)
+    by_primary = primary_TE.gather(1, by_score).argsort(dim=1, descending=True, stable=True)
+    return by_score.gather(1, by_primary)
+
+
+def limit_devices(
+    scores_TE: torch.Tensor,
+    top_k: int,
+    expert_device_E: torch.Tensor,
+    num_devices: int,
+    max_devices: int,
+    rank: str = "max",
+    n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k restricted to the best `max_devices` devices of each token, devices ranked over all experts.
+
+    This is the DeepSeek rule on a plain top-k router (for `score`/`device_max` on a group-limited
+    router use `limit_topk`, which walks the router's own selection).
+
+    Args:
+        rank: `max` (devices ranked by their best expert) or `topk_sum` (by the sum of their top `n`
+            scores; default n = max(1, k // max_devices)).
+    Returns:
+        topk_ids_TK (long, sorted by descending score) and device_mask_TD (bool, admitted devices).
+    """
+    n = n or max(1, top_k // max_devices)
+    dev_TD = device_scores(scores_TE, expert_device_E, num_devices, rank, n)
+    keep = dev_TD.topk(max_devices, dim=-1).indices
+    device_mask_TD = torch.zeros_like(dev_TD, dtype=torch.bool).scatter_(1, keep, True)
+    allowed_TE = _admitted_expert_mask(device_mask_TD, expert_device_E)
+    masked = scores_TE.masked_fill(~allowed_TE, float("-inf"))
+    return masked.topk(top_k, dim=-1).indices, device_mask_TD
+
+
+def fits_budget(
+    topk_ids_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    num_devices: int,
+    max_devices: int | None,
+    num_nodes: int = 1,
+    max_nodes: int | None = None,
+) -> torch.Tensor:
+    """(T,) bool: the token's experts already lie on <= max_devices devices and <= max_nodes nodes."""
+    dev_TK = expert_device_E.to(topk_ids_TK.device)[topk_ids_TK]
+    t = topk_ids_TK.shape[0]
+    on_TD = torch.zeros(t, num_devices, dtype=torch.bool, device=dev_TK.device).scatter_(1, dev_TK, True)
+    fits_T = on_TD.sum(dim=1) <= (max_devices or num_devices)
+    if max_nodes is not None:
+        on_TN = on_TD.view(t, num_nodes, num_devices // num_nodes).any(dim=2)
+        fits_T &= on_TN.sum(dim=1) <= max_nodes
+    return fits_T
+
+
+def walk_admitted_devices(
+    scores_TE: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    num_devices: int,
+    max_devices: int | None,
+    num_nodes: int = 1,
+    max_nodes: int | None = None,
+    selectable_TE: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(T, D) bool: the devices the paper's walk admits for each token.
+
+    The walk visits the token's selected experts (`topk_ids_TK`) in descending score, then its other
+    experts (those the router could select first) in descending score, and admits an expert's device
+    while fewer than `max_devices` devices are admitted and its node is admitted or fewer than
+    `max_nodes` nodes are. It stops when min(max_devices, max_nodes * D / N) devices are admitted, which
+    for a device budget alone happens inside the top-k of any token that does not fit.
+    """
+    t = scores_TE.shape[0]
+    dev_of_E = expert_device_E.to(scores_TE.device)
+    per_node = num_devices // num_nodes
+    mn = max_nodes or num_nodes
+    cap = min(max_devices or num_devices, mn * per_node)
+    state = (
+        torch.zeros(t, num_devices, dtype=torch.bool, device=scores_TE.device),  # admitted devices
+        torch.zeros(t, num_nodes, dtype=torch.bool, device=scores_TE.device),  # admitted nodes
+        torch.zeros(t, dtype=torch.long, device=scores_TE.device),  # admitted device count
+        torch.zeros(t, dtype=torch.long, device=scores_TE.device),  # admitted node count
+    )
+    ids_TK = topk_ids_TK.long()
+    by_score_TK = ids_TK.gather(1, scores_TE.gather(1, ids_TK).argsort(dim=1, descending=True))
+    rows = torch.arange(t, device=scores_TE.device)
+    _walk(dev_of_E[by_score_TK], rows, state, cap, per_node, mn)
+    open_R = rows[state[2] < cap]  # a node budget can leave room after the top-k: walk on
+    if open_R.numel():
+        rank_RE = torch.ones(open_R.numel(), scores_TE.shape[1], dtype=torch.long, device=scores_TE.device)
+        if selectable_TE is not None:
+            rank_RE = rank_RE + selectable_TE[open_R].long()
+        rank_RE.scatter_(1, ids_TK[open_R], 3)  # selected (3) > selectable (2) > the rest (1)
+        _walk(dev_of_E[_order_desc(rank_RE, scores_TE[open_R])], open_R, state, cap, per_node, mn)
+    return state[0]
+
+
+def _walk(walk_RJ: torch.Tensor, rows_R: torch.Tensor, state, cap: int, per_node: int, mn: int) -> None:
+    """Admit the devices `walk_RJ` visits (row r of token rows_R[r]) into `state`, in place."""
+    device_mask_TD, node_mask_TN, n_dev_T, n_node_T = state
+    for j in range(walk_RJ.shape[1]):
+        open_R = n_dev_T[rows_R] < cap
+        if not open_R.any():
+            break
+        d_R = walk_RJ[:, j]
+        node_R = d_R // per_node
+        node_in_R = node_mask_TN[rows_R, node_R]
+        ok_R = open_R & ~device_mask_TD[rows_R, d_R] & (node_in_R | (n_node_T[rows_R] < mn))
+        device_mask_TD[rows_R[ok_R], d_R[ok_R]] = True
+        node_mask_TN[rows_R[ok_R], node_R[ok_R]] = True
+        n_dev_T[rows_R] += ok_R
+        n_node_T[rows_R] += ok_R & ~node_in_R
+
+
+def _top_admitted(
+    scores_TE: torch.Tensor,
+    device_mask_TD: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    top_k: int,
+    selectable_TE: torch.Tensor | None,
+) -> torch.Tensor:
+    """Top-k among the admitted experts, those the router could select first (sorted by score)."""
+    allowed_TE = _admitted_expert_mask(device_mask_TD, expert_device_E)
+    preferred_TE = allowed_TE if selectable_TE is None else allowed_TE & selectable_TE
+    ids_TK = scores_TE.masked_fill(~preferred_TE, float("-inf")).topk(top_k, dim=-1).indices
+    short = (preferred_TE.sum(dim=1) < top_k).nonzero().squeeze(1)  # fill up with the other admitted
+    if short.numel():
+        rank_RE = allowed_TE[short].long() + preferred_TE[short].long()
+        ids_TK[short] = _order_desc(rank_RE, scores_TE[short])[:, :top_k]
+    return ids_TK
+
+
+def _replace_outside(
+    scores_TE: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    device_mask_TD: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    similarity_EE: torch.Tensor,
+    selectable_TE: torch.Tensor | None,
+) -> torch.Tensor:
+    """The similarity replacement on given admitted devices; slots come back in descending score order."""
+    n_tok, k = topk_ids_TK.shape
+    allowed_TE = _admitted_expert_mask(device_mask_TD, expert_device_E)
+    preferred_TE = allowed_TE if selectable_TE is None else allowed_TE & selectable_TE
+    slot_scores = scores_TE.gather(1, topk_ids_TK)
+    ids_TK = topk_ids_TK.gather(1, slot_scores.argsort(dim=1, descending=True)).clone()
+    ok_TK = allowed_TE.gather(1, ids_TK)
+    taken_TE = torch.zeros_like(allowed_TE)
+    rows = torch.arange(n_tok, device=ids_TK.device)
+    taken_TE[rows.unsqueeze(1).expand_as(ids_TK)[ok_TK], ids_TK[ok_TK]] = True
+    sim = similarity_EE.to(scores_TE.device, torch.float32)
+    for j in range(k):
+        bad = ~ok_TK[:, j]
+        if not bad.any():
+            continue
+        t = rows[bad]
+        row_sim = sim[ids_TK[t, j]]
+        first = row_sim.masked_fill(~preferred_TE[t] | taken_TE[t], float("-inf"))
+        other = row_sim.masked_fill(~allowed_TE[t] | taken_TE[t], float("-inf"))
+        has_first = (preferred_TE[t] & ~taken_TE[t]).any(dim=-1)
+        new = torch.where(has_first, first.argmax(dim=-1), other.argmax(dim=-1))
+        ids_TK[t, j] = new
+        taken_TE[t, new] = True
+    return ids_TK
+
+
+def replace_by_similarity(
+    scores_TE: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    num_devices: int,
+    max_devices: int,
+    similarity_EE: torch.Tensor,
+    selectable_TE: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The paper's similarity criterion (see the module docstring); returns the new topk_ids_TK.
+
+    Devices are admitted by walking `topk_ids_TK` (`walk_admitted_devices`). Slots are processed in
+    descending score order; a slot whose expert sits outside the admitted devices takes the most similar
+    admitted, not yet selected expert (one the router could select, when `selectable_TE` is given and
+    such an expert is left).
+    """
+    device_mask_TD = walk_admitted_devices(
+        scores_TE, topk_ids_TK, expert_device_E, num_devices, max_devices, selectable_TE=selectable_TE
+    )
+    return _replace_outside(
+        scores_TE, topk_ids_TK, device_mask_TD, expert_device_E, similarity_EE, selectable_TE
+    )
+
+
+def _topk_sum_devices(
+    scores_TE: torch.Tensor,
+    top_k: int,
+    expert_device_E: torch.Tensor,
+    num_devices: int,
+    max_devices: int | None,
+    num_nodes: int,
+    max_nodes: int | None,
+    topn: int | None,
+) -> torch.Tensor:
+    """`device_topk_sum` for every token: keep the best max_nodes nodes (then the best max_devices
+    devices on them), nodes and devices ranked by the sum of their top-n scores; top-k inside."""
+    dev_of_E = expert_device_E.to(scores_TE.device)
+    per_node = num_devices // num_nodes
+    m = max_devices or num_devices
+    dev_TD = device_scores(scores_TE, dev_of_E, num_devices, "topk_sum", topn or max(1, top_k // m))
+    if max_nodes is not None and max_nodes < num_nodes:
+        node_TN = device_scores(
+            scores_TE, dev_of_E // per_node, num_nodes, "topk_sum", topn or max(1, top_k // max_nodes)
+        )
+        keep_nodes = node_TN.topk(max_nodes, dim=-1).indices
+        node_mask_TN = torch.zeros_like(node_TN, dtype=torch.bool).scatter_(1, keep_nodes, True)
+        dev_TD = dev_TD.masked_fill(~node_mask_TN.repeat_interleave(per_node, dim=1), float("-inf"))
+        m = min(m, max_nodes * per_node)
+    keep = dev_TD.topk(m, dim=-1).indices
+    device_mask_TD = torch.zeros_like(dev_TD, dtype=torch.bool).scatter_(1, keep, True)
+    masked = scores_TE.masked_fill(~_admitted_expert_mask(device_mask_TD, dev_of_E), float("-inf"))
+    return masked.topk(top_k, dim=-1).indices
+
+
+def limit_topk(
+    scores_TE: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    num_devices: int,
+    max_devices: int | None,
+    criterion: str = "score",
+    similarity_EE: torch.Tensor | None = None,
+    selectable_TE: torch.Tensor | None = None,
+    num_nodes: int = 1,
+    max_nodes: int | None = None,
+    topn: int | None = None,
+) -> torch.Tensor:
+    """One criterion applied to a router's selection: the pure core of `prune_topk`.
+
+    Args:
+        scores_TE: (T, E) selection scores (higher is better; top-k of them is the router's choice).
+        topk_ids_TK: (T, K) the router's unpruned selection.
+        expert_device_E: (E,) device of each expert; device d sits on node d // (D / num_nodes).
+        max_devices / max_nodes: the budgets (None = no limit of that kind).
+        criterion: one of `CRITERIA`; `similarity` needs `similarity_EE` (E, E).
+        selectable_TE: optional (T, E) bool, the experts the model's router could select (its group
+            mask, `router_selectable`); re-selection prefers them.
+        topn: scores summed per device by `device_topk_sum` (default max(1, k // max_devices)).
+    Returns:
+        (T, K) long: the new selection. Except under `device_topk_sum`, tokens that fit the budget keep
+        `topk_ids_TK` exactly; the others' experts lie on devices the walk of their top-k admitted.
+    """
+    ids_TK = topk_ids_TK.long()
+    k = ids_TK.shape[1]
+    dev_of_E = expert_device_E.to(scores_TE.device)
+    if criterion == "device_topk_sum":
+        return _topk_sum_devices(scores_TE, k, dev_of_E, num_devices, max_devices, num_nodes, max_nodes, topn)
+    if criterion not in CRITERIA:
+        raise _unknown("criterion", criterion, CRITERIA)
+    if criterion == "similarity" and similarity_EE is None:
+        raise ValueError(
+            "criterion='similarity' needs an expert similarity table; profile the model first "
+            "(occult-ft profile) or choose criterion='score'"
+        )
+    out_TK = ids_TK.clone()
+    need = (
+        (~fits_budget(ids_TK, dev_of_E, num_devices, max_devices, num_nodes, max_nodes)).nonzero().squeeze(1)
+    )
+    if need.numel() == 0:
+        return out_TK
+    scores, ids = scores_TE[need], ids_TK[need]
+    selectable = (
+        None
+        if selectable_TE is None
+        else selectable_TE[need] | torch.zeros_like(selectable_TE[need]).scatter_(1, ids, True)
+    )  # the router's own choice is selectable whatever the mask says
+    device_mask_TD = walk_admitted_devices(
+        scores, ids, dev_of_E, num_devices, max_devices, num_nodes, max_nodes, selectable
+    )
+    if criterion == "similarity":
+        new = _replace_outside(scores, ids, device_mask_TD, dev_of_E, similarity_EE, selectable)
+    else:
+        new = _top_admitted(scores, device_mask_TD, dev_of_E, k, selectable)
+    out_TK[need] = new
+    return out_TK
