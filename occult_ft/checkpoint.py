@@ -114,14 +114,17 @@ def read_similarity(path: str) -> dict[int, torch.Tensor] | None:
 
 
 def pruning_from_block(block: dict | None) -> PruningConfig | None:
-    """The `PruningConfig` a block records (None without a budget)."""
-    if not block or block.get("max_devices_per_token") is None:
+    """The `PruningConfig` a block records (None without a device or node budget)."""
+    if not block or (block.get("max_devices_per_token") is None and block.get("max_nodes_per_token") is None):
         return None
+    optional = lambda key: None if block.get(key) is None else int(block[key])  # noqa: E731
     return PruningConfig(
         num_devices=int(block["num_devices"]),
-        max_devices_per_token=int(block["max_devices_per_token"]),
+        max_devices_per_token=optional("max_devices_per_token"),
         criterion=block.get("criterion", "score"),
         gate_weights=block.get("gate_weights", "model"),
+        num_nodes=int(block.get("num_nodes", 1)),
+        max_nodes_per_token=optional("max_nodes_per_token"),
     )
 
 
