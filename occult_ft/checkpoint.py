@@ -50,6 +50,7 @@ __all__ = [
     "describe_checkpoint",
     "write_native_group_fields",
     "save_pruned",
+    "attach_occult_save",
     "from_pretrained",
     "load_model_and_tokenizer",
     "load_tokenizer",
@@ -288,6 +289,35 @@ def write_adapter_block(out_dir: str, block: dict) -> None:
     atomic_write_text(os.path.join(out_dir, ADAPTER_OCCULT_FILE), json.dumps(block, indent=2))
 
 
+def _save_pretrained_with_occult(self, save_directory, *args, **kwargs):
+    """`save_pretrained` of a model that `attach_occult_save` marked: the class's own save, with the
+    `occult` block (and native routing fields) in config.json and the routers' similarity tables beside
+    the weights, so `occult_ft.from_pretrained` of the copy routes like this model."""
+    from .apply import applied_similarity
+
+    block = self._occult_save_block
+    with occult_config_fields(self.config, block, pruning_from_block(block)):
+        result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
+    if kwargs.get("is_main_process", True):
+        write_similarity(os.fspath(save_directory), applied_similarity(self))
+    return result
+
+
+def attach_occult_save(model: nn.Module, block: dict) -> None:
+    """Make `model.save_pretrained` (also through `push_to_hub`, and on the model `merge_and_unload`
+    returns) write a complete pruned checkpoint of the live, placed model described by `block`."""
+    import types
+
+    base = unwrap_model(model)
+    if hasattr(base, "get_base_model"):  # a PEFT model: the transformers model inside
+        base = base.get_base_model()
+    saved = {k: v for k, v in block.items() if k != "expert_order"}
+    saved["placed"] = True  # the live experts are in placed order
+    base._occult_save_block = saved
+    base.save_pretrained = types.MethodType(_save_pretrained_with_occult, base)
+    base.config.__dict__[OCCULT_KEY] = saved
+
+
 def save_pruned(
     model: nn.Module,
     out_dir: str,
@@ -373,9 +403,10 @@ def load_tokenizer(*sources: str | None):
     )
 
 
-def load_model_and_tokenizer(path: str, dtype=None, **kwargs):
+def load_model_and_tokenizer(path: str, dtype=None, warn_pruned: bool = True, **kwargs):
     """`AutoModelForCausalLM` + `AutoTokenizer` for a local dir, a Hub id or `embedded` (the shipped
-    base model), with one-line errors."""
+    base model), with one-line errors. A pruned occult_ft checkpoint loaded this way routes with its
+    original top-k; `warn_pruned` says so (`from_pretrained`, which restores the routing, turns it off)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(path)  # absolute: recorded as the base model of adapters and checkpoints
@@ -386,6 +417,8 @@ def load_model_and_tokenizer(path: str, dtype=None, **kwargs):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"cannot load model {path!r}: {first}") from None
     get_arch(model)  # unsupported types fail here, with the list of supported ones
+    if warn_pruned:
+        _warn_if_pruned(model, path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError):
@@ -393,6 +426,25 @@ def load_model_and_tokenizer(path: str, dtype=None, **kwargs):
     if tokenizer is not None and not _has_vocabulary(tokenizer):
         tokenizer = None  # a folder without tokenizer files: transformers builds an empty default one
     return model, tokenizer
+
+
+def _warn_if_pruned(model: nn.Module, path: str) -> None:
+    """Say so when a pruned checkpoint is about to route without its budget (stock loading)."""
+    from transformers.utils import logging
+
+    block = model_block(model)
+    pruning = pruning_from_block(block)
+    if pruning is None or not pruning.active:
+        return
+    native = get_arch(model).native_routing_matches(
+        model.config.to_dict(), pruning.num_devices, pruning.max_devices_per_token
+    )
+    if not native:
+        logging.get_logger("occult_ft").warning(
+            f"{path} is an occult_ft checkpoint pruned to {pruning.max_devices_per_token} devices per token "
+            f"({pruning.criterion}); loaded here with its original top-k routing. Load it with "
+            "occult_ft.from_pretrained to route as it was fine-tuned."
+        )
 
 
 def _has_vocabulary(tokenizer) -> bool:
@@ -410,12 +462,15 @@ def from_pretrained(path: str, dtype=None, is_trainable: bool = False, **kwargs)
     adapter_cfg = os.path.join(path, "adapter_config.json")
     if os.path.isfile(adapter_cfg):
         return _from_adapter(path, dtype=dtype, is_trainable=is_trainable, **kwargs)
-    model, _ = load_model_and_tokenizer(path, dtype=dtype, **kwargs)
-    pruning = pruning_from_block(model_block(model))
+    model, _ = load_model_and_tokenizer(path, dtype=dtype, warn_pruned=False, **kwargs)
+    block = model_block(model)
+    pruning = pruning_from_block(block)
     if pruning is not None:
         from .apply import apply_occult
 
         apply_occult(model, pruning=pruning, similarity=read_similarity(path), similarity_placed=True)
+    if block:
+        attach_occult_save(model, block)
     return model
 
 
@@ -448,5 +503,7 @@ def _from_adapter(path: str, dtype=None, is_trainable: bool = False, **kwargs) -
     else:
         apply_occult(model, placement, pruning, similarity, similarity_placed=True)
         model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+    if block:
+        attach_occult_save(model, block)
     model.config.__dict__[OCCULT_KEY] = block
     return model

@@ -267,3 +267,93 @@ def test_a_nan_similarity_table_is_refused():
     sim[next(iter(sim))][:] = float("nan")
     with pytest.raises(ValueError, match="NaN or infinite"):
         apply_occult(model, None, PruningConfig(4, 2, "similarity"), sim)
+
+
+# ---- round trips through stock save_pretrained / push_to_hub / merge_and_unload ------------------------------
+def _similarity_checkpoint(tmp_path) -> str:
+    model = _model()
+    placement = _shuffled_placement(model)
+    pruning = PruningConfig(4, 2, "similarity")
+    apply_occult(model, placement, pruning, _random_similarity(model))
+    out = str(tmp_path / "pruned")
+    save_pruned(model, out, pruning=pruning, placement=placement, similarity=applied_similarity(model))
+    return out
+
+
+def test_save_pretrained_of_a_loaded_checkpoint_keeps_its_pruned_routing(tmp_path):
+    first = from_pretrained(_similarity_checkpoint(tmp_path))
+    again = str(tmp_path / "again")
+    first.save_pretrained(again)
+    assert read_block(again)["criterion"] == "similarity" and os.path.isfile(os.path.join(again, SIMILARITY_FILE))
+    second = from_pretrained(again)
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(second(ids).logits, first(ids).logits, rtol=0, atol=0)
+
+
+def test_push_to_hub_of_a_loaded_checkpoint_uploads_the_pruned_routing(tmp_path, monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    import transformers.utils.hub as hf_hub
+    from huggingface_hub import ModelCard
+
+    model = from_pretrained(_similarity_checkpoint(tmp_path))
+    uploaded = tmp_path / "uploaded"
+    monkeypatch.setattr(
+        hf_hub, "hf_api", lambda: SimpleNamespace(create_repo=lambda repo_id, **kw: SimpleNamespace(repo_id=repo_id))
+    )
+    monkeypatch.setattr(hf_hub, "create_and_tag_model_card", lambda *a, **k: ModelCard("---\n---\n"))
+    monkeypatch.setattr(
+        type(model), "_upload_modified_files", lambda self, folder, *a, **k: shutil.copytree(folder, uploaded)
+    )
+    model.push_to_hub("me/pruned")
+    assert read_block(str(uploaded))["max_devices_per_token"] == 2
+    assert (uploaded / SIMILARITY_FILE).is_file()
+
+
+def test_a_merged_adapter_saves_a_checkpoint_that_reloads_identically(tmp_path):
+    pytest.importorskip("peft")
+    from occult_ft.checkpoint import write_adapter_block
+    from occult_ft.integrations.peft import apply_lora
+
+    base_dir = str(tmp_path / "base")
+    _model(seed=3).save_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    placement = _shuffled_placement(model)
+    pruning = PruningConfig(4, 2, "similarity")
+    apply_occult(model, placement, pruning, _random_similarity(model))
+    peft_model = apply_lora(model, r=2, alpha=4.0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    adapter = str(tmp_path / "adapter")
+    peft_model.save_pretrained(adapter)
+    from occult_ft.checkpoint import occult_block, write_similarity
+
+    write_adapter_block(adapter, occult_block(pruning, placement, placed=False))
+    write_similarity(adapter, applied_similarity(model))
+    loaded = from_pretrained(adapter)
+    ids = _ids()
+    with torch.no_grad():
+        expected = loaded(ids).logits
+    merged = loaded.merge_and_unload()
+    out = str(tmp_path / "merged")
+    merged.save_pretrained(out)
+    assert read_block(out)["placed"] is True
+    with torch.no_grad():
+        torch.testing.assert_close(from_pretrained(out)(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_stock_loading_of_a_pruned_checkpoint_is_said_aloud(tmp_path, caplog):
+    from occult_ft.checkpoint import load_model_and_tokenizer
+
+    path = _similarity_checkpoint(tmp_path)
+    with caplog.at_level("WARNING", logger="occult_ft"):
+        load_model_and_tokenizer(path)
+    assert "pruned to 2 devices per token" in caplog.text and "occult_ft.from_pretrained" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="occult_ft"):
+        from_pretrained(path)
+    assert "original top-k" not in caplog.text
