@@ -2,6 +2,7 @@
 #   make demo   - the whole pipeline on the embedded default model and corpus (CPU, a few minutes)
 #   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU)
 #   make lint   - ruff check + ruff format --check (CI runs it before the tests)
+#   make test-gpu / make bench-gpu - the CUDA tests and the one-GPU layer benchmark (on a GPU machine)
 # Override TORCH to pick another torch build, e.g. make test TORCH="torch==2.11.0".
 PYTHON ?= python3
 VENV   ?= .venv
@@ -11,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test test-gpu bench-gpu lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,13 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
 
 LINT_PATHS = occult_ft tests benchmarks notebooks scripts
+
+# the CUDA cases of the suite (parametrized over device; skipped without a GPU) and the GPU layer benchmark
+test-gpu: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m gpu -rs
+
+bench-gpu: $(BIN)/.installed
+	$(BIN)/python benchmarks/gpu_layer.py
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check $(wildcard $(LINT_PATHS))

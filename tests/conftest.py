@@ -73,3 +73,23 @@ def save_tiny_model(path, model_type: str = "olmoe", tokenizer=None, seed: int =
 @pytest.fixture(scope="session")
 def tiny_olmoe_dir(tmp_path_factory, tiny_tokenizer):
     return save_tiny_model(tmp_path_factory.mktemp("olmoe"), "olmoe", tiny_tokenizer)
+
+
+def _cuda_param():
+    return pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU test)"),
+        ],
+    )
+
+
+#: parametrize a test over devices: `@pytest.mark.parametrize("device", DEVICES)`; the CUDA case carries
+#: the `gpu` marker (`make test-gpu` runs only those) and skips cleanly without a GPU
+DEVICES = ["cpu", _cuda_param()]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)

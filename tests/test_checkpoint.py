@@ -284,7 +284,9 @@ def test_save_pretrained_of_a_loaded_checkpoint_keeps_its_pruned_routing(tmp_pat
     first = from_pretrained(_similarity_checkpoint(tmp_path))
     again = str(tmp_path / "again")
     first.save_pretrained(again)
-    assert read_block(again)["criterion"] == "similarity" and os.path.isfile(os.path.join(again, SIMILARITY_FILE))
+    assert read_block(again)["criterion"] == "similarity" and os.path.isfile(
+        os.path.join(again, SIMILARITY_FILE)
+    )
     second = from_pretrained(again)
     ids = _ids()
     with torch.no_grad():
@@ -301,7 +303,9 @@ def test_push_to_hub_of_a_loaded_checkpoint_uploads_the_pruned_routing(tmp_path,
     model = from_pretrained(_similarity_checkpoint(tmp_path))
     uploaded = tmp_path / "uploaded"
     monkeypatch.setattr(
-        hf_hub, "hf_api", lambda: SimpleNamespace(create_repo=lambda repo_id, **kw: SimpleNamespace(repo_id=repo_id))
+        hf_hub,
+        "hf_api",
+        lambda: SimpleNamespace(create_repo=lambda repo_id, **kw: SimpleNamespace(repo_id=repo_id)),
     )
     monkeypatch.setattr(hf_hub, "create_and_tag_model_card", lambda *a, **k: ModelCard("---\n---\n"))
     monkeypatch.setattr(

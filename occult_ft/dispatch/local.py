@@ -135,15 +135,18 @@ def local_experts_forward(
     w = expert_weights(experts)
     num_local = int(w["up_EIO"].shape[0])
     ids_N = local_ids_RK.reshape(-1).long()
-    lo_hi = torch.stack(torch.aminmax(ids_N)).tolist() if ids_N.numel() else [0, 0]  # one host sync
-    if lo_hi[0] < LOCAL_SENTINEL or lo_hi[1] >= num_local:
-        bad = ids_N[(ids_N >= num_local) | (ids_N < LOCAL_SENTINEL)].unique()[:8].tolist()
-        raise ValueError(f"local expert ids {bad} are outside [0, {num_local}) and not the sentinel -1")
-
-    # Sort (row, slot) pairs by expert; the sentinel sorts last as key P and is cut off.
+    # Sort (row, slot) pairs by expert; the sentinel sorts last as key P and is cut off. Out-of-range
+    # ids are counted in one extra bin (P + 1), so the per-expert counts and the range check come
+    # back to the host together: the one host synchronisation of the layer.
+    bad_N = (ids_N >= num_local) | (ids_N < LOCAL_SENTINEL)
     key_N = torch.where(ids_N == LOCAL_SENTINEL, num_local, ids_N)
+    key_N = torch.where(bad_N, num_local + 1, key_N)
+    counts_all = torch.bincount(key_N, minlength=num_local + 2).tolist()
+    if counts_all[num_local + 1]:
+        bad = ids_N[bad_N].unique()[:8].tolist()
+        raise ValueError(f"local expert ids {bad} are outside [0, {num_local}) and not the sentinel -1")
+    counts = counts_all[:num_local]
     key_sorted, pair_order = torch.sort(key_N, stable=True)
-    counts = torch.bincount(key_N, minlength=num_local + 1)[:num_local].tolist()
     active = sum(counts)
     pair_g, expert_g = pair_order[:active], key_sorted[:active]
     x_g = x_RH[pair_g // top_k].to(w["up_EIO"].dtype)
