@@ -26,6 +26,7 @@ import os
 import torch
 from torch import nn
 
+from .convert import maybe_convert
 from .models.registry import get_arch, unwrap_model
 from .routing import PruningConfig, apply_pruning
 
@@ -220,7 +221,7 @@ def load_model_and_tokenizer(path: str, dtype=None, **kwargs):
     base model), with one-line errors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path(path)  # absolute: recorded as the base model of adapters and checkpoints
+    path = maybe_convert(resolve_model_path(path))  # absolute; DeepSeek-MoE -> its qwen2_moe conversion
     _check_exists(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **kwargs)
