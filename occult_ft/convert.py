@@ -423,12 +423,13 @@ def maybe_convert(path: str) -> str:
         src = _local_checkpoint(path)
     key = hashlib.sha256((src + "\0" + json.dumps(cfg, sort_keys=True)).encode()).hexdigest()[:16]
     out = os.path.join(converted_cache_dir(), key)
-    if os.path.isfile(os.path.join(out, "model.safetensors.index.json")):
+    done = os.path.join(out, "model.safetensors.index.json")
+    if os.path.isfile(done):
         return out
-    try:
-        return convert_deepseek_moe(src, out, overwrite=True)
-    except OSError:
-        # another process (a multi-GPU launch) finished the same conversion first
-        if os.path.isfile(os.path.join(out, "model.safetensors.index.json")):
-            return out
-        raise
+    from filelock import FileLock
+
+    os.makedirs(converted_cache_dir(), exist_ok=True)
+    with FileLock(out + ".lock"):  # the ranks of a multi-GPU launch convert once, the others wait
+        if not os.path.isfile(done):
+            convert_deepseek_moe(src, out, overwrite=True)
+    return out

@@ -80,13 +80,18 @@ def _expert_parallel_size(rest: list[str]) -> int:
         raise ValueError(f"expert_parallel_size={value!r} is not a whole number") from None
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
 def format_plan(plan, model: str) -> str:
     s = plan.setup
     gb = plan.breakdown_bytes
     lines = [
-        f"{model}: {plan.params_total / 1e9:.2f}B parameters, {plan.params_per_gpu / 1e9:.2f}B per GPU "
-        f"({plan.trainable_per_gpu / 1e9:.3f}B trainable), train_mode={s.train_mode}, {s.gpus} GPUs, "
-        f"expert_parallel_size={s.ep}, "
+        f"{model}: {_count(plan.params_total)} parameters, {_count(plan.params_per_gpu)} per GPU "
+        f"({_count(plan.trainable_per_gpu)} trainable), train_mode={s.train_mode}, {s.gpus} GPU"
+        + ("s, " if s.gpus > 1 else ", ")
+        + f"expert_parallel_size={s.ep}, "
         + ("no DeepSpeed" if s.zero_stage is None else f"DeepSpeed ZeRO-{s.zero_stage}"),
         f"  batch {s.batch} x {s.seq_len} tokens per GPU, gradient checkpointing "
         + ("on" if s.checkpointing else "off"),
