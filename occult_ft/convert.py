@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 DEEPSEEK_MODEL_TYPE = "deepseek"
-_SHARD_BYTES = 4 * 1024**3  # output shards of at most ~4 GiB (one layer of DeepSeek-MoE-16B is ~1.1 GB)
+_SHARD_BYTES = 4 * 1024**3  # a shard is one layer, split past ~4 GiB (a DeepSeek-MoE-16B layer is ~1.1 GB)
 _TOKENIZER_FILES = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|.*\.tiktoken|"
     r"generation_config\.json|chat_template\..*)$"
@@ -219,7 +219,8 @@ def _key_order(key: str) -> tuple:
 
 
 def _write_weights(reader: _ShardReader, cfg: dict, dst: str, zeros_like) -> None:
-    """Stream every tensor through `_rename` into ~4 GiB safetensors shards plus their index."""
+    """Stream every tensor through `_rename` into one safetensors shard per decoder layer (embeddings and
+    head on their own) plus their index; at most one layer's tensors are in memory."""
     from safetensors.torch import save_file
 
     keys = sorted(reader.where, key=_key_order)
@@ -242,11 +243,16 @@ def _write_weights(reader: _ShardReader, cfg: dict, dst: str, zeros_like) -> Non
             shards[-1] = {}
             size = 0
 
+    current_layer = None
     for key in keys:
         renamed = _rename(key, cfg)
         if renamed is None:
             continue
         new, scale = renamed
+        layer_of_key = _key_order(key)[0]
+        if layer_of_key != current_layer:
+            flush()  # one output shard per decoder layer: at most one layer in memory
+            current_layer = layer_of_key
         tensor = reader.get(key)
         tensor = (tensor * scale if scale != 1 else tensor).contiguous()
         layer = _LAYER_KEY.match(new)

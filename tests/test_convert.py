@@ -255,6 +255,11 @@ def test_shared_expert_gate_is_zero_and_down_proj_doubled(tmp_path):
     original = ref.model.layers[1].mlp.shared_experts.down_proj.weight.detach()
     assert torch.equal(tensor("model.layers.1.mlp.shared_expert.down_proj.weight"), 2 * original)
     assert "model.layers.0.mlp.shared_expert_gate.weight" not in where  # layer 0 is dense
+    # one shard per decoder layer (4) + embeddings + final norm and head: never more than a layer in memory
+    assert len(set(where.values())) == 4 + 2
+    assert (
+        where["model.layers.2.mlp.experts.7.up_proj.weight"] == where["model.layers.2.input_layernorm.weight"]
+    )
 
 
 def test_config_of_the_real_16b_model():

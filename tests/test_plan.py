@@ -52,8 +52,15 @@ def train_rows(tiny_tokenizer):
     return tokenize_dataset(Dataset.from_dict({"text": [SAMPLE_TEXT] * 6}), tiny_tokenizer, seq_len=32)
 
 
-@pytest.mark.parametrize("train_mode", ["full", "moe", "lora"])
-def test_state_bytes_equal_what_the_trainer_allocates(tiny_olmoe_dir, train_rows, tmp_path, train_mode):
+@pytest.mark.parametrize(
+    "train_mode, dtype",
+    [("full", "auto"), ("moe", "auto"), ("lora", "auto"), ("full", "bfloat16"), ("lora", "bfloat16")],
+)
+def test_state_bytes_equal_what_the_trainer_allocates(
+    tiny_olmoe_dir, train_rows, tmp_path, train_mode, dtype
+):
+    # auto = the tiny checkpoint's float32; bfloat16: AdamW's moments are bf16 too (no fp32 master copy),
+    # LoRA adapters float32 (PEFT up-casts them), the router copies bf16
     cfg = OccultConfig(
         output_dir=str(tmp_path),
         seq_len=32,
@@ -68,6 +75,7 @@ def test_state_bytes_equal_what_the_trainer_allocates(tiny_olmoe_dir, train_rows
         placement="sequential",
         train_mode=train_mode,
         lora_r=4,
+        model_dtype=dtype,
         seed=0,
     )
     grads = GradBytes()
@@ -82,7 +90,7 @@ def test_state_bytes_equal_what_the_trainer_allocates(tiny_olmoe_dir, train_rows
     }
     plan = plan_for_config(cfg, AutoConfig.from_pretrained(tiny_olmoe_dir), gpus=1, gpu_memory_gb=80)
     planned = {k: plan.breakdown_bytes[k] for k in allocated}
-    print(train_mode, "allocated", allocated, "planned", planned)
+    print(train_mode, dtype, "allocated", allocated, "planned", planned)
     assert planned == allocated
     assert plan.fits and plan.per_gpu_bytes == sum(plan.breakdown_bytes.values())
 
