@@ -17,7 +17,8 @@ What each GPU holds, in bytes:
   partitions the (float32) gradients.
 - **activations**: an ESTIMATE (saved tensors per token per layer, counted from the layer's projection
   widths, top-k routed copies and the float32 logits and their gradient); with gradient checkpointing
-  only every layer's input plus one layer being recomputed.
+  only every layer's input plus one layer being recomputed. On tiny OLMoE / Qwen2-MoE / Mixtral /
+  DeepSeek-V2 models it is 0.76-0.90x of the tensors autograd saves (tests/test_plan.py).
 - **communication buffers**: the expert-parallel all-to-all send/receive rows of one MoE layer (at most
   one row per token and device reached), DDP's gradient buckets (a copy of the replicated trainable
   gradients) or DeepSpeed's reduce/all-gather buckets.
