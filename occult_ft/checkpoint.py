@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .convert import maybe_convert
 from .fileio import atomic_directory, atomic_save, atomic_write_text, read_json_object
 from .models.registry import NATIVE_ROUTING_FIELDS, config_num_experts, get_arch, lookup_arch, unwrap_model
 from .routing import PruningConfig
@@ -409,7 +410,7 @@ def load_model_and_tokenizer(path: str, dtype=None, warn_pruned: bool = True, **
     original top-k; `warn_pruned` says so (`from_pretrained`, which restores the routing, turns it off)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path(path)  # absolute: recorded as the base model of adapters and checkpoints
+    path = maybe_convert(resolve_model_path(path))  # absolute; DeepSeek-MoE -> its qwen2_moe conversion
     _check_exists(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **kwargs)

@@ -17,7 +17,20 @@ import sys
 __all__ = ["COMMANDS", "OneLineErrorParser", "build_parser", "main", "run_command"]
 
 # name -> module under occult_ft.commands, in the order `occult-ft --help` lists them
-COMMANDS = ("demo", "profile", "place", "prune", "analyze", "train", "eval", "push", "bench", "study")
+COMMANDS = (
+    "demo",
+    "profile",
+    "place",
+    "prune",
+    "analyze",
+    "train",
+    "plan",
+    "eval",
+    "push",
+    "bench",
+    "study",
+    "convert",
+)
 
 
 def _load(name: str):

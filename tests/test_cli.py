@@ -488,3 +488,30 @@ def test_a_profile_whose_header_disagrees_with_its_tensors_is_refused(pipeline, 
         save_file(tensors, str(bad), metadata={"occult_ft": json.dumps({**header, key: value})})
         with pytest.raises(ProfileError, match="damaged or edited"):
             Profile.load(str(bad))
+
+
+def test_convert_and_plan_commands_are_listed_and_answer_in_one_line(tmp_path, capsys, tiny_olmoe_dir):
+    from occult_ft.cli import build_parser
+
+    assert {"convert", "plan"} <= set(build_parser()._subparsers._group_actions[0].choices)
+    assert main(["convert", tiny_olmoe_dir, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("occult-ft convert: error: model_type 'olmoe' is not DeepSeek-MoE")
+        and err.count("\n") == 1
+    )
+    assert main(["plan", "--model_name_or_path", tiny_olmoe_dir, "--gpus", "1", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is True and plan["per_gpu_gb"] > 0
+
+
+def test_convert_command_writes_a_checkpoint_that_loads(tmp_path, capsys):
+    from test_convert import deepseek_config, save_deepseek
+
+    save_deepseek(tmp_path / "ds", deepseek_config(num_hidden_layers=2))
+    assert main(["convert", str(tmp_path / "ds"), "--out", str(tmp_path / "q")]) == 0
+    assert "converted" in capsys.readouterr().out
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "q").config.model_type == "qwen2_moe"
+    assert main(["convert", str(tmp_path / "ds"), "--out", str(tmp_path / "q")]) == 2  # exists, not empty
+    assert "already exists" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "ds"), "--out", str(tmp_path / "q"), "--overwrite"]) == 0

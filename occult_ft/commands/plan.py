@@ -1,0 +1,160 @@
+"""`occult-ft plan RECIPE [--field value ...] [--gpus N] [--gpu-memory GB] [--config PATH] [--json]`.
+
+Prints what one GPU holds when the recipe trains (weights, gradients, optimizer states, activations,
+communication buffers), the total against the GPU's memory, a verdict and, when it does not fit,
+concrete changes that make it fit. Nothing is loaded but the model's config: `--config`, else the
+recipe's local model directory, a config shipped with occult_ft for the recipes' Hub models, or the Hub.
+
+    occult-ft plan recipes/olmoe-1b-7b.yaml --gpu-memory 48
+    occult-ft plan recipes/mixtral-8x7b.yaml --gpus 8 --per_device_train_batch_size 2 --json
+
+Recipe fields and --field overrides are read as by `occult-ft train`. --gpus defaults to the recipe's
+expert_parallel_size; --gpu-memory to 80 (GB of 2**30 bytes). Activations are an estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ._common import standalone
+
+__all__ = ["add_parser", "run", "main", "format_plan"]
+
+_OWN = {"--gpus": int, "--gpu-memory": float, "--gpu_memory": float, "--config": str}
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "plan",
+        help="per-GPU memory of a recipe (weights, gradients, optimizer, activations) and whether it fits",
+        description=__doc__,
+        prefix_chars="+",
+        add_help=False,
+    )
+    p.add_argument(
+        "argv", nargs="*", help="RECIPE.yaml, --field value overrides, --gpus, --gpu-memory, --json"
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+def _take_own(argv: list[str]) -> tuple[dict, list[str]]:
+    """Split plan's own flags from the OccultConfig fields."""
+    own, rest, i = {"--json": False}, [], 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, value = token.partition("=")
+        if token == "--json":
+            own["--json"] = True
+        elif name in _OWN:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{name} needs a value, e.g. {name} 4")
+                value, i = argv[i + 1], i + 1
+            try:
+                own[name.replace("_", "-")] = _OWN[name](value)
+            except ValueError:
+                raise ValueError(f"{name} {value!r} is not a valid {_OWN[name].__name__}") from None
+        else:
+            rest.append(token)
+        i += 1
+    return own, rest
+
+
+def _expert_parallel_size(rest: list[str]) -> int:
+    """expert_parallel_size from the overrides or the recipe (before OccultConfig checks the world size)."""
+    from .train import _load_recipe, _parser, _split_recipe
+
+    recipe, flags = _split_recipe(rest)
+    value = 1
+    if recipe is not None:
+        value = _load_recipe(recipe, _parser()).get("expert_parallel_size", 1)
+    for i, token in enumerate(flags):
+        name, eq, v = token.partition("=")
+        if name.lstrip("-").replace("-", "_") == "expert_parallel_size":
+            value = v if eq else (flags[i + 1] if i + 1 < len(flags) else value)
+    try:
+        return max(int(value), 1)
+    except (TypeError, ValueError):
+        raise ValueError(f"expert_parallel_size={value!r} is not a whole number") from None
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def format_plan(plan, model: str) -> str:
+    s = plan.setup
+    gb = plan.breakdown_bytes
+    lines = [
+        f"{model}: {_count(plan.params_total)} parameters, {_count(plan.params_per_gpu)} per GPU "
+        f"({_count(plan.trainable_per_gpu)} trainable), train_mode={s.train_mode}, {s.gpus} GPU"
+        + ("s, " if s.gpus > 1 else ", ")
+        + f"expert_parallel_size={s.ep}, "
+        + ("no DeepSpeed" if s.zero_stage is None else f"DeepSpeed ZeRO-{s.zero_stage}"),
+        f"  batch {s.batch} x {s.seq_len} tokens per GPU, gradient checkpointing "
+        + ("on" if s.checkpointing else "off"),
+    ]
+    labels = {
+        "weights": "weights",
+        "gradients": "gradients",
+        "optimizer_states": "optimizer states",
+        "activations": "activations (estimate)",
+        "communication_buffers": "communication buffers",
+    }
+    for key, label in labels.items():
+        lines.append(f"  {label:<24} {gb[key] / 2**30:8.2f} GB")
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(
+        f"  {'total per GPU':<24} {plan.per_gpu_gb:8.2f} GB of {s.gpu_memory_gb:g} GB "
+        f"({plan.usable_gb:.1f} usable): {verdict}"
+    )
+    lines += [f"  note: {n}" for n in plan.notes]
+    if plan.suggestions:
+        lines.append("  to make it fit:")
+        lines += [f"    - {t}" for t in plan.suggestions]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from ..plan import load_model_config, plan_for_config
+    from .train import parse_config
+
+    argv = list(args.argv)
+    if any(token in ("-h", "--help") for token in argv):
+        print(__doc__)
+        return 0
+    own, rest = _take_own(argv)
+    ep = _expert_parallel_size(rest)
+    gpus = own.get("--gpus", ep)
+    if gpus < 1 or gpus % ep:
+        raise ValueError(
+            f"--gpus {gpus} must be a positive multiple of expert_parallel_size={ep}; e.g. --gpus {ep}"
+        )
+    # parsed as one process (OccultConfig checks expert_parallel_size against this process's world size),
+    # then given the planned expert parallelism back
+    config = parse_config([*rest, "--expert_parallel_size", "1"])
+    if config is not None:
+        if ep > 1 and ep != config.devices:
+            raise ValueError(
+                f"expert_parallel_size={ep} must equal devices={config.devices}; set devices={ep}"
+            )
+        config.expert_parallel_size = ep
+    if config is None:
+        return 0
+    model_config = load_model_config(config.model_name_or_path, own.get("--config"))
+    plan = plan_for_config(config, model_config, gpus=gpus, gpu_memory_gb=own.get("--gpu-memory", 80.0))
+    if own["--json"]:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(format_plan(plan, config.model_name_or_path or own.get("--config")))
+    return 0 if plan.fits else 1
+
+
+def main(argv=None) -> int:
+    return standalone("plan", add_parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""config.json of the recipes' models (no weights), and how `occult-ft plan` finds a model's config.
+
+Files are named after the Hub id with `/` -> `--` (`mistralai--Mixtral-8x7B-v0.1.json`) and hold the
+model's config.json as published, so plans of the recipes work offline. Their parameter counts match
+the published totals (tests/test_plan.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+__all__ = ["as_config", "load_model_config", "shipped_config_path"]
+
+_CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def as_config(cfg):
+    """A `PretrainedConfig` from a config or a config.json dict; DeepSeek-MoE as its qwen2_moe conversion."""
+    if not isinstance(cfg, dict):
+        return cfg
+    from transformers import AutoConfig
+
+    from ..convert import DEEPSEEK_MODEL_TYPE, convert_config
+
+    d = dict(cfg)
+    if d.get("model_type") == DEEPSEEK_MODEL_TYPE:
+        d = convert_config(d)
+    if "model_type" not in d:
+        raise ValueError("the model config has no model_type; pass a model's config.json")
+    kind = d.pop("model_type")
+    for key in ("auto_map", "transformers_version", "architectures"):
+        d.pop(key, None)
+    return AutoConfig.for_model(kind, **d)
+
+
+def shipped_config_path(model_id: str) -> str | None:
+    """The config.json shipped in occult_ft/configs for a Hub id (`org/name`), or None."""
+    path = os.path.join(_CONFIG_DIR, model_id.replace("/", "--") + ".json")
+    return path if "/" in model_id and os.path.isfile(path) else None
+
+
+def _read_json(path: str) -> dict:
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"config {path!r} does not exist; pass a config.json file or a model directory")
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except ValueError:
+            raise ValueError(f"config {path!r} is not valid JSON") from None
+
+
+def load_model_config(model: str | None, config: str | None = None):
+    """The model's config: `config` (a config.json or directory) if given, else a local model directory,
+    a config shipped for the Hub id, or the Hub (AutoConfig). DeepSeek-MoE gives its qwen2_moe conversion."""
+    if config:
+        return as_config(_read_json(config))
+    if not model:
+        raise ValueError("no model: set model_name_or_path in the recipe or pass --config PATH")
+    from ..checkpoint import resolve_model_path
+
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        return as_config(_read_json(path))
+    shipped = shipped_config_path(model)
+    if shipped:
+        return as_config(_read_json(shipped))
+    try:
+        from huggingface_hub import hf_hub_download
+
+        with open(hf_hub_download(model, "config.json"), encoding="utf-8") as f:
+            return as_config(json.load(f))
+    except Exception as exc:  # noqa: BLE001 - offline, unknown id, no access: one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"cannot read the config of {model!r} ({first}); pass --config PATH/config.json"
+        ) from None

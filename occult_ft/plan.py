@@ -1,0 +1,448 @@
+"""Per-GPU memory plan of an Occult fine-tuning run, before any GPU is touched (`occult-ft plan`).
+
+What each GPU holds, in bytes:
+
+- **weights**: every parameter in the weights' dtype (`model_dtype`, `auto` = the checkpoint's); with
+  expert parallelism D (`expert_parallel_size`) a GPU holds E/D routed experts of every MoE layer and
+  all the replicated parameters (attention, embeddings, routers, shared experts, norms). LoRA adds
+  its adapters (float32: PEFT up-casts 16-bit adapters) and a trainable copy of every router
+  (`modules_to_save`, in the weights' dtype).
+- **gradients**: one per trainable parameter, in its dtype (`train_mode`: `full` = all, `moe` = the MoE
+  blocks, `lora` = adapters + router copies).
+- **optimizer states**: AdamW's two moments, in the parameter's dtype (what `torch.optim.AdamW` allocates:
+  bf16 weights -> 4 B per trainable parameter, no float32 master copy) plus its 4-byte `step` per
+  tensor. Under DeepSpeed with bf16/fp16 the engine keeps a float32 master copy and float32 moments
+  (12 B per trainable parameter); ZeRO-1/2 partition them over the data-parallel ranks: the replicated
+  parameters' over all GPUs, the experts' over the expert-data-parallel group (GPUs / D). ZeRO-2 also
+  partitions the (float32) gradients.
+- **activations**: an ESTIMATE (saved tensors per token per layer, counted from the layer's projection
+  widths, top-k routed copies and the float32 logits and their gradient); with gradient checkpointing
+  only every layer's input plus one layer being recomputed. On tiny OLMoE / Qwen2-MoE / Mixtral /
+  DeepSeek-V2 models it is 0.76-0.90x of the tensors autograd saves (tests/test_plan.py).
+- **communication buffers**: the expert-parallel all-to-all send/receive rows of one MoE layer (at most
+  one row per token and device reached), DDP's gradient buckets (a copy of the replicated trainable
+  gradients) or DeepSpeed's reduce/all-gather buckets.
+
+The parameter counts come from the model itself, built on the `meta` device from its config, so every
+architecture is counted exactly; routed experts are told apart with `find_moe_layers`. `tests/test_plan.py`
+checks weights, gradients and optimizer states against what `OccultTrainer` really allocates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .configs import as_config, load_model_config, shipped_config_path
+from .models.registry import find_moe_layers
+
+__all__ = [
+    "GIB",
+    "ModelCounts",
+    "Plan",
+    "count_params",
+    "load_model_config",
+    "plan_for_config",
+    "shipped_config_path",
+]
+
+GIB = 1024**3
+HEADROOM = 0.10  # kept free for the CUDA context, allocator fragmentation and temporary buffers
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+# ---- the model's parameters -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Group:
+    """Elements and tensors of a set of parameters."""
+
+    numel: int = 0
+    tensors: int = 0
+
+    def __add__(self, other: Group) -> Group:
+        return Group(self.numel + other.numel, self.tensors + other.tensors)
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """Parameters of one model split the way memory is, and the widths the activation estimate needs.
+
+    Args:
+        expert: routed-expert tensors (sharded by expert parallelism).
+        moe_other: the rest of the MoE blocks (routers, shared experts).
+        rest: everything else (embeddings, attention, dense MLPs, norms, head).
+        router: the routers alone (copied by LoRA's `modules_to_save`).
+        lora_replicated / lora_expert: the LoRA adapters `occult_ft.integrations.peft` adds at rank 1
+            (they scale linearly with the rank).
+        layer_elems: saved activation elements per token of each decoder layer (estimate).
+        hidden, vocab, num_experts, top_k: model widths.
+    """
+
+    expert: Group
+    moe_other: Group
+    rest: Group
+    router: Group
+    lora_replicated: Group
+    lora_expert: Group
+    layer_elems: tuple[int, ...]
+    hidden: int
+    vocab: int
+    num_experts: int
+    top_k: int
+
+    @property
+    def total(self) -> Group:
+        return self.expert + self.moe_other + self.rest
+
+
+def _linear_outs(module: nn.Module, skip=()) -> tuple[int, int]:
+    """(sum of Linear out_features, sum of gate_proj out_features) under `module`, skipping `skip` modules."""
+    skipped = {id(m) for s in skip for m in s.modules()}
+    outs = gates = 0
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Linear) and id(m) not in skipped:
+            outs += m.out_features
+            gates += m.out_features if name.endswith("gate_proj") else 0
+    return outs, gates
+
+
+def count_params(model_config) -> ModelCounts:
+    """Count the parameters of `model_config`'s model, built on the meta device (no memory, exact)."""
+    from transformers import AutoModelForCausalLM
+
+    from .integrations.peft import lora_targets
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    layers = find_moe_layers(model)
+    expert_ids = {id(p) for layer in layers for p in layer.experts.parameters()}
+    block_ids = {id(p) for layer in layers for p in layer.block.parameters()}
+    router_ids = {id(p) for layer in layers for p in layer.router.parameters()}
+    groups = {"expert": Group(), "moe_other": Group(), "rest": Group(), "router": Group()}
+    for p in model.parameters():  # unique parameters: tied embeddings count once
+        key = "expert" if id(p) in expert_ids else "moe_other" if id(p) in block_ids else "rest"
+        groups[key] += Group(p.numel(), 1)
+        if id(p) in router_ids:
+            groups["router"] += Group(p.numel(), 1)
+
+    # LoRA at rank 1: A (r, in) + B (out, r) per Linear; r * E * (a + b) per fused expert tensor (E, a, b)
+    targets = lora_targets(model)
+    lora_rep = Group()
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets["target_modules"]:
+            lora_rep += Group(m.in_features + m.out_features, 2)
+    lora_exp = Group()
+    wanted = {t.rsplit(".", 1)[-1] for t in targets["target_parameters"]}
+    for layer in layers:
+        for pname, p in layer.experts.named_parameters(recurse=False):
+            if pname in wanted and p.dim() == 3:
+                lora_exp += Group(p.shape[0] * (p.shape[1] + p.shape[2]), 2)
+
+    hidden = int(model.get_input_embeddings().embedding_dim)
+    decoder = model.get_submodule(layers[0].name.rsplit(".", 2)[0])  # model.layers
+    moe_by_block = {id(layer.block): layer for layer in layers}
+    elems = []
+    for dec in decoder:
+        mlp = dec.mlp
+        attn_out, _ = _linear_outs(dec, skip=(mlp,))
+        per_token = 2 * hidden + attn_out  # residual + norm output, q/k/v/attention outputs
+        moe = moe_by_block.get(id(mlp))
+        if moe is None:
+            outs, gates = _linear_outs(mlp)
+            per_token += hidden + outs + gates  # norm output, projections, silu(gate) * up
+        else:
+            pair = hidden  # one routed copy: dispatched input, projections, activation product
+            for p in moe.experts.parameters():
+                if p.dim() == 3:
+                    pair += p.shape[1] + p.shape[2] - hidden + min(p.shape[1], p.shape[2]) // 2
+            outs, gates = _linear_outs(mlp, skip=(moe.experts, moe.router))
+            per_token += hidden + 2 * moe.num_experts + moe.top_k * pair + outs + gates
+        elems.append(per_token)
+    return ModelCounts(
+        expert=groups["expert"],
+        moe_other=groups["moe_other"],
+        rest=groups["rest"],
+        router=groups["router"],
+        lora_replicated=lora_rep,
+        lora_expert=lora_exp,
+        layer_elems=tuple(elems),
+        hidden=hidden,
+        vocab=int(model.get_output_embeddings().weight.shape[0]),
+        num_experts=layers[0].num_experts,
+        top_k=layers[0].top_k,
+    )
+
+
+# ---- the run's settings -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setup:
+    """What of an `OccultConfig` (and the launch) the memory depends on; suggestions vary it."""
+
+    gpus: int
+    gpu_memory_gb: float
+    ep: int
+    train_mode: str
+    lora_r: int
+    weight_bytes: int
+    act_bytes: int
+    optim: str
+    zero_stage: int | None  # None = no DeepSpeed
+    buckets: tuple[int, int]  # DeepSpeed reduce / all-gather bucket elements
+    batch: int
+    grad_accum: int
+    seq_len: int
+    checkpointing: bool
+    budget: int | None
+
+
+def _setup(args, model_config, gpus: int, gpu_memory_gb: float) -> Setup:
+    ep = int(getattr(args, "expert_parallel_size", 1) or 1)
+    if not isinstance(gpus, int) or gpus < 1 or gpus % ep:
+        raise ValueError(
+            f"gpus={gpus!r} must be a positive multiple of expert_parallel_size={ep}; set --gpus {ep}"
+        )
+    if not gpu_memory_gb or gpu_memory_gb <= 0:
+        raise ValueError(f"gpu_memory_gb={gpu_memory_gb!r} must be > 0, e.g. 80 for an H100")
+    dtype = getattr(args, "model_dtype", "auto") or "auto"
+    if dtype == "auto":
+        dtype = (
+            getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None) or "float32"
+        )
+    dtype = str(dtype).replace("torch.", "")
+    weight_bytes = _DTYPE_BYTES.get(dtype, 4)
+    mixed = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+    stage, buckets = None, (0, 0)
+    if getattr(args, "deepspeed", None):
+        from .integrations.deepspeed import read_deepspeed_config
+
+        zero = read_deepspeed_config(args.deepspeed).get("zero_optimization") or {}
+        stage = int(zero.get("stage", 0)) if str(zero.get("stage", 0)).isdigit() else 0
+        buckets = tuple(
+            int(float(zero.get(k, 5e8))) if not isinstance(zero.get(k), str) else int(5e8)
+            for k in ("reduce_bucket_size", "allgather_bucket_size")
+        )
+    optim = str(getattr(args, "optim", "adamw_torch"))
+    return Setup(
+        gpus=gpus,
+        gpu_memory_gb=float(gpu_memory_gb),
+        ep=ep,
+        train_mode=args.train_mode,
+        lora_r=int(args.lora_r),
+        weight_bytes=weight_bytes,
+        act_bytes=2 if (mixed or weight_bytes == 2) else weight_bytes,
+        optim=optim.split(".")[-1].lower(),
+        zero_stage=stage,
+        buckets=buckets,
+        batch=int(args.per_device_train_batch_size),
+        grad_accum=int(args.gradient_accumulation_steps),
+        seq_len=int(args.seq_len),
+        checkpointing=bool(args.gradient_checkpointing),
+        budget=getattr(args, "max_devices_per_token", None),
+    )
+
+
+# ---- the plan ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """Memory per GPU of one run. `breakdown_bytes` keys: weights, gradients, optimizer_states,
+    activations (an estimate), communication_buffers."""
+
+    setup: Setup
+    params_total: int
+    params_per_gpu: int
+    trainable_per_gpu: int
+    breakdown_bytes: dict[str, int]
+    notes: tuple[str, ...] = ()
+    suggestions: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def per_gpu_bytes(self) -> int:
+        return sum(self.breakdown_bytes.values())
+
+    @property
+    def per_gpu_gb(self) -> float:
+        return self.per_gpu_bytes / GIB
+
+    @property
+    def usable_gb(self) -> float:
+        return self.setup.gpu_memory_gb * (1 - HEADROOM)
+
+    @property
+    def fits(self) -> bool:
+        return self.per_gpu_gb <= self.usable_gb
+
+    def to_dict(self) -> dict:
+        return {
+            "fits": self.fits,
+            "per_gpu_gb": round(self.per_gpu_gb, 3),
+            "gpu_memory_gb": self.setup.gpu_memory_gb,
+            "usable_gb": round(self.usable_gb, 3),
+            "breakdown": {k: round(v / GIB, 3) for k, v in self.breakdown_bytes.items()},
+            "breakdown_bytes": dict(self.breakdown_bytes),
+            "params_total": self.params_total,
+            "params_per_gpu": self.params_per_gpu,
+            "trainable_per_gpu": self.trainable_per_gpu,
+            "setup": dataclasses.asdict(self.setup),
+            "notes": list(self.notes),
+            "suggestions": list(self.suggestions),
+        }
+
+
+def _optimizer_bytes(s: Setup, trainable: Group, param_bytes: int) -> int:
+    """Bytes of the optimizer's state for `trainable` parameters stored in `param_bytes` each."""
+    if s.zero_stage is not None and s.act_bytes == 2:
+        return 12 * trainable.numel  # DeepSpeed mixed precision: fp32 master + fp32 moments
+    if "8bit" in s.optim:
+        return (
+            2 * trainable.numel + 8 * trainable.tensors
+        )  # int8 moments (+ per-tensor quantisation, approx.)
+    if s.optim.startswith("sgd"):
+        return 0
+    return 2 * param_bytes * trainable.numel + 4 * trainable.tensors  # exp_avg, exp_avg_sq, step
+
+
+def _plan(c: ModelCounts, s: Setup) -> Plan:
+    notes = []
+    w = s.weight_bytes
+    expert = Group(c.expert.numel // s.ep, c.expert.tensors)  # E/D experts per GPU
+    replicated = c.moe_other + c.rest
+    weights = w * (expert.numel + replicated.numel)
+    dp_rep, dp_exp = s.gpus, s.gpus // s.ep  # ZeRO partitions: all ranks / the expert-data-parallel group
+    # trainable parts: (parameters, bytes per element, ranks that share their ZeRO partition)
+    if s.train_mode == "full":
+        parts = [(replicated, w, dp_rep), (expert, w, dp_exp)]
+    elif s.train_mode == "moe":
+        parts = [(c.moe_other, w, dp_rep), (expert, w, dp_exp)]
+    else:  # lora: adapters (fp32) + a trainable copy of every router (weights' dtype)
+        lora = Group(
+            s.lora_r * (c.lora_replicated.numel + c.lora_expert.numel),
+            c.lora_replicated.tensors + c.lora_expert.tensors,
+        )
+        weights += 4 * lora.numel + w * c.router.numel
+        parts = [(lora, 4, dp_rep), (c.router, w, dp_rep)]
+        if s.ep > 1:
+            notes.append(
+                f"train_mode=lora with expert_parallel_size={s.ep} is refused by the trainer (PEFT's expert LoRA "
+                "weights are not sharded); this plan counts sharded base experts and unsharded adapters"
+            )
+    stage = -1 if s.zero_stage is None else s.zero_stage
+    ceil = lambda n, div: -(-n // div)  # noqa: E731 - DeepSpeed pads its partitions
+    grads = sum(ceil(4 * g.numel, div) if stage >= 2 else b * g.numel for g, b, div in parts)
+    optim = sum(ceil(_optimizer_bytes(s, g, b), div if stage >= 1 else 1) for g, b, div in parts)
+    trainable = sum(g.numel for g, _, _ in parts)
+    if stage >= 3:
+        notes.append("ZeRO-3 also partitions the weights; expert parallelism refuses stage 3")
+        weights = ceil(weights, s.gpus)
+
+    tokens = s.batch * s.seq_len
+    if s.checkpointing:
+        per_token = len(c.layer_elems) * c.hidden + max(c.layer_elems)
+    else:
+        per_token = sum(c.layer_elems)
+    acts = tokens * (per_token + 2 * c.hidden) * s.act_bytes + tokens * c.vocab * (s.act_bytes + 8)
+
+    comm = 0
+    if s.ep > 1:  # send + receive rows of one layer's dispatch; a token reaches at most min(k, D, M) devices
+        reach = min(c.top_k, s.ep, s.budget or s.ep)
+        comm += 2 * tokens * reach * c.hidden * s.act_bytes
+    if s.gpus > 1 and stage < 0:  # DDP's gradient buckets: a copy of the replicated trainable gradients
+        comm += sum(b * g.numel for g, b, div in parts if div == dp_rep)
+    elif s.gpus > 1:
+        comm += 2 * (s.buckets[0] + (s.buckets[1] if stage >= 1 else 0))  # DeepSpeed's bf16 buckets
+    return Plan(
+        setup=s,
+        params_total=c.total.numel,
+        params_per_gpu=expert.numel + replicated.numel,
+        trainable_per_gpu=trainable,
+        breakdown_bytes={
+            "weights": weights,
+            "gradients": grads,
+            "optimizer_states": optim,
+            "activations": acts,
+            "communication_buffers": comm,
+        },
+        notes=tuple(notes),
+    )
+
+
+def _suggestions(c: ModelCounts, s: Setup, plan: Plan) -> list[str]:
+    """Concrete changes that bring the run under the GPU's memory, each with its planned total."""
+    out = []
+
+    def option(text: str, **change):
+        p = _plan(c, dataclasses.replace(s, **change))
+        verdict = "fits" if p.fits else "still too big"
+        out.append(f"{text}: {p.per_gpu_gb:.1f} GB per GPU ({verdict})")
+
+    if s.train_mode != "lora":
+        option("train_mode: lora (learning_rate 2.0e-4), expert_parallel_size 1", train_mode="lora", ep=1)
+    if s.zero_stage is None or s.zero_stage < 2:
+        option(
+            "DeepSpeed ZeRO-2 (--deepspeed with zero_optimization.stage 2)",
+            zero_stage=2,
+            buckets=(int(5e8), int(5e8)),
+        )
+    if s.ep * 2 <= c.num_experts and c.num_experts % (s.ep * 2) == 0:
+        d = s.ep * 2
+        option(
+            f"expert_parallel_size {d} and devices {d} on {max(s.gpus, d)} GPUs", ep=d, gpus=max(s.gpus, d)
+        )
+    if s.zero_stage is not None and s.zero_stage >= 1:
+        option(f"{2 * s.gpus} GPUs (more data-parallel ranks share the ZeRO partitions)", gpus=2 * s.gpus)
+    if not s.checkpointing:
+        option("gradient_checkpointing: true", checkpointing=True)
+    smallest = _smallest_fitting(c, s)
+    if smallest is not None:
+        out.append(smallest)
+    batch, accum = s.batch, s.grad_accum
+    while batch > 1:
+        batch, accum = batch // 2, accum * 2
+        if _plan(c, dataclasses.replace(s, batch=batch)).fits or batch == 1:
+            option(
+                f"per_device_train_batch_size {batch} with gradient_accumulation_steps {accum}", batch=batch
+            )
+            break
+    return out
+
+
+def _smallest_fitting(c: ModelCounts, s: Setup) -> str | None:
+    """The fewest GPUs (up to 64x as many) on which some expert parallelism / ZeRO-2 / LoRA fits."""
+    modes = [s.train_mode] + (["lora"] if s.train_mode != "lora" else [])
+    for gpus in (s.gpus * 2**i for i in range(7)):
+        for mode in modes:
+            eps = [d for d in range(1, c.num_experts + 1) if c.num_experts % d == 0 and gpus % d == 0]
+            eps = [1] if mode == "lora" else sorted(eps, reverse=True)  # the trainer refuses LoRA with EP
+            for ep in eps:
+                for stage in dict.fromkeys([s.zero_stage, 2]):
+                    change = dict(gpus=gpus, train_mode=mode, ep=ep, zero_stage=stage, checkpointing=True)
+                    if stage is not None and s.zero_stage is None:
+                        change["buckets"] = (int(5e8), int(5e8))
+                    p = _plan(c, dataclasses.replace(s, **change))
+                    if p.fits:
+                        zero = "no DeepSpeed" if stage is None else f"DeepSpeed ZeRO-{stage}"
+                        return (
+                            f"smallest setup that fits: {gpus} GPUs, train_mode {mode}, expert_parallel_size {ep}, "
+                            f"{zero}, gradient checkpointing: {p.per_gpu_gb:.1f} GB per GPU"
+                        )
+    return None
+
+
+def plan_for_config(occult_config, model_config, gpus: int, gpu_memory_gb: float) -> Plan:
+    """The per-GPU memory plan of training `model_config`'s model with `occult_config` on `gpus` GPUs.
+
+    Args:
+        occult_config: an `OccultConfig` (or any object with its fields).
+        model_config: the model's `PretrainedConfig`, or its config.json as a dict.
+        gpus: processes/GPUs of the launch (a multiple of `expert_parallel_size`).
+        gpu_memory_gb: memory of one GPU in GB (2**30 bytes).
+    """
+    model_config = as_config(model_config)
+    counts = count_params(model_config)
+    setup = _setup(occult_config, model_config, gpus, gpu_memory_gb)
+    plan = _plan(counts, setup)
+    if not plan.fits:
+        plan = dataclasses.replace(plan, suggestions=tuple(_suggestions(counts, setup, plan)))
+    return plan
