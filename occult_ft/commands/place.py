@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ._common import positive_int, standalone
@@ -39,6 +40,8 @@ def run(args) -> int:
     from ..placement import compute_placement
     from ..profiling import Profile
 
+    if os.path.realpath(args.out) == os.path.realpath(args.profile):
+        raise ValueError(f"--out {args.out} is the input profile; write the placement to another file")
     prof = Profile.load(args.profile)
     placement = compute_placement(prof, args.devices, num_nodes=args.nodes, algorithm=args.algorithm)
     placement.save(args.out)

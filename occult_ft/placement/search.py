@@ -9,12 +9,17 @@ co-selected pairs on one device (this crosses the plateaus of the distinct-devic
 never rises, so on one level `search` is never worse than `occult` or `greedy_pairs`. Swap deltas are
 exact and vectorised: see `_SwapState`.
 
-Hierarchical placement (N nodes, `_search_hierarchical`): two candidates are built, (a) search at the
-node level then search within each node, (b) occult's node partition then search within each node, and
-hierarchical occult is the reference. (b) has occult's node-level cost and, node by node, no more
-device-level cost than occult. (a) is kept when it is no worse than hierarchical occult at both levels and
-better than (b) lexicographically on (node-level, device-level) cost; otherwise (b). So hierarchical
-`search` is never worse than hierarchical `occult` at the node level AND at the device level.
+Hierarchical placement (N nodes, `_search_hierarchical`) builds three candidates:
+    nodes_first   search at the node level (distinct nodes per token), then within each node
+    occult_nodes  occult's node partition, then search within each node
+    devices_first search on the D devices (distinct devices per token), then search over whole devices
+                  onto the N nodes
+and measures each, and hierarchical `occult` (occult at both levels), on the exact summed node-level and
+device-level costs. A candidate is admissible when it is no worse than hierarchical occult at BOTH
+levels; occult_nodes always is (same node partition, and within each node search is never worse than
+occult). The result is the admissible candidate with the lowest (node-level, device-level) cost,
+compared lexicographically (first listed on ties). So hierarchical `search` is never worse than
+hierarchical `occult` in node-level comm_complexity AND in device-level comm_complexity, on every layer.
 
 Shape legend: T tokens, E experts, D devices; x_TE (T, E) 0/1 incidence, count_TD (T, D) experts of the
 token on each device, dev_E (E,) device of each expert.
@@ -275,16 +280,28 @@ def _search_hierarchical(
         max_search_tokens=max_search_tokens,
     )
     args = (topk_ids_TK, num_experts, num_devices, num_nodes)
-    found = _two_level(*args, solve, seed=seed)
     x_TE = _incidence(topk_ids_TK, num_experts)
     occult_nodes = _occult(x_TE, num_nodes)
-    occult = _level_totals(x_TE, _two_level(*args, _occult, node_groups=occult_nodes), num_devices, num_nodes)
-    refined = _two_level(*args, solve, node_groups=occult_nodes, seed=seed)
-    found_totals = _level_totals(x_TE, found, num_devices, num_nodes)
-    dominates = all(f <= o + 0.5 for f, o in zip(found_totals, occult))  # totals are integers
-    if dominates and found_totals <= _level_totals(x_TE, refined, num_devices, num_nodes):
-        return found
-    return refined
+    candidates = [
+        _two_level(*args, solve, seed=seed),  # nodes_first
+        _two_level(*args, solve, node_groups=occult_nodes, seed=seed),  # occult_nodes
+        _devices_first(x_TE, num_devices, num_nodes, solve, seed),
+    ]
+    reference = _level_totals(
+        x_TE, _two_level(*args, _occult, node_groups=occult_nodes), num_devices, num_nodes
+    )
+    totals = [_level_totals(x_TE, groups, num_devices, num_nodes) for groups in candidates]
+    admissible = [i for i, t in enumerate(totals) if all(c <= r + 0.5 for c, r in zip(t, reference))]
+    return candidates[min(admissible, key=lambda i: totals[i])]  # occult_nodes is always admissible
+
+
+def _devices_first(x_TE: torch.Tensor, num_devices: int, num_nodes: int, solve, seed: int) -> list[list[int]]:
+    """Search on the D devices, then place whole devices onto the N nodes (a device is a unit reached by
+    the tokens reaching any of its experts). Groups are returned node by node."""
+    groups = solve(x_TE, num_devices, seed=seed)
+    onehot_ED = torch.nn.functional.one_hot(expert_device_from_groups(groups, x_TE.shape[1]), num_devices)
+    reach_TD = ((x_TE @ onehot_ED.float()) > 0).float()
+    return [groups[d] for node in solve(reach_TD, num_nodes, seed=seed) for d in node]
 
 
 register_algorithm("search", _search, hierarchical=_search_hierarchical)
