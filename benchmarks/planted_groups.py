@@ -5,7 +5,7 @@ are built so that experts fall into G hidden groups (shuffled ids): each group s
 in hidden space, so a token's top-8 mostly lands in one group. The script runs the public pipeline
 (profile -> place with every algorithm -> analyze, then prune to 1 and 2 devices) and prints
 `comm_complexity` per setting, plus the time to place DeepSeek-V3 width (256 experts x 60 layers,
-8 devices).
+8 devices, `placement_time.py`).
 
     python benchmarks/planted_groups.py [--devices 4 8] [--json]
 """
@@ -17,11 +17,12 @@ import json
 import time
 
 import torch
+from placement_time import benchmark_placement  # benchmarks/placement_time.py, this script's folder
 from transformers import AutoModelForCausalLM
 
 from occult_ft.metrics import contiguous_expert_device, random_placement_comm_complexity, routing_report
 from occult_ft.models import find_moe_layers, tiny_config
-from occult_ft.placement import PLACEMENT_ALGORITHMS, benchmark_placement, compute_placement, permute_experts
+from occult_ft.placement import PLACEMENT_ALGORITHMS, compute_placement, permute_experts
 from occult_ft.profiling import profile_model
 from occult_ft.routing import PruningConfig, apply_pruning
 

@@ -220,6 +220,7 @@ def bad_cases(p, bad):
         (["place", prof, "--devices", 3, "--out", bad / "p.json"], "devices=3"),
         (["place", prof, "--devices", 4, "--nodes", 3, "--out", bad / "p.json"], "nodes=3"),
         (["place", prof, "--devices", 4, "--algorithm", "magic", "--out", bad / "p.json"], "magic"),
+        (["place", prof, "--devices", 4, "--out", prof], "would overwrite the input"),
         (["prune", m, "--placement", bad / "corrupt.json", "--out", bad / "o"], "corrupt.json"),
         (["prune", m, "--placement", bad / "wrong.json", "--out", bad / "o"], "wrong.json"),
         (["prune", m, "--placement", bad / "absent.json", "--out", bad / "o"], "absent.json"),

@@ -27,6 +27,7 @@ from occult_ft.placement import (
     compute_placement,
     permute_experts,
     place_layer,
+    register_algorithm,
     sequential_placement,
 )
 
@@ -208,13 +209,13 @@ def test_hierarchical_placement_keeps_each_node_on_consecutive_devices():
     nodes = place_layer(ids, 64, 2)  # the node level alone: 2 groups of 32
     groups = place_layer(ids, 64, 8, num_nodes=2)
     assert_equal_partition(groups, 64, 8)
-    assert {frozenset(groups[0] + groups[1] + groups[2] + groups[3]), frozenset(sum(groups[4:], []))} == {
-        frozenset(n) for n in nodes
-    }
     assert {frozenset(g) for g in groups} == planted
     node_E = expert_device_from_groups(groups, 64) // 4  # device d is on node d // (D/N)
     occult_node_E = expert_device_from_groups(place_layer(ids, 64, 8, "occult", num_nodes=2), 64) // 4
     assert comm_complexity(ids, node_E, 2) <= comm_complexity(ids, occult_node_E, 2)
+    # the nodes-first candidate (node level = `nodes`) is no worse than occult at both levels here, so the
+    # result is at least as good at the node level (here strictly: the devices-first candidate wins)
+    assert comm_complexity(ids, node_E, 2) <= comm_complexity(ids, expert_device_from_groups(nodes, 64), 2)
 
 
 # ---- validation -------------------------------------------------------------------------------------------
@@ -464,3 +465,134 @@ def test_devices_that_would_split_routing_groups_unevenly_are_refused():
     with pytest.raises(PlacementError, match="4 groups of 6 experts.*devices dividing or divisible by 4"):
         compute_placement(prof, 6)  # 4 experts per device: neither whole groups nor an even split
     assert compute_placement(prof, 6, algorithm="sequential").num_devices == 6
+
+
+# ---- the algorithm registry ---------------------------------------------------------------------------------
+def test_registry_entries_declare_their_options():
+    assert PLACEMENT_ALGORITHMS["search"].options == (
+        "max_load_imbalance",
+        "seed",
+        "restarts",
+        "max_swaps",
+        "max_search_tokens",
+    )
+    for name in ("sequential", "occult", "greedy_pairs"):
+        assert PLACEMENT_ALGORITHMS[name].options == ()
+    with pytest.raises(ValueError, match="'occult' is registered already"):
+        register_algorithm("occult", lambda x_TE, num_devices: [])
+
+
+@pytest.mark.parametrize(
+    "algorithm,options,message",
+    [
+        (
+            "occult",
+            dict(restarts=2),
+            "'occult' has no option 'restarts'; it takes no options .*option of 'search'",
+        ),
+        ("sequential", dict(seed=1), "'sequential' has no option 'seed'"),
+        (
+            "search",
+            dict(restart=2),
+            "'search' has no option 'restart'; its options are max_load_imbalance, seed",
+        ),
+        ("search", dict(restarts=-1), "restarts=-1 must be an integer >= 0"),
+        ("search", dict(max_load_imbalance=0.5), "max_load_imbalance=0.5 must be a number >= 1"),
+        ("search", dict(max_search_tokens=0), "max_search_tokens=0 must be a positive integer"),
+    ],
+)
+def test_an_option_the_algorithm_does_not_take_is_a_one_line_error(algorithm, options, message):
+    ids = random_routing(16, top_k=2, tokens=64)
+    for call in (
+        lambda: place_layer(ids, 16, 4, algorithm, **options),
+        lambda: place_layer(ids, 16, 4, algorithm, num_nodes=2, **options),
+        lambda: PLACEMENT_ALGORITHMS[algorithm](ids, 16, 4, **options),
+        lambda: compute_placement(tiny_profile(), 4, algorithm=algorithm, **options),
+    ):
+        with pytest.raises(PlacementError, match=message) as info:
+            call()
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("algorithm", sorted(PLACEMENT_ALGORITHMS))
+@pytest.mark.parametrize("num_nodes", [1, 2])
+def test_every_registered_algorithm_runs_through_compute_placement(algorithm, num_nodes):
+    placement = compute_placement(tiny_profile(), 4, num_nodes=num_nodes, algorithm=algorithm)
+    assert (placement.algorithm, placement.num_devices, placement.num_nodes) == (algorithm, 4, num_nodes)
+    for layer in placement.layers:
+        assert_equal_partition(placement.groups[layer], 16, 4)
+        assert placement.groups[layer] == place_layer(
+            tiny_profile().layers[layer].topk_ids, 16, 4, algorithm, num_nodes=num_nodes
+        )
+
+
+# ---- hierarchical search: never worse than hierarchical occult at either level -------------------------------
+def test_hierarchical_search_is_never_worse_than_hierarchical_occult_at_either_level():
+    """Skewed routing, 32 experts on 8 devices in 2 nodes, 8 layers. Searching the node level first
+    (fewest distinct nodes) can leave the device level worse than occult's: it does on some layers here
+    (checked below, so the guarantee is not vacuous); `search` then keeps another candidate."""
+    from occult_ft.placement.core import _level_totals, _two_level
+    from occult_ft.placement.search import _search
+
+    profile = SimpleNamespace(
+        model=None,
+        model_type=None,
+        num_experts=32,
+        top_k=4,
+        layers={
+            i: SimpleNamespace(topk_ids=random_routing(32, top_k=4, tokens=512, skew=1.5, seed=i))
+            for i in range(8)
+        },
+    )
+    search = compute_placement(profile, 8, num_nodes=2)
+    occult = compute_placement(profile, 8, num_nodes=2, algorithm="occult")
+    nodes_first_worse = 0
+    for i in profile.layers:
+        ids = profile.layers[i].topk_ids
+        found, ref = search.metrics["layers"][str(i)], occult.metrics["layers"][str(i)]
+        assert found["node_complexity"] <= ref["node_complexity"] + 1e-12, i
+        assert found["comm_complexity"] <= ref["comm_complexity"] + 1e-12, i
+        x_TE = _incidence(ids, 32)
+        plain = _level_totals(x_TE, _two_level(ids, 32, 8, 2, _search, seed=0), 8, 2)
+        nodes_first_worse += plain[1] > _level_totals(x_TE, occult.groups[i], 8, 2)[1]
+    assert nodes_first_worse >= 1
+
+
+# ---- file sizes, divisors, atomic save --------------------------------------------------------------------
+def test_divisors_match_a_brute_force_list():
+    from occult_ft.placement.core import _divisors
+
+    for n in [1, 2, 12, 36, 64, 97, 360]:
+        assert _divisors(n) == ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    assert _divisors(10**12).endswith(", 500000000000, 1000000000000")  # 10**6 steps, not 10**12
+
+
+def test_a_file_claiming_a_huge_expert_count_is_rejected_at_once(tmp_path):
+    import time
+
+    path = tmp_path / "placement.json"
+    path.write_text(_with(num_experts=10**15)())
+    start = time.perf_counter()
+    with pytest.raises(
+        PlacementError, match="layer 0 lists 8 experts but num_experts=1000000000000000"
+    ) as info:
+        Placement.load(path)
+    assert time.perf_counter() - start < 1.0 and "\n" not in str(info.value)
+
+
+def test_save_replaces_the_file_atomically_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "placement.json"
+    path.write_text("old contents")
+    placement = sequential_placement(8, 2, [0, 2])
+    placement.save(path)
+    assert Placement.load(path) == placement
+    assert [p.name for p in tmp_path.iterdir()] == ["placement.json"]
+    with pytest.raises(PlacementError, match="is a directory"):
+        placement.save(tmp_path)
+
+
+def test_benchmark_placement_moved_to_the_benchmarks_folder():
+    import occult_ft.placement
+
+    with pytest.raises(AttributeError, match="benchmarks/placement_time.py"):
+        occult_ft.placement.benchmark_placement  # noqa: B018

@@ -1,0 +1,61 @@
+"""Applying a placement to a model: `permute_experts` reorders every MoE layer's expert-indexed weights so
+that device d holds the contiguous new ids [d*E/D, (d+1)*E/D); the model computes the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models import find_moe_layers
+from .core import PlacementError
+from .file import Placement
+
+__all__ = ["permute_experts"]
+
+
+def _check_group_routing(layer, order_E: torch.Tensor) -> None:
+    """DeepSeek group-limited routing scores contiguous blocks of experts; a permutation that mixes them
+    would change the model, so only block-preserving placements are allowed there."""
+    size = layer.arch.routing_group_size(layer.router)
+    if size == 1:
+        return
+    num_group = layer.num_experts // size
+    blocks = {frozenset(range(g * size, (g + 1) * size)) for g in range(num_group)}
+    moved = {frozenset(order_E[j * size : (j + 1) * size].tolist()) for j in range(num_group)}
+    if moved != blocks:
+        raise PlacementError(
+            f"layer {layer.index} routes within {num_group} expert groups of {size} (group-limited routing) and "
+            "this placement mixes them, which would change the model; place from a profile of this model "
+            "(placement then moves whole groups), or use placement 'sequential'"
+        )
+
+
+@torch.no_grad()
+def permute_experts(model: nn.Module, placement: Placement) -> None:
+    """Reorder every MoE layer's expert-indexed tensors in place so that device d holds the contiguous new
+    ids [d*E/D, (d+1)*E/D). The model computes the same function (same outputs) afterwards.
+
+    Args:
+        model: a supported transformers MoE model (PEFT/DDP wrappers are unwrapped).
+        placement: a `Placement` matching the model (`check_model` is called first).
+    """
+    layers = find_moe_layers(model)
+    placement.check_model(layers[0].num_experts, [layer.index for layer in layers], layers[0].arch.model_type)
+    for layer in layers:
+        order_E = placement.expert_order(layer.index)
+        _check_group_routing(layer, order_E)
+        for owner, names in (
+            (layer.router, layer.arch.router_params),
+            (layer.experts, layer.arch.expert_params),
+        ):
+            for name in names:
+                tensor = getattr(owner, name, None)
+                if tensor is None:
+                    continue  # optional tensor (e.g. a bias) absent in this config
+                if tensor.shape[0] != placement.num_experts:
+                    raise PlacementError(
+                        f"layer {layer.index} {name} has {tensor.shape[0]} rows on dim 0, expected "
+                        f"{placement.num_experts} experts; is this model sharded already?"
+                    )
+                tensor.copy_(tensor.index_select(0, order_E.to(tensor.device)))

@@ -1,0 +1,307 @@
+"""`search`, the default placement algorithm: swap local search from the best constructive start.
+
+`search` starts from the best of occult, greedy_pairs and sequential on the exact objective (summed
+distinct devices per token), then does local search over expert swaps between devices, plus `restarts`
+perturb-and-descend rounds (iterated local search, seeded: same seed, same result). A swap is taken only
+if it keeps the device load imbalance (max/mean tokens per device) within max(max_load_imbalance,
+imbalance of the start) and lowers the exact objective, or leaves it equal while putting more
+co-selected pairs on one device (this crosses the plateaus of the distinct-device count). The objective
+never rises, so on one level `search` is never worse than `occult` or `greedy_pairs`. Swap deltas are
+exact and vectorised: see `_SwapState`.
+
+Hierarchical placement (N nodes, `_search_hierarchical`) builds three candidates:
+    nodes_first   search at the node level (distinct nodes per token), then within each node
+    occult_nodes  occult's node partition, then search within each node
+    devices_first search on the D devices (distinct devices per token), then search over whole devices
+                  onto the N nodes
+and measures each, and hierarchical `occult` (occult at both levels), on the exact summed node-level and
+device-level costs. A candidate is admissible when it is no worse than hierarchical occult at BOTH
+levels; occult_nodes always is (same node partition, and within each node search is never worse than
+occult). The result is the admissible candidate with the lowest (node-level, device-level) cost,
+compared lexicographically (first listed on ties). So hierarchical `search` is never worse than
+hierarchical `occult` in node-level comm_complexity AND in device-level comm_complexity, on every layer.
+
+Shape legend: T tokens, E experts, D devices; x_TE (T, E) 0/1 incidence, count_TD (T, D) experts of the
+token on each device, dev_E (E,) device of each expert.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from ..metrics import expert_device_from_groups
+from .algorithms import _greedy_pairs, _occult, _sequential, register_algorithm
+from .core import (
+    PlacementError,
+    _device_to_groups,
+    _imbalance,
+    _incidence,
+    _is_int,
+    _level_totals,
+    _objective,
+    _two_level,
+)
+
+__all__ = ["DEFAULT_ALGORITHM", "SEARCH_RESTARTS", "SEARCH_CELLS"]
+
+DEFAULT_ALGORITHM = "search"
+SEARCH_RESTARTS = 4  # perturb-and-descend rounds after the first descent
+SEARCH_CELLS = 2**21  # swaps are evaluated on at most SEARCH_CELLS / E profiled tokens (a seeded random
+# subset): every token of a 32-expert model's default profile, 8192 tokens at DeepSeek-V3 width (256)
+
+
+# ---- local search over swaps ---------------------------------------------------------------------
+class _SwapState:
+    """Exact objective bookkeeping for swap local search.
+
+    Keeps count_TD and, derived from it, Z = [count == 0], O = [count == 1] (both (T, D)),
+        xz_ED = x^T Z   tokens of expert e that do not reach device d yet
+        xo_ED = x^T O   tokens of expert e for which e is their only expert on device d
+        a_EE[a, b] = sum over tokens holding a and b of O[t, dev(a)]
+    Moving a from p to q changes the sum of C_T by xz[a, q] - xo[a, p]; a swap (a on p, b on q) is the two
+    moves plus a_EE[a, b] + a_EE[b, a] for the tokens holding both (for them nothing changes).
+    The tie-break, intra-device pairs sum_t sum_d n(n-1)/2, uses xc_ED = x^T count: moving a from p to q
+    adds xc[a, q] - xc[a, p] + load(a) pairs, and a swap corrects by -2 co(a, b) for the tokens holding both.
+    After a swap only the tokens holding a or b change, so every matrix is updated from those rows.
+    All entries are integer counts, exact in float32 below 2^24 tokens.
+    """
+
+    def __init__(self, x_TE: torch.Tensor, dev_E: torch.Tensor, num_devices: int):
+        self.x_TE, self.num_devices = x_TE, num_devices
+        self.co_EE = x_TE.T @ x_TE  # co-selection counts, diagonal = expert load
+        self.tokens_of = [x_TE[:, e].nonzero().flatten() for e in range(x_TE.shape[1])]
+        eye = torch.eye(num_devices, dtype=torch.bool)
+        self.excluded_DDD = eye[:, None, :] | eye[None, :, :]  # [p, q, r]: r is p or q
+        self.reset(dev_E)
+
+    def reset(self, dev_E: torch.Tensor) -> None:
+        self.dev_E = dev_E.clone()
+        onehot_ED = torch.nn.functional.one_hot(self.dev_E, self.num_devices).float()
+        self.count_TD = self.x_TE @ onehot_ED
+        zero_TD, one_TD = (self.count_TD == 0).float(), (self.count_TD == 1).float()
+        self.xz_ED, self.xo_ED = self.x_TE.T @ zero_TD, self.x_TE.T @ one_TD
+        self.a_EE = (self.x_TE * one_TD[:, self.dev_E]).T @ self.x_TE
+        self.xc_ED = self.x_TE.T @ self.count_TD
+        self.load_D = self.x_TE.shape[0] - zero_TD.sum(dim=0)  # tokens reaching each device
+
+    @property
+    def total(self) -> float:
+        return float(self.load_D.sum())
+
+    def swap_deltas(self, bound: float) -> torch.Tensor:
+        """(E, E) change of the summed C_T for each swap; +inf for same-device pairs and swaps that would
+        push max/mean device load above `bound`."""
+        dev = self.dev_E
+        xo_self_E = self.xo_ED.gather(1, dev[:, None]).squeeze(1)
+        move_EE = (self.xz_ED - xo_self_E[:, None])[:, dev]  # [a, b]: move a onto b's device
+        corr_EE = self.a_EE + self.a_EE.T
+        delta_EE = move_EE + move_EE.T + corr_EE
+        # new load of a's device after the swap (b's device: the transpose)
+        load_a_EE = self.load_D[dev][:, None] - xo_self_E[:, None] + self.xz_ED[:, dev].T + self.a_EE
+        others_DD = self.load_D.expand(self.num_devices, self.num_devices, -1)
+        others_DD = others_DD.masked_fill(self.excluded_DDD, float("-inf")).amax(dim=-1)
+        new_max = torch.maximum(torch.maximum(load_a_EE, load_a_EE.T), others_DD[dev][:, dev])
+        new_mean = (self.total + delta_EE) / self.num_devices
+        bad = (dev[:, None] == dev[None, :]) | (new_max > bound * new_mean * (1 + 1e-9))
+        return delta_EE.masked_fill(bad, float("inf"))
+
+    def pair_gains(self) -> torch.Tensor:
+        """(E, E) increase of the intra-device pair count for each swap (the tie-break on plateaus)."""
+        dev = self.dev_E
+        own_E = self.xc_ED.gather(1, dev[:, None]).squeeze(1)
+        move_EE = (self.xc_ED - own_E[:, None])[:, dev] + self.co_EE.diagonal()[:, None]
+        return move_EE + move_EE.T - 2 * self.co_EE
+
+    def apply_swap(self, a: int, b: int) -> None:
+        p, q = int(self.dev_E[a]), int(self.dev_E[b])
+        rows = torch.unique(torch.cat([self.tokens_of[a], self.tokens_of[b]]))
+        x_RE, c_RD = self.x_TE[rows], self.count_TD[rows]
+        zero_old, one_old = (c_RD == 0).float(), (c_RD == 1).float()
+        y_old = x_RE * one_old[:, self.dev_E]
+        step_R = x_RE[:, a] - x_RE[:, b]  # tokens with only a move a row p -> q, only b: q -> p
+        c_RD[:, p] -= step_R
+        c_RD[:, q] += step_R
+        self.count_TD[rows] = c_RD
+        self.xc_ED[:, p] -= x_RE.T @ step_R
+        self.xc_ED[:, q] += x_RE.T @ step_R
+        self.dev_E[a], self.dev_E[b] = q, p
+        zero_new, one_new = (c_RD == 0).float(), (c_RD == 1).float()
+        x_RE_T = x_RE.T
+        self.xz_ED += x_RE_T @ (zero_new - zero_old)
+        self.xo_ED += x_RE_T @ (one_new - one_old)
+        self.a_EE += (x_RE * one_new[:, self.dev_E] - y_old).T @ x_RE
+        self.load_D -= (zero_new - zero_old).sum(dim=0)
+
+    def descend(self, bound: float, max_swaps: int) -> None:
+        """Best-improvement swaps (most negative objective change, ties broken by the most intra-device
+        pairs gained) until no swap lowers the objective or, at equal objective, gains pairs. Equal-objective
+        swaps cross the plateaus of the distinct-device count (a token only gets cheaper once its last
+        expert leaves a device); the pair count rises with each, so the descent cannot cycle."""
+        num_experts = self.x_TE.shape[1]
+        for _ in range(max_swaps):
+            delta_EE = self.swap_deltas(bound)
+            best_delta = float(delta_EE.min())  # deltas are integers
+            if best_delta > 0.5:
+                return
+            gain_EE = self.pair_gains().masked_fill(delta_EE != best_delta, float("-inf"))
+            best = int(gain_EE.argmax())
+            if best_delta > -0.5 and not float(gain_EE.view(-1)[best]) > 0.5:
+                return
+            self.apply_swap(*divmod(best, num_experts))
+
+
+def _check_options(max_load_imbalance, seed, restarts, max_swaps, max_search_tokens) -> None:
+    if (
+        isinstance(max_load_imbalance, bool)
+        or not isinstance(max_load_imbalance, (int, float))
+        or not (max_load_imbalance >= 1)
+    ):
+        raise PlacementError(
+            f"max_load_imbalance={max_load_imbalance!r} must be a number >= 1 (max/mean load)"
+        )
+    for name, value, low in (("seed", seed, 0), ("restarts", restarts, 0)):
+        if not _is_int(value) or value < low:
+            raise PlacementError(f"{name}={value!r} must be an integer >= {low}")
+    for name, value in (("max_swaps", max_swaps), ("max_search_tokens", max_search_tokens)):
+        if value is not None and (not _is_int(value) or value < 1):
+            raise PlacementError(f"{name}={value!r} must be a positive integer, or None for the default")
+
+
+def _search(
+    x_TE: torch.Tensor,
+    num_devices: int,
+    *,
+    max_load_imbalance: float = 1.25,
+    seed: int = 0,
+    restarts: int = SEARCH_RESTARTS,
+    max_swaps: int | None = None,
+    max_search_tokens: int | None = None,
+) -> list[list[int]]:
+    """Local search (`_search_all`). On more than `max_search_tokens` profiled tokens the swaps are
+    evaluated on a seeded random subset, and the result is kept only if it beats every start on all
+    tokens (so "never worse than occult" holds on the whole profile)."""
+    _check_options(max_load_imbalance, seed, restarts, max_swaps, max_search_tokens)
+    max_search_tokens = max_search_tokens or max(1024, SEARCH_CELLS // x_TE.shape[1])
+    search = partial(
+        _search_all,
+        num_devices=num_devices,
+        max_load_imbalance=max_load_imbalance,
+        seed=seed,
+        restarts=restarts,
+        max_swaps=max_swaps,
+    )
+    if x_TE.shape[0] <= max_search_tokens:
+        return search(x_TE)
+    subset = torch.randperm(x_TE.shape[0], generator=torch.Generator().manual_seed(seed))[:max_search_tokens]
+    found = search(x_TE[subset])
+    num_experts = x_TE.shape[1]
+
+    def score(groups) -> tuple[float, float]:  # (objective, load imbalance) on all tokens
+        reach_TD = (
+            x_TE
+            @ torch.nn.functional.one_hot(expert_device_from_groups(groups, num_experts), num_devices).float()
+        ) > 0
+        return float(reach_TD.sum()), _imbalance(reach_TD.sum(dim=0))
+
+    occult = _occult(x_TE, num_devices)
+    best_total, occult_imbalance = score(occult)
+    best, bound = occult, max(max_load_imbalance, occult_imbalance)
+    for candidate in (found, _greedy_pairs(x_TE, num_devices), _sequential(x_TE, num_devices)):
+        total, imbalance = score(candidate)
+        if total < best_total and imbalance <= bound * (1 + 1e-9):
+            best, best_total = candidate, total
+    return best
+
+
+def _search_all(
+    x_TE: torch.Tensor,
+    num_devices: int,
+    *,
+    max_load_imbalance: float = 1.25,
+    seed: int = 0,
+    restarts: int = SEARCH_RESTARTS,
+    max_swaps: int | None = None,
+) -> list[list[int]]:
+    num_experts = x_TE.shape[1]
+    if num_devices == 1 or num_devices == num_experts or x_TE.shape[0] == 0:
+        return _occult(x_TE, num_devices)  # every equal placement has the same objective
+    starts = [_occult(x_TE, num_devices), _greedy_pairs(x_TE, num_devices), _sequential(x_TE, num_devices)]
+    devs = [expert_device_from_groups(g, num_experts) for g in starts]
+    # token load stays bounded: max/mean device load within max(max_load_imbalance, occult's), so a
+    # lopsided greedy start cannot carry its imbalance into the result; occult is always admissible
+    state = _SwapState(x_TE, devs[0], num_devices)
+    bound = max(max_load_imbalance, _imbalance(state.load_D))
+    admissible = []
+    for dev in devs:
+        state.reset(dev)
+        if _imbalance(state.load_D) <= bound * (1 + 1e-9):
+            admissible.append(dev)
+    start = min(admissible, key=lambda dev: _objective(x_TE, dev, num_devices))  # first of equals: occult
+    state.reset(start)
+    max_swaps = max_swaps if max_swaps is not None else 2 * num_experts
+    state.descend(bound, max_swaps)
+    best_dev, best_total = state.dev_E.clone(), state.total
+    # iterated local search: kick the best placement with a few random swaps, descend, keep if better
+    gen = torch.Generator().manual_seed(seed)
+    kicks = max(2, num_experts // 32)
+    for _ in range(restarts):
+        state.reset(best_dev)
+        for _ in range(kicks):
+            a = int(torch.randint(num_experts, (1,), generator=gen))
+            others = (state.dev_E != state.dev_E[a]).nonzero().flatten()
+            state.apply_swap(a, int(others[torch.randint(len(others), (1,), generator=gen)]))
+        state.descend(bound, max_swaps)
+        if state.total < best_total - 0.5 and _imbalance(state.load_D) <= bound * (1 + 1e-9):
+            best_dev, best_total = state.dev_E.clone(), state.total
+    return _device_to_groups(best_dev, num_devices)
+
+
+def _search_hierarchical(
+    topk_ids_TK: torch.Tensor,
+    num_experts: int,
+    num_devices: int,
+    num_nodes: int,
+    *,
+    max_load_imbalance: float = 1.25,
+    seed: int = 0,
+    restarts: int = SEARCH_RESTARTS,
+    max_swaps: int | None = None,
+    max_search_tokens: int | None = None,
+) -> list[list[int]]:
+    """Nodes, then devices, never worse than hierarchical occult at either level (module docstring)."""
+    _check_options(max_load_imbalance, seed, restarts, max_swaps, max_search_tokens)
+    solve = partial(
+        _search,
+        max_load_imbalance=max_load_imbalance,
+        restarts=restarts,
+        max_swaps=max_swaps,
+        max_search_tokens=max_search_tokens,
+    )
+    args = (topk_ids_TK, num_experts, num_devices, num_nodes)
+    x_TE = _incidence(topk_ids_TK, num_experts)
+    occult_nodes = _occult(x_TE, num_nodes)
+    candidates = [
+        _two_level(*args, solve, seed=seed),  # nodes_first
+        _two_level(*args, solve, node_groups=occult_nodes, seed=seed),  # occult_nodes
+        _devices_first(x_TE, num_devices, num_nodes, solve, seed),
+    ]
+    reference = _level_totals(
+        x_TE, _two_level(*args, _occult, node_groups=occult_nodes), num_devices, num_nodes
+    )
+    totals = [_level_totals(x_TE, groups, num_devices, num_nodes) for groups in candidates]
+    admissible = [i for i, t in enumerate(totals) if all(c <= r + 0.5 for c, r in zip(t, reference))]
+    return candidates[min(admissible, key=lambda i: totals[i])]  # occult_nodes is always admissible
+
+
+def _devices_first(x_TE: torch.Tensor, num_devices: int, num_nodes: int, solve, seed: int) -> list[list[int]]:
+    """Search on the D devices, then place whole devices onto the N nodes (a device is a unit reached by
+    the tokens reaching any of its experts). Groups are returned node by node."""
+    groups = solve(x_TE, num_devices, seed=seed)
+    onehot_ED = torch.nn.functional.one_hot(expert_device_from_groups(groups, x_TE.shape[1]), num_devices)
+    reach_TD = ((x_TE @ onehot_ED.float()) > 0).float()
+    return [groups[d] for node in solve(reach_TD, num_nodes, seed=seed) for d in node]
+
+
+register_algorithm("search", _search, hierarchical=_search_hierarchical)
