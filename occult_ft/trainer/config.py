@@ -130,7 +130,10 @@ class OccultConfig(TrainingArguments):
     seq_len: int = field(default=512, metadata={"help": "Tokens per training example."})
     packing: bool = field(
         default=True,
-        metadata={"help": "Pack plain text into full seq_len blocks (instruction rows are never packed)."},
+        metadata={
+            "help": "Pack examples into rows of seq_len tokens: plain text into full blocks; instruction, "
+            "prompt/completion and messages rows several per row, kept apart in attention."
+        },
     )
     response_only: bool = field(
         default=True, metadata={"help": "Instruction rows: compute the loss on the response tokens only."}

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,7 @@ from torch import nn
 from transformers.utils import logging
 
 from ..checkpoint import ADAPTER_OCCULT_FILE, OCCULT_KEY, SIMILARITY_FILE
+from ..data.batching import profile_batches  # the batching lives in occult_ft.data
 from ..metrics import contiguous_expert_device
 from ..models.registry import find_moe_layers, get_arch, unwrap_model
 from ..routing import PruningConfig, apply_pruning, pruned_routers, set_recording
@@ -131,18 +131,6 @@ def placement_from_block(block: dict | None, model: nn.Module):
 
 
 # ---- profiling -------------------------------------------------------------------------------------
-def profile_batches(dataset, collate, batch_size: int) -> Iterator[dict]:
-    """Batches of a tokenized dataset (rows with `input_ids`), in order, for `profile_model`."""
-    features = []
-    for i in range(len(dataset)):
-        row = dataset[i]
-        features.append({k: row[k] for k in ("input_ids", "attention_mask") if k in row})
-        if len(features) == batch_size or i == len(dataset) - 1:
-            batch = collate(features)
-            features = []
-            yield {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
-
-
 def _profile(model, dataset, collate, args, name: str):
     from ..profiling import profile_model
 
