@@ -128,9 +128,10 @@ def _chat_example(tokenizer, prompt: list[dict], completion: list[dict] | None, 
             break
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    # a token is trained when its characters overlap a reply (one straddling the boundary included)
     labels = [
-        t if not response_only or any(a <= start < b for a, b in spans) else IGNORE_INDEX
-        for t, (start, _) in zip(ids, offsets)
+        t if not response_only or any(start < b and a < end for a, b in spans) else IGNORE_INDEX
+        for t, (start, end) in zip(ids, offsets)
     ]
     return ids, labels
 
