@@ -20,6 +20,7 @@ from occult_ft.data import (
     make_collator,
     pack_examples,
     padding_share,
+    profile_batches,
     tokenize_dataset,
     unpack_row,
 )
@@ -413,3 +414,93 @@ def test_instruction_packing_cuts_padding_on_alpaca_shaped_data(tokenizer):
 
     assert share(tokenize_dataset(ds, tokenizer, 512, packing=False)) > 0.6
     assert share(tokenize_dataset(ds, tokenizer, 512, packing=True)) <= 0.05
+
+
+# ---- the shapes TRL users have: prompt / completion, messages, streaming -----------------------------
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture()
+def chat_tokenizer(tokenizer):
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def test_prompt_completion_strings_are_encoded_like_instruction_rows(tmp_path, tokenizer):
+    rows = [
+        {"prompt": format_prompt(r["instruction"], r["input"]), "completion": r["output"]} for r in ALPACA
+    ]
+    ds = load_text_dataset(_write_jsonl(tmp_path / "pc.jsonl", rows))
+    assert ds.column_names == ["prompt", "completion"]
+    got = tokenize_dataset(ds, tokenizer, seq_len=64)
+    want = tokenize_dataset(Dataset.from_list(ALPACA), tokenizer, seq_len=64)
+    assert got["input_ids"] == want["input_ids"] and got["labels"] == want["labels"]
+
+
+def test_messages_train_every_assistant_reply_and_nothing_else(tmp_path, chat_tokenizer):
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add 2 and 3."},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "And 4 and 4?"},
+        {"role": "assistant", "content": "8"},
+    ]
+    ds = load_text_dataset(_write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat, "id": 1}]))
+    assert ds.column_names == ["messages"]
+    row = tokenize_dataset(ds, chat_tokenizer, seq_len=128)[0]
+    n = sum(row["attention_mask"])
+    text = chat_tokenizer.apply_chat_template(chat, tokenize=False)
+    assert chat_tokenizer.decode(row["input_ids"][:n]) == text
+    # the trained spans are the two replies as the template writes each assistant turn: content, the
+    # end-of-turn token and the newline after it
+    trained, spans, current = row["labels"][:n], [], []
+    for t, label in zip(row["input_ids"][:n], trained):
+        if label != IGNORE_INDEX:
+            current.append(t)
+        elif current:
+            spans.append(chat_tokenizer.decode(current))
+            current = []
+    spans += [chat_tokenizer.decode(current)] if current else []
+    assert spans == ["5<|endoftext|>\n", "8<|endoftext|>\n"]
+
+
+def test_conversational_prompt_completion_trains_the_completion(chat_tokenizer):
+    prompt = [{"role": "user", "content": "Say hello."}]
+    completion = [{"role": "assistant", "content": "Hello there."}]
+    row = tokenize_dataset(
+        Dataset.from_list([{"prompt": prompt, "completion": completion}]), chat_tokenizer, seq_len=64
+    )[0]
+    trained = [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE_INDEX]
+    assert chat_tokenizer.decode(trained) == "Hello there.<|endoftext|>\n"
+
+
+def test_messages_without_a_chat_template_is_one_clear_error(tokenizer):
+    rows = Dataset.from_list(
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    )
+    with pytest.raises(DataError, match="has no chat template, so 'messages' rows cannot be formatted"):
+        tokenize_dataset(rows, tokenizer, seq_len=64)
+
+
+def test_streamed_files_give_the_rows_of_the_loaded_ones(tmp_path, tokenizer):
+    from datasets import IterableDataset
+
+    path = _write_jsonl(tmp_path / "a.jsonl", ALPACA * 3)
+    streamed = load_text_dataset(path, streaming=True)
+    assert isinstance(streamed, IterableDataset)
+    assert list(streamed) == list(load_text_dataset(path))
+    text = load_text_dataset("embedded", split="eval", streaming=True)
+    assert isinstance(text, IterableDataset) and next(iter(text))["text"]
+    got = tokenize_dataset(streamed, tokenizer, seq_len=128, packing=True)
+    want = tokenize_dataset(load_text_dataset(path), tokenizer, seq_len=128, packing=True)
+    assert list(got) == list(want)
+    # the profiler's batches unpack packed rows into their examples, padded with an attention mask
+    batches = list(profile_batches(got, make_collator(tokenizer), 4))
+    assert sum(b["input_ids"].shape[0] for b in batches) == len(ALPACA) * 3
+    assert all(b["attention_mask"] is not None for b in batches)
