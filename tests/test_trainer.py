@@ -722,3 +722,23 @@ def test_seq_len_above_the_models_positions_is_one_line_error(tiny_olmoe_dir, da
         ValueError, match=f"seq_len={limit + 1} exceeds the model's max_position_embeddings={limit}"
     ):
         OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=data[1])
+
+
+def test_train_streams_a_jsonl_file_and_needs_max_steps(tiny_olmoe_dir, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in INSTRUCTIONS))
+    with pytest.raises(ValueError, match="streaming=True reads the data as it goes.*set max_steps"):
+        make_config(tmp_path, streaming=True, max_steps=-1)
+    cfg = make_config(
+        tmp_path / "out",
+        model_name_or_path=tiny_olmoe_dir,
+        dataset=str(path),
+        streaming=True,
+        seq_len=128,
+        max_steps=2,
+    )
+    trainer, metrics = train(cfg)
+    from datasets import IterableDataset
+
+    assert isinstance(trainer.train_dataset, IterableDataset) and metrics["train_loss"] > 0
+    assert os.path.isfile(tmp_path / "out" / "config.json")

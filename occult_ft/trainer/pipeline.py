@@ -26,7 +26,9 @@ def load_run_dataset(
 
     if source == "embedded" and split is None:
         split = "eval" if evaluation else "train"
-    dataset = load_text_dataset(source, split=split, text_field=config.text_field)
+    dataset = load_text_dataset(
+        source, split=split, text_field=config.text_field, streaming=config.streaming and not evaluation
+    )
     if tokenizer is None:
         raise ValueError(
             f"model {config.model_name_or_path!r} has no tokenizer; save one beside the model (tokenizer.save_pretrained)"
