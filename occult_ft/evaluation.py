@@ -1,7 +1,8 @@
 """Held-out evaluation: loss, perplexity and routing metrics of a (pruned) MoE model on data.
 
-Used by `occult-ft eval`, the demo and the quality study. `eval_batches` turns a data source into
-padded batches with labels (through `occult_ft.data`); `evaluate_model` runs the model over them with its routers recording.
+Used by `occult-ft eval`, the demo and the quality study. `data_batches` turns a data source into
+padded batches with labels (`occult_ft.data.make_batches`); `evaluate_model` runs the model over
+them with its routers recording.
 """
 
 from __future__ import annotations

@@ -173,7 +173,16 @@ def parse_config(argv: list[str]):
     recipe, rest = _split_recipe(argv)
     if recipe is not None:
         parser.set_defaults(**_load_recipe(recipe, parser))
-    config, remaining = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
+    try:
+        config, remaining = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
+    except ImportError as err:  # TrainingArguments imports deepspeed itself when --deepspeed is set
+        import importlib.util
+
+        if "deepspeed" in str(err).lower() and importlib.util.find_spec("deepspeed") is None:
+            raise ImportError(
+                "--deepspeed needs deepspeed, which is not installed: pip install 'occult-ft[deepspeed]'"
+            ) from None
+        raise
     if remaining:
         flag = next((t for t in remaining if t.startswith("-")), remaining[0])
         name = flag.lstrip("-").split("=", 1)[0].replace("-", "_")
