@@ -742,3 +742,17 @@ def test_train_streams_a_jsonl_file_and_needs_max_steps(tiny_olmoe_dir, tmp_path
 
     assert isinstance(trainer.train_dataset, IterableDataset) and metrics["train_loss"] > 0
     assert os.path.isfile(tmp_path / "out" / "config.json")
+
+
+def test_long_phases_are_announced_only_while_progress_bars_are_on(tmp_path, capsys, monkeypatch):
+    from occult_ft.trainer.pipeline import _announcer
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    loud, quiet = make_config(tmp_path, disable_tqdm=False), make_config(tmp_path, disable_tqdm=True)
+    _announcer(loud)("loading the model 'x'")
+    _announcer(quiet)("silent")
+    assert capsys.readouterr().err == "occult-ft train: loading the model 'x' ...\n"
+    monkeypatch.setenv("LOCAL_RANK", "1")  # other processes of a launch stay quiet
+    _announcer(loud)("not rank 0")
+    assert capsys.readouterr().err == ""

@@ -68,10 +68,7 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
             config.eval_dataset, config.eval_dataset_split, tokenizer, config, evaluation=True
         )
     if config.placement == "auto" or config.criterion == "similarity":
-        say(
-            f"placing and pruning the experts (profiles up to {config.profile_tokens} training tokens "
-            "unless the model or the checkpoint being resumed is already placed)"
-        )
+        say(f"placing and pruning the experts (profiling up to {config.profile_tokens} training tokens)")
     trainer = OccultTrainer(
         model=model,
         args=config,
