@@ -468,6 +468,8 @@ def test_messages_train_every_assistant_reply_and_nothing_else(tmp_path, chat_to
             current = []
     spans += [chat_tokenizer.decode(current)] if current else []
     assert spans == ["5<|endoftext|>\n", "8<|endoftext|>\n"]
+    full = tokenize_dataset(ds, chat_tokenizer, seq_len=128, response_only=False)[0]
+    assert full["input_ids"] == row["input_ids"] and full["labels"][:n] == full["input_ids"][:n]
 
 
 def test_conversational_prompt_completion_trains_the_completion(chat_tokenizer):

@@ -109,6 +109,9 @@ def _chat_example(tokenizer, prompt: list[dict], completion: list[dict] | None, 
     otherwise only `completion` is (TRL's conversational prompt-completion rows)."""
     turns = list(prompt) + list(completion or [])
     full = _render(tokenizer, turns, generation_prompt=False)
+    if not response_only:
+        ids = tokenizer(full, add_special_tokens=False, verbose=False)["input_ids"]
+        return ids, list(ids)
     spans = []  # character spans of trained text
     starts = range(len(prompt), len(turns)) if completion is not None else range(len(turns))
     for i in starts:
@@ -120,8 +123,6 @@ def _chat_example(tokenizer, prompt: list[dict], completion: list[dict] | None, 
             raise DataError(
                 f"the chat template renders turn {i} ({turns[i].get('role')!r}) differently once later turns "
                 "follow, so its reply cannot be located for response-only loss; pass response_only=False"
-                if response_only
-                else "the chat template renders earlier turns differently once later turns follow"
             )
         spans.append((len(before), len(through)))
         if completion is not None:
