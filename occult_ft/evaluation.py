@@ -1,9 +1,9 @@
 """Held-out evaluation: loss, perplexity and routing metrics of a (pruned) MoE model on data.
 
 Used by `occult-ft eval`, the demo and the quality study. `data_batches` turns a data source into
-padded batches with labels; `evaluate_model` runs the model over them with its routers recording;
-`measure_checkpoint` loads a saved checkpoint and measures its own routing as a `RoutingReport` (the
-model card's comm_complexity figure draws it).
+padded batches with labels (`occult_ft.data.make_batches`); `evaluate_model` runs the model over
+them with its routers recording; `measure_checkpoint` loads a saved checkpoint and measures its own
+routing as a `RoutingReport` (the model card's comm_complexity figure draws it).
 """
 
 from __future__ import annotations
@@ -28,28 +28,15 @@ def data_batches(
     tokenizer, data, seq_len: int, batch_size: int, max_tokens: int | None = None, response_only: bool = True
 ) -> list[dict]:
     """Tokenised `data` (a --data value or a loaded dataset) as padded batches of `input_ids`,
-    `attention_mask` and `labels` (-100 on padding, and on prompts of instruction rows); enough rows
-    for `max_tokens` real (unpadded) tokens. `response_only=False` keeps instruction prompts in the
-    labels (and keeps rows whose prompt fills `seq_len`): for routing statistics every token counts."""
-    from .data import DataError, make_collator, tokenize_dataset
+    `attention_mask` and `labels` (`occult_ft.data.make_batches`); enough rows for `max_tokens` real
+    (unpadded) tokens. `response_only=False` keeps instruction prompts in the labels (and keeps rows
+    whose prompt fills `seq_len`): for routing statistics every token counts."""
+    from .data import DataError, make_batches
 
     if tokenizer is None:
         raise DataError("the model has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
     ds = load_data(data) if isinstance(data, str) else data
-    ds = tokenize_dataset(ds, tokenizer, seq_len=seq_len, response_only=response_only)
-    if len(ds) == 0:
-        raise DataError(
-            f"data {data if isinstance(data, str) else 'set'!r} gave no tokens; check the file is not empty"
-        )
-    collate = make_collator(tokenizer)
-    batches, tokens = [], 0
-    for start in range(0, len(ds), batch_size):  # real (unpadded) tokens count towards max_tokens
-        if max_tokens is not None and tokens >= max_tokens:
-            break
-        batch = collate([ds[j] for j in range(start, min(start + batch_size, len(ds)))])
-        batches.append(batch)
-        tokens += int(batch["attention_mask"].sum())
-    return batches
+    return make_batches(tokenizer, ds, seq_len, batch_size, max_tokens, response_only)
 
 
 def evaluate_model(model, batches, num_devices: int | None = None, max_tokens: int | None = None) -> dict:

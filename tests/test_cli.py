@@ -516,3 +516,94 @@ def test_convert_command_writes_a_checkpoint_that_loads(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "ds"), "--out", str(tmp_path / "q")]) == 2  # exists, not empty
     assert "already exists" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "ds"), "--out", str(tmp_path / "q"), "--overwrite"]) == 0
+
+
+# ---- train: shipped recipes, optional extras, progress -------------------------------------------
+def test_train_finds_a_shipped_recipe_by_name_or_recipes_path_from_anywhere(tmp_path, monkeypatch, capsys):
+    from occult_ft.commands.train import parse_config, shipped_recipes
+
+    assert {"tiny", "olmoe-1b-7b", "mixtral-8x7b"} <= set(
+        shipped_recipes()
+    ) and "models" not in shipped_recipes()
+    monkeypatch.chdir(tmp_path)  # no recipes/ here: both forms fall back to the shipped files
+    by_name = parse_config(["tiny", "--max_steps", "3"])
+    by_path = parse_config(["recipes/tiny.yaml", "--max_steps", "3"])
+    assert by_name.model_name_or_path == by_path.model_name_or_path == "embedded"
+    assert by_name.seq_len == by_path.seq_len == 128 and by_name.max_steps == by_path.max_steps == 3
+    assert run_cli("train", "tinyy") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "did you mean 'tiny'?" in err and "shipped: " in err
+
+
+def test_train_shows_progress_bars_unless_told_not_to():
+    from occult_ft.commands.train import parse_config
+
+    base = ["--model_name_or_path", "embedded", "--dataset", "embedded", "--use_cpu", "true"]
+    assert parse_config(base).disable_tqdm is False
+    assert parse_config(base + ["--disable_tqdm", "true"]).disable_tqdm is True
+
+
+def test_a_missing_extra_is_one_line_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a)
+    )
+    # the model path does not exist: the error must come before anything tries to load it
+    missing = tmp_path / "no-model"
+    code = run_cli(
+        "train",
+        "--model_name_or_path",
+        missing,
+        "--dataset",
+        "embedded",
+        "--train_mode",
+        "lora",
+        "--output_dir",
+        tmp_path / "out",
+        "--use_cpu",
+        "true",
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.splitlines() == [
+        "occult-ft train: error: train_mode=lora needs peft, which is not installed: pip install 'occult-ft[peft]'"
+    ]
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_recipes(tmp_path):
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(os.path.join(root, name), src / name)
+    for name in ("occult_ft", "recipes"):
+        shutil.copytree(os.path.join(root, name), src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(src),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    import zipfile
+
+    (wheel,) = tmp_path.glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {
+        f"occult_ft/recipes/{n}" for n in os.listdir(os.path.join(root, "recipes")) if n.endswith(".yaml")
+    }
+    assert "occult_ft/recipes/tiny.yaml" in shipped and shipped <= names
+    assert "occult_ft/data/tokenize.py" in names

@@ -15,9 +15,14 @@ from occult_ft.data import (
     IGNORE_INDEX,
     DataError,
     format_prompt,
+    iter_batches,
     load_text_dataset,
     make_collator,
+    pack_examples,
+    padding_share,
+    profile_batches,
     tokenize_dataset,
+    unpack_row,
 )
 from occult_ft.embedded import embedded_data_path, embedded_model_path
 
@@ -261,8 +266,6 @@ def test_unpacked_text_is_padded(tokenizer):
 def test_tokenize_errors(tokenizer):
     with pytest.raises(DataError, match="shorter than one block of seq_len=512"):
         tokenize_dataset(Dataset.from_dict({"text": ["tiny"]}), tokenizer, seq_len=512)
-    with pytest.raises(DataError, match="packing=True is not supported for instruction rows"):
-        tokenize_dataset(Dataset.from_list(ALPACA), tokenizer, seq_len=64, packing=True)
     with pytest.raises(DataError, match=r"found \['question'\]"):
         tokenize_dataset(Dataset.from_dict({"question": ["q"]}), tokenizer, seq_len=64)
     with pytest.raises(DataError, match="seq_len=1 is too short"):
@@ -278,3 +281,228 @@ def test_collator_pads_to_longest(tokenizer):
     assert batch["labels"].tolist() == [[5, 6, 7], [8, IGNORE_INDEX, IGNORE_INDEX]]
     assert batch["input_ids"].dtype == torch.long
     assert make_collator(tokenizer, pad_to_multiple_of=4)([{"input_ids": [1]}])["input_ids"].shape == (1, 4)
+
+
+# ---- packing of example rows -----------------------------------------------------------------------
+def _example(tokenizer, row):
+    prompt = tokenizer(format_prompt(row["instruction"], row["input"]), add_special_tokens=False)["input_ids"]
+    response = tokenizer(row["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt, response
+
+
+def test_best_fit_decreasing_fills_bins():
+    # lengths 6 5 4 3 2 into bins of 8: 6 opens bin 0, 5 opens bin 1, 4 opens bin 2, 3 fits bin 1 (room 3,
+    # the tightest), 2 fits bin 0 (room 2) -> [6+2, 5+3, 4]
+    assert pack_examples([4, 6, 2, 5, 3], 8) == [[1, 2], [3, 4], [0]]
+    assert pack_examples([], 8) == []
+    with pytest.raises(DataError, match="does not fit seq_len=4"):
+        pack_examples([5], 4)
+
+
+def test_packed_instruction_rows_restart_positions_and_keep_response_only_labels(tokenizer):
+    ds = tokenize_dataset(Dataset.from_list(ALPACA), tokenizer, seq_len=128, packing=True)
+    assert len(ds) == 1  # both examples (well under 64 tokens each) share one row
+    row = ds[0]
+    assert "attention_mask" not in row and len(row["input_ids"]) == len(row["labels"]) == len(
+        row["position_ids"]
+    )
+    (p0, r0), (p1, r1) = (_example(tokenizer, r) for r in ALPACA)
+    # best-fit decreasing puts the longer example first
+    first, second = ((p0, r0), (p1, r1)) if len(p0 + r0) >= len(p1 + r1) else ((p1, r1), (p0, r0))
+    assert row["input_ids"] == first[0] + first[1] + second[0] + second[1]
+    assert row["position_ids"] == list(range(len(first[0] + first[1]))) + list(
+        range(len(second[0] + second[1]))
+    )
+    masked = [IGNORE_INDEX]
+    assert row["labels"] == (masked * len(first[0]) + first[1] + masked * len(second[0]) + second[1])
+    assert [e["input_ids"] for e in unpack_row(row)] == [first[0] + first[1], second[0] + second[1]]
+
+
+def test_packed_example_starts_are_never_predicted(tokenizer):
+    # without response_only, the first label of every packed example is -100: the previous example's
+    # last token (its eos) must not learn to predict the next example's first token
+    ds = tokenize_dataset(
+        Dataset.from_list(ALPACA), tokenizer, seq_len=128, packing=True, response_only=False
+    )
+    row = ds[0]
+    starts = [i for i, p in enumerate(row["position_ids"]) if p == 0]
+    assert len(starts) == 2
+    assert all(row["labels"][i] == IGNORE_INDEX for i in starts)
+    others = [i for i in range(len(row["labels"])) if i not in starts]
+    assert all(row["labels"][i] == row["input_ids"][i] for i in others)
+
+
+def test_packed_collator_pads_rows_and_marks_real_tokens(tokenizer):
+    collate = make_collator(tokenizer)
+    rows = [
+        {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, -100, 8], "position_ids": [0, 1, 0, 1]},
+        {"input_ids": [9, 10], "labels": [-100, 10], "position_ids": [0, 1]},
+    ]
+    batch = collate(rows)
+    pad = tokenizer.pad_token_id
+    assert "attention_mask" not in batch
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [9, 10, pad, pad]]
+    assert batch["labels"].tolist() == [[-100, 6, -100, 8], [-100, 10, -100, -100]]
+    # padding continues the last example's positions (no later token exists to see it)
+    assert batch["position_ids"].tolist() == [[0, 1, 0, 1], [0, 1, 2, 3]]
+    assert batch["token_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert padding_share(batch) == 2 / 8
+    flat = make_collator(tokenizer, flatten=True)(rows)
+    assert flat["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10]]
+    assert flat["position_ids"].tolist() == [[0, 1, 0, 1, 0, 1]]
+    assert padding_share(flat) == 0.0
+
+
+@pytest.mark.parametrize("model_type", ["olmoe", "mixtral"])
+@pytest.mark.parametrize("attn, flatten", [("sdpa", False), ("eager", False), ("sdpa", True)])
+def test_a_packed_batch_gives_the_per_token_losses_of_separate_examples(model_type, attn, flatten):
+    from conftest import build_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft.models import tiny_config
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    cfg = tiny_config(model_type, vocab_size=len(tok))
+    cfg._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    rows = [
+        {"instruction": "Add the numbers.", "input": "2 and 3", "output": "The sum is 5."},
+        {"instruction": "Say hello.", "input": "", "output": "Hello there, friend of the river."},
+        {"instruction": "Name a fox.", "input": "", "output": "The quick brown fox."},
+    ]
+    # 83, 77 and 65 tokens: best-fit decreasing packs [83 + 77] and [65] (the second row padded by 95)
+    packed = tokenize_dataset(Dataset.from_list(rows), tok, seq_len=160, packing=True)
+    single = tokenize_dataset(Dataset.from_list(rows), tok, seq_len=160, packing=False)
+
+    def token_losses(batch, **extra):
+        with torch.no_grad():
+            logits = model(**batch, **extra).logits.float()
+        # logits at t predict labels at t + 1; a -100 label gives loss 0 (reduction none)
+        losses = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), reduction="none"
+        )
+        keep = batch["labels"][:, 1:].flatten() != IGNORE_INDEX
+        return losses[keep]
+
+    batch = make_collator(tok, flatten=flatten)(list(packed))
+    assert batch["input_ids"].shape[0] == (1 if flatten else len(packed)) and len(packed) < len(rows)
+    batch.pop("token_mask")
+    got = token_losses(batch, use_cache=False)
+    # reference: each example alone, padded; tokens in packing order (unpack_row gives it)
+    order = [e["input_ids"] for row in packed for e in unpack_row(row)]
+    by_ids = {tuple(r["input_ids"][: sum(r["attention_mask"])]): r for r in single}
+    want = torch.cat([token_losses(make_collator(tok)([by_ids[tuple(ids)]])) for ids in order])
+    assert got.shape == want.shape and got.numel() == 14 + 34 + 21  # every response token
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # and the packing matters: with attention across the examples the later ones' losses change
+    crossed = token_losses({"input_ids": batch["input_ids"], "labels": batch["labels"]}, use_cache=False)
+    assert not torch.allclose(crossed, want, atol=1e-3)
+
+
+def test_instruction_packing_cuts_padding_on_alpaca_shaped_data(tokenizer):
+    # the shipped 420 Alpaca-style rows at seq_len 512, micro-batches of 8: one example per row pads
+    # ~73% of the positions; packed rows pad under 5%
+    ds = load_text_dataset("embedded", split="instructions")
+
+    def share(tokenized):
+        masks = [
+            b.get("token_mask", b.get("attention_mask"))
+            for b in iter_batches(tokenized, make_collator(tokenizer), 8)
+        ]
+        return sum(int((m == 0).sum()) for m in masks) / sum(m.numel() for m in masks)
+
+    assert share(tokenize_dataset(ds, tokenizer, 512, packing=False)) > 0.6
+    assert share(tokenize_dataset(ds, tokenizer, 512, packing=True)) <= 0.05
+
+
+# ---- the shapes TRL users have: prompt / completion, messages, streaming -----------------------------
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture()
+def chat_tokenizer(tokenizer):
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def test_prompt_completion_strings_are_encoded_like_instruction_rows(tmp_path, tokenizer):
+    rows = [
+        {"prompt": format_prompt(r["instruction"], r["input"]), "completion": r["output"]} for r in ALPACA
+    ]
+    ds = load_text_dataset(_write_jsonl(tmp_path / "pc.jsonl", rows))
+    assert ds.column_names == ["prompt", "completion"]
+    got = tokenize_dataset(ds, tokenizer, seq_len=64)
+    want = tokenize_dataset(Dataset.from_list(ALPACA), tokenizer, seq_len=64)
+    assert got["input_ids"] == want["input_ids"] and got["labels"] == want["labels"]
+
+
+def test_messages_train_every_assistant_reply_and_nothing_else(tmp_path, chat_tokenizer):
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add 2 and 3."},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "And 4 and 4?"},
+        {"role": "assistant", "content": "8"},
+    ]
+    ds = load_text_dataset(_write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat, "id": 1}]))
+    assert ds.column_names == ["messages"]
+    row = tokenize_dataset(ds, chat_tokenizer, seq_len=128)[0]
+    n = sum(row["attention_mask"])
+    text = chat_tokenizer.apply_chat_template(chat, tokenize=False)
+    assert chat_tokenizer.decode(row["input_ids"][:n]) == text
+    # the trained spans are the two replies as the template writes each assistant turn: content, the
+    # end-of-turn token and the newline after it
+    trained, spans, current = row["labels"][:n], [], []
+    for t, label in zip(row["input_ids"][:n], trained):
+        if label != IGNORE_INDEX:
+            current.append(t)
+        elif current:
+            spans.append(chat_tokenizer.decode(current))
+            current = []
+    spans += [chat_tokenizer.decode(current)] if current else []
+    assert spans == ["5<|endoftext|>\n", "8<|endoftext|>\n"]
+    full = tokenize_dataset(ds, chat_tokenizer, seq_len=128, response_only=False)[0]
+    assert full["input_ids"] == row["input_ids"] and full["labels"][:n] == full["input_ids"][:n]
+
+
+def test_conversational_prompt_completion_trains_the_completion(chat_tokenizer):
+    prompt = [{"role": "user", "content": "Say hello."}]
+    completion = [{"role": "assistant", "content": "Hello there."}]
+    row = tokenize_dataset(
+        Dataset.from_list([{"prompt": prompt, "completion": completion}]), chat_tokenizer, seq_len=64
+    )[0]
+    trained = [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE_INDEX]
+    assert chat_tokenizer.decode(trained) == "Hello there.<|endoftext|>\n"
+
+
+def test_messages_without_a_chat_template_is_one_clear_error(tokenizer):
+    rows = Dataset.from_list(
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    )
+    with pytest.raises(DataError, match="has no chat template, so 'messages' rows cannot be formatted"):
+        tokenize_dataset(rows, tokenizer, seq_len=64)
+
+
+def test_streamed_files_give_the_rows_of_the_loaded_ones(tmp_path, tokenizer):
+    from datasets import IterableDataset
+
+    path = _write_jsonl(tmp_path / "a.jsonl", ALPACA * 3)
+    streamed = load_text_dataset(path, streaming=True)
+    assert isinstance(streamed, IterableDataset)
+    assert list(streamed) == list(load_text_dataset(path))
+    text = load_text_dataset("embedded", split="eval", streaming=True)
+    assert isinstance(text, IterableDataset) and next(iter(text))["text"]
+    got = tokenize_dataset(streamed, tokenizer, seq_len=128, packing=True)
+    want = tokenize_dataset(load_text_dataset(path), tokenizer, seq_len=128, packing=True)
+    assert list(got) == list(want)
+    # the profiler's batches unpack packed rows into their examples, padded with an attention mask
+    batches = list(profile_batches(got, make_collator(tokenizer), 4))
+    assert sum(b["input_ids"].shape[0] for b in batches) == len(ALPACA) * 3
+    assert all(b["attention_mask"] is not None for b in batches)

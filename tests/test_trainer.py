@@ -700,3 +700,131 @@ def test_training_a_pruned_checkpoint_keeps_its_budget(tiny_olmoe_dir, data, tmp
     assert trainer.occult.pruning.max_devices_per_token == 1
     assert again.max_devices_per_token is None  # the run's config is not rewritten behind the user's back
     assert all(e["max_token_devices"] == 1 for e in train_logs(trainer))
+
+
+# ---- data plumbing: packed instruction rows, streaming, chat rows, seq_len -----------------------------------------
+INSTRUCTIONS = [  # 59, 64 and 59 tokens with the tiny tokenizer
+    {"instruction": "Add 2 and 3.", "input": "", "output": "The sum is 5."},
+    {"instruction": "Say hello.", "input": "", "output": "Hello there, friend."},
+    {"instruction": "Name a fox.", "input": "", "output": "The quick fox."},
+] * 4
+
+
+def test_instruction_rows_train_packed_with_the_loss_of_unpacked_rows_and_log_padding_share(
+    tiny_olmoe_dir, tiny_tokenizer, tmp_path
+):
+    from datasets import Dataset
+
+    from occult_ft.data import make_collator, tokenize_dataset, unpack_row
+
+    rows = Dataset.from_list(INSTRUCTIONS)
+    cfg = make_config(tmp_path, seq_len=128, max_steps=2, placement="sequential", criterion="score")
+    trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=rows, processing_class=tiny_tokenizer)
+    packed = trainer.train_dataset
+    # 12 examples: the four of 64 tokens fill two rows of 128, the eight of 59 go two per row (118)
+    assert "position_ids" in packed.column_names
+    assert sorted(len(r) for r in packed["input_ids"]) == [118, 118, 118, 118, 128, 128]
+    # the trainer's loss on a packed batch is the mean over the same response tokens as on the unpacked
+    # examples (each padded alone): the examples do not see each other, whatever the model's use_cache
+    model = trainer.model.eval()
+    batch = trainer.data_collator([packed[i] for i in range(len(packed))])
+    examples = [e for i in range(len(packed)) for e in unpack_row(packed[i])]
+    unpacked = make_collator(tiny_tokenizer)(examples)
+    assert unpack_row(packed[0])[0]["labels"][0] == -100
+    with torch.no_grad():
+        got = trainer.compute_loss(model, batch)
+        want = trainer.compute_loss(model, unpacked)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # padding_share = padded / positions: both batches hold 64 * 4 + 59 * 8 = 728 real tokens in
+    # 6 x 128 = 12 x 64 = 768 positions, so 40 + 40 padded of 1536
+    summary = trainer._meters["eval"].summary()
+    assert summary["padding_share"] == pytest.approx(80 / 1536)
+    model.train()
+    trainer.train()
+    logs = train_logs(trainer)
+    # a micro-batch of 4 packed rows pads at most 4 x 10 of 512 positions
+    assert len(logs) == 2 and all(0.0 <= e["padding_share"] <= 40 / 512 for e in logs)
+    unpacked_rows = tokenize_dataset(rows, tiny_tokenizer, seq_len=128, packing=False)
+    assert len(unpacked_rows) == 12 and "attention_mask" in unpacked_rows.column_names
+
+
+def test_a_streamed_dataset_trains(tiny_olmoe_dir, tiny_tokenizer, tmp_path):
+    from datasets import Dataset
+
+    rows = Dataset.from_list(INSTRUCTIONS).to_iterable_dataset()
+    cfg = make_config(tmp_path, seq_len=128, max_steps=2, per_device_train_batch_size=2)
+    trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=rows, processing_class=tiny_tokenizer)
+    trainer.train()  # placement=auto profiled the stream too
+    assert len(train_logs(trainer)) == 2 and "padding_share" in train_logs(trainer)[0]
+
+
+def test_messages_rows_need_a_chat_template_and_train_with_one(tiny_olmoe_dir, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    chat = [
+        {"role": "user", "content": "Add the numbers 2 and 3."},
+        {"role": "assistant", "content": "The sum is 5."},
+    ]
+    rows = Dataset.from_list([{"messages": chat}] * 4)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_olmoe_dir)
+    cfg = make_config(tmp_path, seq_len=128, max_steps=1, placement="sequential", criterion="score")
+    with pytest.raises(ValueError, match="has no chat template, so 'messages' rows cannot be formatted"):
+        OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=rows, processing_class=tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    trainer = OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=rows, processing_class=tokenizer)
+    from occult_ft.data import unpack_row
+
+    row = unpack_row(trainer.train_dataset[0])[0]  # packed: two conversations per row
+    trained = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
+    # the trained tokens are the assistant's reply as the template writes it, end-of-turn included
+    assert tokenizer.decode(trained) == "The sum is 5.</s>"
+    trainer.train()
+
+
+def test_seq_len_above_the_models_positions_is_one_line_error(tiny_olmoe_dir, data, tmp_path):
+    from transformers import AutoConfig
+
+    limit = AutoConfig.from_pretrained(tiny_olmoe_dir).max_position_embeddings
+    cfg = make_config(tmp_path, seq_len=limit + 1)
+    with pytest.raises(
+        ValueError, match=f"seq_len={limit + 1} exceeds the model's max_position_embeddings={limit}"
+    ):
+        OccultTrainer(tiny_olmoe_dir, args=cfg, train_dataset=data[1])
+
+
+def test_train_streams_a_jsonl_file_and_needs_max_steps(tiny_olmoe_dir, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in INSTRUCTIONS))
+    with pytest.raises(ValueError, match="streaming=True reads the data as it goes.*set max_steps"):
+        make_config(tmp_path, streaming=True, max_steps=-1)
+    cfg = make_config(
+        tmp_path / "out",
+        model_name_or_path=tiny_olmoe_dir,
+        dataset=str(path),
+        streaming=True,
+        seq_len=128,
+        max_steps=2,
+    )
+    trainer, metrics = train(cfg)
+    from datasets import IterableDataset
+
+    assert isinstance(trainer.train_dataset, IterableDataset) and metrics["train_loss"] > 0
+    assert os.path.isfile(tmp_path / "out" / "config.json")
+
+
+def test_long_phases_are_announced_only_while_progress_bars_are_on(tmp_path, capsys, monkeypatch):
+    from occult_ft.trainer.pipeline import _announcer
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    loud, quiet = make_config(tmp_path, disable_tqdm=False), make_config(tmp_path, disable_tqdm=True)
+    _announcer(loud)("loading the model 'x'")
+    _announcer(quiet)("silent")
+    assert capsys.readouterr().err == "occult-ft train: loading the model 'x' ...\n"
+    monkeypatch.setenv("LOCAL_RANK", "1")  # other processes of a launch stay quiet
+    _announcer(loud)("not rank 0")
+    assert capsys.readouterr().err == ""

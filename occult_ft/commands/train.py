@@ -1,8 +1,11 @@
-"""`occult-ft train [RECIPE.yaml] [--field value ...]`: Occult fine-tuning from a recipe and/or flags.
+"""`occult-ft train [RECIPE] [--field value ...]`: Occult fine-tuning from a recipe and/or flags.
 
 Every `OccultConfig` field (the Occult fields and all of `transformers.TrainingArguments`) can be set in
 the YAML recipe and on the command line; command-line values win. `occult-ft train --help` lists them.
+RECIPE is a YAML file or the name of a shipped recipe (`tiny`, `olmoe-1b-7b`, ...: the files of the
+repository's `recipes/`, installed with the package as `occult_ft/recipes/`).
 
+    occult-ft train tiny
     occult-ft train recipes/olmoe-1b-7b.yaml --learning_rate 1e-5 --max_steps 200
     occult-ft train --model_name_or_path embedded --dataset embedded --max_devices_per_token 2
 
@@ -20,10 +23,11 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+from pathlib import Path
 
 from ._common import standalone
 
-__all__ = ["add_parser", "run", "parse_config", "main"]
+__all__ = ["add_parser", "run", "parse_config", "main", "shipped_recipes", "find_recipe", "missing_extras"]
 
 _RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -71,17 +75,49 @@ def _unknown(name: str, names: list[str], where: str) -> ValueError:
     return ValueError(f"unknown field {name!r} {where}{hint}")
 
 
+def shipped_recipes() -> dict[str, Path]:
+    """Recipe name -> file of the shipped recipes: `occult_ft/recipes/` in an installed package, the
+    repository's `recipes/` in a checkout (`models.yaml` is the model-facts table, not a recipe)."""
+    package = Path(__file__).resolve().parents[1]
+    for folder in (package / "recipes", package.parent / "recipes"):
+        found = {p.stem: p for p in sorted(folder.glob("*.yaml")) if p.stem != "models"}
+        if found:
+            return found
+    return {}
+
+
+def find_recipe(token: str) -> str | None:
+    """The recipe file `token` names: an existing file, a shipped recipe's name (`tiny`), or a missing
+    `recipes/NAME.yaml` path (run outside the repository) that a shipped recipe answers; else None."""
+    if os.path.isfile(token):
+        return token
+    shipped = shipped_recipes()
+    if token in shipped:
+        return str(shipped[token])
+    path = Path(token)
+    if path.suffix.lower() in (".yaml", ".yml") and path.parent.name == "recipes" and path.stem in shipped:
+        return str(shipped[path.stem])
+    return None
+
+
 def _split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
-    """The recipe path (first positional, after any launcher-inserted --local_rank) and the rest."""
+    """The recipe (first positional, after any launcher-inserted --local_rank) and the rest."""
     rest = list(argv)
     for i, token in enumerate(rest):
         if token.startswith(("--local_rank", "--local-rank")):
             continue
         if not token.startswith("-"):
-            if token.lower().endswith(_RECIPE_SUFFIXES) or os.path.isfile(token):
-                return token, rest[:i] + rest[i + 1 :]
+            found = find_recipe(token)
+            if found is not None:
+                return found, rest[:i] + rest[i + 1 :]
+            if token.lower().endswith(_RECIPE_SUFFIXES):
+                return token, rest[:i] + rest[i + 1 :]  # _load_recipe names the missing file
+            names = sorted(shipped_recipes())
+            close = difflib.get_close_matches(token, names, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
             raise ValueError(
-                f"{token!r} is not a recipe (.yaml/.yml/.json file); fields are given as --field value"
+                f"{token!r} is neither a recipe file (.yaml/.yml/.json) nor a shipped recipe; {hint}shipped: "
+                f"{', '.join(names) or 'none'}; fields are given as --field value"
             )
         break
     return None, rest
@@ -91,7 +127,10 @@ def _load_recipe(path: str, parser) -> dict:
     import yaml
 
     if not os.path.isfile(path):
-        raise ValueError(f"recipe {path!r} does not exist; pass a YAML file of OccultConfig fields")
+        raise ValueError(
+            f"recipe {path!r} does not exist; pass a YAML file of OccultConfig fields or a shipped recipe "
+            f"name ({', '.join(sorted(shipped_recipes()))})"
+        )
     with open(path, encoding="utf-8") as f:
         try:
             data = yaml.safe_load(f) or {}
@@ -130,15 +169,41 @@ def parse_config(argv: list[str]):
     if any(token in ("-h", "--help") for token in argv):
         parser.print_help()
         return None
+    parser.set_defaults(disable_tqdm=False)  # progress bars by default (the CLI quiets library logging)
     recipe, rest = _split_recipe(argv)
     if recipe is not None:
         parser.set_defaults(**_load_recipe(recipe, parser))
-    config, remaining = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
+    try:
+        config, remaining = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
+    except ImportError as err:  # TrainingArguments imports deepspeed itself when --deepspeed is set
+        import importlib.util
+
+        if "deepspeed" in str(err).lower() and importlib.util.find_spec("deepspeed") is None:
+            raise ImportError(
+                "--deepspeed needs deepspeed, which is not installed: pip install 'occult-ft[deepspeed]'"
+            ) from None
+        raise
     if remaining:
         flag = next((t for t in remaining if t.startswith("-")), remaining[0])
         name = flag.lstrip("-").split("=", 1)[0].replace("-", "_")
         raise _unknown(name, _field_names(parser), "on the command line")
     return config
+
+
+def missing_extras(config) -> list[str]:
+    """One line per optional dependency `config` needs but this install lacks (checked before any model loads)."""
+    import importlib.util
+
+    needs = []
+    if config.train_mode == "lora":
+        needs.append(("peft", "peft", "train_mode=lora"))
+    if config.deepspeed:
+        needs.append(("deepspeed", "deepspeed", "--deepspeed"))
+    return [
+        f"{why} needs {module}, which is not installed: pip install 'occult-ft[{extra}]'"
+        for module, extra, why in needs
+        if importlib.util.find_spec(module) is None
+    ]
 
 
 def run(args) -> int:
@@ -147,6 +212,9 @@ def run(args) -> int:
     config = parse_config(list(args.argv))
     if config is None:
         return 0
+    missing = missing_extras(config)
+    if missing:
+        raise ImportError("; ".join(missing))
     finished = False
     try:
         trainer, metrics = train(config)

@@ -48,7 +48,8 @@ class OccultConfig(TrainingArguments):
         model_name_or_path: base model (local directory, Hub id, `embedded`, a pruned checkpoint or a
             LoRA adapter directory written by `OccultTrainer`).
         model_dtype: dtype the weights are loaded in.
-        dataset / dataset_split / text_field: training data, read by `occult_ft.data.load_text_dataset`.
+        dataset / dataset_split / text_field / streaming: training data, read by
+            `occult_ft.data.load_text_dataset`.
         eval_dataset / eval_dataset_split: optional held-out data.
         seq_len / packing / response_only: tokenisation (`occult_ft.data.tokenize_dataset`).
 
@@ -128,10 +129,20 @@ class OccultConfig(TrainingArguments):
     eval_dataset_split: str | None = field(
         default=None, metadata={"help": "Split of `eval_dataset` (for 'embedded' the default is eval)."}
     )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Read `dataset` as a stream (datasets.IterableDataset: Hub ids and .jsonl files are read "
+            "as used); needs max_steps."
+        },
+    )
     seq_len: int = field(default=512, metadata={"help": "Tokens per training example."})
     packing: bool = field(
         default=True,
-        metadata={"help": "Pack plain text into full seq_len blocks (instruction rows are never packed)."},
+        metadata={
+            "help": "Pack examples into rows of seq_len tokens: plain text into full blocks; instruction, "
+            "prompt/completion and messages rows several per row, kept apart in attention."
+        },
     )
     response_only: bool = field(
         default=True, metadata={"help": "Instruction rows: compute the loss on the response tokens only."}
@@ -251,6 +262,10 @@ class OccultConfig(TrainingArguments):
         )
         for name in ("seq_len", "profile_tokens", "lora_r", "expert_parallel_size"):
             positive(name)
+        if self.streaming and self.max_steps <= 0:
+            raise ValueError(
+                "streaming=True reads the data as it goes, so the run length is unknown; set max_steps"
+            )
         if self.seq_len < 2:
             raise ValueError(
                 f"seq_len={self.seq_len} is too short; use at least 2 tokens (typically 128-4096)"

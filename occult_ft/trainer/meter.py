@@ -10,6 +10,7 @@ sums on the model's device (no host sync per step) and turns them into averages 
                         and micro-batches
     max_token_devices   the most devices any token reached (never above `max_devices_per_token`)
     balance_loss        the pruning-aware balance loss, averaged over micro-batches (training only)
+    padding_share       share of the micro-batches' positions that are padding (`occult_ft.data`)
 
 Under several processes the sums are reduced across processes at log time (all ranks log together).
 
@@ -34,10 +35,12 @@ METRIC_NAMES = (
     "load_imbalance",
     "max_token_devices",
     "balance_loss",
+    "padding_share",
 )
 
 # slots of the running-sum vector
-_COMM, _TOKENS, _INTRA, _PAIRS, _REMOVED, _IMB, _IMB_N, _BAL, _BAL_N = range(9)
+_COMM, _TOKENS, _INTRA, _PAIRS, _REMOVED, _IMB, _IMB_N, _BAL, _BAL_N, _PAD, _POSITIONS = range(11)
+_SLOTS = 11
 
 
 class RoutingMeter:
@@ -57,7 +60,7 @@ class RoutingMeter:
 
     def _ensure(self, device) -> None:
         if self._sums is None:
-            self._sums = torch.zeros(9, dtype=torch.float64, device=device)
+            self._sums = torch.zeros(_SLOTS, dtype=torch.float64, device=device)
             self._max = torch.zeros((), dtype=torch.float64, device=device)
 
     @torch.no_grad()
@@ -106,6 +109,13 @@ class RoutingMeter:
         self._sums[_BAL] += value.detach().double()
         self._sums[_BAL_N] += 1
 
+    @torch.no_grad()
+    def add_padding(self, mask_BS: torch.Tensor) -> None:
+        """Add one micro-batch's padding: `mask_BS` is 1 on real tokens, 0 on padding."""
+        self._ensure(mask_BS.device)
+        self._sums[_PAD] += (mask_BS == 0).sum().double()
+        self._sums[_POSITIONS] += mask_BS.numel()
+
     def summary(self, reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None) -> dict[str, float]:
         """Averages since the last reset (then resets).
 
@@ -119,7 +129,7 @@ class RoutingMeter:
         if reduce is not None:
             # every rank must take part in the collective, even one that saw no tokens
             if sums is None:
-                sums = torch.zeros(9, dtype=torch.float64)
+                sums = torch.zeros(_SLOTS, dtype=torch.float64)
                 peak = torch.zeros((), dtype=torch.float64)
             sums, peak = reduce(sums, "sum"), reduce(peak, "max")
         self.reset()
@@ -135,4 +145,6 @@ class RoutingMeter:
             out["max_token_devices"] = float(peak)
         if v[_BAL_N] > 0:
             out["balance_loss"] = v[_BAL] / v[_BAL_N]
+        if v[_POSITIONS] > 0:
+            out["padding_share"] = v[_PAD] / v[_POSITIONS]
         return out

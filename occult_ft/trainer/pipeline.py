@@ -7,8 +7,11 @@ pruning, train mode) -> train (resuming if asked) -> save the final pruned check
 
 from __future__ import annotations
 
+import os
+import sys
+
 from .config import OccultConfig
-from .trainer import OccultTrainer, load_training_model, tokenize_for_training
+from .trainer import OccultTrainer, check_seq_len, load_training_model, tokenize_for_training
 
 __all__ = ["train", "load_run_dataset"]
 
@@ -23,7 +26,9 @@ def load_run_dataset(
 
     if source == "embedded" and split is None:
         split = "eval" if evaluation else "train"
-    dataset = load_text_dataset(source, split=split, text_field=config.text_field)
+    dataset = load_text_dataset(
+        source, split=split, text_field=config.text_field, streaming=config.streaming and not evaluation
+    )
     if tokenizer is None:
         raise ValueError(
             f"model {config.model_name_or_path!r} has no tokenizer; save one beside the model (tokenizer.save_pretrained)"
@@ -48,13 +53,22 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
         raise ValueError(
             "dataset is required: a .txt/.jsonl/.json file, a saved dataset, a Hub id or 'embedded'"
         )
+    say = _announcer(config)
+    say(f"loading the model {config.model_name_or_path!r}")
     model, tokenizer = load_training_model(config.model_name_or_path, config)
+    check_seq_len(model, config.seq_len)
+    say(
+        f"loading and tokenizing {config.dataset!r} (seq_len {config.seq_len}, packing "
+        f"{'on' if config.packing else 'off'})"
+    )
     train_dataset = load_run_dataset(config.dataset, config.dataset_split, tokenizer, config)
     eval_dataset = None
     if config.eval_dataset:
         eval_dataset = load_run_dataset(
             config.eval_dataset, config.eval_dataset_split, tokenizer, config, evaluation=True
         )
+    if config.placement == "auto" or config.criterion == "similarity":
+        say(f"placing and pruning the experts (profiling up to {config.profile_tokens} training tokens)")
     trainer = OccultTrainer(
         model=model,
         args=config,
@@ -63,10 +77,15 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
         processing_class=tokenizer,
         **trainer_kwargs,
     )
+    if config.deepspeed:
+        say("starting DeepSpeed (its first run on a machine builds CUDA ops, which can take minutes)")
+    say("training")
     result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    say(f"saving the pruned model to {config.output_dir}")
     trainer.save_model(config.output_dir)
     metrics = dict(result.metrics)
     if eval_dataset is not None:
+        say(f"evaluating on {config.eval_dataset!r}")
         metrics.update(trainer.evaluate())
     if trainer.is_world_process_zero():
         trainer.save_metrics("all", metrics, combined=False)
@@ -74,3 +93,16 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
     if config.push_to_hub:
         trainer.push_to_hub()  # with the Occult model card (OccultTrainer.create_model_card)
     return trainer, metrics
+
+
+def _announcer(config: OccultConfig):
+    """`say(message)`: one `occult-ft train: ...` line on stderr for each long phase, from the first process
+    only, while progress bars are on (`disable_tqdm` off); silent otherwise."""
+    quiet = bool(config.disable_tqdm) or os.environ.get("LOCAL_RANK", "0") not in ("", "0")
+    quiet = quiet or os.environ.get("RANK", "0") not in ("", "0")
+
+    def say(message: str) -> None:
+        if not quiet:
+            print(f"occult-ft train: {message} ...", file=sys.stderr, flush=True)
+
+    return say

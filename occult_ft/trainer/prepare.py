@@ -21,7 +21,6 @@ pruning config, the similarity tables and each layer's expert -> device map.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,7 @@ from transformers.utils import logging
 
 from ..apply import applied_similarity, apply_occult, placed_similarity, resolve_placement
 from ..checkpoint import model_block, placement_from_block, read_block, read_similarity
+from ..data.batching import profile_batches  # the batching lives in occult_ft.data
 from ..metrics import contiguous_expert_device
 from ..models.registry import find_moe_layers, unwrap_model
 from ..routing import PruningConfig, pruned_routers, set_recording
@@ -119,18 +119,6 @@ def resolve_checkpoint(resume, output_dir: str | None) -> str | None:
 
 
 # ---- profiling -------------------------------------------------------------------------------------
-def profile_batches(dataset, collate, batch_size: int) -> Iterator[dict]:
-    """Batches of a tokenized dataset (rows with `input_ids`), in order, for `profile_model`."""
-    features = []
-    for i in range(len(dataset)):
-        row = dataset[i]
-        features.append({k: row[k] for k in ("input_ids", "attention_mask") if k in row})
-        if len(features) == batch_size or i == len(dataset) - 1:
-            batch = collate(features)
-            features = []
-            yield {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
-
-
 def _profile(model, dataset, collate, args, name: str):
     from ..profiling import profile_model
 

@@ -7,7 +7,8 @@ On construction the model is placed, pruned and set up for its `train_mode` (see
   pruning) + `balance_loss_coef` * the pruning-aware balance loss of `occult_ft.trainer.losses`, scaled
   so that gradient accumulation and data parallelism leave it a plain mean over micro-batches;
 - every forward feeds a `RoutingMeter`; each log line carries `comm_complexity`, `intra_share`,
-  `removed_mass`, `load_imbalance`, `max_token_devices` and `balance_loss` averaged since the last line;
+  `removed_mass`, `load_imbalance`, `max_token_devices`, `balance_loss` and `padding_share` averaged
+  since the last line;
   evaluation reports the same routing metrics (prefixed `eval_`) plus `eval_perplexity`;
 - checkpoints are pruned checkpoints: a full run writes a standard HF checkpoint whose `config.json`
   carries the `occult` block (placement provenance, budget, criterion) plus
@@ -41,6 +42,7 @@ from ..checkpoint import (
     write_adapter_block,
     write_similarity,
 )
+from ..data.batching import real_token_mask
 from ..models.registry import unwrap_model
 from ..routing import apply_pruning, pruned_routers
 from .config import OccultConfig
@@ -61,25 +63,39 @@ from .prepare import OccultSetup, prepare_model, resolve_checkpoint
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["OccultTrainer", "tokenize_for_training", "load_training_model"]
+__all__ = ["OccultTrainer", "tokenize_for_training", "load_training_model", "check_seq_len"]
 
 
 def tokenize_for_training(dataset, tokenizer, args: OccultConfig):
-    """Tokenize raw rows (`text` or `instruction`/`input`/`output`) as `args` says; tokenized data
-    (an `input_ids` column) and non-`datasets` objects are returned unchanged."""
-    columns = getattr(dataset, "column_names", None)
-    if dataset is None or columns is None or "input_ids" in columns:
+    """Tokenize raw rows (any layout of `occult_ft.data.load_text_dataset`: text, instruction, prompt /
+    completion, messages; a `Dataset` or a streamed `IterableDataset`) as `args` says (`seq_len`,
+    `packing`, `response_only`); tokenized data (an `input_ids` column) and non-`datasets` objects are
+    returned unchanged."""
+    from datasets import Dataset, IterableDataset
+
+    if not isinstance(dataset, (Dataset, IterableDataset)):
+        return dataset
+    from ..data import dataset_columns, dataset_layout, tokenize_dataset
+
+    if dataset_layout(dataset_columns(dataset)) == "tokenized":
         return dataset
     if tokenizer is None:
         raise ValueError(
             "the dataset holds raw text; pass processing_class=<tokenizer> so it can be tokenized"
         )
-    from ..data import tokenize_dataset
-
-    packing = args.packing if "text" in columns else None
     with args.main_process_first(desc="tokenizing"):
         return tokenize_dataset(
-            dataset, tokenizer, args.seq_len, packing=packing, response_only=args.response_only
+            dataset, tokenizer, args.seq_len, packing=args.packing, response_only=args.response_only
+        )
+
+
+def check_seq_len(model, seq_len: int) -> None:
+    """Refuse a `seq_len` above the model's `max_position_embeddings` (its losses would be silently wrong)."""
+    config = getattr(unwrap_model(model), "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise ValueError(
+            f"seq_len={seq_len} exceeds the model's max_position_embeddings={limit}; set seq_len <= {limit}"
         )
 
 
@@ -116,37 +132,6 @@ def load_training_model(path: str, args: OccultConfig):
     return model, tokenizer
 
 
-def _pad_id(tokenizer, model) -> int:
-    """Padding id: the tokenizer's pad token, else its eos token, else the model config's pad id, else 0."""
-    for owner, name in (
-        (tokenizer, "pad_token_id"),
-        (tokenizer, "eos_token_id"),
-        (getattr(unwrap_model(model), "config", None), "pad_token_id"),
-    ):
-        value = getattr(owner, name, None) if owner is not None else None
-        if isinstance(value, int):
-            return value
-    return 0
-
-
-def _pad_collator(pad_token_id: int):
-    """The default collator: pads `input_ids` (pad id), `attention_mask` (0) and `labels` (-100) to the
-    longest row of the batch (`occult_ft.data.make_collator` semantics, without importing `datasets`)."""
-
-    def collate(features):
-        width = max(len(f["input_ids"]) for f in features)
-        out = {"input_ids": [], "attention_mask": [], "labels": []}
-        for f in features:
-            ids = list(f["input_ids"])
-            n = width - len(ids)
-            out["input_ids"].append(ids + [pad_token_id] * n)
-            out["attention_mask"].append(list(f.get("attention_mask", [1] * len(ids))) + [0] * n)
-            out["labels"].append(list(f.get("labels", ids)) + [-100] * n)
-        return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
-
-    return collate
-
-
 def _may_move_to(args: OccultConfig, model: nn.Module) -> bool:
     """Whether the model may go to `args.device` before Trainer does (to profile there)."""
     if args.deepspeed or args.fsdp or getattr(model, "hf_device_map", None) or args.use_cpu:
@@ -163,9 +148,12 @@ class OccultTrainer(Trainer):
         model: a supported transformers MoE model, a pruned occult_ft checkpoint, an occult_ft LoRA
             model, or a path / Hub id (loaded with its tokenizer).
         args: the run's `OccultConfig` (default: `OccultConfig()`).
-        data_collator: default `occult_ft.data.make_collator(processing_class)`.
-        train_dataset / eval_dataset: tokenized rows (`input_ids`, `attention_mask`, `labels`) or raw
-            rows of `occult_ft.data.load_text_dataset` (tokenized here with `args.seq_len`).
+        data_collator: default `occult_ft.data.make_collator` (padded or packed batches; packed ones as one
+            flat row for flash-attention kernels).
+        train_dataset / eval_dataset: tokenized rows (`input_ids`, `labels`, `attention_mask` or
+            `position_ids`) or raw rows of any layout of `occult_ft.data.load_text_dataset` (text,
+            instruction, prompt / completion, messages; `Dataset` or `IterableDataset`), tokenized here
+            with `args.seq_len`, `args.packing`, `args.response_only`.
         processing_class: the tokenizer.
         placement: a `Placement` that overrides `args.placement`.
         kwargs: passed to `transformers.Trainer`.
@@ -203,8 +191,13 @@ class OccultTrainer(Trainer):
             }
         else:
             eval_dataset = tokenize_for_training(eval_dataset, processing_class, args)
+        check_seq_len(model, args.seq_len)
         if data_collator is None:
-            data_collator = _pad_collator(_pad_id(processing_class, model))
+            from ..data import flat_packing, make_collator, pad_token_id
+
+            data_collator = make_collator(
+                pad_token_id=pad_token_id(processing_class, unwrap_model(model)), flatten=flat_packing(model)
+            )
         if _may_move_to(args, model):
             model = model.to(args.device)
         checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
@@ -241,8 +234,12 @@ class OccultTrainer(Trainer):
         """LM loss + `balance_loss_coef` * pruning-aware balance loss (training only); feeds the routing meter."""
         if self._router_logits_flag:
             inputs = {**inputs, "output_router_logits": False}
-        mask = inputs.get("attention_mask")
-        mask_T = mask.reshape(-1).bool() if isinstance(mask, torch.Tensor) else None
+        mask = real_token_mask(inputs)
+        if "token_mask" in inputs:  # a packed batch (occult_ft.data.batching): the model does not take it
+            inputs = {k: v for k, v in inputs.items() if k != "token_mask"}
+        if "position_ids" in inputs and "attention_mask" not in inputs:
+            inputs = {**inputs, "use_cache": False}  # a cache would turn the packed-sequence mask off
+        mask_T = mask.reshape(-1).bool() if mask is not None else None
         loss, outputs = super().compute_loss(
             model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
         )
@@ -250,6 +247,8 @@ class OccultTrainer(Trainer):
         training = model.training
         meter = self._meters["train" if training else "eval"]
         meter.update(records, self.occult.expert_device, mask_T)
+        if mask is not None:
+            meter.add_padding(mask)
         if training and self.args.balance_loss_coef > 0:
             aux = balance_loss(records, mask_T)
             if aux is not None:

@@ -1,0 +1,231 @@
+"""Batching: occult_ft's one collator, the batch iterators of profiling and evaluation, the padding share.
+
+A collated batch is a dict of (B, S) long tensors, in one of two forms:
+
+    padded      rows with `input_ids` (+ `attention_mask`, `labels`): input_ids padded with the pad id,
+                attention_mask 0 and labels -100 on padding, to the longest row of the batch.
+    packed      rows with `position_ids` (`tokenize_dataset(packing=True)` on example rows): input_ids,
+                labels, position_ids and `token_mask` (1 = real token, 0 = padding); no attention_mask.
+
+Why packed batches keep their examples apart, exactly: with `attention_mask=None`, transformers
+(`masking_utils.find_packed_sequence_indices`) reads every restart of `position_ids` as the start of a
+new sequence and builds a block-diagonal causal mask (sdpa, eager and flex attention), for any batch
+size; RoPE sees each example's own positions. Flash-attention kernels read packed sequences from
+`position_ids` only for a batch of ONE row (`modeling_flash_attention_utils._is_packed_sequence`), so
+for them `flatten=True` concatenates the micro-batch into a single row (and needs no padding at all).
+Padding at the end of a row continues the last example's positions: under a causal mask no earlier
+token attends to it. Two conditions for the forward: no `attention_mask` and `use_cache=False` (a
+cache turns the packed-sequence mask off); `OccultTrainer` removes `token_mask` and sets `use_cache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from .loading import IGNORE_INDEX, DataError
+
+__all__ = [
+    "make_collator",
+    "pad_token_id",
+    "flat_packing",
+    "unpack_row",
+    "iter_batches",
+    "profile_batches",
+    "make_batches",
+    "real_token_mask",
+    "padding_share",
+]
+
+
+def pad_token_id(tokenizer=None, model=None) -> int:
+    """Padding id: the tokenizer's pad token, else its eos token, else the model config's pad id.
+
+    Raises:
+        DataError: when none of them is set.
+    """
+    config = getattr(model, "config", None)
+    base = getattr(model, "get_base_model", None)  # a PEFT wrapper
+    if base is not None:
+        config = getattr(base(), "config", config)
+    for owner, name in ((tokenizer, "pad_token_id"), (tokenizer, "eos_token_id"), (config, "pad_token_id")):
+        value = getattr(owner, name, None) if owner is not None else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    if tokenizer is not None and model is None:
+        raise DataError(
+            f"tokenizer {type(tokenizer).__name__} has no eos_token; set tokenizer.eos_token first"
+        )
+    raise DataError("no padding id: pass a tokenizer with a pad or eos token (processing_class=tokenizer)")
+
+
+def flat_packing(model) -> bool:
+    """Whether packed batches for `model` must be one flat row: its attention is a flash-attention kernel."""
+    config = getattr(model, "config", None)
+    base = getattr(model, "get_base_model", None)
+    if base is not None:
+        config = getattr(base(), "config", config)
+    return "flash" in str(getattr(config, "_attn_implementation", None) or "")
+
+
+def _round_up(n: int, multiple: int | None) -> int:
+    return -(-n // multiple) * multiple if multiple else n
+
+
+def make_collator(
+    tokenizer=None,
+    pad_to_multiple_of: int | None = None,
+    *,
+    pad_token_id: int | None = None,
+    flatten: bool = False,
+) -> Callable[[list[dict]], dict[str, torch.Tensor]]:
+    """The collate function of occult_ft (training, profiling and evaluation all use it).
+
+    Args:
+        tokenizer: gives the pad id (pad token, else eos) unless `pad_token_id` is given.
+        pad_to_multiple_of: round the padded width up to a multiple of this.
+        pad_token_id: the pad id (overrides the tokenizer's).
+        flatten: packed rows only: concatenate the batch into one row (flash-attention kernels).
+
+    Returns:
+        `collate(features) -> batch`: padded or packed (see the module docstring), chosen per batch by
+        whether the rows carry `position_ids`.
+    """
+    pad = pad_token_id if pad_token_id is not None else _pad_id_of(tokenizer)
+
+    def collate(features: list[dict]) -> dict[str, torch.Tensor]:
+        if "position_ids" in features[0]:
+            return _collate_packed(features, pad, pad_to_multiple_of, flatten)
+        longest = _round_up(max(len(f["input_ids"]) for f in features), pad_to_multiple_of)
+        batch = {"input_ids": [], "attention_mask": [], "labels": []}
+        for f in features:
+            ids = list(f["input_ids"])
+            n = longest - len(ids)
+            mask = list(f.get("attention_mask", [1] * len(ids)))
+            labels = list(f.get("labels", ids))
+            batch["input_ids"].append(ids + [pad] * n)
+            batch["attention_mask"].append(mask + [0] * n)
+            batch["labels"].append(labels + [IGNORE_INDEX] * n)
+        return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
+
+    return collate
+
+
+def _pad_id_of(tokenizer) -> int:
+    if tokenizer is None:
+        raise DataError("make_collator needs a tokenizer or pad_token_id=<int>")
+    return pad_token_id(tokenizer)
+
+
+def _collate_packed(features, pad: int, multiple: int | None, flatten: bool) -> dict[str, torch.Tensor]:
+    rows = [
+        (list(f["input_ids"]), list(f.get("labels", f["input_ids"])), list(f["position_ids"]))
+        for f in features
+    ]
+    if flatten:
+        rows = [tuple(sum((list(r[k]) for r in rows), []) for k in range(3))]
+    width = _round_up(max(len(ids) for ids, _, _ in rows), None if flatten else multiple)
+    batch = {"input_ids": [], "labels": [], "position_ids": [], "token_mask": []}
+    for ids, labels, positions in rows:
+        n = width - len(ids)
+        last = positions[-1] if positions else -1
+        batch["input_ids"].append(ids + [pad] * n)
+        batch["labels"].append(labels + [IGNORE_INDEX] * n)
+        batch["position_ids"].append(positions + list(range(last + 1, last + 1 + n)))
+        batch["token_mask"].append([1] * len(ids) + [0] * n)
+    return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
+
+
+def unpack_row(row: dict) -> list[dict]:
+    """The examples of one packed row (split where `position_ids` restart), each with `input_ids` and
+    `labels`; a row without `position_ids` comes back as itself."""
+    if "position_ids" not in row:
+        return [row]
+    ids, labels, positions = (
+        list(row["input_ids"]),
+        list(row.get("labels", row["input_ids"])),
+        row["position_ids"],
+    )
+    starts = [i for i, p in enumerate(positions) if i == 0 or p != positions[i - 1] + 1] + [len(ids)]
+    return [{"input_ids": ids[a:b], "labels": labels[a:b]} for a, b in zip(starts, starts[1:])]
+
+
+def iter_batches(
+    dataset: Iterable[dict],
+    collate: Callable[[list[dict]], dict],
+    batch_size: int,
+    *,
+    unpack: bool = False,
+    columns: tuple[str, ...] | None = None,
+) -> Iterator[dict]:
+    """Collated batches of `batch_size` rows of `dataset` (a `Dataset`, `IterableDataset` or list), in order.
+
+    Args:
+        unpack: split packed rows into their examples first (batches of `batch_size` examples).
+        columns: keep only these keys of each row (after unpacking).
+    """
+    if batch_size < 1:
+        raise DataError(f"batch_size={batch_size} must be at least 1")
+    features: list[dict] = []
+    for row in dataset:
+        for example in unpack_row(row) if unpack else [row]:
+            features.append({k: example[k] for k in columns if k in example} if columns else example)
+            if len(features) == batch_size:
+                yield collate(features)
+                features = []
+    if features:
+        yield collate(features)
+
+
+def profile_batches(dataset, collate, batch_size: int) -> Iterator[dict]:
+    """Batches of a tokenized dataset for `profile_model`: `input_ids` and `attention_mask`; packed rows
+    are split into their examples, so every token is routed as in an unpacked forward."""
+    for batch in iter_batches(
+        dataset, collate, batch_size, unpack=True, columns=("input_ids", "attention_mask")
+    ):
+        yield {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
+
+
+def make_batches(
+    tokenizer,
+    dataset,
+    seq_len: int,
+    batch_size: int,
+    max_tokens: int | None = None,
+    response_only: bool = True,
+) -> list[dict]:
+    """Tokenised `dataset` (rows of `load_text_dataset`) as padded batches with labels, enough of them for
+    `max_tokens` real (unpadded) tokens. `response_only=False` keeps prompts in the labels (and rows
+    whose prompt fills `seq_len`): for routing statistics every token counts."""
+    from .tokenize import tokenize_dataset
+
+    if tokenizer is None:
+        raise DataError("the model has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
+    ds = tokenize_dataset(dataset, tokenizer, seq_len=seq_len, response_only=response_only)
+    batches, tokens = [], 0
+    for batch in iter_batches(ds, make_collator(tokenizer), batch_size):
+        if max_tokens is not None and tokens >= max_tokens:
+            break
+        batches.append(batch)
+        tokens += int(batch["attention_mask"].sum())
+    if not batches:
+        raise DataError("the data gave no tokens; check the file is not empty")
+    return batches
+
+
+def real_token_mask(batch: dict) -> torch.Tensor | None:
+    """(B, S) mask of the real (non-padding) tokens of a collated batch, None when it has no padding info."""
+    for key in ("token_mask", "attention_mask"):
+        mask = batch.get(key)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            return mask
+    return None
+
+
+def padding_share(batch: dict) -> float:
+    """Share of the positions of a collated batch that are padding (0.0 when it has no padding info)."""
+    mask = real_token_mask(batch)
+    if mask is None or mask.numel() == 0:
+        return 0.0
+    return 1.0 - float(mask.bool().sum()) / mask.numel()
