@@ -85,7 +85,9 @@ class NodeGroups:
         return self.nodes * self.local_size
 
 
-_GROUP_CACHE: dict[tuple[int, int], NodeGroups] = {}
+# (id(group), N) -> (the default group when built, the group, NodeGroups); the references keep the ids
+# unique, and a re-initialised torch.distributed (new default group) invalidates the entry.
+_GROUP_CACHE: dict[tuple[int, int], tuple[object, object, NodeGroups]] = {}
 
 
 def _check_nodes(nodes: int, num_devices: int) -> None:
@@ -107,10 +109,11 @@ def node_groups(nodes: int, group: dist.ProcessGroup | None = None) -> NodeGroup
     """
     num_devices, rank = group_size_and_rank(group)
     _check_nodes(nodes, num_devices)
+    world_pg = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     key = (id(group), nodes)
     cached = _GROUP_CACHE.get(key)
-    if cached is not None and cached.ep_group is group:
-        return cached
+    if cached is not None and cached[0] is world_pg and cached[1] is group:
+        return cached[2]
     local_size = num_devices // nodes
     node, local_rank = rank // local_size, rank % local_size
     inter = intra = None
@@ -135,7 +138,7 @@ def node_groups(nodes: int, group: dist.ProcessGroup | None = None) -> NodeGroup
                 elif ranks == ep_ranks and index >= local_size and members == my_intra:
                     intra = created
     result = NodeGroups(nodes, local_size, node, local_rank, inter, intra, group)
-    _GROUP_CACHE[key] = result
+    _GROUP_CACHE[key] = (world_pg, group, result)
     return result
 
 
