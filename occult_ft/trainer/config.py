@@ -147,6 +147,15 @@ class OccultConfig(TrainingArguments):
     nodes: int = field(
         default=1, metadata={"help": "Nodes N the devices span (hierarchical placement); divides devices."}
     )
+    exchange: str = field(
+        default="flat",
+        metadata={
+            "help": "Expert-parallel token exchange: 'flat' (one de-duplicated all-to-all, a token sent once "
+            "per device) or 'two_stage' (a token crosses nodes once per node, then fans out inside the "
+            "node; needs nodes > 1, same results).",
+            "choices": ["flat", "two_stage"],
+        },
+    )
     placement: str = field(
         default="auto",
         metadata={
@@ -252,6 +261,12 @@ class OccultConfig(TrainingArguments):
             divisors = [n for n in range(1, self.devices + 1) if self.devices % n == 0]
             raise ValueError(
                 f"nodes={self.nodes} does not divide devices={self.devices}; use one of {divisors}"
+            )
+        if self.exchange not in ("flat", "two_stage"):
+            raise ValueError(f"exchange={self.exchange!r} is unknown; use 'flat' or 'two_stage'")
+        if self.exchange == "two_stage" and self.nodes < 2:
+            raise ValueError(
+                f"exchange='two_stage' needs nodes > 1 (got nodes={self.nodes}); set --nodes N or use exchange='flat'"
             )
         m = self.max_devices_per_token
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= self.devices):
