@@ -5,7 +5,7 @@ processes as 2 nodes x 2 devices (ranks 0, 1 on node 0; ranks 2, 3 on node 1) wi
 node 0 holds experts 0-3, node 1 experts 4-7): the two-stage layer must equal the flat exchange and
 the single-process oracle in outputs and gradients (fp32, 1e-5), and the rows it sends must be the
 ones the pure simulator `occult_ft.costmodel.two_stage_rows` predicts, with exactly sum over tokens of
-N_T rows on the inter-node stage.
+N_T rows on the inter-node stage. Two cases also run on 8 processes as 2 nodes x 4 devices (P = 1).
 
 Shape legend: T tokens, K experts per token, H hidden size, E experts, D ranks, N nodes, L = D / N.
 """
@@ -34,6 +34,13 @@ CASES_2X2 = {
     "all_experts_on_other_node": dict(arch="olmoe", tokens=[2, 4, 3, 3], top_k=2, routing="other_node"),
     "zero_tokens_on_a_rank": dict(arch="olmoe", tokens=[5, 0, 3, 4], top_k=2, routing="random"),
     "gpt_oss_layout": dict(arch="gpt_oss", tokens=[2, 3, 1, 4], top_k=2, routing="random"),
+}
+# 8 processes as 2 nodes x 4 devices (P = 1: node 0 holds experts 0-3 on ranks 0-3)
+CASES_2X4 = {
+    "random_routing_top3": dict(arch="olmoe", tokens=[3, 2, 4, 1, 2, 3, 0, 2], top_k=3, routing="random"),
+    "all_experts_on_other_node": dict(
+        arch="olmoe", tokens=[1, 2, 1, 2, 2, 1, 2, 1], top_k=2, routing="other_node"
+    ),
 }
 
 
@@ -222,7 +229,7 @@ def _model_case(rank: int, world: int, arch: str) -> list[str]:
     return failures
 
 
-def _worker(rank: int, world: int, cases: dict) -> dict[str, list[str]]:
+def _worker(rank: int, world: int, cases: dict, with_model: bool = True) -> dict[str, list[str]]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results: dict[str, list[str]] = {}
     for name, case in cases.items():
@@ -230,16 +237,22 @@ def _worker(rank: int, world: int, cases: dict) -> dict[str, list[str]]:
             results[name] = _case(rank, world, case)
         except Exception:
             results[name] = [traceback.format_exc()]
-    try:
-        results["olmoe_model"] = _model_case(rank, world, "olmoe")
-    except Exception:
-        results["olmoe_model"] = [traceback.format_exc()]
+    if with_model:
+        try:
+            results["olmoe_model"] = _model_case(rank, world, "olmoe")
+        except Exception:
+            results["olmoe_model"] = [traceback.format_exc()]
     return results
 
 
 @pytest.fixture(scope="module")
 def world4():
     return run_distributed(_worker, 4, CASES_2X2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world8():
+    return run_distributed(_worker, 8, CASES_2X4, False, timeout=600, collective_timeout_s=120)
 
 
 def _failures(per_rank: list[dict[str, list[str]]], name: str) -> str:
@@ -250,6 +263,12 @@ def _failures(per_rank: list[dict[str, list[str]]], name: str) -> str:
 @pytest.mark.parametrize("name", list(CASES_2X2))
 def test_two_nodes_of_two_devices_match_flat_exchange(world4, name):
     assert not _failures(world4, name), _failures(world4, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES_2X4))
+def test_two_nodes_of_four_devices_match_flat_exchange(world8, name):
+    assert not _failures(world8, name), _failures(world8, name)
 
 
 @pytest.mark.slow
