@@ -47,8 +47,6 @@ class BenchSettings:
 
     Args:
         devices: D processes (expert-parallel size), at least 2.
-        nodes: N nodes the D processes are laid out as (D/N consecutive processes each); above 1 the
-            two-stage exchange is measured too and rows are split into inside / across nodes.
         iters: timed runs per backend and layer (median reported).
         warmup: untimed runs per backend and layer first.
         dtype: dtype of the exchanged rows (one of `DTYPES`).
@@ -57,10 +55,11 @@ class BenchSettings:
         seed: seed of the random hidden rows.
         transport: "auto" (GPUs when present) or "cpu" (gloo on CPU).
         timeout_s: collective timeout of the process group.
+        nodes: N nodes the D processes are laid out as (D/N consecutive processes each); above 1 the
+            two-stage exchange is measured too and rows are split into inside / across nodes.
     """
 
     devices: int
-    nodes: int = 1
     iters: int = 5
     warmup: int = 2
     dtype: str = "bfloat16"
@@ -69,6 +68,7 @@ class BenchSettings:
     seed: int = 0
     transport: str = "auto"
     timeout_s: float = 600.0
+    nodes: int = 1
 
     def __post_init__(self):
         if not isinstance(self.devices, int) or self.devices < 2:
