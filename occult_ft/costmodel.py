@@ -20,7 +20,16 @@ Bandwidths are per device and per direction, in GB/s = 1e9 bytes/s. The combine 
 layer sends the transposed matrix, which has the same per-device maxima, so one layer's exchange
 (dispatch + combine) costs twice `predict_all_to_all_ms` (`predict_exchange_ms`).
 
-Shape legend: T tokens, K experts per token, E experts, D devices.
+Two-stage exchange (`occult_ft.dispatch.two_stage`, N nodes of L = D/N devices): a token goes once to
+each destination node, to the device of that node with the sender's local index (its "gateway"), and
+is fanned out there to the node's devices that host its experts; the combine runs the other way. It is
+priced as four all-to-alls: stage 1 (inter-node rows only, `two_stage_rows`), stage 2 (intra-node rows
+only) and their transposes, each paying its own latency (`predict_two_stage_exchange_ms`).
+`split_rows` divides any rows matrix into rows kept on the device, rows inside a node and rows that
+cross nodes; `predict_node_exchange` compares per-expert, flat and two-stage de-duplication, with and
+without a node budget (node-limited routing: at most M nodes per token).
+
+Shape legend: T tokens, K experts per token, E experts, D devices, N nodes, L = D / N devices per node.
     rows_DD[i, j]    rows device i sends to device j in one all-to-all (diagonal: rows kept local)
     token_rank_T     device that holds each token before dispatch (default: T/D contiguous tokens each)
 """
@@ -34,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .metrics import contiguous_expert_device, device_counts
+from .metrics import contiguous_expert_device, device_counts, expert_node
 from .routing import limit_topk
 
 __all__ = [
@@ -48,6 +57,10 @@ __all__ = [
     "predict_exchange_ms",
     "pruned_topk",
     "predict_speedup",
+    "two_stage_rows",
+    "split_rows",
+    "predict_two_stage_exchange_ms",
+    "predict_node_exchange",
 ]
 
 
@@ -128,6 +141,17 @@ CLUSTER_PRESETS: dict[str, ClusterShape] = {
             25.0,
             20.0,
             "NVIDIA RTX A6000 datasheet: PCIe 4.0 x16 (31.5 GB/s nominal per direction, ~25 usable)",
+        ),
+        # 2 DGX-H100-like nodes, links as in 4x8-ib below.
+        ClusterShape(
+            "2x8-ib",
+            8,
+            2,
+            450.0,
+            50.0,
+            30.0,
+            "H100 NVLink 450 GB/s/direction intra-node; ConnectX-7 400 Gb/s NDR IB = 50 GB/s inter-node "
+            "(nominal)",
         ),
         # 4 DGX-H100-like nodes: NVLink 450 GB/s per direction inside a node (as above); between nodes
         # 400 Gb/s InfiniBand NDR per GPU (NVIDIA ConnectX-7 datasheet) = 50 GB/s per direction.
@@ -363,4 +387,136 @@ def predict_speedup(
     base = out["per_expert"]["exchange_ms"]
     for entry in out.values():
         entry["speedup_vs_per_expert"] = base / entry["exchange_ms"] if entry["exchange_ms"] > 0 else math.inf
+    return out
+
+
+def two_stage_rows(
+    topk_ids_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    num_devices: int,
+    nodes: int,
+    token_rank_T: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stage1_DD, stage2_DD) int64 rows of the two-stage exchange's two dispatch all-to-alls.
+
+    A pure simulator of `occult_ft.dispatch.two_stage`: device i (node n, local index l = i % L) sends
+    each of its tokens once to every node m hosting one of the token's experts, to the gateway m * L + l
+    (stage 1; m = n is the gateway i itself, a row that stays on the device); the gateway sends it once
+    to every device of node m hosting one of its experts (stage 2; the gateway itself included).
+
+    Args:
+        topk_ids_TK: every token's selected experts.
+        expert_device_E: device of each expert.
+        num_devices: D.
+        nodes: N, dividing D; node n holds devices [n * L, (n + 1) * L).
+        token_rank_T: device holding each token (default `token_ranks(T, D)`).
+
+    Returns:
+        stage1_DD: totals sum over tokens of N_T (`occult_ft.metrics.nodes_per_token`); nonzero only
+            between devices of one local index. stage2_DD: totals sum over tokens of C_T; nonzero only
+            inside nodes.
+    """
+    expert_node(expert_device_E, num_devices, nodes)  # validates nodes
+    per_node = num_devices // nodes
+    num_tokens = topk_ids_TK.shape[0]
+    present_TD = device_counts(topk_ids_TK, expert_device_E, num_devices).cpu() > 0
+    present_TN = present_TD.view(num_tokens, nodes, per_node).any(dim=2)
+    ranks_T = token_ranks(num_tokens, num_devices) if token_rank_T is None else token_rank_T.long().cpu()
+    local_T = ranks_T % per_node
+    stage1_DD = torch.zeros(num_devices, num_devices, dtype=torch.long)
+    tok_P, node_P = present_TN.nonzero(as_tuple=True)
+    stage1_DD.index_put_(
+        (ranks_T[tok_P], node_P * per_node + local_T[tok_P]), torch.ones_like(tok_P), accumulate=True
+    )
+    stage2_DD = torch.zeros(num_devices, num_devices, dtype=torch.long)
+    tok_Q, dev_Q = present_TD.nonzero(as_tuple=True)
+    gateway_Q = dev_Q // per_node * per_node + local_T[tok_Q]
+    stage2_DD.index_put_((gateway_Q, dev_Q), torch.ones_like(tok_Q), accumulate=True)
+    return stage1_DD, stage2_DD
+
+
+def split_rows(rows_DD: torch.Tensor, devices_per_node: int) -> dict[str, int]:
+    """Rows of one all-to-all by where they travel: `kept` (device to itself, no link), `intra_node`
+    (between two devices of one node) and `cross_node` (between nodes); the three sum to the total."""
+    rows = torch.as_tensor(rows_DD, dtype=torch.long)
+    d = rows.shape[0]
+    if devices_per_node < 1 or d % devices_per_node:
+        raise ValueError(f"devices_per_node={devices_per_node} does not divide the {d} devices of the matrix")
+    node_D = torch.arange(d) // devices_per_node
+    same_DD = node_D[:, None] == node_D[None, :]
+    kept = int(rows.diagonal().sum())
+    return {
+        "kept": kept,
+        "intra_node": int(rows[same_DD].sum()) - kept,
+        "cross_node": int(rows[~same_DD].sum()),
+    }
+
+
+def predict_two_stage_exchange_ms(
+    stage1_DD: torch.Tensor, stage2_DD: torch.Tensor, bytes_per_row: float, shape: ClusterShape
+) -> float:
+    """One MoE layer's forward two-stage exchange: stage 1 and stage 2 dispatch, then their combines
+    (transposes), four all-to-alls each priced by `predict_all_to_all_ms` (latency paid four times)."""
+    s1, s2 = torch.as_tensor(stage1_DD), torch.as_tensor(stage2_DD)
+    return predict_exchange_ms(s1, bytes_per_row, shape) + predict_exchange_ms(s2, bytes_per_row, shape)
+
+
+def predict_node_exchange(
+    scores_TE: torch.Tensor,
+    top_k: int,
+    shape: ClusterShape,
+    bytes_per_row: float,
+    node_budgets: Iterable[int] = (1,),
+    topk_ids_TK: torch.Tensor | None = None,
+    expert_device_E: torch.Tensor | None = None,
+) -> dict[str, dict[str, float]]:
+    """Predicted forward exchange of per-expert dispatch, flat de-duplication ("dedup") and two-stage
+    de-duplication ("two_stage") on `shape`, without and with a node budget M (node-limited routing,
+    score criterion: tokens keep their experts if they fit in M nodes, else take the top-k inside their
+    M best nodes): "dedup_nodes{M}", "two_stage_nodes{M}".
+
+    Returns:
+        name -> {"rows_per_token" (first stage for two-stage), "cross_node_rows_per_token",
+        "intra_node_rows_per_token", "exchange_ms", "speedup_vs_per_expert"}.
+    """
+    num_devices, num_experts, nodes = shape.num_devices, scores_TE.shape[1], shape.nodes
+    dev_E = contiguous_expert_device(num_experts, num_devices) if expert_device_E is None else expert_device_E
+    node_E = expert_node(dev_E, num_devices, nodes)
+    ids_TK = scores_TE.topk(top_k, dim=-1).indices if topk_ids_TK is None else topk_ids_TK.long()
+    routings: dict[str, torch.Tensor] = {"": ids_TK}
+    for m in node_budgets:
+        per_node = num_experts // nodes
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or m * per_node < top_k:
+            raise ValueError(
+                f"node budget {m!r} cannot hold top-{top_k} with {per_node} experts per node; use at least "
+                f"{math.ceil(top_k / per_node)}"
+            )
+        routings[f"_nodes{m}"] = pruned_topk(scores_TE, ids_TK, node_E, nodes, min(m, nodes))
+    tokens = max(1, ids_TK.shape[0])
+    out: dict[str, dict[str, float]] = {}
+
+    def entry(first_DD: torch.Tensor, link_DDs: list[torch.Tensor], ms: float) -> dict[str, float]:
+        split = [split_rows(r, shape.devices_per_node) for r in link_DDs]
+        return {
+            "rows_per_token": float(first_DD.sum()) / tokens,
+            "cross_node_rows_per_token": sum(p["cross_node"] for p in split) / tokens,
+            "intra_node_rows_per_token": sum(p["intra_node"] for p in split) / tokens,
+            "exchange_ms": ms,
+        }
+
+    for suffix, ids in routings.items():
+        if not suffix:
+            per_expert_DD = rows_matrix(ids, dev_E, num_devices, dedup=False)
+            out["per_expert"] = entry(
+                per_expert_DD, [per_expert_DD], predict_exchange_ms(per_expert_DD, bytes_per_row, shape)
+            )
+        flat_DD = rows_matrix(ids, dev_E, num_devices, dedup=True)
+        out[f"dedup{suffix}"] = entry(flat_DD, [flat_DD], predict_exchange_ms(flat_DD, bytes_per_row, shape))
+        s1, s2 = two_stage_rows(ids, dev_E, num_devices, nodes)
+        out[f"two_stage{suffix}"] = entry(
+            s1, [s1, s2], predict_two_stage_exchange_ms(s1, s2, bytes_per_row, shape)
+        )
+    base = out["per_expert"]["exchange_ms"]
+    for value in out.values():
+        value["speedup_vs_per_expert"] = base / value["exchange_ms"] if value["exchange_ms"] > 0 else math.inf
     return out

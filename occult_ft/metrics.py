@@ -5,6 +5,11 @@ distinct devices that host its top-k experts; it is exactly how many rows a de-d
 all-to-all sends for the token, against k rows for per-expert dispatch. `intra_share` is the fraction
 of co-selected expert pairs whose two experts live on the same device.
 
+With the D devices laid out as N nodes of D/N consecutive devices (as launchers number ranks), a
+token's `node_comm_complexity` (N_T) is the number of distinct nodes hosting its experts: the rows a
+two-stage exchange (`occult_ft.dispatch.two_stage`) sends for it over the first stage, one per
+destination node, against C_T rows for the flat de-duplicated exchange. N_T <= C_T <= K.
+
 Shape legend: T tokens, K experts per token, E experts, D devices.
     topk_ids_TK      int, expert ids chosen per token (any order, no duplicates within a row)
     expert_device_E  int, device of each expert (values in [0, D))
@@ -24,6 +29,9 @@ __all__ = [
     "device_counts",
     "devices_per_token",
     "comm_complexity",
+    "expert_node",
+    "nodes_per_token",
+    "node_comm_complexity",
     "intra_share",
     "device_histogram",
     "device_load",
@@ -82,6 +90,32 @@ def comm_complexity(topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, nu
     return devices_per_token(topk_ids_TK, expert_device_E, num_devices).float().mean().item()
 
 
+def expert_node(expert_device_E: torch.Tensor, num_devices: int, nodes: int) -> torch.Tensor:
+    """(E,) node of each expert when node n holds devices [n * D/N, (n + 1) * D/N)."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or num_devices % nodes:
+        divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
+        raise ValueError(f"nodes={nodes!r} does not divide devices={num_devices}; use one of {divisors}")
+    return expert_device_E // (num_devices // nodes)
+
+
+def nodes_per_token(
+    topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int, nodes: int
+) -> torch.Tensor:
+    """(T,) N_T per token: distinct nodes hosting the token's experts (1 <= N_T <= C_T)."""
+    return devices_per_token(topk_ids_TK, expert_node(expert_device_E, num_devices, nodes), nodes)
+
+
+def node_comm_complexity(
+    topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int, nodes: int
+) -> float:
+    """Mean N_T over tokens: rows per token of the two-stage exchange's inter-node stage, one per
+    destination node (the row for the token's own node, which stays on its device, included, as C_T
+    includes the row a device keeps for itself); 0.0 for no tokens."""
+    if topk_ids_TK.shape[0] == 0:
+        return 0.0
+    return int(nodes_per_token(topk_ids_TK, expert_device_E, num_devices, nodes).sum()) / topk_ids_TK.shape[0]
+
+
 def intra_share(topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int) -> float:
     """Fraction of co-selected expert pairs (over all tokens) that sit on one device.
 
@@ -138,6 +172,7 @@ class LayerMetrics:
     naive_rows_per_token: int
     dedup_rows_per_token: float
     load_imbalance: float
+    node_comm_complexity: float | None = None
 
 
 @dataclass
@@ -153,14 +188,17 @@ class RoutingReport:
     devices_histogram: list[int]
     layers: list[LayerMetrics] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    nodes: int = 1
+    node_comm_complexity: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def layer_metrics(
-    layer: int, topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int
+    layer: int, topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int, nodes: int = 1
 ) -> LayerMetrics:
+    """Metrics of one layer; `node_comm_complexity` is filled when the devices span `nodes` > 1 nodes."""
     return LayerMetrics(
         layer=layer,
         tokens=int(topk_ids_TK.shape[0]),
@@ -171,6 +209,9 @@ def layer_metrics(
         naive_rows_per_token=int(topk_ids_TK.shape[1]),
         dedup_rows_per_token=comm_complexity(topk_ids_TK, expert_device_E, num_devices),
         load_imbalance=load_imbalance(topk_ids_TK, expert_device_E, num_devices),
+        node_comm_complexity=(
+            node_comm_complexity(topk_ids_TK, expert_device_E, num_devices, nodes) if nodes > 1 else None
+        ),
     )
 
 
@@ -179,6 +220,7 @@ def routing_report(
     expert_device: Mapping[int, torch.Tensor] | torch.Tensor,
     num_devices: int,
     num_experts: int,
+    nodes: int = 1,
 ) -> RoutingReport:
     """Metrics for every layer of a routing.
 
@@ -187,11 +229,15 @@ def routing_report(
         expert_device: layer index -> expert_device_E, or one expert_device_E for all layers.
         num_devices: D.
         num_experts: E (for the report header).
+        nodes: N nodes of D/N consecutive devices; above 1, `node_comm_complexity` is reported beside
+            `comm_complexity`, per layer and overall.
     """
+    if nodes != 1:
+        expert_node(torch.zeros(1, dtype=torch.long), num_devices, nodes)  # validates nodes
     layers = []
     for idx in sorted(topk_ids):
         mapping = expert_device if isinstance(expert_device, torch.Tensor) else expert_device[idx]
-        layers.append(layer_metrics(idx, topk_ids[idx], mapping, num_devices))
+        layers.append(layer_metrics(idx, topk_ids[idx], mapping, num_devices, nodes))
     total = sum(m.tokens for m in layers)
 
     def mean(attr: str) -> float:
@@ -207,4 +253,6 @@ def routing_report(
         load_imbalance=max((m.load_imbalance for m in layers), default=0.0),
         devices_histogram=hist,
         layers=layers,
+        nodes=nodes,
+        node_comm_complexity=mean("node_comm_complexity") if nodes > 1 else None,
     )

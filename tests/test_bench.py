@@ -24,7 +24,8 @@ from occult_ft.bench import (
 )
 from occult_ft.bench.exchanges import CollectiveClock, build_exchange
 from occult_ft.cli import main
-from occult_ft.metrics import contiguous_expert_device, devices_per_token
+from occult_ft.costmodel import rows_matrix, split_rows, token_ranks
+from occult_ft.metrics import contiguous_expert_device, device_counts, devices_per_token, expert_node
 
 # DeepSpeed JIT-compiles a small op at its first distributed init; keep it in the repository's cache.
 os.environ.setdefault(
@@ -123,6 +124,21 @@ def test_per_expert_and_capacity_replica_exchanges_on_one_process(one_process_gr
     torch.testing.assert_close(nodrop.run(), ref)
 
 
+def test_two_stage_exchange_on_one_process(one_process_group):
+    from occult_ft.dispatch import node_groups
+
+    wl = synthetic_workload(num_experts=8, top_k=2, tokens=40, hidden=6, seed=2)
+    ids, w = wl.layers[0].topk_ids_TK, wl.layers[0].weights_TK
+    x = torch.randn(40, 6)
+    groups = node_groups(1, one_process_group)
+    two = build_exchange("occult_two_stage", x, ids, w, 8, one_process_group, node_groups=groups)
+    # one node of one device: every token is one row in each stage, and comes back unchanged
+    assert two.send_rows_D == [40] and two.stage2_rows_D == [40]
+    torch.testing.assert_close(two.run(), x)
+    with pytest.raises(RuntimeError, match="needs node groups"):
+        build_exchange("occult_two_stage", x, ids, w, 8, one_process_group)
+
+
 # ---- end to end, 2 gloo processes ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def synthetic_report():
@@ -209,11 +225,58 @@ def test_deepspeed_sends_its_dense_capacity_buffer(synthetic_report):
 
 def test_cost_model_covers_the_presets(synthetic_report):
     clusters = {c["name"]: c for c in synthetic_report["cost_model"]["clusters"]}
-    assert set(clusters) == {"8xH100-nvlink", "4xA6000-pcie", "4x8-ib"}
-    assert "skipped" in clusters["4x8-ib"]  # 32 devices cannot split 8 experts
+    assert set(clusters) == {"8xH100-nvlink", "4xA6000-pcie", "2x8-ib", "4x8-ib"}
+    assert "skipped" in clusters["4x8-ib"] and "skipped" in clusters["2x8-ib"]  # 32, 16 devices, 8 experts
     preds = {p["backend"]: p for p in clusters["4xA6000-pcie"]["backends"]}
     assert preds["occult_dedup"]["predicted_ms"] < preds["per_expert"]["predicted_ms"]
     assert preds["occult_dedup_prune1"]["rows_per_token"] == 1
+
+
+# ---- end to end, 4 gloo processes as 2 nodes x 2 ----------------------------------------------------
+NODE_BACKENDS = "per_expert,occult_dedup,occult_two_stage,occult_two_stage_prune2"
+
+
+@pytest.fixture(scope="module")
+def nodes_report():
+    return bench_json(
+        "--synthetic",
+        *("--experts", 16, "--top-k", 3, "--tokens", 64, "--hidden", 16, "--devices", 4, "--nodes", 2),
+        *("--iters", 1, "--warmup", 0, "--json", "--backends", NODE_BACKENDS),
+        *("--cluster", "2x8-ib", "--cluster", "lab:dpn=2,nodes=2,intra=100,inter=10"),
+    )
+
+
+def test_two_stage_rows_crossing_nodes_are_the_node_level_count(nodes_report):
+    r, b = nodes_report, by_name(nodes_report)
+    assert r["nodes"] == 2 and list(b) == NODE_BACKENDS.split(",")
+    ids = synthetic_workload(16, 3, 64, 16, seed=0).layers[0].topk_ids_TK
+    dev = contiguous_expert_device(16, 4)
+    # node level, by hand from the routing: N_T per token, and the nodes other than the token's own
+    present_TN = device_counts(ids, expert_node(dev, 4, 2), 2) > 0
+    own_T = token_ranks(64, 4) // 2
+    node_rows = int(present_TN.sum())
+    remote_node_rows = node_rows - int(present_TN[torch.arange(64), own_T].sum())
+    two = b["occult_two_stage"]
+    assert two["measured"], two.get("reason")
+    assert two["rows"] == node_rows == round(r["layers"][0]["node_comm_complexity"] * 64)
+    assert two["node_comm_complexity"] == pytest.approx(node_rows / 64)
+    assert two["cross_node_rows"] == remote_node_rows
+    assert two["stage2_rows"] == int(devices_per_token(ids, dev, 4).sum())  # fan-out: one row per device
+    assert r["targets"]["cross_node_rows_equal_node_count"] is True
+    # flat and per-expert exchanges: their cross-node rows are those of their (D, D) matrices
+    for name, dedup in (("occult_dedup", True), ("per_expert", False)):
+        split = split_rows(rows_matrix(ids, dev, 4, dedup=dedup), 2)
+        assert (b[name]["cross_node_rows"], b[name]["intra_node_rows"]) == (
+            split["cross_node"],
+            split["intra_node"],
+        )
+        assert b[name]["cross_node_bytes"] == 2 * split["cross_node"] * 16 * 2  # both ways, bf16 rows of 16
+    assert two["cross_node_rows"] < b["occult_dedup"]["cross_node_rows"] < b["per_expert"]["cross_node_rows"]
+    assert b["occult_two_stage_prune2"]["cross_node_rows"] <= two["cross_node_rows"]
+    lab = next(c for c in r["cost_model"]["clusters"] if c["name"] == "lab")
+    preds = {p["backend"]: p for p in lab["backends"]}
+    assert preds["occult_two_stage"]["cross_node_MB"] < preds["occult_dedup"]["cross_node_MB"]
+    assert preds["occult_two_stage"]["cross_node_MB"] == pytest.approx(2 * remote_node_rows * 32 / 1e6)
 
 
 def test_bench_on_a_tiny_saved_model(tmp_path, tiny_tokenizer, text_file):
@@ -262,6 +325,14 @@ def test_bench_on_a_tiny_saved_model(tmp_path, tiny_tokenizer, text_file):
             "unknown cluster 'dgx-h900'; choose one of",
         ),
         (["--synthetic", "--devices", 2, "--tokens", 1], "1 tokens cannot be shared by 2 processes"),
+        (
+            ["--synthetic", "--devices", 4, "--nodes", 3],
+            "nodes=3 does not divide devices=4; use one of [1, 2, 4]",
+        ),
+        (
+            ["--synthetic", "--devices", 2, "--experts", 8, "--tokens", 8, "--backends", "occult_two_stage"],
+            "unknown or unmeasurable backends ['occult_two_stage']",
+        ),
         (["--synthetic", "some/model", "--devices", 2], "--synthetic takes no MODEL"),
         (["--devices", 2], "give MODEL --data DATA, or --synthetic"),
         (

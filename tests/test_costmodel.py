@@ -12,12 +12,16 @@ from occult_ft.costmodel import (
     get_cluster,
     predict_all_to_all_ms,
     predict_exchange_ms,
+    predict_node_exchange,
     predict_speedup,
+    predict_two_stage_exchange_ms,
     pruned_topk,
     rows_matrix,
+    split_rows,
     token_ranks,
+    two_stage_rows,
 )
-from occult_ft.metrics import contiguous_expert_device, devices_per_token
+from occult_ft.metrics import contiguous_expert_device, devices_per_token, node_comm_complexity
 
 MB = 1_000_000
 
@@ -145,3 +149,64 @@ def test_predict_speedup_orders_dispatch_kinds():
         ValueError, match="max_devices_per_token=1 cannot hold top-8 with 4 experts per device"
     ):
         predict_speedup(scores, 8, shape, 4096, budgets=(1,))
+
+
+# 2 nodes x 2 devices, E=8 (P=2: node 0 = experts 0-3, node 1 = experts 4-7), one token per device.
+#   t0 on device 0 (node 0, local 0): experts 0, 6 -> devices {0, 3}, nodes {0, 1}
+#   t1 on device 1 (node 0, local 1): experts 4, 5 -> device {2},    node {1}
+#   t2 on device 2 (node 1, local 0): experts 2, 3 -> device {1},    node {0}
+#   t3 on device 3 (node 1, local 1): experts 7, 4 -> devices {3, 2}, node {1}
+NODE_IDS = torch.tensor([[0, 6], [4, 5], [2, 3], [7, 4]])
+NODE_DEV = contiguous_expert_device(8, 4)
+
+
+def test_two_stage_rows_by_hand():
+    stage1, stage2 = two_stage_rows(NODE_IDS, NODE_DEV, 4, nodes=2)
+    # stage 1 goes to the gateway of the sender's local index: t0 0->0 (home) and 0->2; t1 1->3;
+    # t2 2->0; t3 3->3 (home). 5 rows = sum of N_T (2 + 1 + 1 + 1).
+    assert stage1.tolist() == [[1, 0, 1, 0], [0, 0, 0, 1], [1, 0, 0, 0], [0, 0, 0, 1]]
+    # stage 2 fans out inside the node: t0 at gateway 0 -> 0, at gateway 2 -> 3; t1 at 3 -> 2;
+    # t2 at 0 -> 1; t3 at 3 -> 3 and 3 -> 2. 6 rows = sum of C_T (2 + 1 + 1 + 2).
+    assert stage2.tolist() == [[1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 2, 1]]
+    assert split_rows(stage1, 2) == {"kept": 2, "intra_node": 0, "cross_node": 3}
+    assert split_rows(stage2, 2) == {"kept": 2, "intra_node": 4, "cross_node": 0}
+    # flat: t0 0->0, 0->3; t1 1->2; t2 2->1; t3 3->3, 3->2: 3 rows cross nodes, 1 stays inside one
+    assert split_rows(rows_matrix(NODE_IDS, NODE_DEV, 4), 2) == {"kept": 2, "intra_node": 1, "cross_node": 3}
+    with pytest.raises(ValueError, match="nodes=3 does not divide devices=4"):
+        two_stage_rows(NODE_IDS, NODE_DEV, 4, nodes=3)
+
+
+def test_two_stage_prices_each_stage_on_its_link():
+    shape = get_cluster("lab:dpn=2,nodes=2,intra=100,inter=10,latency=5")
+    stage1, stage2 = two_stage_rows(NODE_IDS, NODE_DEV, 4, nodes=2)
+    # 1 MB rows. Stage 1: every device sends and receives at most 1 row across nodes: 1 MB / 10 GB/s
+    # = 0.1 ms, and its transpose the same. Stage 2: device 3 sends 2 rows to device 2 inside the node:
+    # 2 MB / 100 GB/s = 0.02 ms, transpose the same. Four all-to-alls, 5 us latency each.
+    expected = 0.1 + 0.1 + 0.02 + 0.02 + 4 * 0.005
+    assert predict_two_stage_exchange_ms(stage1, stage2, MB, shape) == pytest.approx(expected)
+
+
+def test_node_presets_and_predictions_order_the_exchanges():
+    assert {"2x8-ib", "4x8-ib"} <= set(CLUSTER_PRESETS) and get_cluster("2x8-ib").num_devices == 16
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.softmax(torch.randn(2048, 64, generator=gen), dim=-1)
+    shape = get_cluster("4x8-ib")
+    out = predict_node_exchange(scores, 8, shape, 4096, node_budgets=(1, 2))
+    ids = scores.topk(8, dim=-1).indices
+    dev = contiguous_expert_device(64, 32)
+    assert out["two_stage"]["rows_per_token"] == pytest.approx(node_comm_complexity(ids, dev, 32, 4))
+    assert out["dedup"]["rows_per_token"] == pytest.approx(
+        float(devices_per_token(ids, dev, 32).float().mean())
+    )
+    # across nodes: K > C_T-on-other-nodes > N_T-on-other-nodes
+    cross = {k: v["cross_node_rows_per_token"] for k, v in out.items()}
+    assert cross["per_expert"] > cross["dedup"] > cross["two_stage"] > cross["two_stage_nodes2"]
+    assert out["two_stage_nodes1"]["rows_per_token"] == 1.0  # node budget 1: one node per token
+    # without latency (bandwidth only) the two-stage exchange is fastest; with it, it pays 4 latencies
+    # against 2 (64 tokens per device are few: here 4 x 30 us outweighs the bytes saved)
+    bare = predict_node_exchange(scores, 8, get_cluster("bare:dpn=8,nodes=4,intra=450,inter=50"), 4096)
+    assert bare["two_stage"]["exchange_ms"] < bare["dedup"]["exchange_ms"] < bare["per_expert"]["exchange_ms"]
+    assert out["two_stage"]["exchange_ms"] - bare["two_stage"]["exchange_ms"] == pytest.approx(4 * 0.030)
+    assert out["dedup"]["exchange_ms"] - bare["dedup"]["exchange_ms"] == pytest.approx(2 * 0.030)
+    with pytest.raises(ValueError, match="node budget 0 cannot hold top-8"):
+        predict_node_exchange(scores, 8, shape, 4096, node_budgets=(0,))

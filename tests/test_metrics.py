@@ -13,8 +13,11 @@ from occult_ft.metrics import (
     device_load,
     devices_per_token,
     expert_device_from_groups,
+    expert_node,
     intra_share,
     load_imbalance,
+    node_comm_complexity,
+    nodes_per_token,
     random_placement_comm_complexity,
     routing_report,
 )
@@ -89,3 +92,29 @@ def test_report_weights_layers_by_tokens():
     assert rep.comm_complexity == pytest.approx((5 / 3 * 3 + 1) / 4)
     assert rep.layers[0].naive_rows_per_token == 2
     assert rep.devices_histogram == [0, 2, 2, 0, 0]
+
+
+def test_node_comm_complexity_by_hand():
+    # 2 nodes of 2 devices: node 0 = devices 0, 1 = experts 0-3; node 1 = devices 2, 3 = experts 4-7.
+    # token 0 -> devices {0} -> node {0}: 1;  token 1 -> devices {0, 1} -> node {0}: 1 (C_T 2, N_T 1)
+    # token 2 -> devices {0, 3} -> nodes {0, 1}: 2.   mean N_T = 4 / 3, mean C_T = 5 / 3
+    assert expert_node(DEV, 4, 2).tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert nodes_per_token(IDS, DEV, 4, 2).tolist() == [1, 1, 2]
+    assert node_comm_complexity(IDS, DEV, 4, 2) == pytest.approx(4 / 3)
+    assert node_comm_complexity(IDS, DEV, 4, 4) == pytest.approx(
+        comm_complexity(IDS, DEV, 4)
+    )  # 1 device/node
+    assert node_comm_complexity(IDS, DEV, 4, 1) == 1.0
+    assert node_comm_complexity(IDS[:0], DEV, 4, 2) == 0.0
+    with pytest.raises(ValueError, match=r"nodes=3 does not divide devices=4; use one of \[1, 2, 4\]"):
+        nodes_per_token(IDS, DEV, 4, 3)
+
+
+def test_report_gives_node_comm_complexity_beside_the_device_one():
+    rep = routing_report({0: IDS, 1: torch.tensor([[0, 7]])}, DEV, 4, 8, nodes=2)
+    # layer 0: 4 / 3 (above); layer 1: experts 0 and 7 -> nodes {0, 1}: 2. Token-weighted: (4 + 2) / 4
+    assert [m.node_comm_complexity for m in rep.layers] == [pytest.approx(4 / 3), 2.0]
+    assert (rep.nodes, rep.node_comm_complexity) == (2, pytest.approx(6 / 4))
+    assert rep.to_dict()["node_comm_complexity"] == pytest.approx(1.5)
+    single = routing_report({0: IDS}, DEV, 4, 8)
+    assert single.node_comm_complexity is None and single.layers[0].node_comm_complexity is None

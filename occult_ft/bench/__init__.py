@@ -9,6 +9,7 @@ and the time of its forward exchange (dispatch + combine):
     hf_native_ep                 transformers' own AllToAllEP
     occult_dedup                 occult_ft.dispatch: one row per (token, device) = C_T rows per token
     occult_dedup_prune{M}        the same after collaboration pruning to M devices per token
+    occult_two_stage[_prune{M}]  (--nodes N > 1) one row per (token, node) across nodes, fanned out inside
 
 and predicts, with `occult_ft.costmodel`, the exchange time on named cluster shapes.
 
@@ -29,6 +30,7 @@ from .workload import (
     KINDS,
     OURS,
     PEERS,
+    TWO_STAGE,
     LayerRouting,
     Workload,
     deepspeed_capacity,
@@ -38,6 +40,7 @@ from .workload import (
     pruned_name,
     routing_variants,
     synthetic_workload,
+    two_stage_name,
 )
 
 __all__ = [
@@ -45,6 +48,8 @@ __all__ = [
     "KINDS",
     "PEERS",
     "OURS",
+    "TWO_STAGE",
+    "two_stage_name",
     "DEFAULT_BUDGETS",
     "DEFINITIONS",
     "TARGETS",

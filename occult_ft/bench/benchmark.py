@@ -6,6 +6,12 @@ rows each process sent are exactly the volumes the routing implies (`workload.la
 de-duplicated dispatch that is sum over tokens of C_T), then aggregate per backend, predict the
 exchange on named cluster shapes (`occult_ft.costmodel`) and state whether the targets were reached.
 
+With `settings.nodes` N > 1 the D processes are read as N nodes of D/N consecutive processes: the
+two-stage exchange (`occult_two_stage`, and after each pruning budget) is measured too, every backend's
+rows are split into rows inside nodes and rows across nodes, and the run checks that the two-stage
+exchange sends exactly sum over tokens of N_T rows over its inter-node stage (of which those to other
+nodes cross: the node-level count), against the flat exchange's cross-node device rows.
+
 Report fields (`definitions` in the report repeats them):
     kind              dispatch family: capacity (DeepSpeed classic), per_expert or dedup (`workload.KINDS`)
     max_devices_per_token  the pruning budget M of a pruned de-duplicated backend; None for the others
@@ -13,7 +19,10 @@ Report fields (`definitions` in the report repeats them):
                       combine sends as many back); rows a process sends itself are included, as in C_T
     rows_per_token    rows / (tokens x layers): K for per-expert dispatch, C_T for de-duplicated
     remote_rows       rows that cross processes
-    bytes             payload of dispatch + combine: 2 x rows x hidden x element size
+    bytes             payload of dispatch + combine: 2 x rows x hidden x element size (two-stage: both
+                      stages, 2 x (rows + stage2_rows) x hidden x element size)
+    cross_node_rows   (nodes > 1) dispatch rows between two nodes; cross_node_bytes = 2 x that x row bytes
+    intra_node_rows   (nodes > 1) dispatch rows between two devices of one node (two-stage: its fan-out)
     collective_bytes  bytes handed to the collectives, measured: payload + metadata (split sizes,
                       local expert ids, gate weights)
     exchange_ms       time inside the collectives of one forward (dispatch + combine) of all measured
@@ -33,21 +42,27 @@ from ..costmodel import (
     capacity_rows_matrix,
     get_cluster,
     predict_exchange_ms,
+    predict_two_stage_exchange_ms,
     pruned_topk,
     rows_matrix,
+    split_rows,
+    token_ranks,
+    two_stage_rows,
 )
-from ..metrics import contiguous_expert_device, devices_per_token
+from ..metrics import contiguous_expert_device, device_counts, devices_per_token, expert_node
 from .runner import BenchSettings, run_exchanges
 from .workload import (
     BACKENDS,
     KINDS,
     PEERS,
+    TWO_STAGE,
     Workload,
     deepspeed_capacity,
     layer_volumes,
     mean_comm_complexity,
     pruned_name,
     routing_variants,
+    two_stage_name,
 )
 
 __all__ = ["DEFAULT_BUDGETS", "TARGETS", "DEFINITIONS", "run_benchmark", "check_inputs"]
@@ -71,6 +86,11 @@ DEFINITIONS = {
     "per iteration the slowest process, median over iterations",
     "path_ms": "the same for the whole dispatch + combine path (packing, layouts and unpacking included)",
     "speedup_vs_best_peer": "exchange_ms of the fastest peer / exchange_ms of this backend",
+    "cross_node_rows": "(nodes > 1) dispatch rows that travel between two nodes (the combine sends as many back)",
+    "cross_node_bytes": "(nodes > 1) 2 x cross_node_rows x hidden x element size",
+    "intra_node_rows": "(nodes > 1) dispatch rows between two devices of one node (two-stage: its fan-out stage)",
+    "stage2_rows": "two-stage only: rows of the intra-node fan-out stage (rows counts the inter-node stage)",
+    "node_comm_complexity": "mean distinct nodes per token (N_T): the two-stage exchange's rows per token",
 }
 
 
@@ -109,9 +129,24 @@ def _check_volumes(
     name: str, li: int, measured: dict, ids_TK: torch.Tensor, num_experts: int, settings: BenchSettings
 ) -> None:
     expected_DD, dropped = layer_volumes(
-        ids_TK, name, num_experts, settings.devices, settings.capacity_factor, settings.min_capacity
+        ids_TK,
+        name,
+        num_experts,
+        settings.devices,
+        settings.capacity_factor,
+        settings.min_capacity,
+        nodes=settings.nodes,
     )
     got_DD = torch.tensor(measured["rows_DD"], dtype=torch.long)
+    if name.startswith(TWO_STAGE):
+        dev_E = contiguous_expert_device(num_experts, settings.devices)
+        stage2_DD = two_stage_rows(ids_TK, dev_E, settings.devices, settings.nodes)[1]
+        got2_DD = torch.tensor(measured["stage2_rows_DD"], dtype=torch.long)
+        if not torch.equal(got2_DD, stage2_DD):
+            raise RuntimeError(
+                f"{name}, layer {li}: the intra-node stage sent {got2_DD.sum().item()} rows but the routing "
+                f"implies {stage2_DD.sum().item()}; please report this bug"
+            )
     if not torch.equal(got_DD, expected_DD) or measured["dropped_routes"] != dropped:
         raise RuntimeError(
             f"{name}, layer {li}: the processes sent {got_DD.sum().item()} rows ({measured['dropped_routes']} routes "
@@ -138,6 +173,26 @@ def _cluster_rows(
     if budget is not None:
         ids_TK = pruned_topk(scores_TE, ids_TK, dev_E, devices, min(budget, devices))
     return rows_matrix(ids_TK, dev_E, devices, dedup=kind == "dedup")
+
+
+def _node_counts(ids_TK: torch.Tensor, num_experts: int, devices: int, nodes: int) -> tuple[int, int]:
+    """(sum over tokens of N_T, sum over tokens of the nodes other than the token's own among them)."""
+    node_E = expert_node(contiguous_expert_device(num_experts, devices), devices, nodes)
+    present_TN = device_counts(ids_TK, node_E, nodes) > 0
+    own_T = token_ranks(ids_TK.shape[0], devices) // (devices // nodes)
+    home = int(present_TN[torch.arange(ids_TK.shape[0]), own_T].sum()) if ids_TK.shape[0] else 0
+    return int(present_TN.sum()), int(present_TN.sum()) - home
+
+
+def _node_split(name: str, rows_DD: torch.Tensor, stage2_DD: torch.Tensor | None, per_node: int) -> dict:
+    """cross_node_rows / intra_node_rows of one dispatch (both stages of a two-stage one)."""
+    parts = [split_rows(rows_DD, per_node)] + (
+        [split_rows(stage2_DD, per_node)] if stage2_DD is not None else []
+    )
+    return {
+        "cross_node_rows": sum(p["cross_node"] for p in parts),
+        "intra_node_rows": sum(p["intra_node"] for p in parts),
+    }
 
 
 def _cost_model(
@@ -179,23 +234,44 @@ def _cost_model(
                 left_out.append(name)
                 continue
             total = 0.0
-            rows = 0
+            rows = cross = intra = 0
             for li, lr in enumerate(workload.layers):
-                if d == settings.devices and (name, li) in measured_rows:
-                    rows_DD = measured_rows[(name, li)]
+                stage2_DD = None
+                if kind == "two_stage":
+                    dev_E = contiguous_expert_device(workload.num_experts, d)
+                    ids_TK = lr.topk_ids_TK
+                    if budget is not None:
+                        ids_TK = pruned_topk(lr.scores_TE, ids_TK, dev_E, d, min(budget, d))
+                    rows_DD, stage2_DD = two_stage_rows(ids_TK, dev_E, d, shape.nodes)
+                    total += predict_two_stage_exchange_ms(rows_DD, stage2_DD, bytes_per_row, shape)
                 else:
-                    factor = settings.capacity_factor if name == "deepspeed_classic" else None
-                    rows_DD = _cluster_rows(
-                        kind, factor, lr.topk_ids_TK, lr.scores_TE, workload.num_experts, d, settings, budget
-                    )
-                total += predict_exchange_ms(rows_DD, bytes_per_row, shape)
+                    if d == settings.devices and (name, li) in measured_rows:
+                        rows_DD = measured_rows[(name, li)]
+                    else:
+                        factor = settings.capacity_factor if name == "deepspeed_classic" else None
+                        rows_DD = _cluster_rows(
+                            kind,
+                            factor,
+                            lr.topk_ids_TK,
+                            lr.scores_TE,
+                            workload.num_experts,
+                            d,
+                            settings,
+                            budget,
+                        )
+                    total += predict_exchange_ms(rows_DD, bytes_per_row, shape)
                 rows += int(rows_DD.sum())
+                split = _node_split(name, rows_DD, stage2_DD, shape.devices_per_node)
+                cross += split["cross_node_rows"]
+                intra += split["intra_node_rows"]
             preds.append(
                 {
                     "backend": name,
                     "kind": kind,
                     "max_devices_per_token": budget,
                     "rows_per_token": rows / (workload.tokens * len(workload.layers)),
+                    "cross_node_MB": 2 * cross * bytes_per_row / 1e6,
+                    "intra_node_MB": 2 * intra * bytes_per_row / 1e6,
                     "predicted_ms": total,
                 }
             )
@@ -241,9 +317,15 @@ def run_benchmark(
         get_cluster(c)  # unknown presets fail before minutes of measuring
     workload.truncate(workload.tokens - workload.tokens % d)
     kept, notes = _feasible_budgets(budgets, e, k, d)
+    nodes = settings.nodes
     budget_of = {pruned_name(m): m for m in kept}
     kind_of = {**KINDS, **dict.fromkeys(budget_of, "dedup")}
     all_names = list(BACKENDS) + list(budget_of)
+    if nodes > 1:
+        staged = {two_stage_name(): None, **{two_stage_name(m): m for m in kept}}
+        budget_of.update({n: m for n, m in staged.items() if m is not None})
+        kind_of.update(dict.fromkeys(staged, "two_stage"))
+        all_names += list(staged)
     names = all_names if backends is None else list(backends)
     unknown = [n for n in names if n not in all_names]
     if unknown:
@@ -260,6 +342,11 @@ def run_benchmark(
         entry = {"layer": lr.layer, "comm_complexity": mean_comm_complexity(lr.topk_ids_TK, e, d)}
         for m in kept:
             entry[f"comm_complexity_prune{m}"] = mean_comm_complexity(variants[pruned_name(m)][li][0], e, d)
+        if nodes > 1:
+            entry["node_comm_complexity"] = _node_counts(lr.topk_ids_TK, e, d, nodes)[0] / tokens
+            for m in kept:
+                ids_m = variants[pruned_name(m)][li][0]
+                entry[f"node_comm_complexity_prune{m}"] = _node_counts(ids_m, e, d, nodes)[0] / tokens
         entry["backends"] = []
         for name in names:
             ids_TK = variants[name][li][0]
@@ -272,13 +359,26 @@ def run_benchmark(
                 rows_DD, dropped = layer_volumes(
                     ids_TK, name, e, d, settings.capacity_factor, settings.min_capacity
                 )
+            stage2_DD = None
+            if name.startswith(TWO_STAGE):
+                if name in got:
+                    stage2_DD = torch.tensor(got[name]["stage2_rows_DD"], dtype=torch.long)
+                else:
+                    stage2_DD = two_stage_rows(ids_TK, contiguous_expert_device(e, d), d, nodes)[1]
+            remote = int(rows_DD.sum() - rows_DD.diagonal().sum())
+            if stage2_DD is not None:
+                remote += int(stage2_DD.sum() - stage2_DD.diagonal().sum())
             row = {
                 "backend": name,
                 "rows": int(rows_DD.sum()),
                 "rows_per_token": float(rows_DD.sum()) / tokens,
-                "remote_rows": int(rows_DD.sum() - rows_DD.diagonal().sum()),
+                "remote_rows": remote,
                 "dropped_routes": dropped,
             }
+            if stage2_DD is not None:
+                row["stage2_rows"] = int(stage2_DD.sum())
+            if nodes > 1:
+                row.update(_node_split(name, rows_DD, stage2_DD, d // nodes))
             if name in got:
                 row.update(
                     exchange_ms=got[name]["exchange_ms"],
@@ -307,10 +407,21 @@ def run_benchmark(
             "rows_per_token": rows / (tokens * n_layers),
             "rows": rows,
             "remote_rows": sum(r["remote_rows"] for r in rows_l),
-            "bytes": 2 * rows * workload.hidden * elem,
+            "bytes": 2 * (rows + sum(r.get("stage2_rows", 0) for r in rows_l)) * workload.hidden * elem,
         }
         if row["kind"] == "dedup":
             row["comm_complexity"] = row["rows_per_token"]
+        if row["kind"] == "two_stage":
+            row["stage2_rows"] = sum(r["stage2_rows"] for r in rows_l)
+            row["node_comm_complexity"] = row["rows_per_token"]
+        if nodes > 1:
+            cross = sum(r["cross_node_rows"] for r in rows_l)
+            row.update(
+                cross_node_rows=cross,
+                cross_node_rows_per_token=cross / (tokens * n_layers),
+                cross_node_bytes=2 * cross * workload.hidden * elem,
+                intra_node_rows=sum(r["intra_node_rows"] for r in rows_l),
+            )
         if row["kind"] == "capacity":
             row["dropped_share"] = sum(r["dropped_routes"] for r in rows_l) / (tokens * k * n_layers)
         if row["measured"]:
@@ -355,6 +466,19 @@ def run_benchmark(
             for pl, lr in zip(per_layer, workload.layers)
         )
 
+    if TWO_STAGE in names:
+        # the inter-node stage sends sum over tokens of N_T rows; those to other nodes cross the network
+        checks = []
+        for pl, lr in zip(per_layer, workload.layers):
+            node_rows, remote_node_rows = _node_counts(lr.topk_ids_TK, e, d, nodes)
+            b = next(b for b in pl["backends"] if b["backend"] == TWO_STAGE)
+            checks.append(b["rows"] == node_rows and b["cross_node_rows"] == remote_node_rows)
+        targets["cross_node_rows_equal_node_count"] = all(checks)
+        if not all(checks):
+            raise RuntimeError(
+                "the two-stage exchange's cross-node rows differ from the node-level count; please report this bug"
+            )
+
     notes = list(workload.notes) + notes
     for name, how in implementation.items():
         if how.startswith("occult_ft replica"):
@@ -371,6 +495,7 @@ def run_benchmark(
         "model": workload.name,
         "placement": workload.placement,
         "devices": d,
+        "nodes": nodes,
         "transport": raw["transport"],
         "tokens": tokens,
         "tokens_per_device": tokens // d,

@@ -21,6 +21,8 @@ part of `run()`.
                               "all_to_all")`), called with an identity experts module.
     occult_dedup[_pruneM]     occult_ft.dispatch: `compute_layout`, `dispatch`, `combine` (one row per
                               (token, device)).
+    occult_two_stage[_pruneM] occult_ft.dispatch.two_stage (with --nodes N > 1): one row per (token, node)
+                              to the node's gateway, fanned out to the node's devices; combine in reverse.
 
 Without an importable deepspeed (e.g. on a GPU machine without it), the two DeepSpeed rows fall back to
 `CapacityReplicaExchange`: the same [E, C, H] buffer and capacity formula, built here ("position" drop
@@ -115,7 +117,10 @@ class Exchange(ABC):
     Attributes:
         name: backend name.
         implementation: what exactly runs (library, function, settings).
-        send_rows_D: rows this rank's dispatch sends to each rank (the combine sends them back).
+        send_rows_D: rows this rank's dispatch sends to each rank (the combine sends them back); for
+            the two-stage exchange, its first (inter-node) stage.
+        stage2_rows_D: rows this rank sends to each rank in the second (intra-node) stage of a
+            two-stage exchange; empty for one-stage backends.
         dropped_routes: (token, expert) routes the backend drops on this rank (capacity overflow).
     """
 
@@ -124,6 +129,7 @@ class Exchange(ABC):
 
     def __init__(self):
         self.send_rows_D: list[int] = []
+        self.stage2_rows_D: list[int] = []
         self.dropped_routes = 0
 
     @abstractmethod
@@ -356,6 +362,36 @@ class DedupExchange(Exchange):
         return combine(recv_x_RH, received, self.group, out_dtype=hidden_TH.dtype)
 
 
+class TwoStageExchange(Exchange):
+    """occult_ft.dispatch.two_stage: one row per (token, node) across nodes, fanned out inside the node."""
+
+    implementation = (
+        "occult_ft.dispatch.two_stage: two_stage_dispatch + two_stage_combine (one row per (token, node) "
+        "to the gateway of the sender's local index, then one per (token, device) inside the node)"
+    )
+
+    def __init__(self, name: str, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, groups):
+        super().__init__()
+        from ..dispatch import two_stage_dispatch
+
+        self.name, self.groups, self.num_experts = name, groups, num_experts
+        self.args = (hidden_TH, topk_ids_TK, weights_TK.to(hidden_TH.dtype))
+        _, _, handle = two_stage_dispatch(*self.args, num_experts, groups)  # a trial run, for the volumes
+        world, local_size = groups.num_devices, groups.local_size
+        self.send_rows_D = [0] * world
+        for m, count in enumerate(handle.node_layout.send_splits):
+            self.send_rows_D[m * local_size + groups.local_rank] = count
+        self.stage2_rows_D = [0] * world
+        for li, count in enumerate(handle.device_layout.send_splits):
+            self.stage2_rows_D[groups.node * local_size + li] = count
+
+    def run(self) -> torch.Tensor:
+        from ..dispatch import two_stage_combine, two_stage_dispatch
+
+        recv_x_VH, _, handle = two_stage_dispatch(*self.args, self.num_experts, self.groups)
+        return two_stage_combine(recv_x_VH, handle, out_dtype=self.args[0].dtype)
+
+
 def init_deepspeed_comm(backend: str) -> str | None:
     """Initialise deepspeed.comm on top of the running torch.distributed; None, or why it failed."""
     try:
@@ -380,8 +416,10 @@ def build_exchange(
     min_capacity: int = 4,
     deepspeed_error: str | None = None,
     mesh=None,
+    node_groups=None,
 ) -> Exchange:
-    """The `Exchange` of backend `name` for this rank's tokens (see the module docstring)."""
+    """The `Exchange` of backend `name` for this rank's tokens (see the module docstring); the two-stage
+    backends need `node_groups` (`occult_ft.dispatch.node_groups`)."""
     if name in ("deepspeed_classic", "deepspeed_classic_nodrop"):
         factor = capacity_factor if name == "deepspeed_classic" else None
         if deepspeed_error is None:
@@ -397,6 +435,10 @@ def build_exchange(
         if mesh is None:
             raise RuntimeError("transformers native EP needs a device mesh")
         return HFNativeEPExchange(hidden_TH, topk_ids_TK, weights_TK, num_experts, group, mesh)
+    if name.startswith("occult_two_stage"):
+        if node_groups is None:
+            raise RuntimeError("the two-stage exchange needs node groups (run with nodes > 1)")
+        return TwoStageExchange(name, hidden_TH, topk_ids_TK, weights_TK, num_experts, node_groups)
     if name.startswith("occult_dedup"):
         return DedupExchange(name, hidden_TH, topk_ids_TK, weights_TK, num_experts, group)
     raise ValueError(f"unknown backend {name!r}")

@@ -19,9 +19,13 @@ def format_report(report: dict) -> str:
         f"({r['tokens_per_device']}/process) | hidden {r['hidden']} {r['dtype']} | "
         f"{len(r['moe_layers'])} MoE layer(s) | median of {r['iters']} after {r['warmup']} warm-up"
     )
+    nodes = r.get("nodes", 1)
+    if nodes > 1:
+        head += f" | {nodes} nodes x {r['devices'] // nodes} processes"
     lines = [head, ""]
+    node_head = f" {'x-node/tok':>10} {'x-node MB':>9} {'in-node':>9}" if nodes > 1 else ""
     lines.append(
-        f"{'backend':<26} {'rows/tok':>8} {'rows':>10} {'remote':>10} {'MB':>9} {'exch ms':>9} "
+        f"{'backend':<26} {'rows/tok':>8} {'rows':>10} {'remote':>10} {'MB':>9}{node_head} {'exch ms':>9} "
         f"{'path ms':>9} {'vs best':>8}  notes"
     )
     mb = 1e6
@@ -34,9 +38,14 @@ def format_report(report: dict) -> str:
         if not b["measured"]:
             notes.append(f"not measured: {b.get('reason', '')}")
         speed = b.get("speedup_vs_best_peer")
+        node_cols = (
+            f" {b['cross_node_rows_per_token']:>10.3f} {b['cross_node_bytes'] / mb:>9.1f} {b['intra_node_rows']:>9}"
+            if nodes > 1
+            else ""
+        )
         lines.append(
             f"{b['backend']:<26} {b['rows_per_token']:>8.3f} {b['rows']:>10} {b['remote_rows']:>10} "
-            f"{b['bytes'] / mb:>9.1f} {_num(b['exchange_ms'], '.2f', 9)} {_num(b['path_ms'], '.2f', 9)} "
+            f"{b['bytes'] / mb:>9.1f}{node_cols} {_num(b['exchange_ms'], '.2f', 9)} {_num(b['path_ms'], '.2f', 9)} "
             f"{_num(speed, '.2f', 7)}{'x' if speed is not None else ' '}  {'; '.join(notes)}"
         )
     lines.append("")
@@ -48,6 +57,15 @@ def format_report(report: dict) -> str:
             for pl in r["layers"]
         )
     )
+    if nodes > 1:
+        lines.append(
+            "node_comm_complexity per layer: "
+            + ", ".join(
+                f"{pl['layer']}: {pl['node_comm_complexity']:.3f}"
+                + "".join(f" / prune{m} {pl[f'node_comm_complexity_prune{m}']:.3f}" for m in r["budgets"])
+                for pl in r["layers"]
+            )
+        )
     for name, t in r["targets"].items():
         if isinstance(t, dict):
             lines.append(
@@ -75,6 +93,11 @@ def format_report(report: dict) -> str:
             + "  ".join(
                 f"{p['backend']} {p['predicted_ms']:.3f}"
                 + (f" ({p['speedup_vs_best_peer']:.2f}x)" if p.get("speedup_vs_best_peer") else "")
+                + (
+                    f" [{p['cross_node_MB']:.1f} MB x-node]"
+                    if c["nodes"] > 1 and "cross_node_MB" in p
+                    else ""
+                )
                 for p in c["backends"]
             )
         )

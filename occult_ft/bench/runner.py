@@ -55,6 +55,8 @@ class BenchSettings:
         seed: seed of the random hidden rows.
         transport: "auto" (GPUs when present) or "cpu" (gloo on CPU).
         timeout_s: collective timeout of the process group.
+        nodes: N nodes the D processes are laid out as (D/N consecutive processes each); above 1 the
+            two-stage exchange is measured too and rows are split into inside / across nodes.
     """
 
     devices: int
@@ -66,11 +68,19 @@ class BenchSettings:
     seed: int = 0
     transport: str = "auto"
     timeout_s: float = 600.0
+    nodes: int = 1
 
     def __post_init__(self):
         if not isinstance(self.devices, int) or self.devices < 2:
             raise ValueError(
                 f"devices={self.devices!r}: the exchange needs at least 2 processes, e.g. --devices 4"
+            )
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
+            raise ValueError(f"nodes={self.nodes!r} must be a positive integer, e.g. --nodes 2")
+        if self.devices % self.nodes:
+            divisors = [n for n in range(1, self.devices + 1) if self.devices % n == 0]
+            raise ValueError(
+                f"nodes={self.nodes} does not divide devices={self.devices}; use one of {divisors}"
             )
         if self.iters < 1 or self.warmup < 0:
             raise ValueError(f"iters={self.iters} must be >= 1 and warmup={self.warmup} >= 0")
@@ -138,6 +148,11 @@ def _measure(rank: int, world: int, spec: dict, device: torch.device, backend: s
         if not _agree(error is None, device, group):
             unavailable["hf_native_ep"] = error or "transformers native EP failed on another process"
     settings = spec["settings"]
+    groups = None
+    if settings.get("nodes", 1) > 1:
+        from ..dispatch import node_groups
+
+        groups = node_groups(settings["nodes"], group)
     layers_out = []
     clock = CollectiveClock()
     for li, layer in enumerate(spec["layers"]):
@@ -163,6 +178,7 @@ def _measure(rank: int, world: int, spec: dict, device: torch.device, backend: s
                         min_capacity=settings["min_capacity"],
                         deepspeed_error=ds_error,
                         mesh=mesh,
+                        node_groups=groups,
                     )
                     exchanges[name].run()  # a trial run: failures surface here, on every process alike
             except Exception as exc:  # noqa: BLE001 - reported as "not measured, because ..."
@@ -193,8 +209,11 @@ def _measure(rank: int, world: int, spec: dict, device: torch.device, backend: s
         rows = torch.tensor([exchanges[n].send_rows_D for n in active], dtype=torch.float64).reshape(
             len(active), world
         )
+        stage2 = torch.tensor(
+            [exchanges[n].stage2_rows_D or [0] * world for n in active], dtype=torch.float64
+        ).reshape(len(active), world)
         dropped = torch.tensor([exchanges[n].dropped_routes for n in active], dtype=torch.float64)
-        local = torch.cat([times.flatten(), nbytes, rows.flatten(), dropped]).to(device)
+        local = torch.cat([times.flatten(), nbytes, rows.flatten(), dropped, stage2.flatten()]).to(device)
         gathered = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(gathered, local, group=group)
         if rank == 0:
@@ -211,7 +230,8 @@ def _summarise(
     times_WBI2 = per_rank[:, :n_times].reshape(world, b, iters, 2)
     bytes_WB = per_rank[:, n_times : n_times + b]
     rows_WBD = per_rank[:, n_times + b : n_times + b + b * world].reshape(world, b, world)
-    dropped_WB = per_rank[:, n_times + b + b * world :]
+    dropped_WB = per_rank[:, n_times + b + b * world : n_times + 2 * b + b * world]
+    stage2_WBD = per_rank[:, n_times + 2 * b + b * world :].reshape(world, b, world)
     worst_BI2 = times_WBI2.max(dim=0).values * 1000.0  # a run ends when its slowest process is done
     out = {}
     for i, name in enumerate(active):
@@ -227,6 +247,8 @@ def _summarise(
             "rows_DD": rows_WBD[:, i, :].long().tolist(),
             "dropped_routes": int(dropped_WB[:, i].sum()),
         }
+        if exchanges[name].stage2_rows_D:
+            out[name]["stage2_rows_DD"] = stage2_WBD[:, i, :].long().tolist()
     return out
 
 
@@ -296,7 +318,8 @@ def run_exchanges(
     Returns:
         {"transport": description, "unavailable": {backend: reason},
          "layers": [per layer: backend -> {"exchange_ms", "path_ms", "exchange_ms_runs", "path_ms_runs",
-         "collective_bytes", "rows_DD" (D x D rows of one dispatch), "dropped_routes", "implementation"}]}
+         "collective_bytes", "rows_DD" (D x D rows of one dispatch; first stage of a two-stage one),
+         "stage2_rows_DD" (two-stage backends: its intra-node stage), "dropped_routes", "implementation"}]}
     """
     import torch.multiprocessing as mp
 

@@ -9,10 +9,12 @@ for 64 experts, top-8 and 4 devices this gives C_T ~ 3.63, close to OLMoE's meas
 `routing_variants` derives what each backend replays on the D benchmark processes: the unpruned routing
 (all peers and `occult_dedup`) and, per budget M, the routing after collaboration pruning with the
 router-score criterion (`occult_dedup_prune{M}`), applied per layer to the router scores recorded in
-the same pass. Tokens are split evenly and contiguously over the D processes (`token_ranks`).
+the same pass; the two-stage exchange (`occult_two_stage[_prune{M}]`, with nodes > 1) replays the same
+routings as its flat counterpart. Tokens are split evenly and contiguously over the D processes (`token_ranks`).
 
 `layer_volumes` gives, from the routing alone, the (D, D) rows each backend's dispatch all-to-all
-sends; the benchmark checks them against what its processes really sent.
+sends (the first, inter-node stage for two-stage backends; `costmodel.two_stage_rows` gives both
+stages); the benchmark checks them against what its processes really sent.
 
 Shape legend: T tokens, K experts per token, E experts, D devices, M = max_devices_per_token.
 """
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..costmodel import capacity_rows_matrix, pruned_topk, rows_matrix, token_ranks
+from ..costmodel import capacity_rows_matrix, pruned_topk, rows_matrix, token_ranks, two_stage_rows
 from ..metrics import contiguous_expert_device, devices_per_token
 
 __all__ = [
@@ -35,7 +37,9 @@ __all__ = [
     "BACKENDS",
     "KINDS",
     "DEEPSPEED_MIN_CAPACITY",
+    "TWO_STAGE",
     "pruned_name",
+    "two_stage_name",
     "LayerRouting",
     "Workload",
     "synthetic_workload",
@@ -61,14 +65,22 @@ KINDS = {
 }
 """Dispatch family of each backend in `BACKENDS`, the `kind` field of the report: `capacity` (a dense
 [E, C, H] buffer per process), `per_expert` (one row per (token, expert)) or `dedup` (one row per
-(token, device)). The pruned variants `pruned_name(M)` are `dedup` too, with budget M."""
+(token, device)). The pruned variants `pruned_name(M)` are `dedup` too, with budget M; the node-aware
+exchange `two_stage_name(M)` is `two_stage` (one row per (token, node) across nodes, then per device)."""
 DEEPSPEED_MIN_CAPACITY = 4  # deepspeed.moe.layer.MoE(min_capacity=4), its default
+TWO_STAGE = "occult_two_stage"
+"""The two-stage (node-aware) de-duplicated exchange, measured when the processes span nodes > 1."""
 
 
 def pruned_name(max_devices: int) -> str:
     """Backend name of de-duplicated dispatch with collaboration pruning to `max_devices` devices (a label:
     the report carries the budget itself as `max_devices_per_token`)."""
     return f"occult_dedup_prune{max_devices}"
+
+
+def two_stage_name(max_devices: int | None = None) -> str:
+    """Backend name of the two-stage exchange, after pruning to `max_devices` devices per token if given."""
+    return TWO_STAGE if max_devices is None else f"{TWO_STAGE}_prune{max_devices}"
 
 
 @dataclass
@@ -276,13 +288,13 @@ def routing_variants(workload: Workload, num_devices: int, budgets: Sequence[int
     """
     expert_device_E = contiguous_expert_device(workload.num_experts, num_devices)
     base = [(lr.topk_ids_TK.long(), lr.weights_TK.float()) for lr in workload.layers]
-    out: dict[str, list[tuple]] = {name: base for name in BACKENDS}
+    out: dict[str, list[tuple]] = {name: base for name in (*BACKENDS, TWO_STAGE)}
     for m in budgets:
         pruned = []
         for lr in workload.layers:
             ids_TK = pruned_topk(lr.scores_TE, lr.topk_ids_TK, expert_device_E, num_devices, m)
             pruned.append((ids_TK, lr.gate_weights(ids_TK)))
-        out[pruned_name(m)] = pruned
+        out[pruned_name(m)] = out[two_stage_name(m)] = pruned
     return out
 
 
@@ -322,9 +334,13 @@ def layer_volumes(
     num_devices: int,
     capacity_factor: float = 1.0,
     min_capacity: int = DEEPSPEED_MIN_CAPACITY,
+    nodes: int = 1,
 ) -> tuple[torch.Tensor, int]:
-    """((D, D) rows the backend's dispatch all-to-all sends, routes it drops) for one layer's routing."""
+    """((D, D) rows the backend's dispatch all-to-all sends, routes it drops) for one layer's routing;
+    for the two-stage backends (over `nodes` nodes) the rows of its first, inter-node stage."""
     expert_device_E = contiguous_expert_device(num_experts, num_devices)
+    if backend.startswith(TWO_STAGE):
+        return two_stage_rows(topk_ids_TK, expert_device_E, num_devices, nodes)[0], 0
     if backend in ("deepspeed_classic", "deepspeed_classic_nodrop"):
         factor = capacity_factor if backend == "deepspeed_classic" else None
         capacity, dropped = deepspeed_capacity(topk_ids_TK, num_experts, num_devices, factor, min_capacity)

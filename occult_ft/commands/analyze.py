@@ -2,7 +2,9 @@
 
 Reports the routing metrics of the model's real routing on DATA: comm_complexity (mean devices per
 token; rows a de-duplicated all-to-all sends), intra_share, devices-per-token histogram, rows per
-token for per-expert (k) vs de-duplicated dispatch, and per-device load imbalance, per layer and overall.
+token for per-expert (k) vs de-duplicated dispatch, and per-device load imbalance, per layer and overall;
+with --nodes N > 1 also node_comm_complexity (mean distinct nodes per token: the rows the two-stage
+exchange sends across its inter-node stage).
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ def add_parser(sub):
     )
     add_model_data_args(p)
     p.add_argument("--devices", type=positive_int, required=True, help="expert-parallel size D")
+    p.add_argument(
+        "--nodes",
+        type=positive_int,
+        default=1,
+        help="nodes N the D devices span (reports node_comm_complexity)",
+    )
     p.add_argument("--placement", default=None, help="placement JSON (default: the model's own expert order)")
     p.add_argument("--max-devices-per-token", type=int, default=None, help="analyse with this pruning budget")
     p.add_argument("--criterion", default="score", help=f"one of {', '.join(CRITERIA)}")
@@ -46,6 +54,11 @@ def format_report(report) -> str:
         f"{'all':>5} {sum(m.tokens for m in report.layers):>8} {report.comm_complexity:>8.3f} {report.intra_share:>7.3f}"
         f" {report.top_k:>7} {report.comm_complexity:>10.3f} {report.load_imbalance:>6.2f}  {report.devices_histogram}"
     )
+    if getattr(report, "node_comm_complexity", None) is not None:
+        per_layer = ", ".join(f"{m.layer}: {m.node_comm_complexity:.3f}" for m in report.layers)
+        lines.append(
+            f"node_comm_complexity ({report.nodes} nodes): {report.node_comm_complexity:.3f} (per layer {per_layer})"
+        )
     for key, value in report.extra.items():
         lines.append(f"{key}: {value}")
     return "\n".join(lines)
@@ -60,9 +73,11 @@ def analyze_model(
     criterion="score",
     similarity=None,
     max_tokens=None,
+    nodes=1,
 ):
     """Routing report of `model` on `batches` (placement applied in memory first). A model whose routers
-    already prune (a pruned checkpoint) keeps its budget unless `max_devices_per_token` is given."""
+    already prune (a pruned checkpoint) keeps its budget unless `max_devices_per_token` is given.
+    With `nodes` > 1 the report also holds node_comm_complexity."""
     from ..apply import apply_occult
     from ..metrics import contiguous_expert_device, random_placement_comm_complexity, routing_report
     from ..models import find_moe_layers
@@ -79,7 +94,7 @@ def analyze_model(
     prof = profile_model(model, batches, max_tokens=max_tokens, progress=False)
     layers = find_moe_layers(model)
     e, k = layers[0].num_experts, layers[0].top_k
-    report = routing_report(prof.topk_ids(), contiguous_expert_device(e, devices), devices, e)
+    report = routing_report(prof.topk_ids(), contiguous_expert_device(e, devices), devices, e, nodes=nodes)
     report.extra["random_placement_comm_complexity"] = round(
         random_placement_comm_complexity(e, k, devices), 4
     )
@@ -92,6 +107,11 @@ def run(args) -> int:
     from ..apply import profile_similarity, resolve_placement
     from ..checkpoint import from_pretrained, load_tokenizer, model_block, resolve_model_path
 
+    if args.devices % args.nodes:
+        divisors = [n for n in range(1, args.devices + 1) if args.devices % n == 0]
+        raise ValueError(
+            f"--nodes {args.nodes} does not divide --devices {args.devices}; use one of {divisors}"
+        )
     data = load_data(args.data)
     model = from_pretrained(args.model)  # a pruned checkpoint routes with its own budget
     tokenizer = load_tokenizer(resolve_model_path(args.model))
@@ -120,6 +140,7 @@ def run(args) -> int:
         args.criterion,
         similarity,
         args.max_tokens,
+        nodes=args.nodes,
     )
     if args.plot:
         from ..plots import plot_report

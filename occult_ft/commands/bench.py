@@ -6,7 +6,9 @@ measures per MoE layer the rows and bytes sent and the time of the forward excha
 combine) of: DeepSpeed's classic MoE (capacity factor, and drop-free), per-expert dispatch (one row
 per (token, expert), as transformers native EP / DeepSpeed AutoEP send), transformers' native
 AllToAllEP, occult_ft's de-duplicated dispatch, and the latter after collaboration pruning to 2 and 1
-devices per token (and to N with --max-devices-per-token). Routing comes from MODEL run over DATA
+devices per token (and to N with --max-devices-per-token). With --nodes N the D processes are read as
+N nodes of D/N consecutive processes: the two-stage exchange (once per node across nodes, then fan-out
+inside the node) is measured too, and rows and bytes are reported inside and across nodes. Routing comes from MODEL run over DATA
 (after --placement, if given), or from a synthetic layer. A cost model then predicts the exchange on
 named cluster shapes (--cluster, repeatable; presets or NAME:devices_per_node=8,nodes=2,intra=450,
 inter=50,latency=10). Prints a table, or with --json one JSON object.
@@ -72,6 +74,13 @@ def add_parser(sub):
     p.add_argument(
         "--devices", type=positive_int, required=True, help="processes = expert-parallel size D (>= 2)"
     )
+    p.add_argument(
+        "--nodes",
+        type=positive_int,
+        default=1,
+        help="read the D processes as N nodes of D/N (consecutive ranks); N > 1 adds the two-stage exchange "
+        "(occult_two_stage) and rows/bytes inside and across nodes",
+    )
     p.add_argument("--placement", default=None, help="placement JSON applied to the model first")
     p.add_argument(
         "--max-devices-per-token",
@@ -96,7 +105,8 @@ def add_parser(sub):
     p.add_argument(
         "--backends",
         default=None,
-        help=f"comma-separated subset to measure: {', '.join(BACKENDS)}, occult_dedup_pruneM",
+        help=f"comma-separated subset to measure: {', '.join(BACKENDS)}, occult_dedup_pruneM "
+        "(with --nodes > 1: occult_two_stage, occult_two_stage_pruneM)",
     )
     p.add_argument(
         "--cluster",
@@ -160,6 +170,7 @@ def run(args) -> int:
 
     settings = BenchSettings(
         devices=args.devices,
+        nodes=args.nodes,
         iters=args.iters,
         warmup=args.warmup,
         dtype=args.dtype,

@@ -10,6 +10,7 @@ comes back. Rows per token = C_T (`occult_ft.metrics.comm_complexity`) instead o
     local.py         local_experts_forward / local_moe_forward: grouped compute on one device
     comm.py          uneven all_to_all_single of row blocks, with autograd
     alltoall.py      dispatch, combine, dedup_moe_forward
+    two_stage.py     node-aware exchange: once per node over the network, then fan-out in the node
     experts_impl.py  "occult_ep" transformers experts kernel, shard_experts, gather_experts[_state_dict]
 
 Importing this package registers the "occult_ep" experts implementation with transformers.
@@ -31,6 +32,15 @@ from .experts_impl import (
 from .layout import LOCAL_SENTINEL, DispatchLayout, compute_layout
 from .local import BACKENDS, grouped_linear, local_experts_forward, local_moe_forward, num_local_experts
 from .reference import ExpertFn, expert_activation, expert_weights, experts_module_fn, reference_moe
+from .two_stage import (
+    NodeGroups,
+    TwoStageHandle,
+    fanout_layout,
+    node_groups,
+    two_stage_combine,
+    two_stage_dispatch,
+    two_stage_moe_forward,
+)
 
 __all__ = [
     # reference
@@ -59,6 +69,14 @@ __all__ = [
     "dispatch",
     "combine",
     "dedup_moe_forward",
+    # two-stage (node-aware) exchange
+    "NodeGroups",
+    "node_groups",
+    "fanout_layout",
+    "TwoStageHandle",
+    "two_stage_dispatch",
+    "two_stage_combine",
+    "two_stage_moe_forward",
     # transformers integration
     "EXPERTS_IMPLEMENTATION",
     "ExpertShard",

@@ -4,7 +4,9 @@ transformers 5.x routes every fused experts module through `ALL_EXPERTS_FUNCTION
 (`@use_experts_implementation`); the kernel is chosen by `config._experts_implementation`, set with
 `model.set_experts_implementation(name)`. We register `occult_ep_experts_forward` under
 `EXPERTS_IMPLEMENTATION = "occult_ep"`: it runs `dedup_moe_forward`, i.e. the de-duplicated
-all-to-all in which **a token is sent once per device however many of its experts live there**.
+all-to-all in which **a token is sent once per device however many of its experts live there**; with
+`shard_experts(model, group, nodes=N)`, N > 1, the two-stage exchange (`two_stage.py`: a token crosses
+the network once per node, then fans out inside the node), with the same results.
 
 `shard_experts(model, group)` turns a replicated model into an expert-parallel one: in every MoE
 layer (`occult_ft.models.find_moe_layers`) the fused expert tensors (`arch.expert_params`, dim 0 =
@@ -64,6 +66,7 @@ class ExpertShard:
         param_names: the sharded fused tensors (dim 0 = expert).
         previous_implementation: `config._experts_implementation` before sharding (restored by
             `gather_experts`).
+        nodes: N; above 1 the kernel runs the two-stage exchange over N nodes of D / N ranks.
     """
 
     group: dist.ProcessGroup | None
@@ -73,6 +76,7 @@ class ExpertShard:
     experts_per_device: int
     param_names: tuple[str, ...]
     previous_implementation: str | None
+    nodes: int = 1
 
 
 def occult_ep_experts_forward(
@@ -89,7 +93,13 @@ def occult_ep_experts_forward(
             "experts; call occult_ft.dispatch.shard_experts(model, group) first"
         )
     return dedup_moe_forward(
-        hidden_states, top_k_index, top_k_weights, self, shard.group, num_experts=shard.num_experts
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        self,
+        shard.group,
+        num_experts=shard.num_experts,
+        nodes=shard.nodes,
     )
 
 
@@ -108,6 +118,7 @@ def shard_experts_module(
     param_names: tuple[str, ...] | list[str],
     group: dist.ProcessGroup | None = None,
     previous_implementation: str | None = None,
+    nodes: int = 1,
 ) -> ExpertShard:
     """Cut one fused experts module down to this rank's contiguous block of experts, in place.
 
@@ -116,6 +127,7 @@ def shard_experts_module(
         param_names: its tensors indexed by expert along dim 0 (`MoEArch.expert_params`).
         group: the expert-parallel process group (None: default group; without torch.distributed, D = 1).
         previous_implementation: recorded on the returned `ExpertShard` for `gather_experts`.
+        nodes: N nodes of D / N consecutive ranks; above 1 the kernel uses the two-stage exchange.
 
     Returns:
         the `ExpertShard` record, also stored as `experts.occult_shard`.
@@ -127,6 +139,11 @@ def shard_experts_module(
     if getattr(experts, "occult_shard", None) is not None:
         raise ValueError(f"{type(experts).__name__} is already sharded; shard_experts runs once per model")
     num_devices, rank = group_size_and_rank(group)
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or num_devices % nodes:
+        divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
+        raise ValueError(
+            f"nodes={nodes!r} does not divide the expert-parallel size {num_devices}; use one of {divisors}"
+        )
     names = tuple(param_names)
     num_experts = int(getattr(experts, names[0]).shape[0])
     if num_experts % num_devices:
@@ -147,13 +164,15 @@ def shard_experts_module(
         shard = nn.Parameter(block, requires_grad=full.requires_grad)
         shard.occult_expert_shard = True
         setattr(experts, name, shard)
-    record = ExpertShard(group, rank, num_devices, num_experts, per_device, names, previous_implementation)
+    record = ExpertShard(
+        group, rank, num_devices, num_experts, per_device, names, previous_implementation, nodes
+    )
     experts.occult_shard = record
     experts.num_experts = per_device  # the module now holds P experts; stock kernels would see P
     return record
 
 
-def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, nodes: int = 1) -> nn.Module:
     """Keep only this rank's contiguous block of experts in every MoE layer and switch to "occult_ep".
 
     Call it on every rank of `group` after all ranks hold identical weights (same checkpoint or same
@@ -162,6 +181,8 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> n
     Args:
         model: a transformers MoE model of a registered type (DDP/DeepSpeed/PEFT wrappers are unwrapped).
         group: the expert-parallel process group (None: default group; without torch.distributed, D = 1).
+        nodes: N > 1 selects the two-stage exchange over N nodes of D / N consecutive ranks; its
+            sub-groups are built here (a collective over the whole world, see `two_stage.node_groups`).
 
     Returns:
         the same `model`, modified in place.
@@ -174,9 +195,13 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> n
     previous = base.config._experts_implementation
     for layer in find_moe_layers(base):
         try:
-            shard_experts_module(layer.experts, layer.arch.expert_params, group, previous)
+            shard_experts_module(layer.experts, layer.arch.expert_params, group, previous, nodes)
         except ValueError as err:
             raise ValueError(f"{layer.name}.experts: {err}") from None
+    if nodes > 1:
+        from .two_stage import node_groups
+
+        node_groups(nodes, group)  # every rank builds the sub-groups now, not inside a forward
     base.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     return model
 

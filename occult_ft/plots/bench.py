@@ -25,7 +25,7 @@ __all__ = ["plot_bench", "plot_cost_model"]
 def _is_ours(backend: Mapping[str, Any]) -> bool:
     """De-duplicated dispatch (`kind` "dedup"), or, in a report without kinds, a backend marked `peer: false`."""
     if "kind" in backend:
-        return backend["kind"] == "dedup"
+        return backend["kind"] in ("dedup", "two_stage")
     return backend.get("peer") is False
 
 

@@ -159,6 +159,15 @@ class OccultConfig(TrainingArguments):
     nodes: int = field(
         default=1, metadata={"help": "Nodes N the devices span (hierarchical placement); divides devices."}
     )
+    exchange: str = field(
+        default="flat",
+        metadata={
+            "help": "Expert-parallel token exchange: 'flat' (one de-duplicated all-to-all, a token sent once "
+            "per device) or 'two_stage' (a token crosses nodes once per node, then fans out inside the "
+            "node; needs nodes > 1, same results).",
+            "choices": ["flat", "two_stage"],
+        },
+    )
     placement: str = field(
         default="auto",
         metadata={
@@ -269,6 +278,12 @@ class OccultConfig(TrainingArguments):
         if self.seq_len < 2:
             raise ValueError(
                 f"seq_len={self.seq_len} is too short; use at least 2 tokens (typically 128-4096)"
+            )
+        if self.exchange not in ("flat", "two_stage"):
+            raise ValueError(f"exchange={self.exchange!r} is unknown; use 'flat' or 'two_stage'")
+        if self.exchange == "two_stage" and self.nodes < 2:
+            raise ValueError(
+                f"exchange='two_stage' needs nodes > 1 (got nodes={self.nodes}); set --nodes N or use exchange='flat'"
             )
         if self.train_mode not in TRAIN_MODES:
             raise _choice_error("train_mode", self.train_mode, TRAIN_MODES)

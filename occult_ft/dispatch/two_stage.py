@@ -1,0 +1,317 @@
+"""The two-stage (node-aware) de-duplicated exchange: **a token crosses the network once per node**.
+
+With the expert-parallel group of D ranks laid out as N nodes of L = D / N ranks (consecutive ranks on
+one node, as launchers number them: rank r is local index l = r % L of node n = r // L), the flat
+exchange (`alltoall.py`) sends a token once per *device*, so a token with experts on three devices of
+a remote node crosses the slow inter-node link three times. Here it crosses once per *node*:
+
+1. stage 1, inter-node (`NodeGroups.inter_group`, the N ranks of local index l, one per node, as in
+   DeepEP / DeepSeek-V3): `compute_layout` with the N nodes as the "devices" (node m holds experts
+   [m * L * P, (m + 1) * L * P)) sends each token once to every node hosting one of its experts, to the
+   rank of that node with the sender's local index (its *gateway*), with the K gate weights and the
+   K node-local expert ids (-1 for experts on other nodes) as in the flat exchange;
+2. stage 2, intra-node (`NodeGroups.intra_group`, the L ranks of one node): the gateway fans each
+   received row out once to every device of its node that hosts one of the row's experts
+   (`fanout_layout`: the same de-duplication rule, reading node-local ids with sentinels);
+3. `local_experts_forward` on each device, as in the flat exchange;
+4. combine in reverse: stage 2's combine sums the node's devices into one row per (token, node) at the
+   gateway (rounded once to the hidden dtype: that row is what crosses back), stage 1's combine brings
+   that one row home and sums over nodes (in at least fp32).
+
+Rows over the inter-node stage per token = N_T, the distinct nodes of its experts
+(`occult_ft.metrics.nodes_per_token`); rows over the intra-node stage per token = C_T. The sum is
+re-associated (over devices inside a node, then over nodes), so results equal the flat exchange and the
+unsharded layer to float rounding, outputs and all gradients; gradients flow through both stages by the
+reverse exchanges of `comm.all_to_all_rows`. Every rank of the EP group must call the layer, also
+without tokens. Collectives per layer: forward 2 x (counts + rows) + 2 combines, backward 4.
+
+`node_groups` builds (once, cached) the sub-groups from the EP group with `torch.distributed.new_group`;
+that is a collective over the *whole* world (every rank creates every sub-group of every EP group, in
+one order), so the first call must happen on all ranks at once, as the first MoE forward does.
+
+Shape legend:
+    T  tokens on this rank    K  experts per token    H  hidden size    E  experts    D  ranks (EP)
+    N  nodes    L  ranks per node (D / N)    P  experts per rank (E / D)
+    S  rows sent by stage 1   R  rows received by stage 1 (this rank as gateway)
+    U  rows sent by stage 2   V  rows received by stage 2 (this rank as expert host)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .alltoall import ReceivedRows, combine, dispatch
+from .comm import group_size_and_rank
+from .layout import LOCAL_SENTINEL, DispatchLayout, compute_layout
+from .local import local_experts_forward, num_local_experts
+
+__all__ = [
+    "NodeGroups",
+    "node_groups",
+    "fanout_layout",
+    "TwoStageHandle",
+    "two_stage_dispatch",
+    "two_stage_combine",
+    "two_stage_moe_forward",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class NodeGroups:
+    """The expert-parallel group seen as N nodes of L ranks, with the two sub-groups one rank uses.
+
+    Attributes:
+        nodes: N.  local_size: L = D / N.  node: this rank's node n.  local_rank: its index l in it.
+        inter_group: the N ranks with local index l (group rank = node index); None only without
+            torch.distributed (D = 1).
+        intra_group: the L ranks of node n (group rank = local index); None likewise.
+        ep_group: the expert-parallel group they were built from (None: the default group).
+    """
+
+    nodes: int
+    local_size: int
+    node: int
+    local_rank: int
+    inter_group: dist.ProcessGroup | None
+    intra_group: dist.ProcessGroup | None
+    ep_group: dist.ProcessGroup | None = None
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.local_size
+
+
+# (id(group), N) -> (the default group when built, the group, NodeGroups); the references keep the ids
+# unique, and a re-initialised torch.distributed (new default group) invalidates the entry.
+_GROUP_CACHE: dict[tuple[int, int], tuple[object, object, NodeGroups]] = {}
+
+
+def _check_nodes(nodes: int, num_devices: int) -> None:
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or num_devices % nodes:
+        divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
+        raise ValueError(
+            f"nodes={nodes!r} does not divide the {num_devices} expert-parallel ranks; use one of {divisors}"
+        )
+
+
+def node_groups(nodes: int, group: dist.ProcessGroup | None = None) -> NodeGroups:
+    """The `NodeGroups` of this rank for `nodes` nodes over the EP `group` (cached per group and N).
+
+    The first call for a (group, N) is a collective over the whole world: every rank creates every
+    inter- and intra-node sub-group of every EP group (gathered from all ranks), in the same order.
+
+    Raises:
+        ValueError: when N does not divide the group's size.
+    """
+    num_devices, rank = group_size_and_rank(group)
+    _check_nodes(nodes, num_devices)
+    world_pg = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    key = (id(group), nodes)
+    cached = _GROUP_CACHE.get(key)
+    if cached is not None and cached[0] is world_pg and cached[1] is group:
+        return cached[2]
+    local_size = num_devices // nodes
+    node, local_rank = rank // local_size, rank % local_size
+    inter = intra = None
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        ep_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
+        if len(ep_ranks) == world:
+            all_ep = [ep_ranks]
+        else:  # several EP groups (data parallel x expert parallel): every rank builds all sub-groups
+            gathered: list[tuple[int, ...] | None] = [None] * world
+            dist.all_gather_object(gathered, ep_ranks)
+            all_ep = sorted(set(gathered))  # type: ignore[arg-type]
+        my_inter = [ep_ranks[m * local_size + local_rank] for m in range(nodes)]
+        my_intra = list(ep_ranks[node * local_size : (node + 1) * local_size])
+        for ranks in all_ep:
+            subgroups = [[ranks[m * local_size + li] for m in range(nodes)] for li in range(local_size)]
+            subgroups += [list(ranks[m * local_size : (m + 1) * local_size]) for m in range(nodes)]
+            for index, members in enumerate(subgroups):  # one-rank groups too: None = the default group
+                created = dist.new_group(members)
+                if ranks == ep_ranks and index < local_size and members == my_inter:
+                    inter = created
+                elif ranks == ep_ranks and index >= local_size and members == my_intra:
+                    intra = created
+    result = NodeGroups(nodes, local_size, node, local_rank, inter, intra, group)
+    _GROUP_CACHE[key] = (world_pg, group, result)
+    return result
+
+
+def fanout_layout(
+    local_ids_RK: torch.Tensor, weights_RK: torch.Tensor, experts_per_device: int, num_devices: int, rank: int
+) -> DispatchLayout:
+    """Stage-2 layout: the gateway's received rows -> the devices of its node (one row per device).
+
+    Like `compute_layout`, for rows whose slots hold node-local expert ids in [0, L * P) or
+    `LOCAL_SENTINEL` (-1, an expert on another node, weight 0): **a row is sent once per device of the
+    node however many of its experts live there**; sentinel slots reach no device.
+
+    Args:
+        local_ids_RK: (R, K) int64 node-local expert ids or -1 (every row has at least one id).
+        weights_RK: (R, K) gate weights (0 at sentinel slots); differentiable.
+        experts_per_device: P.  num_devices: L, devices of the node.  rank: this gateway's index l.
+
+    Returns:
+        A `DispatchLayout` over the R rows (num_tokens = R, num_experts = L * P, num_devices = L).
+    """
+    num_rows, top_k = local_ids_RK.shape
+    ids_RK = local_ids_RK.long()
+    valid_RK = ids_RK != LOCAL_SENTINEL
+    # Sentinel slots point at a spare column L that is cut off below.
+    device_RK = torch.where(valid_RK, ids_RK // experts_per_device, num_devices)
+    present_RD = torch.zeros(num_rows, num_devices + 1, dtype=torch.bool, device=ids_RK.device)
+    present_RD.scatter_(1, device_RK, True)
+    present_RD = present_RD[:, :num_devices]
+    pairs_U2 = present_RD.t().nonzero()  # device-major, rows ascending
+    send_device_U, send_row_U = pairs_U2[:, 0], pairs_U2[:, 1]
+    send_counts_D = present_RD.sum(dim=0)
+    local_UK = device_RK[send_row_U] == send_device_U[:, None]
+    send_local_ids_UK = torch.where(
+        local_UK, ids_RK[send_row_U] - send_device_U[:, None] * experts_per_device, LOCAL_SENTINEL
+    )
+    gathered_UK = weights_RK[send_row_U]
+    send_splits = tuple(int(c) for c in send_counts_D.tolist())
+    return DispatchLayout(
+        num_tokens=num_rows,
+        top_k=top_k,
+        num_experts=experts_per_device * num_devices,
+        num_devices=num_devices,
+        rank=rank,
+        experts_per_device=experts_per_device,
+        send_token_idx_S=send_row_U,
+        send_device_S=send_device_U,
+        send_counts_D=send_counts_D,
+        send_splits=send_splits,
+        send_local_ids_SK=send_local_ids_UK,
+        send_weights_SK=torch.where(local_UK, gathered_UK, torch.zeros_like(gathered_UK)),
+        rows_sent=sum(send_splits),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class TwoStageHandle:
+    """Immutable handle of one two-stage dispatch, consumed by `two_stage_combine` (and backward).
+
+    Attributes:
+        node_layout: stage 1 layout (the N nodes as devices): rows_sent = sum of N_T over this rank's
+            tokens; send_splits[n] rows go to node n's gateway (send_splits[node] stays on this rank).
+        node_received: stage 1 `ReceivedRows` (this rank as gateway: R rows with node-local ids).
+        device_layout: stage 2 layout of the R rows over the node's L devices.
+        device_received: stage 2 `ReceivedRows` (this rank as expert host: V rows, local ids).
+        groups: the `NodeGroups` used.
+    """
+
+    node_layout: DispatchLayout
+    node_received: ReceivedRows
+    device_layout: DispatchLayout
+    device_received: ReceivedRows
+    groups: NodeGroups
+
+    @property
+    def node_rows(self) -> int:
+        """Stage-1 rows this rank sends (its own node's included) = sum over its tokens of N_T."""
+        return self.node_layout.rows_sent
+
+    @property
+    def cross_node_rows(self) -> int:
+        """Stage-1 rows that leave this rank's node (the inter-node link)."""
+        return self.node_layout.rows_sent - self.node_layout.rows_kept_local
+
+    @property
+    def intra_node_rows(self) -> int:
+        """Stage-2 rows this rank (as gateway) sends to other devices of its node."""
+        return self.device_layout.rows_sent - self.device_layout.rows_kept_local
+
+
+def two_stage_dispatch(
+    hidden_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    num_experts: int,
+    groups: NodeGroups,
+) -> tuple[torch.Tensor, torch.Tensor, TwoStageHandle]:
+    """Stages 1 and 2: bring each (token, device) row to the device hosting the token's experts there.
+
+    Args:
+        hidden_TH: (T, H); topk_ids_TK: (T, K) global expert ids in [0, E); weights_TK: (T, K).
+        num_experts: E, divisible by D.
+        groups: from `node_groups`.
+
+    Returns:
+        recv_x_VH: (V, H) rows for this rank's experts; recv_weights_VK: (V, K), 0 at sentinel slots;
+        the `TwoStageHandle` (its `device_received.recv_local_ids_RK` holds the (V, K) local ids).
+    """
+    node_layout = compute_layout(topk_ids_TK, weights_TK, num_experts, groups.nodes, groups.node)
+    node_x_RH, node_w_RK, node_received = dispatch(hidden_TH, node_layout, groups.inter_group)
+    device_layout = fanout_layout(
+        node_received.recv_local_ids_RK,
+        node_w_RK,
+        num_experts // groups.num_devices,
+        groups.local_size,
+        groups.local_rank,
+    )
+    recv_x_VH, recv_w_VK, device_received = dispatch(node_x_RH, device_layout, groups.intra_group)
+    handle = TwoStageHandle(node_layout, node_received, device_layout, device_received, groups)
+    return recv_x_VH, recv_w_VK, handle
+
+
+def two_stage_combine(
+    out_VH: torch.Tensor, handle: TwoStageHandle, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Stage 2 back (sum over the node's devices at the gateway, one row per (token, node)), then
+    stage 1 back (sum over nodes at home). Returns (T, H) in `out_dtype` (default out_VH's)."""
+    dtype = out_dtype or out_VH.dtype
+    node_RH = combine(out_VH, handle.device_received, handle.groups.intra_group, out_dtype=dtype)
+    return combine(node_RH, handle.node_received, handle.groups.inter_group, out_dtype=dtype)
+
+
+def two_stage_moe_forward(
+    hidden_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    local_experts_module: nn.Module,
+    group: dist.ProcessGroup | None = None,
+    *,
+    nodes: int,
+    num_experts: int | None = None,
+    backend: str = "auto",
+    return_handle: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, TwoStageHandle]:
+    """One expert-parallel MoE layer with the two-stage exchange (same contract as `dedup_moe_forward`).
+
+    Args:
+        hidden_TH: (T, H) this rank's tokens (T may be 0).
+        topk_ids_TK: (T, K) global expert ids; weights_TK: (T, K) gate weights (receive gradients).
+        local_experts_module: this rank's P contiguous experts (see `shard_experts`).
+        group: the EP group of D ranks (None: the default group).
+        nodes: N, dividing D; consecutive ranks share a node.
+        num_experts: E, to cross-check against P * D.
+        backend: grouped matmul backend of the local compute.
+        return_handle: also return the `TwoStageHandle` (node_rows, cross_node_rows, ...).
+
+    Returns:
+        (T, H) in hidden_TH.dtype, equal to the flat exchange and the unsharded layer.
+    """
+    if hidden_TH.dim() != 2:
+        raise ValueError(f"hidden_TH must be (T, H), got shape {tuple(hidden_TH.shape)}")
+    num_devices, _ = group_size_and_rank(group)
+    per_device = num_local_experts(local_experts_module)
+    if num_experts is not None and num_experts != per_device * num_devices:
+        raise ValueError(
+            f"num_experts={num_experts} but the module holds {per_device} experts on each of "
+            f"{num_devices} devices ({per_device * num_devices}); shard with shard_experts(model, group)"
+        )
+    groups = node_groups(nodes, group)
+    recv_x_VH, recv_w_VK, handle = two_stage_dispatch(
+        hidden_TH, topk_ids_TK, weights_TK, per_device * num_devices, groups
+    )
+    out_VH = local_experts_forward(
+        recv_x_VH, handle.device_received.recv_local_ids_RK, recv_w_VK, local_experts_module, backend
+    )
+    out_TH = two_stage_combine(out_VH, handle, out_dtype=hidden_TH.dtype)
+    return (out_TH, handle) if return_handle else out_TH
