@@ -25,8 +25,8 @@ def add_model_data_args(p: argparse.ArgumentParser, data_required: bool = True) 
     p.add_argument(
         "--data",
         required=data_required,
-        help="a .txt file, a .jsonl/.json file (text field or Alpaca instruction/input/output), "
-        "a saved dataset directory, or a Hub dataset id; 'embedded' = the shipped eval text",
+        help="a .txt file, a .jsonl/.json file (text field, Alpaca instruction/input/output, prompt/completion "
+        "or chat messages), a saved dataset directory, or a Hub dataset id; 'embedded' = the shipped eval text",
     )
     p.add_argument("--max-tokens", type=positive_int, default=65536, help="stop after this many tokens")
     p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence")
