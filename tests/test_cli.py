@@ -607,3 +607,64 @@ def test_the_wheel_ships_the_recipes(tmp_path):
     }
     assert "occult_ft/recipes/tiny.yaml" in shipped and shipped <= names
     assert "occult_ft/data/tokenize.py" in names
+
+
+def test_node_budget_through_prune_analyze_and_the_checkpoint(tmp_path, tiny_olmoe_dir, text_file, capsys):
+    """4 devices as 2 nodes x 2, at most 1 node per token: every token's experts sit on one node, the
+    checkpoint keeps the node budget, and analyze reports node_comm_complexity 1."""
+    prof, placement = tmp_path / "p.safetensors", tmp_path / "pl.json"
+    assert (
+        run_cli(
+            "profile",
+            tiny_olmoe_dir,
+            "--data",
+            text_file,
+            "--out",
+            prof,
+            "--seq-len",
+            32,
+            "--max-tokens",
+            1000,
+        )
+        == 0
+    )
+    assert run_cli("place", prof, "--devices", 4, "--nodes", 2, "--out", placement) == 0
+    out = tmp_path / "pruned"
+    assert (
+        run_cli(
+            "prune",
+            tiny_olmoe_dir,
+            "--placement",
+            placement,
+            "--max-nodes-per-token",
+            1,
+            "--criterion",
+            "score",
+            "--out",
+            out,
+        )
+        == 0
+    )
+    assert "at most 1 of 2 nodes per token" in capsys.readouterr().out
+    block = json.loads((out / "config.json").read_text())["occult"]
+    assert block["max_nodes_per_token"] == 1 and block["num_nodes"] == 2
+    assert (
+        run_cli(
+            "analyze",
+            out,
+            "--data",
+            text_file,
+            "--devices",
+            4,
+            "--nodes",
+            2,
+            "--json",
+            "--max-tokens",
+            500,
+            "--seq-len",
+            32,
+        )
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["node_comm_complexity"] == 1.0

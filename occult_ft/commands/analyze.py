@@ -31,6 +31,12 @@ def add_parser(sub):
         default=1,
         help="nodes N the D devices span (reports node_comm_complexity)",
     )
+    p.add_argument(
+        "--max-nodes-per-token",
+        type=int,
+        default=None,
+        help="node budget: each token reaches experts on at most this many nodes (DeepSeek-V3's rule)",
+    )
     p.add_argument("--placement", default=None, help="placement JSON (default: the model's own expert order)")
     p.add_argument("--max-devices-per-token", type=int, default=None, help="analyse with this pruning budget")
     p.add_argument("--criterion", default="score", help=f"one of {', '.join(CRITERIA)}")
@@ -74,6 +80,7 @@ def analyze_model(
     similarity=None,
     max_tokens=None,
     nodes=1,
+    max_nodes_per_token=None,
 ):
     """Routing report of `model` on `batches` (placement applied in memory first). A model whose routers
     already prune (a pruned checkpoint) keeps its budget unless `max_devices_per_token` is given.
@@ -85,11 +92,14 @@ def analyze_model(
     from ..routing import PruningConfig, pruned_routers
 
     existing = [router.occult_config for _, router in pruned_routers(model)]
-    if max_devices_per_token is None and existing and existing[0].active:
+    budget_given = max_devices_per_token is not None or max_nodes_per_token is not None
+    if not budget_given and existing and existing[0].active:
         pruning = existing[0]  # a pruned checkpoint keeps its own budget
         apply_occult(model, placement)
     else:
-        pruning = PruningConfig(devices, max_devices_per_token, criterion)
+        pruning = PruningConfig(
+            devices, max_devices_per_token, criterion, "model", nodes, max_nodes_per_token
+        )
         apply_occult(model, placement, pruning, similarity)
     prof = profile_model(model, batches, max_tokens=max_tokens, progress=False)
     layers = find_moe_layers(model)
@@ -99,6 +109,8 @@ def analyze_model(
         random_placement_comm_complexity(e, k, devices), 4
     )
     report.extra["max_devices_per_token"] = pruning.max_devices_per_token
+    if pruning.max_nodes_per_token is not None:
+        report.extra["max_nodes_per_token"] = pruning.max_nodes_per_token
     report.extra["criterion"] = pruning.criterion if pruning.active else None
     return report
 
@@ -126,7 +138,8 @@ def run(args) -> int:
             )
     placement = resolve_placement(args.placement, model, args.devices) if args.placement else None
     similarity = None
-    if args.max_devices_per_token is not None and args.criterion == "similarity":
+    budget = args.max_devices_per_token is not None or args.max_nodes_per_token is not None
+    if budget and args.criterion == "similarity":
         similarity = profile_similarity(args.profile, model)  # original order; apply_occult reorders
     batches = data_batches(
         tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False
@@ -141,6 +154,7 @@ def run(args) -> int:
         similarity,
         args.max_tokens,
         nodes=args.nodes,
+        max_nodes_per_token=args.max_nodes_per_token,
     )
     if args.plot:
         from ..plots import plot_report

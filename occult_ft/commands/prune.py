@@ -24,6 +24,12 @@ def add_parser(sub):
     p.add_argument(
         "--max-devices-per-token", type=int, default=None, help="budget M (1..D); omit for no pruning"
     )
+    p.add_argument(
+        "--max-nodes-per-token",
+        type=int,
+        default=None,
+        help="node budget (the placement's nodes; DeepSeek-V3's node-limited rule); omit for none",
+    )
     p.add_argument("--criterion", default="score", help=f"one of {', '.join(CRITERIA)}")
     p.add_argument("--gate-weights", default="model", help=f"one of {', '.join(GATE_WEIGHT_POLICIES)}")
     p.add_argument("--profile", default=None, help="profile (needed for --criterion similarity)")
@@ -50,9 +56,14 @@ def run(args) -> int:
     placement = resolve_placement(args.placement, model, args.devices)
     pruning = None
     similarity = None
-    if args.max_devices_per_token is not None:
+    if args.max_devices_per_token is not None or args.max_nodes_per_token is not None:
         pruning = PruningConfig(
-            placement.num_devices, args.max_devices_per_token, args.criterion, args.gate_weights
+            placement.num_devices,
+            args.max_devices_per_token,
+            args.criterion,
+            args.gate_weights,
+            placement.num_nodes,
+            args.max_nodes_per_token,
         )
         if args.criterion == "similarity":
             similarity = profile_similarity(args.profile, model)
@@ -66,11 +77,12 @@ def run(args) -> int:
         similarity=applied_similarity(model),
         extra={"base_model": args.model},
     )
-    budget = (
-        f", at most {pruning.max_devices_per_token} devices per token ({pruning.criterion})"
-        if pruning
-        else ""
-    )
+    budget = ""
+    if pruning is not None and pruning.max_devices_per_token is not None:
+        budget += f", at most {pruning.max_devices_per_token} devices per token"
+    if pruning is not None and pruning.max_nodes_per_token is not None:
+        budget += f", at most {pruning.max_nodes_per_token} of {pruning.num_nodes} nodes per token"
+    budget += f" ({pruning.criterion})" if pruning is not None else ""
     print(f"wrote {args.out}: experts placed on {placement.num_devices} devices{budget}")
     return 0
 

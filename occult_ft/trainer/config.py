@@ -192,6 +192,13 @@ class OccultConfig(TrainingArguments):
             "no pruning, routing metrics are still logged."
         },
     )
+    max_nodes_per_token: int | None = field(
+        default=None,
+        metadata={
+            "help": "Node budget: each token reaches experts on at most this many of the `nodes` nodes "
+            "(DeepSeek-V3's node-limited routing), alone or with max_devices_per_token; unset = none."
+        },
+    )
     criterion: str = field(
         default="similarity",
         metadata={"help": f"How over-budget tokens are re-routed: one of {', '.join(CRITERIA)}."},
@@ -267,7 +274,12 @@ class OccultConfig(TrainingArguments):
 
         # devices, nodes, the budget, criterion and gate weights: the pruning router's own checks
         check_pruning_settings(
-            self.devices, self.max_devices_per_token, self.criterion, self.gate_weights, self.nodes
+            self.devices,
+            self.max_devices_per_token,
+            self.criterion,
+            self.gate_weights,
+            self.nodes,
+            self.max_nodes_per_token,
         )
         for name in ("seq_len", "profile_tokens", "lora_r", "expert_parallel_size"):
             positive(name)

@@ -28,7 +28,7 @@ from torch import nn
 from transformers.utils import logging
 
 from ..apply import applied_similarity, apply_occult, placed_similarity, resolve_placement
-from ..checkpoint import model_block, placement_from_block, read_block, read_similarity
+from ..checkpoint import model_block, placement_from_block, pruning_from_block, read_block, read_similarity
 from ..data.batching import profile_batches  # the batching lives in occult_ft.data
 from ..metrics import contiguous_expert_device
 from ..models.registry import find_moe_layers, unwrap_model
@@ -204,16 +204,17 @@ def prepare_model(
     num_experts, top_k = layers[0].num_experts, layers[0].top_k
     block = model_block(base)
     budget, criterion, gate_weights = args.max_devices_per_token, args.criterion, args.gate_weights
-    if budget is None and block.get("max_devices_per_token") is not None:
+    node_budget = getattr(args, "max_nodes_per_token", None)
+    saved = pruning_from_block(block)
+    if budget is None and node_budget is None and saved is not None:
         # continuing from a pruned checkpoint: its budget stays unless the run sets one
-        budget = int(block["max_devices_per_token"])
-        criterion = block.get("criterion", criterion)
-        gate_weights = block.get("gate_weights", gate_weights)
+        budget, node_budget = saved.max_devices_per_token, saved.max_nodes_per_token
+        criterion, gate_weights = saved.criterion, saved.gate_weights
         logger.warning(
             f"{getattr(base.config, '_name_or_path', 'the model')} is pruned to {budget} devices "
             f"per token ({criterion}); training keeps that budget (set max_devices_per_token to change it)"
         )
-    pruning = PruningConfig(args.devices, budget, criterion, gate_weights)
+    pruning = PruningConfig(args.devices, budget, criterion, gate_weights, args.nodes, node_budget)
     pruning.check(num_experts, top_k)
     peft_model = is_peft_model(model)
     if peft_model and args.train_mode != "lora":
