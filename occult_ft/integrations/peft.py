@@ -121,16 +121,31 @@ def build_lora_config(
 
 
 def apply_lora(
-    model: nn.Module, r: int = 16, alpha: float = 32.0, dropout: float = 0.0, attention: bool = True
+    model: nn.Module,
+    r: int = 16,
+    alpha: float = 32.0,
+    dropout: float = 0.0,
+    attention: bool = True,
+    seed: int | None = None,
 ):
     """Wrap `model` with LoRA adapters (call after placement and `apply_pruning`).
+
+    Args:
+        seed: draw the random LoRA factors (`lora_A`) from `torch.manual_seed(seed)`, leaving the global
+            random state as it was; the adapter then starts the same however many processes run and
+            whatever they drew before (placement profiling, data loading). None: the global state.
 
     Returns:
         The `peft.PeftModel`; only the adapters and the routers are trainable.
     """
     from peft import get_peft_model
 
-    return get_peft_model(model, build_lora_config(model, r, alpha, dropout, attention))
+    config = build_lora_config(model, r, alpha, dropout, attention)
+    if seed is None:
+        return get_peft_model(model, config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
 
 
 # ---- expert parallelism: the expert LoRA factors shard with the experts -----------------------------

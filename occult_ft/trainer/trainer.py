@@ -42,7 +42,7 @@ from ..checkpoint import (
 )
 from ..models.registry import unwrap_model
 from ..routing import apply_pruning, pruned_routers
-from .config import OccultConfig
+from .config import OccultConfig, check_before_loading
 from .expert_parallel import (
     ExpertParallelGroups,
     clip_expert_parallel_grad_norm,
@@ -95,6 +95,7 @@ def load_training_model(path: str, args: OccultConfig):
         from ..embedded import embedded_model_path
 
         path = embedded_model_path()
+    check_before_loading(args)
     dtype = None if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
     is_adapter = os.path.isfile(os.path.join(path, "adapter_config.json"))
     if is_adapter and args.train_mode != "lora":
@@ -194,6 +195,7 @@ class OccultTrainer(Trainer):
             )
         if model is None:
             raise ValueError("OccultTrainer needs a model (a transformers MoE model or a model path)")
+        check_before_loading(args)
         if isinstance(model, str):
             model, tokenizer = load_training_model(model, args)
             processing_class = processing_class if processing_class is not None else tokenizer
