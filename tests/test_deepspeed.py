@@ -12,6 +12,8 @@ Launches (each runs all its cases in the same processes):
         built by DeepSpeed from its config; ZeRO-2 with 2 accumulated micro-batches; ZeRO-2 resume
         (4 steps + checkpoint, then 4 more)
     W=4 torchrun, D=2 (two replicas of each shard): ZeRO-1; ZeRO-2 pruned
+    LoRA (expert LoRA factors sharded with the experts), W=2 `deepspeed` launcher, D=2, against
+        single-process LoRA: ZeRO-1 (saved adapter); ZeRO-2 pruned; ZeRO-2 resume (4 + 4 steps)
 The fast tests at the end check the config guards and the optimizer-group split without launching.
 """
 
@@ -26,11 +28,14 @@ import torch
 pytest.importorskip("deepspeed")
 
 from test_expert_parallel import (  # noqa: E402
+    LORA,
     PRUNING,
+    assert_same_adapter,
     assert_same_trajectory,
     check_trajectory,
     deepspeed_launch,
     launch,
+    lora_references,
     single_process_references,
     torchrun,
     train_case,
@@ -173,6 +178,69 @@ def test_deepspeed_resume_continues_like_the_uninterrupted_run(ds_world2, refere
     assert "error" not in resumed, resumed.get("trace")
     files = os.listdir(ds_world2["checkpoint"])
     assert "model.safetensors" in files and "global_step4" in files  # HF weights + the engine's ZeRO state
+    assert first["losses"] == pytest.approx(straight["losses"][:4], rel=1e-5)
+    assert resumed["steps"][-4:] == [5, 6, 7, 8]
+    assert resumed["losses"][-4:] == pytest.approx(straight["losses"][4:8], rel=1e-5)
+    assert resumed["grad_norm"][-4:] == pytest.approx(straight["grad_norm"][4:8], rel=1e-5)
+
+
+# ---- LoRA under DeepSpeed -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lora_reference(tiny_olmoe_dir, tmp_path_factory):
+    return lora_references(tiny_olmoe_dir, tmp_path_factory.mktemp("lora-single"))
+
+
+@pytest.fixture(scope="module")
+def lora_ds_world2(tiny_olmoe_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora-ds2")
+    ckpt = str(tmp / "first" / "checkpoint-4")
+    z1, z2 = (ds_config(tmp, f"zero{s}", s) for s in (1, 2))
+    ep = dict(expert_parallel_size=2, **LORA)
+    cases = [
+        dict(name="zero1", overrides=dict(**ep, deepspeed=z1), save=str(tmp / "final")),
+        dict(name="zero2-pruned", overrides=dict(**ep, deepspeed=z2, **PRUNING["pruned"])),
+        dict(
+            name="first",
+            overrides=dict(**ep, deepspeed=z2, max_steps=4, save_strategy="steps", save_steps=4),
+        ),
+        dict(name="resumed", overrides=dict(**ep, deepspeed=z2, max_steps=8), resume=ckpt),
+    ]
+    results = launch(deepspeed_launch(2), dict(model=tiny_olmoe_dir, out=str(tmp), world=2, cases=cases), tmp)
+    return {**results, "final": str(tmp / "final"), "checkpoint": ckpt}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["zero1", "zero2-pruned"])
+def test_lora_under_deepspeed_reproduces_the_single_process_lora_run(lora_ds_world2, lora_reference, name):
+    result = lora_ds_world2[name]
+    reference = lora_reference[("pruned" if "pruned" in name else "plain", 2)]
+    worst = check_trajectory(result, reference, f"LoRA W=2 D=2 {name}")
+    print(f"LoRA W=2 D=2 DeepSpeed {name}: largest per-step relative loss difference {worst:.2e}")
+    assert result["groups"] == {"ep": [0, 1], "edp": [0], "source": "deepspeed"}
+
+
+@pytest.mark.slow
+def test_lora_adapter_saved_under_deepspeed_is_the_single_process_adapter(lora_ds_world2, lora_reference):
+    import occult_ft
+
+    assert_same_adapter(lora_ds_world2["final"], lora_reference["final"])
+    ids = torch.randint(3, 120, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = occult_ft.from_pretrained(lora_reference["final"]).eval()(input_ids=ids).logits
+        got = occult_ft.from_pretrained(lora_ds_world2["final"]).eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_resume_under_deepspeed_continues_like_the_uninterrupted_run(lora_ds_world2, lora_reference):
+    """The engine's model-state file holds rank 0's expert LoRA shards; every rank's own come from the adapter."""
+    first, resumed, straight = (
+        lora_ds_world2["first"],
+        lora_ds_world2["resumed"],
+        lora_reference[("plain", 2)],
+    )
+    assert "error" not in resumed, resumed.get("trace")
+    assert "adapter_model.safetensors" in os.listdir(lora_ds_world2["checkpoint"])
     assert first["losses"] == pytest.approx(straight["losses"][:4], rel=1e-5)
     assert resumed["steps"][-4:] == [5, 6, 7, 8]
     assert resumed["losses"][-4:] == pytest.approx(straight["losses"][4:8], rel=1e-5)

@@ -20,6 +20,9 @@ Cases per launch (D = expert_parallel_size, M = max_devices_per_token):
         micro-batches; resume (4 steps + checkpoint, then 4 more from it); W % D error (D=4)
     W=4, torchrun: D=4; D=4 with M=1; D=2 (two replicas of each shard); D=2 with M=1
     W=2, torchrun: `occult-ft train recipe.yaml --expert_parallel_size 2`
+    LoRA (train_mode="lora", r=2; the expert LoRA factors shard with the experts), against single-process
+    LoRA: W=2 `accelerate launch`, D=2: plain (saved adapter), M=1, resume (4 steps + checkpoint, then 4
+    more); W=4 torchrun: D=4 plain, D=2 (two replicas) with M=1
 """
 
 from __future__ import annotations
@@ -466,6 +469,130 @@ def test_cli_train_with_expert_parallel_size_under_torchrun(tiny_olmoe_dir, text
     )
 
 
+# ---- LoRA under expert parallelism ------------------------------------------------------------------
+LORA = dict(train_mode="lora", lora_r=2, lora_alpha=4)
+
+
+def lora_references(model_dir: str, out) -> dict:
+    """Single-process LoRA runs: plain and pruned for devices=2 (the plain one saved to out/final) and
+    plain for devices=4."""
+    results = {}
+    for name, d in (("plain", 2), ("pruned", 2), ("plain", 4)):
+        first = (name, d) == ("plain", 2)
+        results[(name, d)] = train_case(
+            model_dir,
+            str(out / f"{name}-{d}"),
+            1,
+            {**LORA, **PRUNING[name], "devices": d},
+            save=str(out / "final") if first else None,
+        )
+    results["final"] = str(out / "final")
+    return results
+
+
+def assert_same_adapter(adapter: str, reference: str) -> None:
+    """Two adapter directories hold the same tensors under the same keys (the gathered expert factors
+    have the single-process shapes, A (r * E, in) and B (out, r * E)); AdamW lifts float rounding in
+    near-zero gradients to ~1e-5 over 10 steps, against updates of ~1e-2 per step."""
+    from safetensors.torch import load_file
+
+    got = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    want = load_file(os.path.join(reference, "adapter_model.safetensors"))
+    assert got.keys() == want.keys()
+    expert_a = [k for k in got if "experts" in k and "lora_A" in k]
+    assert expert_a and all(got[k].shape[0] == 2 * 8 for k in expert_a)  # r=2 times all 8 experts
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-3, atol=1e-4, msg=key)
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tiny_olmoe_dir, tmp_path_factory):
+    return lora_references(tiny_olmoe_dir, tmp_path_factory.mktemp("lora-single"))
+
+
+@pytest.fixture(scope="module")
+def lora_world2(tiny_olmoe_dir, tmp_path_factory):
+    """LoRA, W=2, D=2 under `accelerate launch`."""
+    tmp = tmp_path_factory.mktemp("lora-ep2")
+    ckpt = str(tmp / "first" / "checkpoint-4")
+    ep = dict(expert_parallel_size=2, **LORA)
+    cases = [
+        dict(name="plain", overrides=ep, save=str(tmp / "final")),
+        dict(name="pruned", overrides=dict(**ep, **PRUNING["pruned"])),
+        dict(name="first", overrides=dict(**ep, max_steps=4, save_strategy="steps", save_steps=4)),
+        dict(name="resumed", overrides=dict(**ep, max_steps=8), resume=ckpt),
+    ]
+    results = launch(
+        accelerate_launch(2), dict(model=tiny_olmoe_dir, out=str(tmp), world=2, cases=cases), tmp
+    )
+    return {**results, "final": str(tmp / "final"), "checkpoint": ckpt}
+
+
+@pytest.fixture(scope="module")
+def lora_world4(tiny_olmoe_dir, tmp_path_factory):
+    """LoRA, W=4 under torchrun: D=4, and D=2 (two replicas of each shard) pruned."""
+    tmp = tmp_path_factory.mktemp("lora-ep4")
+    cases = [
+        dict(name="plain-4", overrides=dict(expert_parallel_size=4, devices=4, **LORA)),
+        dict(name="pruned-2", overrides=dict(expert_parallel_size=2, **LORA, **PRUNING["pruned"])),
+    ]
+    return launch(torchrun(4), dict(model=tiny_olmoe_dir, out=str(tmp), world=4, cases=cases), tmp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["plain", "pruned"])
+def test_lora_on_two_processes_reproduces_the_single_process_lora_run(lora_world2, lora_reference, name):
+    result = lora_world2[name]
+    worst = check_trajectory(result, lora_reference[(name, 2)], f"LoRA W=2 D=2 {name}")
+    print(f"LoRA W=2 D=2 {name}: largest per-step relative loss difference {worst:.2e}")
+    assert result["shard_rows"] == 4  # the first expert shard: 4 of the 8 experts of a layer
+    if name == "pruned":
+        assert result["max_token_devices"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, size", [("plain", 4), ("pruned", 2)])
+def test_lora_on_four_processes_reproduces_the_single_process_lora_run(
+    lora_world4, lora_reference, name, size
+):
+    result = lora_world4[f"{name}-{size}"]
+    worst = check_trajectory(result, lora_reference[(name, size)], f"LoRA W=4 D={size} {name}")
+    print(f"LoRA W=4 D={size} {name}: largest per-step relative loss difference {worst:.2e}")
+    assert result["groups"]["ep"] == list(range(size)) and result["groups"]["edp"] == list(range(0, 4, size))
+
+
+@pytest.mark.slow
+def test_lora_adapter_saved_under_expert_parallelism_is_the_single_process_adapter(
+    lora_world2, lora_reference
+):
+    import occult_ft
+    from occult_ft.integrations.peft import is_peft_model
+
+    assert_same_adapter(lora_world2["final"], lora_reference["final"])
+    ours, single = (
+        occult_ft.from_pretrained(lora_world2["final"]),
+        occult_ft.from_pretrained(lora_reference["final"]),
+    )
+    assert is_peft_model(ours)
+    ids = torch.randint(3, 120, (2, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = single.eval()(input_ids=ids).logits
+        torch.testing.assert_close(ours.eval()(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_resume_under_expert_parallelism_continues_like_the_uninterrupted_run(lora_world2):
+    first, resumed, straight = lora_world2["first"], lora_world2["resumed"], lora_world2["plain"]
+    assert "error" not in resumed, resumed.get("trace")
+    files = os.listdir(lora_world2["checkpoint"])
+    assert "adapter_model.safetensors" in files
+    assert {"optimizer_expert_shard_0_of_2.pt", "optimizer_expert_shard_1_of_2.pt"} <= set(files)
+    assert first["losses"] == pytest.approx(straight["losses"][:4], rel=1e-6)
+    assert resumed["steps"][-4:] == [5, 6, 7, 8]
+    assert resumed["losses"][-4:] == pytest.approx(straight["losses"][4:8], rel=1e-6)
+    assert resumed["grad_norm"][-4:] == pytest.approx(straight["grad_norm"][4:8], rel=1e-6)
+
+
 def test_d_that_does_not_divide_the_experts_or_the_world_is_a_one_line_error():
     from occult_ft.trainer.expert_parallel import check_expert_parallel_size
 
@@ -487,16 +614,19 @@ def test_one_process_with_expert_parallel_size_is_a_one_line_error(tmp_path):
         run_config(str(tmp_path), 1, expert_parallel_size=2)
 
 
-def test_lora_with_expert_parallelism_is_a_one_line_error(tiny_olmoe_dir):
+def test_combinations_the_config_refuses_fail_before_the_model_is_loaded(tmp_path):
+    """ZeRO-3 with expert parallelism is refused by `check_before_loading`, so loading a model path that does
+    not exist never starts (the error is DeepSpeed's stage, not a missing file); LoRA passes the check."""
     from types import SimpleNamespace
 
-    from transformers import AutoModelForCausalLM
+    from occult_ft.trainer.config import check_before_loading
+    from occult_ft.trainer.trainer import load_training_model
 
-    from occult_ft.integrations.peft import apply_lora
-    from occult_ft.trainer.expert_parallel import setup_expert_parallel
-
-    pytest.importorskip("peft")
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_olmoe_dir), r=2, alpha=4)
-    args = SimpleNamespace(expert_parallel_size=2, world_size=2, deepspeed=None)
-    with pytest.raises(ValueError, match=r"^expert_parallel_size=2 with train_mode='lora' is not supported"):
-        setup_expert_parallel(model, args)
+    zero3 = {"zero_optimization": {"stage": 3}}
+    args = SimpleNamespace(
+        expert_parallel_size=2, deepspeed=zero3, max_grad_norm=1.0, model_dtype="float32", train_mode="lora"
+    )
+    with pytest.raises(ValueError, match=r"^expert_parallel_size=2 works with DeepSpeed ZeRO stages 0-2"):
+        load_training_model(str(tmp_path / "no-such-model"), args)
+    check_before_loading(SimpleNamespace(expert_parallel_size=2, deepspeed=None, max_grad_norm=1.0))
+    check_before_loading(SimpleNamespace(expert_parallel_size=1, deepspeed=zero3, max_grad_norm=1.0))

@@ -271,3 +271,63 @@ def test_a_saved_adapter_works_in_stock_peft_on_the_stock_base(tiny_olmoe_dir, r
     card = open(os.path.join(out, "README.md")).read()  # written by save_model at the end of training
     assert "PeftModel.from_pretrained" in card
     assert ("without the collaboration pruning" in card) == (budget is not None)
+
+
+# ---- expert parallelism: the expert LoRA factors shard with the experts ------------------------------
+def _lora_with_random_b(seed: int = 0):
+    """A tiny OLMoE LoRA model (r=2, E=8) whose lora_B is random (PEFT starts it at zero, which would make
+    every delta zero and the checks below vacuous)."""
+    from occult_ft.integrations.peft import apply_lora
+
+    model = apply_lora(AutoModelForCausalLM.from_config(tiny_config("olmoe")), r=2, alpha=4, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("start, count", [(0, 4), (4, 4), (2, 2), (7, 1)])
+def test_sharded_expert_lora_gives_the_delta_of_its_own_experts(start, count):
+    from occult_ft.integrations.peft import expert_lora_wrappers, shard_expert_lora
+    from occult_ft.models import find_moe_layers
+
+    model = _lora_with_random_b()
+    experts = find_moe_layers(model)[0].experts
+    wrappers = expert_lora_wrappers(experts)
+    assert [w.parameter_name for w in wrappers] == ["down_proj", "gate_up_proj"]  # outermost first
+    full = [w.get_delta_weight("default").clone() for w in wrappers]  # (8, out, in) each
+    new = shard_expert_lora(experts, start, count)
+    assert len(new) == 4 and all(p.occult_expert_shard and p.requires_grad for p in new)
+    for wrapper, delta in zip(wrappers, full):
+        assert wrapper.num_experts == count and wrapper.lora_A["default"].weight.shape[0] == 2 * count
+        assert wrapper.lora_B["default"].weight.shape[1] == 2 * count
+        want = delta[start : start + count]
+        # with one expert left PEFT takes its nn.Linear path: a 2-D delta that broadcasts over the (1, out, in) weight
+        torch.testing.assert_close(wrapper.get_delta_weight("default").reshape(want.shape), want)
+    with pytest.raises(ValueError, match="already sharded"):
+        shard_expert_lora(experts, start, count)
+
+
+def test_shard_adapter_weights_cuts_a_saved_adapter_to_the_local_experts(tmp_path):
+    from peft.utils import load_peft_weights
+
+    from occult_ft.integrations.peft import expert_lora_wrappers, shard_adapter_weights, shard_expert_lora
+    from occult_ft.models import find_moe_layers
+
+    model = _lora_with_random_b()
+    model.save_pretrained(str(tmp_path))
+    saved = load_peft_weights(str(tmp_path), device="cpu")
+    for layer in find_moe_layers(model):
+        shard_expert_lora(layer.experts, 4, 4)  # the second of two ranks
+    cut = shard_adapter_weights(model, saved)
+    assert cut.keys() == saved.keys()
+    for wrapper in expert_lora_wrappers(find_moe_layers(model)[1].experts):
+        for which in ("lora_A", "lora_B"):
+            param = getattr(wrapper, which)["default"].weight
+            name = next(n for n, p in model.named_parameters() if p is param)
+            key = name.replace(f".{which}.default.", f".{which}.")
+            torch.testing.assert_close(cut[key], param.detach())  # the factors of experts 4..7, exactly
+    router = next(k for k in saved if k.endswith("mlp.gate.weight"))
+    assert cut[router] is saved[router]  # replicated weights pass unchanged

@@ -23,6 +23,10 @@ batch. Expert-shard parameters are new `nn.Parameter`s marked `param.occult_expe
 `gather_experts_state_dict` / `gather_experts` all-gather the shards back into the standard fused
 layout, so `save_pretrained` writes an ordinary HF checkpoint.
 
+A LoRA model (PEFT `target_parameters` on the fused tensors) wraps the experts module in `ParamWrapper`s
+(`experts.base_layer.base_layer` is the transformers module); `base_experts` finds the wrapped module,
+which is what gets sharded, and `experts_state_key` names its tensors in the unwrapped model's state dict.
+
 Shape legend: E experts of a layer, D devices (expert-parallel size), P = E / D experts per device.
 """
 
@@ -46,6 +50,8 @@ __all__ = [
     "shard_experts",
     "shard_experts_module",
     "expert_shard_parameters",
+    "base_experts",
+    "experts_state_key",
     "gather_experts_state_dict",
     "gather_experts",
 ]
@@ -172,6 +178,22 @@ def shard_experts_module(
     return record
 
 
+def base_experts(experts: nn.Module) -> nn.Module:
+    """The transformers experts module inside PEFT's `ParamWrapper`s (`experts` itself without LoRA)."""
+    while hasattr(experts, "parameter_name") and isinstance(getattr(experts, "base_layer", None), nn.Module):
+        experts = experts.base_layer
+    return experts
+
+
+def experts_state_key(layer, name: str) -> str:
+    """Key of the fused tensor `name` of an MoE layer in the unwrapped model's state dict, e.g.
+    `model.layers.0.mlp.experts.gate_up_proj`, or `...experts.base_layer.base_layer.gate_up_proj` under LoRA."""
+    path, module = f"{layer.name}.experts", layer.experts
+    while module is not base_experts(module):
+        path, module = f"{path}.base_layer", module.base_layer
+    return f"{path}.{name}"
+
+
 def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, nodes: int = 1) -> nn.Module:
     """Keep only this rank's contiguous block of experts in every MoE layer and switch to "occult_ep".
 
@@ -195,7 +217,9 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, node
     previous = base.config._experts_implementation
     for layer in find_moe_layers(base):
         try:
-            shard_experts_module(layer.experts, layer.arch.expert_params, group, previous, nodes)
+            shard_experts_module(
+                base_experts(layer.experts), layer.arch.expert_params, group, previous, nodes
+            )
         except ValueError as err:
             raise ValueError(f"{layer.name}.experts: {err}") from None
     if nodes > 1:
@@ -224,7 +248,7 @@ def _gather_dim0(shard: torch.Tensor, group: dist.ProcessGroup | None, num_devic
 
 def _sharded_layers(base: nn.Module):
     for layer in find_moe_layers(base):
-        shard = getattr(layer.experts, "occult_shard", None)
+        shard = getattr(base_experts(layer.experts), "occult_shard", None)
         if shard is not None:
             yield layer, shard
 
@@ -243,10 +267,11 @@ def gather_experts_state_dict(
     state = dict(base.state_dict())
     for layer, shard in _sharded_layers(base):
         for name in shard.param_names:
-            key = f"{layer.name}.experts.{name}"
+            key = experts_state_key(layer, name)
             if key not in state:
                 raise KeyError(f"state_dict has no key {key!r} for a sharded expert tensor")
-            state[key] = _gather_dim0(getattr(layer.experts, name), shard.group or group, shard.num_devices)
+            part = getattr(base_experts(layer.experts), name)
+            state[key] = _gather_dim0(part, shard.group or group, shard.num_devices)
     return state
 
 
@@ -258,8 +283,11 @@ def gather_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
     """
     base = unwrap_model(model)
     previous = None
+    from ..integrations.peft import unshard_expert_lora
+
     for layer, shard in list(_sharded_layers(base)):
-        experts = layer.experts
+        unshard_expert_lora(layer.experts, shard.group or group, shard.num_devices)
+        experts = base_experts(layer.experts)
         for name in shard.param_names:
             part = getattr(experts, name)
             gathered = _gather_dim0(part, shard.group or group, shard.num_devices)

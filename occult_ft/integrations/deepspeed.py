@@ -14,7 +14,8 @@ Used from DeepSpeed 0.19.8:
   return them. `deepspeed_expert_groups` wraps these calls; without DeepSpeed,
   `occult_ft.trainer.expert_parallel` builds the same groups with `torch.distributed.new_group`.
 * **Marking expert parameters** (`deepspeed.moe.utils.is_moe_param`): a parameter with
-  `allreduce = False` and `group_name = "ep_size_{D}"` is an expert parameter. The engine then
+  `allreduce = False` and `group_name = "ep_size_{D}"` is an expert parameter (we mark the expert shards
+  and, under LoRA, the expert LoRA factors, which shard with them). The engine then
   all-reduces its gradient over that name's EDP group only, dividing by the data-parallel world size
   W like every other gradient (`_reduce_expert_gradients`, and ZeRO-1/2's `average_tensor`). An
   expert shard's gradient already sums the contributions of its EP group (reverse all-to-all), so the

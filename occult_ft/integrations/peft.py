@@ -12,16 +12,38 @@ What LoRA wraps in an MoE model (PEFT >= 0.17; see the ecosystem facts):
   token reaches, and the router has to adapt to that. The pruned router class installed by
   `occult_ft.routing.apply_pruning` survives the copy PEFT makes of it.
 
+Under expert parallelism (`occult_ft.trainer.expert_parallel`) the expert LoRA factors shard with the
+experts. PEFT's `ParamWrapper` keeps, per adapter, `lora_A.weight` of shape (r * E, in), expert-major
+(`reshape(E, r, in)`), and `lora_B.weight` of shape (out, r * E), expert-minor (`reshape(out, r, E)`);
+its forward folds `W + scaling * B_e @ A_e` for every expert e of the (possibly sharded) base tensor.
+`shard_expert_lora` cuts both factors to the experts [start, start + P) and sets the wrapper's
+`num_experts` to P, so the delta is computed for the local experts only; `gather_expert_lora` undoes
+it for saving (the standard PEFT layout of a single-process run), `shard_adapter_weights` cuts a saved
+adapter for loading into a sharded model.
+
 `peft` is imported only when a function here runs.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..models.registry import find_moe_layers, get_arch, unwrap_model
 
-__all__ = ["ATTENTION_PROJECTIONS", "is_peft_model", "lora_targets", "build_lora_config", "apply_lora"]
+__all__ = [
+    "ATTENTION_PROJECTIONS",
+    "is_peft_model",
+    "lora_targets",
+    "build_lora_config",
+    "apply_lora",
+    "expert_lora_wrappers",
+    "shard_expert_lora",
+    "gather_expert_lora",
+    "unshard_expert_lora",
+    "shard_adapter_weights",
+]
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -99,13 +121,182 @@ def build_lora_config(
 
 
 def apply_lora(
-    model: nn.Module, r: int = 16, alpha: float = 32.0, dropout: float = 0.0, attention: bool = True
+    model: nn.Module,
+    r: int = 16,
+    alpha: float = 32.0,
+    dropout: float = 0.0,
+    attention: bool = True,
+    seed: int | None = None,
 ):
     """Wrap `model` with LoRA adapters (call after placement and `apply_pruning`).
+
+    Args:
+        seed: draw the random LoRA factors (`lora_A`) from `torch.manual_seed(seed)`, leaving the global
+            random state as it was; the adapter then starts the same however many processes run and
+            whatever they drew before (placement profiling, data loading). None: the global state.
 
     Returns:
         The `peft.PeftModel`; only the adapters and the routers are trainable.
     """
     from peft import get_peft_model
 
-    return get_peft_model(model, build_lora_config(model, r, alpha, dropout, attention))
+    config = build_lora_config(model, r, alpha, dropout, attention)
+    if seed is None:
+        return get_peft_model(model, config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
+
+
+# ---- expert parallelism: the expert LoRA factors shard with the experts -----------------------------
+def expert_lora_wrappers(experts: nn.Module) -> list[nn.Module]:
+    """PEFT's `ParamWrapper`s around a fused experts module, outermost first ([] without LoRA).
+
+    PEFT nests one wrapper per targeted parameter (`experts` -> wrapper(down_proj) -> wrapper(gate_up_proj)
+    -> the transformers experts module); each has `parameter_name`, `lora_A`, `lora_B` and `num_experts`.
+    """
+    wrappers = []
+    module = experts
+    while hasattr(module, "parameter_name") and isinstance(getattr(module, "base_layer", None), nn.Module):
+        wrappers.append(module)
+        module = module.base_layer
+    return wrappers
+
+
+def _factor_blocks(wrapper: nn.Module, adapter: str, num_experts: int):
+    """(A_ERI, B_ORE) views of one adapter's factors: A (r * E, in) -> (E, r, in), B (out, r * E) -> (out, r, E)."""
+    a, b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
+    return a.reshape(num_experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, num_experts)
+
+
+def _replace_weight(linear: nn.Linear, value: torch.Tensor, attr: str, size: int) -> nn.Parameter:
+    old = linear.weight
+    new = nn.Parameter(value.contiguous(), requires_grad=old.requires_grad)
+    new.occult_expert_shard = True
+    linear.weight = new
+    setattr(linear, attr, size)  # keep nn.Linear's in/out_features true to the new shape
+    return new
+
+
+@torch.no_grad()
+def shard_expert_lora(experts: nn.Module, start: int, count: int) -> list[nn.Parameter]:
+    """Cut every adapter's expert LoRA factors of one experts module to the experts [start, start + count).
+
+    Args:
+        experts: the module at `<layer>.mlp.experts` of a PEFT model (a chain of `ParamWrapper`s), holding
+            the factors of all E experts.
+        start / count: this rank's expert block (start = rank * P, count = P).
+
+    Returns:
+        the new factor parameters (marked `occult_expert_shard = True`, like the expert shards).
+    """
+    new = []
+    for wrapper in expert_lora_wrappers(experts):
+        num_experts = int(wrapper.num_experts)
+        if getattr(wrapper, "occult_lora_shard", None) is not None:
+            raise ValueError(f"{wrapper.parameter_name}: the expert LoRA factors are already sharded")
+        if start < 0 or count < 1 or start + count > num_experts:
+            raise ValueError(
+                f"expert block [{start}, {start + count}) does not fit the {num_experts} experts of the LoRA factors"
+            )
+        for adapter in list(wrapper.lora_A.keys()):
+            a_ERI, b_ORE = _factor_blocks(wrapper, adapter, num_experts)
+            rank = a_ERI.shape[1]
+            a = a_ERI[start : start + count].reshape(count * rank, a_ERI.shape[-1])
+            b = b_ORE[:, :, start : start + count].reshape(b_ORE.shape[0], rank * count)
+            new.append(_replace_weight(wrapper.lora_A[adapter], a, "out_features", count * rank))
+            new.append(_replace_weight(wrapper.lora_B[adapter], b, "in_features", count * rank))
+        wrapper.num_experts = count
+        wrapper.occult_lora_shard = (num_experts, start)
+    return new
+
+
+def _all_gather(tensor: torch.Tensor, group, num_devices: int) -> list[torch.Tensor]:
+    if num_devices == 1:
+        return [tensor.detach().clone()]
+    tensor = tensor.detach().contiguous()
+    pieces = [torch.empty_like(tensor) for _ in range(num_devices)]
+    dist.all_gather(pieces, tensor, group=group)
+    return pieces
+
+
+def gather_expert_lora(
+    experts: nn.Module, group, num_devices: int
+) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """(sharded factor, full factor) for every expert LoRA factor of one sharded experts module (collective).
+
+    Every rank of `group` (the EP group, D = `num_devices` ranks, rank p holding expert block p) must call
+    it. The full factors have the single-process layout: A (r * E, in), B (out, r * E).
+    """
+    out = []
+    for wrapper in expert_lora_wrappers(experts):
+        if getattr(wrapper, "occult_lora_shard", None) is None:
+            continue
+        local = int(wrapper.num_experts)
+        for adapter in wrapper.lora_A.keys():
+            a_PRI, b_ORP = _factor_blocks(wrapper, adapter, local)
+            a_pieces = _all_gather(a_PRI, group, num_devices)
+            b_pieces = _all_gather(b_ORP, group, num_devices)
+            a = torch.cat(a_pieces, dim=0)  # (E, r, in)
+            b = torch.cat(b_pieces, dim=2)  # (out, r, E)
+            out.append((wrapper.lora_A[adapter].weight, a.reshape(-1, a.shape[-1])))
+            out.append((wrapper.lora_B[adapter].weight, b.reshape(b.shape[0], -1)))
+    return out
+
+
+@torch.no_grad()
+def unshard_expert_lora(experts: nn.Module, group, num_devices: int) -> None:
+    """Undo `shard_expert_lora` in place (collective over the EP group): full factors on every rank."""
+    full = {id(p): value for p, value in gather_expert_lora(experts, group, num_devices)}
+    for wrapper in expert_lora_wrappers(experts):
+        shard = getattr(wrapper, "occult_lora_shard", None)
+        if shard is None:
+            continue
+        for adapter in wrapper.lora_A.keys():
+            for which, attr in (("lora_A", "out_features"), ("lora_B", "in_features")):
+                linear = getattr(wrapper, which)[adapter]
+                value = full[id(linear.weight)]
+                linear.weight = nn.Parameter(value, requires_grad=linear.weight.requires_grad)
+                setattr(linear, attr, value.shape[0] if which == "lora_A" else value.shape[1])
+        wrapper.num_experts = shard[0]
+        del wrapper.occult_lora_shard
+
+
+def shard_adapter_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A saved adapter's weights (PEFT file keys, full-E expert factors) cut to this rank's expert block.
+
+    `model` is the sharded PEFT model; keys that are not sharded expert factors are returned unchanged.
+    """
+    top = _peft_top(model)
+    names = {id(p): n for n, p in top.named_parameters()}
+    out = dict(weights)
+    for layer in find_moe_layers(top):
+        for wrapper in expert_lora_wrappers(layer.experts):
+            shard = getattr(wrapper, "occult_lora_shard", None)
+            if shard is None:
+                continue
+            num_experts, start = shard
+            count = int(wrapper.num_experts)
+            for adapter in wrapper.lora_A.keys():
+                for which in ("lora_A", "lora_B"):
+                    name = names[id(getattr(wrapper, which)[adapter].weight)]
+                    key = name.replace(f".{which}.{adapter}.", f".{which}.")
+                    if key not in out:
+                        continue
+                    full = out[key]
+                    if which == "lora_A":
+                        block = full.reshape(num_experts, -1, full.shape[-1])[start : start + count]
+                        out[key] = block.reshape(-1, full.shape[-1])
+                    else:
+                        block = full.reshape(full.shape[0], -1, num_experts)[:, :, start : start + count]
+                        out[key] = block.reshape(full.shape[0], -1)
+    return out
+
+
+def _peft_top(model: nn.Module) -> nn.Module:
+    """The PEFT model inside DDP / DeepSpeed / accelerate wrappers (the module whose keys PEFT saves)."""
+    for _ in range(4):
+        if hasattr(model, "peft_config") or not isinstance(getattr(model, "module", None), nn.Module):
+            break
+        model = model.module
+    return model

@@ -20,7 +20,7 @@ from transformers import TrainingArguments
 
 from ..routing import CRITERIA, GATE_WEIGHT_POLICIES, check_pruning_settings
 
-__all__ = ["OccultConfig", "TRAIN_MODES", "PLACEMENT_MODES", "MODEL_DTYPES"]
+__all__ = ["OccultConfig", "TRAIN_MODES", "PLACEMENT_MODES", "MODEL_DTYPES", "check_before_loading"]
 
 TRAIN_MODES = ("full", "moe", "lora")
 PLACEMENT_MODES = ("auto", "sequential")
@@ -357,6 +357,26 @@ class OccultConfig(TrainingArguments):
         kwargs = {**kwargs, "use_reentrant": kwargs.get("use_reentrant", False)}
         for name in names:
             setattr(self, name, kwargs)
+
+
+def check_before_loading(args: OccultConfig) -> None:
+    """Refuse, before any model is loaded, the combinations the config alone shows cannot work.
+
+    `__post_init__` already checks each field; this adds the checks that read other files: with
+    `expert_parallel_size` > 1 and a DeepSpeed config, ZeRO stage 3 and an AutoEP section are one-line
+    ValueErrors (`occult_ft.integrations.deepspeed.check_deepspeed_config`; its stage-0 clipping warning
+    is left to the expert-parallel setup, which repeats the check). LoRA with expert parallelism is
+    supported (the expert LoRA factors shard with the experts), so it is not refused.
+    """
+    if args.expert_parallel_size <= 1 or not args.deepspeed:
+        return
+    import warnings
+
+    from ..integrations.deepspeed import check_deepspeed_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_deepspeed_config(args.deepspeed, args.expert_parallel_size, args.max_grad_norm)
 
 
 def _accelerator_available() -> bool:

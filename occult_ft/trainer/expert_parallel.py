@@ -30,7 +30,15 @@ Every rank feeds its own micro-batch, as in plain data parallelism over all W ra
 Routers are replicated, so routing metrics and the pruning-aware balance loss work as in data
 parallelism: the balance loss is a per-micro-batch mean, averaged over ranks (not the balance loss of
 the whole global batch, which is why the exactness tests run with `balance_loss_coef=0`).
-Not supported: `train_mode="lora"` (PEFT's expert LoRA weights are not sharded; a one-line error).
+LoRA (`train_mode="lora"`, PEFT `target_parameters` on the fused expert tensors): the expert LoRA
+factors shard with the experts (`occult_ft.integrations.peft.shard_expert_lora`): rank r holds the
+factors of its own E/D experts, marked like the expert shards, so they are reduced over the EDP group,
+counted once in the clipping norm, kept out of DDP and, under DeepSpeed, marked as expert parameters.
+They are first broadcast from rank 0 (DDP does the same for the replicated attention LoRA and the
+`modules_to_save` routers), so every run starts from one initialisation whatever each process drew.
+Saving gathers them back into the layout a single-process PEFT run writes (`adapter_model.safetensors`
+with A (r * E, in) and B (out, r * E) per fused tensor); resuming cuts the saved adapter again
+(`load_expert_lora_shards`).
 
 Checkpoints: `gathered_state_dict` all-gathers the shards (collective) so rank 0 writes the standard
 HF layout; `shard_state_dict` cuts a full state dict down to this rank's shards when resuming.
@@ -55,6 +63,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch import expert_shard_parameters, gather_experts_state_dict, shard_experts
+from ..dispatch.experts_impl import base_experts, experts_state_key
 from ..models.registry import find_moe_layers, unwrap_model
 
 __all__ = [
@@ -70,6 +79,8 @@ __all__ = [
     "save_expert_optimizer_state",
     "load_expert_optimizer_state",
     "load_expert_shards",
+    "load_expert_lora_shards",
+    "load_sharded_adapter",
 ]
 
 
@@ -186,25 +197,22 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
     builds the groups, runs `shard_experts(model, ep_group)`, tells DDP to leave the shards alone and,
     for a DeepSpeed run, marks them as DeepSpeed expert parameters and attaches the engine's MoE marker.
 
+    A LoRA model's expert LoRA factors are broadcast from rank 0 and cut to the same expert block.
+
     Args:
-        model: the prepared model (not a LoRA model).
+        model: the prepared model (a transformers model or a PEFT LoRA model, not yet wrapped by DDP).
         args: the run's `OccultConfig` (`expert_parallel_size`, `deepspeed`, `world_size`).
 
     Returns:
         this rank's `ExpertParallelGroups`.
 
     Raises:
-        ValueError: one line for a bad layout (D vs world size or experts), LoRA, or a DeepSpeed config
-            that cannot work (ZeRO-3, AutoEP).
+        ValueError: one line for a bad layout (D vs world size or experts) or a DeepSpeed config that
+            cannot work (ZeRO-3, AutoEP).
     """
-    from ..integrations.peft import is_peft_model
+    from ..integrations.peft import expert_lora_wrappers, shard_expert_lora
 
     size = int(args.expert_parallel_size)
-    if is_peft_model(model):
-        raise ValueError(
-            f"expert_parallel_size={size} with train_mode='lora' is not supported (PEFT's expert LoRA weights are "
-            "not sharded); use train_mode='moe' or 'full', or expert_parallel_size=1"
-        )
     base = unwrap_model(model)
     layers = find_moe_layers(base)
     world = int(args.world_size)
@@ -220,12 +228,20 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
 
         check_deepspeed_config(args.deepspeed, size, getattr(args, "max_grad_norm", None))
     groups = expert_parallel_groups(size, use_deepspeed=use_deepspeed)
+    factors = [p for layer in layers for w in expert_lora_wrappers(layer.experts) for p in _lora_factors(w)]
+    if factors:  # one initialisation everywhere, as DDP makes it for the replicated LoRA weights
+        _broadcast_from_rank0(factors)
     shard_experts(
         base, groups.ep_group, nodes=args.nodes if getattr(args, "exchange", "flat") == "two_stage" else 1
     )
-    shards = expert_shard_parameters(base)
+    for layer in layers:
+        shard = base_experts(layer.experts).occult_shard
+        shard_expert_lora(layer.experts, shard.rank * shard.experts_per_device, shard.experts_per_device)
+    # DDP wraps `model` (the PEFT model under LoRA): name the shards as its named_parameters does
+    top = _strip_wrappers(model)
+    shards = [(n, p) for n, p in top.named_parameters() if getattr(p, "occult_expert_shard", False)]
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        base, [n for n, _ in shards]
+        top, [n for n, _ in shards]
     )
     if use_deepspeed:
         from ..integrations.deepspeed import attach_moe_marker, mark_expert_parameters
@@ -233,6 +249,29 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
         mark_expert_parameters((p for _, p in shards), size)
         attach_moe_marker(base, size, layers[0].num_experts)
     return groups
+
+
+def _lora_factors(wrapper: nn.Module) -> list[nn.Parameter]:
+    return [getattr(wrapper, w)[a].weight for a in wrapper.lora_A.keys() for w in ("lora_A", "lora_B")]
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(params: list[nn.Parameter]) -> None:
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    dist.broadcast(flat, src=0)
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def _strip_wrappers(model: nn.Module) -> nn.Module:
+    """`model` without DDP / DeepSpeed engine / accelerate wrappers (`.module`), PEFT kept."""
+    for _ in range(4):
+        if hasattr(model, "peft_config") or not isinstance(getattr(model, "module", None), nn.Module):
+            break
+        model = model.module
+    return model
 
 
 @torch.no_grad()
@@ -304,7 +343,25 @@ def gathered_state_dict(
 
     Collective: every rank of every EP group must call it. Save the result on one rank with
     `save_pretrained(..., state_dict=...)` to get the standard HF layout.
+
+    For a LoRA model the keys are the PEFT model's (what `PeftModel.save_pretrained` filters) and the
+    expert LoRA factors are gathered to the single-process layout; the frozen base expert shards are
+    left as they are (the adapter file does not hold them).
     """
+    from ..integrations.peft import gather_expert_lora, is_peft_model
+
+    if is_peft_model(model):
+        top = _strip_wrappers(model)
+        out = dict(state_dict) if state_dict is not None else dict(top.state_dict())
+        names = {id(p): n for n, p in top.named_parameters()}
+        for layer in find_moe_layers(top):
+            shard = getattr(base_experts(layer.experts), "occult_shard", None)
+            if shard is None:
+                continue
+            for param, full in gather_expert_lora(layer.experts, shard.group, shard.num_devices):
+                if names[id(param)] in out:
+                    out[names[id(param)]] = full
+        return out
     full = gather_experts_state_dict(model)
     if state_dict is None:
         return full
@@ -320,12 +377,12 @@ def shard_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> d
     base = unwrap_model(model)
     out = dict(state_dict)
     for layer in find_moe_layers(base):
-        shard = getattr(layer.experts, "occult_shard", None)
+        shard = getattr(base_experts(layer.experts), "occult_shard", None)
         if shard is None:
             continue
         start = shard.rank * shard.experts_per_device
         for name in shard.param_names:
-            key = f"{layer.name}.experts.{name}"
+            key = experts_state_key(layer, name)
             if key in out and out[key].shape[0] == shard.num_experts:
                 out[key] = out[key][start : start + shard.experts_per_device]
     return out
@@ -379,3 +436,58 @@ def load_expert_shards(model: nn.Module, checkpoint: str) -> None:
                 f"checkpoint {checkpoint!r} has no expert tensor {name!r} of shape {tuple(param.shape)}"
             )
         param.copy_(state[name].to(param.device, param.dtype))
+
+
+@torch.no_grad()
+def load_expert_lora_shards(model: nn.Module, checkpoint: str) -> None:
+    """Copy this rank's expert LoRA factors, in place, from the adapter file of a checkpoint directory.
+
+    The adapter holds the factors of all E experts (as a single-process run saves them); each rank takes
+    its own expert block. Other weights are left to whoever loaded the rest. Raises a one-line ValueError
+    when the directory has no adapter or it does not fit.
+    """
+    from peft.utils import load_peft_weights
+
+    from ..integrations.peft import shard_adapter_weights
+
+    if not os.path.isfile(os.path.join(checkpoint, "adapter_config.json")):
+        raise ValueError(
+            f"checkpoint {checkpoint!r} has no adapter_config.json; it cannot restore the expert LoRA shards"
+        )
+    top = _strip_wrappers(model)
+    weights = shard_adapter_weights(top, load_peft_weights(checkpoint, device="cpu"))
+    for name, param in top.named_parameters():
+        if not getattr(param, "occult_expert_shard", False) or ".lora_" not in name:
+            continue
+        key = _adapter_key(name)
+        if key not in weights or weights[key].shape != param.shape:
+            raise ValueError(
+                f"checkpoint {checkpoint!r} has no expert LoRA factor {key!r} of shape {tuple(param.shape)}"
+            )
+        param.copy_(weights[key].to(param.device, param.dtype))
+
+
+def _adapter_key(name: str) -> str:
+    """The key PEFT saves a LoRA factor under: `...lora_A.<adapter>.weight` -> `...lora_A.weight`."""
+    head, _, tail = name.rpartition(".lora_")
+    which, _, rest = tail.partition(".")  # "A", "<adapter>.weight"
+    return f"{head}.lora_{which}.{rest.partition('.')[2]}"
+
+
+def load_sharded_adapter(model: nn.Module, checkpoint: str) -> None:
+    """Load a saved adapter (all E experts' factors) into a sharded LoRA model: every weight of the adapter
+    file, the expert factors cut to this rank's block. For resuming without DeepSpeed, where Trainer's own
+    `load_adapter` would refuse the full-E factors. Raises a one-line ValueError for a foreign adapter."""
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    from ..integrations.peft import shard_adapter_weights
+
+    top = _strip_wrappers(model)
+    weights = shard_adapter_weights(top, load_peft_weights(checkpoint, device="cpu"))
+    adapter = top.active_adapters[0] if getattr(top, "active_adapters", None) else "default"
+    result = set_peft_model_state_dict(top, weights, adapter_name=adapter)
+    if result.unexpected_keys:
+        raise ValueError(
+            f"checkpoint {checkpoint!r} has adapter weights this model lacks ({result.unexpected_keys[:4]}); "
+            "resume with the model it was trained from"
+        )

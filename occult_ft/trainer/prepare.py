@@ -266,7 +266,9 @@ def prepare_model(
     apply_occult(base, pruning=pruning, similarity=similarity, similarity_placed=True)
     _disable_model_aux_loss(base)
     if args.train_mode == "lora" and not peft_model:
-        model = apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout)
+        model = apply_lora(
+            model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, seed=args.seed
+        )
     elif args.train_mode != "lora":
         set_train_mode(model, args.train_mode)
     set_recording(model, True, keep_graph=args.balance_loss_coef > 0)

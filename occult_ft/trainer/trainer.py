@@ -45,13 +45,15 @@ from ..checkpoint import (
 from ..data.batching import real_token_mask
 from ..models.registry import unwrap_model
 from ..routing import apply_pruning, pruned_routers
-from .config import OccultConfig
+from .config import OccultConfig, check_before_loading
 from .expert_parallel import (
     ExpertParallelGroups,
     clip_expert_parallel_grad_norm,
     gathered_state_dict,
+    load_expert_lora_shards,
     load_expert_optimizer_state,
     load_expert_shards,
+    load_sharded_adapter,
     reduce_expert_gradients,
     save_expert_optimizer_state,
     setup_expert_parallel,
@@ -110,6 +112,7 @@ def load_training_model(path: str, args: OccultConfig):
         from ..embedded import embedded_model_path
 
         path = embedded_model_path()
+    check_before_loading(args)
     dtype = None if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
     is_adapter = os.path.isfile(os.path.join(path, "adapter_config.json"))
     if is_adapter and args.train_mode != "lora":
@@ -181,6 +184,7 @@ class OccultTrainer(Trainer):
             )
         if model is None:
             raise ValueError("OccultTrainer needs a model (a transformers MoE model or a model path)")
+        check_before_loading(args)
         if isinstance(model, str):
             model, tokenizer = load_training_model(model, args)
             processing_class = processing_class if processing_class is not None else tokenizer
@@ -495,9 +499,27 @@ class OccultTrainer(Trainer):
             )
         return True
 
+    def _load_sharded_adapter(self, path: str | None) -> bool:
+        """Load a LoRA checkpoint into an expert-parallel model without DeepSpeed (the adapter holds all E
+        experts' factors, each rank takes its own); False where Trainer's own loading applies."""
+        if not path or self.expert_parallel is None or not self._is_lora() or self.is_deepspeed_enabled:
+            return False
+        load_sharded_adapter(self.model, path)
+        return True
+
+    def _restore_expert_shards(self, path: str) -> None:
+        """After the DeepSpeed engine restored rank 0's shards everywhere: each rank takes its own."""
+        if self._is_lora():
+            load_expert_lora_shards(self.model, path)
+        else:
+            load_expert_shards(self.model, path)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        if (model is None or model is self.model) and self._load_full_checkpoint(resume_from_checkpoint):
-            return
+        if model is None or model is self.model:
+            if self._load_full_checkpoint(resume_from_checkpoint):
+                return
+            if self._load_sharded_adapter(resume_from_checkpoint):
+                return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -509,17 +531,18 @@ class OccultTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None or self.expert_parallel is None:
             return
-        if self.is_deepspeed_enabled:  # the engine restored rank 0's shards everywhere: take our own
-            load_expert_shards(self.model, checkpoint)
+        if self.is_deepspeed_enabled:
+            self._restore_expert_shards(checkpoint)
         else:
             load_expert_optimizer_state(self.optimizer, self.expert_parallel, checkpoint)
 
     def _load_best_model(self) -> None:
-        if self._load_full_checkpoint(self.state.best_model_checkpoint):
+        best = self.state.best_model_checkpoint
+        if self._load_full_checkpoint(best) or self._load_sharded_adapter(best):
             return
         super()._load_best_model()
         if self.expert_parallel is not None and self.is_deepspeed_enabled:
-            load_expert_shards(self.model, self.state.best_model_checkpoint)
+            self._restore_expert_shards(best)
 
     def train(
         self,
