@@ -31,6 +31,7 @@ checks weights, gradients and optimizer states against what `OccultTrainer` real
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,7 @@ __all__ = [
     "Plan",
     "count_params",
     "load_model_config",
+    "check_fits_before_loading",
     "plan_for_config",
     "shipped_config_path",
 ]
@@ -317,17 +319,12 @@ def _plan(c: ModelCounts, s: Setup) -> Plan:
     elif s.train_mode == "moe":
         parts = [(c.moe_other, w, dp_rep), (expert, w, dp_exp)]
     else:  # lora: adapters (fp32) + a trainable copy of every router (weights' dtype)
-        lora = Group(
-            s.lora_r * (c.lora_replicated.numel + c.lora_expert.numel),
-            c.lora_replicated.tensors + c.lora_expert.tensors,
-        )
-        weights += 4 * lora.numel + w * c.router.numel
-        parts = [(lora, 4, dp_rep), (c.router, w, dp_rep)]
-        if s.ep > 1:
-            notes.append(
-                f"train_mode=lora with expert_parallel_size={s.ep} is refused by the trainer (PEFT's expert LoRA "
-                "weights are not sharded); this plan counts sharded base experts and unsharded adapters"
-            )
+        # expert LoRA factors shard with their experts (E/D per GPU, reduced over the expert-data-parallel
+        # group); attention LoRA and the routers are replicated
+        lora_rep = Group(s.lora_r * c.lora_replicated.numel, c.lora_replicated.tensors)
+        lora_exp = Group(s.lora_r * c.lora_expert.numel // s.ep, c.lora_expert.tensors)
+        weights += 4 * (lora_rep.numel + lora_exp.numel) + w * c.router.numel
+        parts = [(lora_rep, 4, dp_rep), (lora_exp, 4, dp_exp), (c.router, w, dp_rep)]
     stage = -1 if s.zero_stage is None else s.zero_stage
     ceil = lambda n, div: -(-n // div)  # noqa: E731 - DeepSpeed pads its partitions
     grads = sum(ceil(4 * g.numel, div) if stage >= 2 else b * g.numel for g, b, div in parts)
@@ -414,7 +411,7 @@ def _smallest_fitting(c: ModelCounts, s: Setup) -> str | None:
     for gpus in (s.gpus * 2**i for i in range(7)):
         for mode in modes:
             eps = [d for d in range(1, c.num_experts + 1) if c.num_experts % d == 0 and gpus % d == 0]
-            eps = [1] if mode == "lora" else sorted(eps, reverse=True)  # the trainer refuses LoRA with EP
+            eps = sorted(eps, reverse=True)
             for ep in eps:
                 for stage in dict.fromkeys([s.zero_stage, 2]):
                     change = dict(gpus=gpus, train_mode=mode, ep=ep, zero_stage=stage, checkpointing=True)
@@ -428,6 +425,29 @@ def _smallest_fitting(c: ModelCounts, s: Setup) -> str | None:
                             f"{zero}, gradient checkpointing: {p.per_gpu_gb:.1f} GB per GPU"
                         )
     return None
+
+
+def check_fits_before_loading(occult_config) -> Plan | None:
+    """On a GPU run, the plan of `occult_config` on this launch (WORLD_SIZE GPUs of this GPU's memory);
+    raises a one-line ValueError with the plan's first suggestion when it cannot fit. Nothing but the
+    model's config is read. Returns None on CPU runs (nothing to plan against)."""
+    import torch
+
+    if getattr(occult_config, "use_cpu", False) or not torch.cuda.is_available():
+        return None
+    gpus = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    device = int(os.environ.get("LOCAL_RANK", "0") or 0) % max(1, torch.cuda.device_count())
+    memory_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+    plan = plan_for_config(
+        occult_config, load_model_config(occult_config.model_name_or_path), gpus, memory_gb
+    )
+    if not plan.fits:
+        fix = plan.suggestions[0] if plan.suggestions else "use more GPUs, LoRA or a smaller batch"
+        raise ValueError(
+            f"this run needs about {plan.per_gpu_gb:.1f} GB per GPU (`occult-ft plan` shows the breakdown) but "
+            f"the GPUs have {memory_gb:.0f} GB ({plan.usable_gb:.0f} usable); {fix}"
+        )
+    return plan
 
 
 def plan_for_config(occult_config, model_config, gpus: int, gpu_memory_gb: float) -> Plan:

@@ -208,3 +208,32 @@ def test_activation_estimate_is_near_the_tensors_autograd_saves(tiny_olmoe_dir, 
     ratio = plan.breakdown_bytes["activations"] / measured
     print(f"activation estimate / saved tensors = {ratio:.2f}")
     assert 0.5 < ratio < 2
+
+
+def test_a_gpu_run_that_cannot_fit_stops_before_loading_with_the_plans_suggestion(monkeypatch, tmp_path):
+    """`train` plans a GPU run before any weight is read: Mixtral's LoRA recipe on one 24 GB GPU stops
+    with one line naming the need and a fix (the model id is never downloaded: its config ships)."""
+    from types import SimpleNamespace
+
+    from occult_ft.commands.train import parse_config
+    from occult_ft.trainer import pipeline
+
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as the recipe's launch line sets it
+    config = parse_config(["recipes/mixtral-8x7b.yaml", "--output_dir", str(tmp_path)])
+    config.use_cpu = False  # as on a GPU node (set after construction: this machine has no CUDA)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=24e9))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model must not be loaded")
+
+    monkeypatch.setattr(pipeline, "load_training_model", no_loading)
+    with pytest.raises(ValueError, match=r"needs about \d+\.\d GB per GPU .* the GPUs have 24 GB") as err:
+        pipeline.train(config)
+    assert "\n" not in str(err.value)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80e9))
+    from occult_ft.plan import check_fits_before_loading
+
+    assert check_fits_before_loading(config).fits  # the recipe's stated hardware: 4 x 80 GB

@@ -54,6 +54,9 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
             "dataset is required: a .txt/.jsonl/.json file, a saved dataset, a Hub id or 'embedded'"
         )
     say = _announcer(config)
+    from ..plan import check_fits_before_loading
+
+    check_fits_before_loading(config)  # GPU runs: the memory plan, before any weight is downloaded
     say(f"loading the model {config.model_name_or_path!r}")
     model, tokenizer = load_training_model(config.model_name_or_path, config)
     check_seq_len(model, config.seq_len)
