@@ -200,6 +200,13 @@ def launch(launcher: list[str], spec: dict, tmp_path, timeout: float = 300.0) ->
         text=True,
         timeout=timeout,
     )
+    if proc.returncode != 0 and (tmp_path / "results.json").exists():  # rank 0 recorded why it stopped
+        failed = {
+            k: v["trace"]
+            for k, v in json.loads((tmp_path / "results.json").read_text()).items()
+            if "trace" in v
+        }
+        assert not failed, failed
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((tmp_path / "results.json").read_text())
 

@@ -433,12 +433,12 @@ class OccultTrainer(Trainer):
                 # the stock base computes the trained model (without the pruning); checkpoint-N folders
                 # keep the live (placed) order for exact resumption
                 placement = self.occult.placement
-                state_dict = permute_state_dict(
-                    self.model,
-                    state_dict if state_dict is not None else self.model.state_dict(),
-                    placement,
-                    inverse=True,
-                )
+                state_dict = state_dict if state_dict is not None else self.model.state_dict()
+                adapter = {k: v for k, v in state_dict.items() if "lora_" in k or ".modules_to_save." in k}
+                state_dict = {
+                    **state_dict,
+                    **permute_state_dict(self.model, adapter, placement, inverse=True),
+                }
                 similarity = placed_similarity(similarity, placement, inverse=True)
                 block["expert_order"] = "original"
             super()._save(output_dir, state_dict=state_dict)
