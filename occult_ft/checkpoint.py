@@ -256,16 +256,29 @@ def write_native_group_fields(config, pruning: PruningConfig) -> bool:
 
 
 @contextlib.contextmanager
-def occult_config_fields(config, block: dict, pruning: PruningConfig | None):
+def occult_config_fields(
+    config, block: dict, pruning: PruningConfig | None, save_dir: str | os.PathLike | None = None
+):
     """Within the context, `config` carries `block` (and the native routing fields of `pruning`); the
-    config's previous values come back afterwards. Wrap `save_pretrained` calls in it."""
-    names = (OCCULT_KEY, *NATIVE_ROUTING_FIELDS)
+    config's previous values come back afterwards. Wrap `save_pretrained` calls in it.
+
+    With `save_dir` (the directory the body saves into) and a budget that the native fields cannot
+    express, `config.auto_map` points `AutoModelForCausalLM` at remote code, and once the body has
+    written `config.json` there the code follows it (`occult_ft.remote_code`): stock transformers
+    with `trust_remote_code=True` then routes with the budget. A stale occult `auto_map` entry (from a
+    loaded checkpoint) is dropped otherwise."""
+    from .remote_code import needs_remote_code, set_auto_map, write_remote_code
+
+    names = (OCCULT_KEY, "auto_map", *NATIVE_ROUTING_FIELDS)
     saved = {name: config.__dict__.get(name, _MISSING) for name in names}
     setattr(config, OCCULT_KEY, block)
-    if pruning is not None:
-        write_native_group_fields(config, pruning)
+    native = pruning is not None and write_native_group_fields(config, pruning)
+    remote = save_dir is not None and needs_remote_code(pruning, native)
+    set_auto_map(config, remote)
     try:
         yield config
+        if remote and os.path.isfile(os.path.join(os.fspath(save_dir), "config.json")):
+            write_remote_code(save_dir, config)  # only where this process saved the config
     finally:
         for name, value in saved.items():
             if value is _MISSING:
@@ -296,7 +309,7 @@ def _save_pretrained_with_occult(self, save_directory, *args, **kwargs):
     from .apply import applied_similarity
 
     block = self._occult_save_block
-    with occult_config_fields(self.config, block, pruning_from_block(block)):
+    with occult_config_fields(self.config, block, pruning_from_block(block), save_directory):
         result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     if kwargs.get("is_main_process", True):
         write_similarity(os.fspath(save_directory), applied_similarity(self))
@@ -336,7 +349,7 @@ def save_pruned(
     base = unwrap_model(model)
     block = occult_block(pruning, placement, placed=True, **(extra or {}))
     with atomic_directory(out_dir) as tmp:
-        with occult_config_fields(base.config, block, pruning):
+        with occult_config_fields(base.config, block, pruning, tmp):
             base.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -417,6 +430,9 @@ def load_model_and_tokenizer(path: str, dtype=None, warn_pruned: bool = True, **
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"cannot load model {path!r}: {first}") from None
     get_arch(model)  # unsupported types fail here, with the list of supported ones
+    from .remote_code import set_auto_map
+
+    set_auto_map(model.config, False)  # the remote code stays with the folder; saves write it anew
     if warn_pruned:
         _warn_if_pruned(model, path)
     try:
