@@ -168,6 +168,9 @@ class CheckpointSummary:
         native_routing: the budget is written in the model's own config (`n_group` / `topk_group`).
         has_similarity: `occult_similarity.safetensors` is present.
         has_tokenizer: tokenizer files are present.
+        remote_code: config.json's `auto_map` sends `AutoModelForCausalLM` to the checkpoint's
+            `occult_pruned_routing.py` (stock transformers routes with the budget under
+            `trust_remote_code=True`).
     """
 
     path: str
@@ -182,6 +185,7 @@ class CheckpointSummary:
     native_routing: bool = False
     has_similarity: bool = False
     has_tokenizer: bool = False
+    remote_code: bool = False
 
     @property
     def pruned(self) -> bool:
@@ -228,6 +232,9 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike) -> CheckpointSummary:
                 config, block.get("num_devices"), block.get("max_devices_per_token")
             )
         )
+        from .remote_code import has_remote_code
+
+        summary.remote_code = has_remote_code(path, config)
     else:
         raise CheckpointError(
             f"{path!r} is not a checkpoint (no config.json or adapter_config.json); "
