@@ -15,7 +15,10 @@ already permuted). The similarity criterion's tables live beside the weights in
 `occult_similarity.safetensors` (already in placed order). A LoRA adapter directory carries the same
 block in `occult_config.json`; there `placed` is false and loading permutes the base model first.
 DeepSeek-V3 with `device_topk_sum` (and DeepSeek-V2 with `device_max`) also get the native
-`n_group`/`topk_group` fields, so stock transformers routes identically without occult_ft.
+`n_group`/`topk_group` fields, so stock transformers routes identically without occult_ft. Every other
+active budget gets remote code (`occult_pruned_routing.py` and `config.auto_map`, see
+`occult_ft.remote_code`): stock `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`
+then routes with the budget too.
 """
 
 from __future__ import annotations
