@@ -318,12 +318,29 @@ def _save_pretrained_with_occult(self, save_directory, *args, **kwargs):
     the weights, so `occult_ft.from_pretrained` of the copy routes like this model."""
     from .apply import applied_similarity
 
+    # stock save_pretrained(push_to_hub=True) uploads before the side files below exist: push afterwards
+    push = kwargs.pop("push_to_hub", False)
+    hub = {k: kwargs.pop(k) for k in _PUSH_KWARGS if k in kwargs}
     block = self._occult_save_block
     with occult_config_fields(self.config, block, pruning_from_block(block), save_directory):
         result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     if kwargs.get("is_main_process", True):
         write_similarity(os.fspath(save_directory), applied_similarity(self))
+        if push:
+            repo_id = hub.pop("repo_id", os.path.basename(os.path.abspath(os.fspath(save_directory))))
+            self.push_to_hub(repo_id, **hub)
     return result
+
+
+_PUSH_KWARGS = (
+    "repo_id",
+    "commit_message",
+    "commit_description",
+    "private",
+    "token",
+    "revision",
+    "create_pr",
+)
 
 
 def attach_occult_save(model: nn.Module, block: dict) -> None:
