@@ -283,7 +283,7 @@ def occult_config_fields(
     saved = {name: config.__dict__.get(name, _MISSING) for name in names}
     setattr(config, OCCULT_KEY, block)
     native = pruning is not None and write_native_group_fields(config, pruning)
-    remote = save_dir is not None and needs_remote_code(pruning, native)
+    remote = save_dir is not None and needs_remote_code(pruning, native, config.model_type)
     set_auto_map(config, remote)
     try:
         yield config

@@ -73,9 +73,14 @@ def remote_auto_map(model_type: str) -> dict[str, str]:
     return {_AUTO_CLASS: f"{REMOTE_MODULE}.{remote_class_name(model_type)}"}
 
 
-def needs_remote_code(pruning, native: bool) -> bool:
-    """A checkpoint needs remote code when its budget is active and not written in native fields."""
-    return pruning is not None and pruning.active and not native
+def needs_remote_code(pruning, native: bool, model_type: str | None = None) -> bool:
+    """A checkpoint needs remote code when its budget is active and not written in native fields (and,
+    given `model_type`, transformers has a causal-LM class to subclass)."""
+    if pruning is None or not pruning.active or native:
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return model_type is None or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def set_auto_map(config, on: bool) -> None:
