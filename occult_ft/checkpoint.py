@@ -15,7 +15,10 @@ already permuted). The similarity criterion's tables live beside the weights in
 `occult_similarity.safetensors` (already in placed order). A LoRA adapter directory carries the same
 block in `occult_config.json`; there `placed` is false and loading permutes the base model first.
 DeepSeek-V3 with `device_topk_sum` (and DeepSeek-V2 with `device_max`) also get the native
-`n_group`/`topk_group` fields, so stock transformers routes identically without occult_ft.
+`n_group`/`topk_group` fields, so stock transformers routes identically without occult_ft. Every other
+active budget gets remote code (`occult_pruned_routing.py` and `config.auto_map`, see
+`occult_ft.remote_code`): stock `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`
+then routes with the budget too.
 """
 
 from __future__ import annotations
@@ -169,6 +172,9 @@ class CheckpointSummary:
         native_routing: the budget is written in the model's own config (`n_group` / `topk_group`).
         has_similarity: `occult_similarity.safetensors` is present.
         has_tokenizer: tokenizer files are present.
+        remote_code: config.json's `auto_map` sends `AutoModelForCausalLM` to the checkpoint's
+            `occult_pruned_routing.py` (stock transformers routes with the budget under
+            `trust_remote_code=True`).
     """
 
     path: str
@@ -183,6 +189,7 @@ class CheckpointSummary:
     native_routing: bool = False
     has_similarity: bool = False
     has_tokenizer: bool = False
+    remote_code: bool = False
 
     @property
     def pruned(self) -> bool:
@@ -229,6 +236,9 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike) -> CheckpointSummary:
                 config, block.get("num_devices"), block.get("max_devices_per_token")
             )
         )
+        from .remote_code import has_remote_code
+
+        summary.remote_code = has_remote_code(path, config)
     else:
         raise CheckpointError(
             f"{path!r} is not a checkpoint (no config.json or adapter_config.json); "
@@ -257,16 +267,29 @@ def write_native_group_fields(config, pruning: PruningConfig) -> bool:
 
 
 @contextlib.contextmanager
-def occult_config_fields(config, block: dict, pruning: PruningConfig | None):
+def occult_config_fields(
+    config, block: dict, pruning: PruningConfig | None, save_dir: str | os.PathLike | None = None
+):
     """Within the context, `config` carries `block` (and the native routing fields of `pruning`); the
-    config's previous values come back afterwards. Wrap `save_pretrained` calls in it."""
-    names = (OCCULT_KEY, *NATIVE_ROUTING_FIELDS)
+    config's previous values come back afterwards. Wrap `save_pretrained` calls in it.
+
+    With `save_dir` (the directory the body saves into) and a budget that the native fields cannot
+    express, `config.auto_map` points `AutoModelForCausalLM` at remote code, and once the body has
+    written `config.json` there the code follows it (`occult_ft.remote_code`): stock transformers
+    with `trust_remote_code=True` then routes with the budget. A stale occult `auto_map` entry (from a
+    loaded checkpoint) is dropped otherwise."""
+    from .remote_code import needs_remote_code, set_auto_map, write_remote_code
+
+    names = (OCCULT_KEY, "auto_map", *NATIVE_ROUTING_FIELDS)
     saved = {name: config.__dict__.get(name, _MISSING) for name in names}
     setattr(config, OCCULT_KEY, block)
-    if pruning is not None:
-        write_native_group_fields(config, pruning)
+    native = pruning is not None and write_native_group_fields(config, pruning)
+    remote = save_dir is not None and needs_remote_code(pruning, native, config.model_type)
+    set_auto_map(config, remote)
     try:
         yield config
+        if remote and os.path.isfile(os.path.join(os.fspath(save_dir), "config.json")):
+            write_remote_code(save_dir, config)  # only where this process saved the config
     finally:
         for name, value in saved.items():
             if value is _MISSING:
@@ -296,12 +319,29 @@ def _save_pretrained_with_occult(self, save_directory, *args, **kwargs):
     the weights, so `occult_ft.from_pretrained` of the copy routes like this model."""
     from .apply import applied_similarity
 
+    # stock save_pretrained(push_to_hub=True) uploads before the side files below exist: push afterwards
+    push = kwargs.pop("push_to_hub", False)
+    hub = {k: kwargs.pop(k) for k in _PUSH_KWARGS if k in kwargs}
     block = self._occult_save_block
-    with occult_config_fields(self.config, block, pruning_from_block(block)):
+    with occult_config_fields(self.config, block, pruning_from_block(block), save_directory):
         result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     if kwargs.get("is_main_process", True):
         write_similarity(os.fspath(save_directory), applied_similarity(self))
+        if push:
+            repo_id = hub.pop("repo_id", os.path.basename(os.path.abspath(os.fspath(save_directory))))
+            self.push_to_hub(repo_id, **hub)
     return result
+
+
+_PUSH_KWARGS = (
+    "repo_id",
+    "commit_message",
+    "commit_description",
+    "private",
+    "token",
+    "revision",
+    "create_pr",
+)
 
 
 def attach_occult_save(model: nn.Module, block: dict) -> None:
@@ -337,7 +377,7 @@ def save_pruned(
     base = unwrap_model(model)
     block = occult_block(pruning, placement, placed=True, **(extra or {}))
     with atomic_directory(out_dir) as tmp:
-        with occult_config_fields(base.config, block, pruning):
+        with occult_config_fields(base.config, block, pruning, tmp):
             base.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -418,6 +458,9 @@ def load_model_and_tokenizer(path: str, dtype=None, warn_pruned: bool = True, **
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"cannot load model {path!r}: {first}") from None
     get_arch(model)  # unsupported types fail here, with the list of supported ones
+    from .remote_code import set_auto_map
+
+    set_auto_map(model.config, False)  # the remote code stays with the folder; saves write it anew
     if warn_pruned:
         _warn_if_pruned(model, path)
     try:

@@ -299,6 +299,21 @@ def _usage_section(s: CheckpointSummary, repo: str) -> str:
                 f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{repo}")',
                 "```",
             ]
+    elif s.needs_occult_ft and s.remote_code:
+        lines += [
+            "`occult_ft.from_pretrained` restores the pruned routing the model was fine-tuned with. Without "
+            "occult_ft, stock transformers does too when it may run the checkpoint's `occult_pruned_routing.py` "
+            "(torch, transformers and safetensors only):",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)',
+            "```",
+            "",
+            "Without `trust_remote_code=True` it loads the same weights but routes with the original top-k, "
+            "which is not what was trained.",
+        ]
     elif s.needs_occult_ft:
         lines.append(
             "`occult_ft.from_pretrained` restores the pruned routing the model was fine-tuned with. Plain "

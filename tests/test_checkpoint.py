@@ -299,21 +299,25 @@ def test_push_to_hub_of_a_loaded_checkpoint_uploads_the_pruned_routing(tmp_path,
 
     import transformers.utils.hub as hf_hub
     from huggingface_hub import ModelCard
+    from transformers import modeling_utils
 
     model = from_pretrained(_similarity_checkpoint(tmp_path))
     uploaded = tmp_path / "uploaded"
-    monkeypatch.setattr(
-        hf_hub,
-        "hf_api",
-        lambda: SimpleNamespace(create_repo=lambda repo_id, **kw: SimpleNamespace(repo_id=repo_id)),
-    )
-    monkeypatch.setattr(hf_hub, "create_and_tag_model_card", lambda *a, **k: ModelCard("---\n---\n"))
+    api = lambda: SimpleNamespace(create_repo=lambda repo_id, **kw: SimpleNamespace(repo_id=repo_id))  # noqa: E731
+    card = lambda *a, **k: ModelCard("---\n---\n")  # noqa: E731
+    for module in (hf_hub, modeling_utils):  # push_to_hub / save_pretrained(push_to_hub=True)
+        monkeypatch.setattr(module, "hf_api", api)
+        monkeypatch.setattr(module, "create_and_tag_model_card", card)
     monkeypatch.setattr(
         type(model), "_upload_modified_files", lambda self, folder, *a, **k: shutil.copytree(folder, uploaded)
     )
     model.push_to_hub("me/pruned")
     assert read_block(str(uploaded))["max_devices_per_token"] == 2
-    assert (uploaded / SIMILARITY_FILE).is_file()
+    assert (uploaded / SIMILARITY_FILE).is_file() and (uploaded / "occult_pruned_routing.py").is_file()
+    shutil.rmtree(uploaded)  # save_pretrained(push_to_hub=True) uploads the side files too
+    model.save_pretrained(tmp_path / "local", push_to_hub=True, repo_id="me/pruned", commit_message="m")
+    assert (uploaded / SIMILARITY_FILE).is_file() and (uploaded / "occult_pruned_routing.py").is_file()
+    assert (tmp_path / "local" / SIMILARITY_FILE).is_file()
 
 
 def test_a_merged_adapter_saves_a_checkpoint_that_reloads_identically(tmp_path):

@@ -297,6 +297,11 @@ def test_full_checkpoint_reloads_with_pruned_routing_and_the_same_logits(tiny_ol
     assert block["placement"]["algorithm"] == "search" and sorted(block["placement"]["layers"]) == ["0", "1"]
     assert os.path.isfile(os.path.join(out, "occult_similarity.safetensors"))
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+    # stock transformers with trust_remote_code routes with the budget too (tests/test_remote_code.py)
+    assert os.path.isfile(os.path.join(out, "occult_pruned_routing.py"))
+    assert json.load(open(os.path.join(out, "config.json")))["auto_map"] == {
+        "AutoModelForCausalLM": "occult_pruned_routing.OccultOlmoeForCausalLM"
+    }
     reloaded = occult_ft.from_pretrained(out)
     ids = torch.randint(3, 120, (2, 16))
     torch.testing.assert_close(logits_of(reloaded, ids), logits_of(trainer.model, ids), rtol=1e-5, atol=1e-5)

@@ -446,7 +446,9 @@ class OccultTrainer(Trainer):
                 write_adapter_block(output_dir, block)
         else:
             config = unwrap_model(self.model).config
-            with occult_config_fields(config, self.occult_block(placed=True), self.occult.pruning):
+            with occult_config_fields(
+                config, self.occult_block(placed=True), self.occult.pruning, output_dir
+            ):
                 super()._save(output_dir, state_dict=state_dict)
         if self.args.should_save:
             write_similarity(output_dir, similarity)

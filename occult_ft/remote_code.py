@@ -1,0 +1,328 @@
+"""Remote code for pruned checkpoints: stock `AutoModelForCausalLM` routes with the budget too.
+
+A pruned checkpoint whose budget the model's own config cannot express (every architecture except
+DeepSeek with its native `n_group`/`topk_group` fields) would route with its original top-k under a
+stock loader. `write_remote_code` puts a self-contained `occult_pruned_routing.py` into the checkpoint
+and `set_auto_map` points `config.auto_map["AutoModelForCausalLM"]` at the class it defines, so
+
+    AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+
+returns the stock model class's subclass `Occult<Base>ForCausalLM` whose routers apply the budget of
+config.json's `occult` block, on a machine without occult_ft. Without `trust_remote_code` transformers
+ignores `auto_map` for a model type it knows and loads the stock class, as before.
+
+The file is generated from occult_ft's own source, so there is one copy of the maths to maintain: the
+pure criteria of `occult_ft.routing_rules` (whole module), the scoring of `MoEArch` and
+`config_num_experts` (models/registry.py), `PruningConfig`, `router_selectable` and `prune_topk`
+(routing.py), `contiguous_expert_device` (metrics.py) and `pruning_from_block` (checkpoint.py), plus the
+model type's registry entry written out as a constant and a short adapter (`_ADAPTER` below) that hooks
+every router: the hook receives the router's own `(logits, weights, indices)` and returns `prune_topk`'s
+result, which is what occult_ft's pruned router class computes. The `similarity` criterion reads
+`occult_similarity.safetensors` from the checkpoint (local folder or Hub repo); without it the file
+warns and routes by `score`.
+
+    needs_remote_code(pruning, native)   a full checkpoint with an active, non-native budget
+    set_auto_map(config, on)             add (or drop a stale) occult entry of `config.auto_map`
+    remote_code_source(model_type)       the text of the file
+    write_remote_code(save_dir, config)  write it beside a saved checkpoint
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+
+__all__ = [
+    "REMOTE_CODE_FILE",
+    "REMOTE_MODULE",
+    "remote_class_name",
+    "remote_auto_map",
+    "needs_remote_code",
+    "set_auto_map",
+    "has_remote_code",
+    "remote_code_source",
+    "write_remote_code",
+]
+
+REMOTE_MODULE = "occult_pruned_routing"
+REMOTE_CODE_FILE = f"{REMOTE_MODULE}.py"
+_AUTO_CLASS = "AutoModelForCausalLM"
+
+
+def _stock_class_name(model_type: str) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if name is None:
+        raise ValueError(
+            f"model_type {model_type!r} has no AutoModelForCausalLM class in transformers; "
+            "remote code is written for causal language models only"
+        )
+    return name
+
+
+def remote_class_name(model_type: str) -> str:
+    """`Occult<Base>ForCausalLM`, e.g. `OccultOlmoeForCausalLM` for `olmoe`."""
+    return f"Occult{_stock_class_name(model_type)}"
+
+
+def remote_auto_map(model_type: str) -> dict[str, str]:
+    """The `auto_map` entry that sends `AutoModelForCausalLM` (with trust_remote_code) to the file."""
+    return {_AUTO_CLASS: f"{REMOTE_MODULE}.{remote_class_name(model_type)}"}
+
+
+def needs_remote_code(pruning, native: bool, model_type: str | None = None) -> bool:
+    """A checkpoint needs remote code when its budget is active and not written in native fields (and,
+    given `model_type`, transformers has a causal-LM class to subclass)."""
+    if pruning is None or not pruning.active or native:
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return model_type is None or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def set_auto_map(config, on: bool) -> None:
+    """Point `config.auto_map[AutoModelForCausalLM]` at the remote class (`on`), or remove an occult
+    entry left from an earlier load (`not on`); other `auto_map` entries are kept."""
+    current = dict(getattr(config, "auto_map", None) or {})
+    if on:
+        current.update(remote_auto_map(config.model_type))
+    elif str(current.get(_AUTO_CLASS, "")).startswith(f"{REMOTE_MODULE}."):
+        del current[_AUTO_CLASS]
+    if current:
+        config.auto_map = current
+    else:
+        config.__dict__.pop("auto_map", None)
+
+
+def has_remote_code(path: str, config: dict) -> bool:
+    """A checkpoint directory whose config.json (a dict) maps to our file, and the file is there."""
+    target = str((config.get("auto_map") or {}).get(_AUTO_CLASS, ""))
+    return target.startswith(f"{REMOTE_MODULE}.") and os.path.isfile(os.path.join(path, REMOTE_CODE_FILE))
+
+
+# ---- generating the file from occult_ft's source ----------------------------------------------------
+def _node_source(lines: list[str], node: ast.stmt) -> str:
+    start = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    return "\n".join(lines[start - 1 : node.end_lineno])
+
+
+def _module_body(module) -> str:
+    """Every top-level statement of `module` except its docstring, imports and `__all__`."""
+    source = inspect.getsource(module)
+    lines, parts = source.splitlines(), []
+    for i, node in enumerate(ast.parse(source).body):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            continue
+        parts.append(_node_source(lines, node))
+    return "\n\n\n".join(parts)
+
+
+def _absolute_imports(modules, plain=()) -> list[str]:
+    """The top-level absolute imports of `modules` and the modules `plain`, merged (what the copied code
+    and the adapter use)."""
+    plain, froms = set(plain), {}
+    for module in modules:
+        for node in ast.parse(inspect.getsource(module)).body:
+            if isinstance(node, ast.Import):
+                plain.update(a.name if a.asname is None else f"{a.name} as {a.asname}" for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
+                names = froms.setdefault(node.module, set())
+                names.update(a.name if a.asname is None else f"{a.name} as {a.asname}" for a in node.names)
+    lines = [f"import {name}" for name in sorted(plain)]
+    lines += [f"from {mod} import {', '.join(sorted(names))}" for mod, names in sorted(froms.items())]
+    return lines
+
+
+def _arch_constant(arch) -> str:
+    kwargs = [
+        f"    {f.name}={getattr(arch, f.name)!r},"
+        for f in dataclasses.fields(arch)
+        if f.name != "example_config"
+    ]
+    return "ARCH = MoEArch(\n" + "\n".join(kwargs) + "\n)"
+
+
+_HEADER = '''"""Pruned routing of an occult_ft checkpoint ({model_type}) for stock transformers.
+
+Generated by occult_ft (occult_ft/remote_code.py); do not edit. With
+
+    AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+
+transformers loads `{cls}`: the stock `{base}` whose MoE routers apply the
+device budget of config.json's `occult` block, exactly as `occult_ft.from_pretrained(path)` does. It
+needs torch, transformers and safetensors, not occult_ft. The routing maths is copied from occult_ft.
+"""
+
+from __future__ import annotations
+'''
+
+_ADAPTER = '''
+# ---- the adapter: one forward hook per router -------------------------------------------------
+logger = logging.get_logger(__name__)
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+
+
+def _read_tables(path, hub_kwargs):
+    """layer index -> (E, E) similarity table (placed order) saved beside the checkpoint, or None."""
+    if not path:
+        return None
+    path = str(path)
+    subfolder = hub_kwargs.get("subfolder") or ""
+    if os.path.isdir(path):
+        file = os.path.join(path, subfolder, SIMILARITY_FILE)
+        file = file if os.path.isfile(file) else None
+    else:
+        try:
+            from transformers.utils import cached_file
+
+            kwargs = {{k: v for k, v in hub_kwargs.items() if k in _HUB_KWARGS and v is not None}}
+            file = cached_file(path, SIMILARITY_FILE, _raise_exceptions_for_missing_entries=False, **kwargs)
+        except Exception:  # offline, no such repo: the caller falls back to `score`
+            file = None
+    if file is None:
+        return None
+    from safetensors.torch import load_file
+
+    return {{int(k.split(".")[1]): v.float() for k, v in load_file(file).items()}}
+
+
+class _PrunedRouting:
+    """The checkpoint's budget and, for `similarity`, its tables; called as each router's forward hook."""
+
+    def __init__(self, config):
+        self.config = config
+        self.pruning = pruning_from_block(getattr(config, "occult", None))
+        self.tables = None  # None: not read yet; {{}}: none found
+        self.warned = False
+        self._cache = {{}}
+
+    def read_tables(self, path, hub_kwargs=None):
+        """Read the similarity tables once (criterion `similarity` only); warn when there are none."""
+        if self.pruning is None or self.pruning.criterion != "similarity" or self.tables is not None:
+            return
+        self.tables = _read_tables(path, hub_kwargs or {{}}) or {{}}
+        if not self.tables:
+            self._warn(f"{{SIMILARITY_FILE}} was not found beside {{path or 'the model'}}")
+
+    def _warn(self, why):
+        if not self.warned:
+            logger.warning(f"occult: {{why}}; routing by criterion 'score' instead of 'similarity'")
+            self.warned = True
+
+    def _on(self, key, tensor, device):
+        """`tensor` on `device`, moved once."""
+        if (key, device) not in self._cache:
+            self._cache[(key, device)] = tensor.to(device)
+        return self._cache[(key, device)]
+
+    def __call__(self, index, router, args, output):
+        logits, weights, ids = output
+        pruning, table = self.pruning, None
+        if pruning.criterion == "similarity":
+            self.read_tables(getattr(self.config, "_name_or_path", None))  # built without from_pretrained
+            table = self.tables.get(index)
+            if table is None:
+                self._warn(f"the similarity tables hold no MoE layer {{index}}")
+                pruning = dataclasses.replace(pruning, criterion="score")
+            else:
+                table = self._on(("sim", index), table, logits.device)
+        num_experts = ARCH.num_experts(router)
+        expert_device = self._on(
+            ("dev", num_experts), contiguous_expert_device(num_experts, pruning.num_devices), logits.device
+        )
+        ids, weights, _ = prune_topk(ARCH, router, logits, ids, weights, pruning, expert_device, table)
+        return logits, weights, ids
+
+
+def _install(model):
+    """Hook every routed MoE block's router (layer index as occult_ft's `find_moe_layers` counts it)."""
+    routing = _PrunedRouting(model.config)
+    if routing.pruning is None or not routing.pruning.active:
+        return routing
+    routers = []
+    for name, module in model.named_modules():
+        if name.endswith(".mlp") and hasattr(module, "experts") and hasattr(module, ARCH.router_attr):
+            parts = name.split(".")
+            index = next((int(p) for p in reversed(parts) if p.isdigit()), len(routers))
+            routers.append((index, getattr(module, ARCH.router_attr)))
+    for index, router in routers:
+        routing.pruning.check(ARCH.num_experts(router), ARCH.top_k(router))
+        router.register_forward_hook(functools.partial(routing, index))
+    return routing
+
+
+class {cls}(_StockModel):
+    """`{base}` with the pruned routing of the checkpoint's `occult` block."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self._occult_routing = _install(self)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        model._occult_routing.read_tables(pretrained_model_name_or_path, kwargs)
+        return loaded
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        tables = self._occult_routing.tables
+        if tables and kwargs.get("is_main_process", True):
+            from safetensors.torch import save_file
+
+            tensors = {{f"layers.{{i}}": t.contiguous().cpu() for i, t in tables.items()}}
+            save_file(tensors, os.path.join(str(save_directory), SIMILARITY_FILE))
+        return result
+'''
+
+
+def remote_code_source(model_type: str) -> str:
+    """The text of `occult_pruned_routing.py` for a registered `model_type`."""
+    from . import checkpoint, metrics, routing, routing_rules
+    from .models import registry
+
+    arch = registry.get_arch(model_type)
+    base, cls = _stock_class_name(model_type), remote_class_name(model_type)
+    imports = _absolute_imports([routing_rules, registry, routing], ("dataclasses", "functools", "os"))
+    imports += [
+        f"from transformers import {base} as _StockModel",
+        "from transformers.utils import logging",
+    ]
+    sections = [
+        _HEADER.format(model_type=model_type, cls=cls, base=base),
+        "\n".join(imports),
+        "# ---- copied from occult_ft/routing_rules.py -----------------------------------------------",
+        _module_body(routing_rules),
+        "# ---- copied from occult_ft/models/registry.py ----------------------------------------------",
+        f"_EXPERT_COUNT_FIELDS = {registry._EXPERT_COUNT_FIELDS!r}",
+        inspect.getsource(registry.config_num_experts),
+        inspect.getsource(registry.MoEArch),
+        "# ---- copied from occult_ft/metrics.py, routing.py and checkpoint.py ----------------------",
+        inspect.getsource(metrics.contiguous_expert_device),
+        inspect.getsource(routing.PruningConfig),
+        inspect.getsource(routing.router_selectable),
+        inspect.getsource(routing.prune_topk),
+        inspect.getsource(checkpoint.pruning_from_block),
+        f"# ---- the {model_type!r} entry of occult_ft's architecture registry ----",
+        _arch_constant(arch),
+        f"SIMILARITY_FILE = {checkpoint.SIMILARITY_FILE!r}",
+        _ADAPTER.format(cls=cls, base=base),
+    ]
+    return "\n\n".join(s.strip("\n") for s in sections) + "\n"
+
+
+def write_remote_code(save_dir: str | os.PathLike, config) -> str:
+    """Write `occult_pruned_routing.py` for `config.model_type` into a saved checkpoint; returns its path."""
+    from .fileio import atomic_write_text
+
+    path = os.path.join(os.fspath(save_dir), REMOTE_CODE_FILE)
+    atomic_write_text(path, remote_code_source(config.model_type))
+    return path
