@@ -40,7 +40,7 @@ LAUNCH = re.compile(
     r"|torchrun --nproc_per_node (?P<t>\d+) -m occult_ft\.cli"
     r"|deepspeed --num_gpus (?P<d>\d+) --no_local_rank --module occult_ft\.cli"
     r"|occult-ft|python -m occult_ft"
-    r") train recipes/(?P<file>\S+)$"
+    r") train recipes/(?P<file>\S+?)(?: --deepspeed recipes/(?P<ds>ds_zero[12]\.json))?$"
 )
 
 
@@ -213,3 +213,28 @@ def test_module_entry_point_of_the_launch_lines_runs_a_command():
     )
     assert done.returncode == 0, done.stderr
     assert "usage: occult-ft push" in done.stdout
+
+
+@pytest.mark.parametrize("name", sorted(set(RECIPES) - {"tiny.yaml"}))
+def test_deepspeed_launch_lines_use_a_shipped_zero_config(name):
+    """Every real recipe has a DeepSpeed launch line naming a shipped ZeRO-1/2 config whose "auto" values
+    Trainer fills; the config parses and its stage is what the file name says."""
+    found = [m for m in map(LAUNCH.match, header(name)) if m and m["ds"]]
+    assert found, f"{name}: no `--deepspeed recipes/ds_zero*.json` launch line"
+    for m in found:
+        config = json.loads((RECIPES_DIR / m["ds"]).read_text())
+        assert config["zero_optimization"]["stage"] == int(m["ds"][len("ds_zero")])
+        assert config["train_micro_batch_size_per_gpu"] == "auto" and config["gradient_clipping"] == "auto"
+
+
+def test_zero3_is_refused_before_any_weight_loads(tmp_path):
+    from occult_ft.trainer.config import check_before_loading
+
+    ds = tmp_path / "z3.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    for ep in (1, 4):
+        config = OccultConfig(output_dir=str(tmp_path), devices=4, use_cpu=True, report_to="none")
+        config.deepspeed, config.expert_parallel_size = str(ds), ep
+        with pytest.raises(ValueError, match="stage 3") as err:
+            check_before_loading(config)
+        assert "\n" not in str(err.value)

@@ -236,22 +236,28 @@ def check_deepspeed_config(config, expert_parallel_size: int, max_grad_norm: flo
 
     Args:
         config: the DeepSpeed config (dict or JSON path).
-        expert_parallel_size: D; nothing is checked for D = 1.
+        expert_parallel_size: D; for D = 1 only ZeRO stage 3 is refused.
         max_grad_norm: the Trainer's value, which a `"gradient_clipping": "auto"` takes.
 
     Raises:
-        ValueError: for ZeRO stage 3, or an AutoEP `"expert_parallel"` section.
+        ValueError: for ZeRO stage 3 (any D), or an AutoEP `"expert_parallel"` section (D > 1).
 
     Warns:
         UserWarning: for ZeRO stage 0 with gradient clipping on: DeepSpeed's stage-0 clipping
             (`deepspeed.runtime.utils.clip_grad_norm_`) averages the per-rank norms instead of taking the
             norm of the whole model, so clipped steps differ (slightly) from a single-process run.
     """
-    if expert_parallel_size <= 1:
-        return
     ds = read_deepspeed_config(config)
     stage = (ds.get("zero_optimization") or {}).get("stage", 0)
     stage = int(stage) if str(stage).isdigit() else 0  # DeepSpeed itself rejects anything else
+    if stage >= 3 and expert_parallel_size <= 1:
+        raise ValueError(
+            f"DeepSpeed ZeRO stage {stage} partitions every weight while the model loads, and placement (a "
+            "permutation of the expert tensors) and the pruned routers need them whole; use ZeRO-1 or ZeRO-2 "
+            "(recipes/ds_zero2.json) or LoRA"
+        )
+    if expert_parallel_size <= 1:
+        return
     if stage >= 3:
         raise ValueError(
             f"expert_parallel_size={expert_parallel_size} works with DeepSpeed ZeRO stages 0-2, not stage {stage} "

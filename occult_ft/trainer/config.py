@@ -362,13 +362,13 @@ class OccultConfig(TrainingArguments):
 def check_before_loading(args: OccultConfig) -> None:
     """Refuse, before any model is loaded, the combinations the config alone shows cannot work.
 
-    `__post_init__` already checks each field; this adds the checks that read other files: with
-    `expert_parallel_size` > 1 and a DeepSpeed config, ZeRO stage 3 and an AutoEP section are one-line
-    ValueErrors (`occult_ft.integrations.deepspeed.check_deepspeed_config`; its stage-0 clipping warning
+    `__post_init__` already checks each field; this adds the checks that read other files: with a
+    DeepSpeed config, ZeRO stage 3 (any layout) and, with `expert_parallel_size` > 1, an AutoEP section
+    are one-line ValueErrors (`occult_ft.integrations.deepspeed.check_deepspeed_config`; its stage-0 clipping warning
     is left to the expert-parallel setup, which repeats the check). LoRA with expert parallelism is
     supported (the expert LoRA factors shard with the experts), so it is not refused.
     """
-    if args.expert_parallel_size <= 1 or not args.deepspeed:
+    if not args.deepspeed:
         return
     import warnings
 
