@@ -220,7 +220,8 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
 
         check_deepspeed_config(args.deepspeed, size, getattr(args, "max_grad_norm", None))
     groups = expert_parallel_groups(size, use_deepspeed=use_deepspeed)
-    shard_experts(base, groups.ep_group)
+    if not expert_shard_parameters(base):  # `sharded_load` reads a model already sharded
+        shard_experts(base, groups.ep_group)
     shards = expert_shard_parameters(base)
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         base, [n for n, _ in shards]

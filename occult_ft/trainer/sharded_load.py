@@ -44,6 +44,7 @@ __all__ = [
     "SafetensorsReader",
     "can_load_sharded",
     "load_sharded_model",
+    "load_sharded_training_model",
     "place_sharded",
     "sharded_placement",
 ]
@@ -278,11 +279,6 @@ def _shard_on_meta(base: nn.Module, rank: int, size: int, group) -> None:
     for layer in find_moe_layers(base):
         experts, names = layer.experts, tuple(layer.arch.expert_params)
         num_experts = int(getattr(experts, names[0]).shape[0])
-        if num_experts % size:
-            raise ValueError(
-                f"expert_parallel_size={size} does not divide the {num_experts} experts of {layer.name}; "
-                f"use a divisor of {num_experts}"
-            )
         per_device = num_experts // size
         for name in names:
             full = getattr(experts, name)
@@ -321,6 +317,7 @@ def load_sharded_model(
     from ..apply import resolve_placement
     from ..checkpoint import _local_dir
     from ..placement import permute_experts
+    from .expert_parallel import check_expert_parallel_size
 
     if not 0 <= rank < size:
         raise ValueError(
@@ -334,16 +331,17 @@ def load_sharded_model(
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    get_arch(model)
-    layers = find_moe_layers(model)
-    if placement is None:
-        from ..placement import sequential_placement
-
-        placement = sequential_placement(layers[0].num_experts, 1, [layer.index for layer in layers])
+    get_arch(model)  # an unsupported type fails here, naming the supported ones
+    check_expert_parallel_size(size, size, find_moe_layers(model)[0].num_experts)
+    if placement is None or (isinstance(placement, str) and placement == "sequential"):
+        placement = resolve_placement("sequential", model, size)  # the stored order
     placement = resolve_placement(placement, model, None)
     permute_experts(model, placement)  # on meta: checks the placement against the model, moves nothing
     _shard_on_meta(model, rank, size, group)
-    model.to_empty(device=device or "cpu")
+    model.to_empty(device=device or "cpu")  # new Parameter objects: mark the shards again
+    for layer in find_moe_layers(model):
+        for name in layer.experts.occult_shard.param_names:
+            getattr(layer.experts, name).occult_expert_shard = True
     try:
         done = _read(model, reader, placement, only_placed=False)
     finally:
@@ -389,7 +387,7 @@ def place_sharded(model: nn.Module, placement) -> None:
     base = unwrap_model(model)
     path, current = base.occult_sharded_source
     placement = resolve_placement(placement, base, None)
-    if all(placement.groups[i] == current.groups.get(i) for i in placement.layers):
+    if _same_order(placement, current):
         base.occult_sharded_source = (path, placement)
         return
     reader = SafetensorsReader(path)
@@ -398,3 +396,58 @@ def place_sharded(model: nn.Module, placement) -> None:
     finally:
         reader.close()
     base.occult_sharded_source = (path, placement)
+
+
+def _same_order(a, b) -> bool:
+    """Whether two placements put the experts of every layer in the same placed order."""
+    return a.layers == b.layers and all(torch.equal(a.expert_order(i), b.expert_order(i)) for i in a.layers)
+
+
+def load_sharded_training_model(path: str, args, placement=None):
+    """(model, tokenizer) for `OccultTrainer` under expert parallelism: this rank's shard only.
+
+    The placement read is `placement` (a `Placement`), else `args.placement` when it is a file or
+    "sequential"; `auto` reads the sequential layout first (`prepare_model` profiles it under expert
+    parallelism and `place_sharded` re-reads the new block). A placed occult_ft checkpoint is read in
+    its stored order and gets its pruned routing back, as `occult_ft.from_pretrained` does.
+    Collective on first use (builds the expert-parallel groups): call it on every rank.
+    """
+    from ..apply import apply_occult
+    from ..checkpoint import (
+        _local_dir,
+        attach_occult_save,
+        load_tokenizer,
+        model_block,
+        pruning_from_block,
+        read_block,
+        read_similarity,
+    )
+    from ..fileio import read_json_object
+    from ..models.registry import config_num_experts
+    from .expert_parallel import check_expert_parallel_size, expert_parallel_groups
+
+    path = _local_dir(path)
+    size, world = int(args.expert_parallel_size), int(args.world_size)
+    check_expert_parallel_size(
+        size, world, config_num_experts(read_json_object(os.path.join(path, "config.json")))
+    )
+    groups = expert_parallel_groups(size, use_deepspeed=bool(args.deepspeed))
+    if read_block(path).get("placed"):
+        placement = None
+    elif placement is None and args.placement != "auto":
+        placement = args.placement
+    dtype = None if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
+    model = load_sharded_model(
+        path, groups.ep_ranks.index(groups.rank), size, placement, dtype=dtype, group=groups.ep_group
+    )
+    block = model_block(model)
+    pruning = pruning_from_block(block)
+    if pruning is not None:
+        apply_occult(model, pruning=pruning, similarity=read_similarity(path), similarity_placed=True)
+    if block:
+        attach_occult_save(model, block)
+    try:
+        tokenizer = load_tokenizer(path)
+    except ValueError:
+        tokenizer = None
+    return model, tokenizer

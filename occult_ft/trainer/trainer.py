@@ -58,6 +58,7 @@ from .expert_parallel import (
 from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
 from .prepare import OccultSetup, prepare_model, resolve_checkpoint
+from .sharded_load import can_load_sharded, load_sharded_training_model
 
 logger = logging.get_logger(__name__)
 
@@ -194,7 +195,11 @@ class OccultTrainer(Trainer):
         if model is None:
             raise ValueError("OccultTrainer needs a model (a transformers MoE model or a model path)")
         if isinstance(model, str):
-            model, tokenizer = load_training_model(model, args)
+            if args.expert_parallel_size > 1 and args.train_mode != "lora" and can_load_sharded(model):
+                # each rank reads only its own expert block from the safetensors files
+                model, tokenizer = load_sharded_training_model(model, args, placement)
+            else:
+                model, tokenizer = load_training_model(model, args)
             processing_class = processing_class if processing_class is not None else tokenizer
         train_dataset = tokenize_for_training(train_dataset, processing_class, args)
         if isinstance(eval_dataset, dict):
