@@ -176,10 +176,9 @@ def _plan(model: nn.Module, reader: SafetensorsReader):
         renamed = key
         for renaming in renamings:
             renamed, _ = renaming.rename_source_key(renamed)
-        found = re.search(pattern.replace("*.", r"(\d+)\."), renamed)
-        index = int(found.group(1)) if found and found.groups() else len(plan.get(target, (0, 0, {}))[2])
-        entry = plan.setdefault(target, ("converted", converter, {}))
-        entry[2].setdefault(pattern, {})[index] = key
+        items = plan.setdefault(target, ("converted", converter, {}))[2].setdefault(pattern, {})
+        found = re.search(pattern.replace("*.", r"(\d+)\."), renamed)  # the item (expert) id of the key
+        items[int(found.group(1)) if found and found.groups() else len(items)] = key
     return plan
 
 
