@@ -221,6 +221,7 @@ def _trainer_worker(spec_path: str) -> None:
         "reads": reads,
         "shards": {n: p.detach().tolist() for n, p in expert_shard_parameters(trainer.model)},
         "router": find_moe_layers(trainer.model)[0].router.weight.detach().tolist(),
+        "budget": trainer.occult.pruning.max_devices_per_token,
     }
     with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
@@ -231,19 +232,10 @@ if __name__ == "__main__":
     sys.exit(0)
 
 
-@pytest.mark.slow
-def test_occult_trainer_under_expert_parallelism_reads_only_its_block(model_dirs, tmp_path):
-    path = model_dirs("olmoe")
-    groups = [[0, 2, 5, 7], [1, 3, 4, 6]]  # 2 devices
-    from transformers import AutoConfig
-
-    layers = AutoConfig.from_pretrained(path).num_hidden_layers
-    placement = Placement(None, "olmoe", 8, 2, 1, "test", {i: groups for i in range(layers)})
-    placement.save(tmp_path / "placement.json")
+def run_trainer(model: str, placement: str, tmp_path) -> list[dict]:
+    """`_trainer_worker` on 2 gloo processes under torchrun; returns each rank's record."""
     spec = tmp_path / "spec.json"
-    spec.write_text(
-        json.dumps({"model": path, "out": str(tmp_path), "placement": str(tmp_path / "placement.json")})
-    )
+    spec.write_text(json.dumps({"model": model, "out": str(tmp_path), "placement": placement}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(__file__), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
@@ -252,13 +244,52 @@ def test_occult_trainer_under_expert_parallelism_reads_only_its_block(model_dirs
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def expert_ids(reads: list[str]) -> set[int]:
+    return {int(m.group(1)) for key in reads if (m := re.search(r"\.experts\.(\d+)\.", key))}
+
+
+@pytest.mark.slow
+def test_occult_trainer_under_expert_parallelism_reads_only_its_block(model_dirs, tmp_path):
+    from transformers import AutoConfig
+
+    path = model_dirs("olmoe")
+    groups = [[0, 2, 5, 7], [1, 3, 4, 6]]  # 2 devices
+    layers = AutoConfig.from_pretrained(path).num_hidden_layers
+    placement = Placement(None, "olmoe", 8, 2, 1, "test", {i: groups for i in range(layers)})
+    placement.save(tmp_path / "placement.json")
+    results = run_trainer(path, str(tmp_path / "placement.json"), tmp_path)
     state, _ = reference_state(path, placement)
-    for rank in range(2):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, got in enumerate(results):
         # rank 0 holds original experts 0 2 5 7, rank 1 holds 1 3 4 6: no other expert key is read
-        experts = {int(m.group(1)) for key in got["reads"] if (m := re.search(r"\.experts\.(\d+)\.", key))}
-        assert experts == set(groups[rank])
+        assert expert_ids(got["reads"]) == set(groups[rank])
         assert got["shards"], "no expert shard on this rank"
         for name, shard in got["shards"].items():
             assert torch.equal(torch.tensor(shard), state[name][rank * 4 : (rank + 1) * 4]), name
         assert torch.equal(torch.tensor(got["router"]), state["model.layers.0.mlp.gate.weight"])
+        assert got["budget"] is None
+
+
+@pytest.mark.slow
+def test_a_placed_pruned_checkpoint_is_read_in_its_stored_order_with_its_budget(model_dirs, tmp_path):
+    from occult_ft.apply import apply_occult
+    from occult_ft.checkpoint import load_model_and_tokenizer, save_pruned
+    from occult_ft.routing import PruningConfig
+
+    path = model_dirs("olmoe")
+    model, tokenizer = load_model_and_tokenizer(path)
+    layers = find_moe_layers(model)
+    placement = Placement(
+        None, "olmoe", 8, 2, 1, "test", {x.index: [[0, 2, 5, 7], [1, 3, 4, 6]] for x in layers}
+    )
+    apply_occult(model, placement)
+    checkpoint = save_pruned(model, str(tmp_path / "pruned"), tokenizer, PruningConfig(2, 1), placement)
+    results = run_trainer(checkpoint, "sequential", tmp_path)
+    state, _ = reference_state(checkpoint, None)  # stored placed: rank r holds stored rows 4r .. 4r+3
+    for rank, got in enumerate(results):
+        assert expert_ids(got["reads"]) == set(range(4 * rank, 4 * rank + 4))
+        for name, shard in got["shards"].items():
+            assert torch.equal(torch.tensor(shard), state[name][rank * 4 : (rank + 1) * 4]), name
+        assert got["budget"] == 1
