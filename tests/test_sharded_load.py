@@ -203,7 +203,9 @@ def _trainer_worker(spec_path: str) -> None:
         return original(self, key, out, rows)
 
     SafetensorsReader.read_into = spy
-    rows = [{"input_ids": list(range(3, 19)), "attention_mask": [1] * 16, "labels": list(range(3, 19))}] * 4
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 40, (8, 16), generator=gen).tolist()
+    rows = [{"input_ids": r, "attention_mask": [1] * 16, "labels": r} for r in ids]
     args = OccultConfig(
         output_dir=spec["out"],
         devices=2,
@@ -222,6 +224,7 @@ def _trainer_worker(spec_path: str) -> None:
         "shards": {n: p.detach().tolist() for n, p in expert_shard_parameters(trainer.model)},
         "router": find_moe_layers(trainer.model)[0].router.weight.detach().tolist(),
         "budget": trainer.occult.pruning.max_devices_per_token,
+        "placement": {str(i): g for i, g in trainer.occult.placement.groups.items()},
     }
     with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
@@ -293,3 +296,21 @@ def test_a_placed_pruned_checkpoint_is_read_in_its_stored_order_with_its_budget(
         for name, shard in got["shards"].items():
             assert torch.equal(torch.tensor(shard), state[name][rank * 4 : (rank + 1) * 4]), name
         assert got["budget"] == 1
+
+
+@pytest.mark.slow
+def test_auto_placement_profiles_the_sequential_shard_then_rereads_the_placed_block(model_dirs, tmp_path):
+    path = model_dirs("olmoe")
+    results = run_trainer(path, "auto", tmp_path)
+    assert results[0]["placement"] == results[1]["placement"]  # rank 0's placement, broadcast
+    groups = {int(i): g for i, g in results[0]["placement"].items()}
+    placement = Placement(None, "olmoe", 8, 2, 1, "test", groups)
+    assert any(g != [[0, 1, 2, 3], [4, 5, 6, 7]] for g in groups.values()), "auto kept the sequential order"
+    state, _ = reference_state(path, placement)
+    for rank, got in enumerate(results):
+        # first the sequential block (stored experts 4r .. 4r+3), then this rank's experts of the placement
+        held = {e for g in groups.values() for e in g[rank]}
+        assert expert_ids(got["reads"]) == set(range(4 * rank, 4 * rank + 4)) | held
+        for name, shard in got["shards"].items():
+            assert torch.equal(torch.tensor(shard), state[name][rank * 4 : (rank + 1) * 4]), name
+        assert torch.equal(torch.tensor(got["router"]), state["model.layers.0.mlp.gate.weight"])
