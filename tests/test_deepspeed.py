@@ -20,8 +20,8 @@ The fast tests at the end check the config guards and the optimizer-group split 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import os
+from pathlib import Path
 
 import pytest
 import torch

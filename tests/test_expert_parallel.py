@@ -139,6 +139,11 @@ def train_case(
             "source": trainer.expert_parallel.source,
         }
         result["shard_rows"] = int(shards[0][1].shape[0]) if shards else 0
+        from occult_ft.models import unwrap_model
+
+        base = unwrap_model(trainer.model)
+        base = base.get_base_model() if hasattr(base, "get_base_model") else base
+        result["read_sharded"] = getattr(base, "occult_sharded_source", None) is not None
     return result
 
 
@@ -553,6 +558,7 @@ def test_lora_on_two_processes_reproduces_the_single_process_lora_run(lora_world
     worst = check_trajectory(result, lora_reference[(name, 2)], f"LoRA W=2 D=2 {name}")
     print(f"LoRA W=2 D=2 {name}: largest per-step relative loss difference {worst:.2e}")
     assert result["shard_rows"] == 4  # the first expert shard: 4 of the 8 experts of a layer
+    assert result["read_sharded"]  # each rank read only its experts from disk, LoRA included
     if name == "pruned":
         assert result["max_token_devices"] == 1
 

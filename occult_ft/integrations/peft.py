@@ -33,6 +33,8 @@ from torch import nn
 from ..models.registry import find_moe_layers, get_arch, unwrap_model
 
 __all__ = [
+    "seeded_lora_init",
+    "adopt_local_expert_lora",
     "ATTENTION_PROJECTIONS",
     "is_peft_model",
     "lora_targets",
@@ -145,7 +147,62 @@ def apply_lora(
         return get_peft_model(model, config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return get_peft_model(model, config)
+        peft_model = get_peft_model(model, config)
+    seeded_lora_init(peft_model, seed)
+    return peft_model
+
+
+@torch.no_grad()
+def seeded_lora_init(peft_model: nn.Module, seed: int) -> None:
+    """Draw every `lora_A` again from a generator seeded by (`seed`, module name), with PEFT's default
+    distribution (kaiming-uniform with a=sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), so the adapter starts the
+    same whatever the world size and whatever each process holds. An expert-parallel rank whose experts
+    module already holds only its block of P of E experts (read sharded from disk) gets rows
+    [start * r, (start + P) * r) of the full (r * E, in) draw: the factors a single process would give
+    those experts. `lora_B` stays zero (PEFT's default), so the model is unchanged at start."""
+    import zlib
+
+    from ..dispatch.experts_impl import base_experts
+
+    for name, module in _peft_top(peft_model).named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if not isinstance(lora_a, nn.ModuleDict):
+            continue
+        shard = (
+            getattr(base_experts(module), "occult_shard", None) if hasattr(module, "parameter_name") else None
+        )
+        for adapter, linear in lora_a.items():
+            rows, fan_in = linear.weight.shape
+            start, full_rows = 0, rows
+            if shard is not None and getattr(module, "occult_lora_shard", None) is None:
+                per_rank = rows // shard.experts_per_device
+                start, full_rows = (
+                    shard.rank * shard.experts_per_device * per_rank,
+                    per_rank * shard.num_experts,
+                )
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}/{adapter}".encode()))
+            bound = 1.0 / fan_in**0.5
+            full = (torch.rand(full_rows, fan_in, generator=gen, dtype=torch.float64) * 2 - 1) * bound
+            linear.weight.copy_(full[start : start + rows].to(linear.weight.dtype))
+
+
+def adopt_local_expert_lora(experts: nn.Module) -> list[nn.Parameter]:
+    """Mark the expert LoRA factors of an experts module that was sharded before LoRA was applied (its
+    factors already cover only this rank's experts) as shards of the full-E factors, like
+    `shard_expert_lora` does after cutting: `occult_lora_shard = (E, start)`, factors marked as expert
+    shards. Returns the factors."""
+    from ..dispatch.experts_impl import base_experts
+
+    shard = base_experts(experts).occult_shard
+    factors = []
+    for wrapper in expert_lora_wrappers(experts):
+        wrapper.occult_lora_shard = (shard.num_experts, shard.rank * shard.experts_per_device)
+        for adapter in wrapper.lora_A.keys():
+            for which in ("lora_A", "lora_B"):
+                weight = getattr(wrapper, which)[adapter].weight
+                weight.occult_expert_shard = True
+                factors.append(weight)
+    return factors
 
 
 # ---- expert parallelism: the expert LoRA factors shard with the experts -----------------------------

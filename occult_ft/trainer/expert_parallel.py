@@ -210,7 +210,7 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
         ValueError: one line for a bad layout (D vs world size or experts) or a DeepSpeed config that
             cannot work (ZeRO-3, AutoEP).
     """
-    from ..integrations.peft import expert_lora_wrappers, shard_expert_lora
+    from ..integrations.peft import adopt_local_expert_lora, expert_lora_wrappers, shard_expert_lora
 
     size = int(args.expert_parallel_size)
     base = unwrap_model(model)
@@ -228,13 +228,18 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
 
         check_deepspeed_config(args.deepspeed, size, getattr(args, "max_grad_norm", None))
     groups = expert_parallel_groups(size, use_deepspeed=use_deepspeed)
+    read_sharded = bool(expert_shard_parameters(base))  # `sharded_load` read only this rank's experts
     factors = [p for layer in layers for w in expert_lora_wrappers(layer.experts) for p in _lora_factors(w)]
-    if factors:  # one initialisation everywhere, as DDP makes it for the replicated LoRA weights
+    if factors and not read_sharded:  # one initialisation everywhere, as DDP makes it for replicated LoRA
         _broadcast_from_rank0(factors)
-    shard_experts(
-        base, groups.ep_group, nodes=args.nodes if getattr(args, "exchange", "flat") == "two_stage" else 1
-    )
+    if not read_sharded:
+        shard_experts(
+            base, groups.ep_group, nodes=args.nodes if getattr(args, "exchange", "flat") == "two_stage" else 1
+        )
     for layer in layers:
+        if read_sharded:  # LoRA was applied to the local experts: its factors are already this block's
+            adopt_local_expert_lora(layer.experts)
+            continue
         shard = base_experts(layer.experts).occult_shard
         shard_expert_lora(layer.experts, shard.rank * shard.experts_per_device, shard.experts_per_device)
     # DDP wraps `model` (the PEFT model under LoRA): name the shards as its named_parameters does

@@ -255,7 +255,12 @@ def prepare_model(
         placement = resolve_placement(
             placement if placement is not None else args.placement, base, args.devices
         )
-        apply_occult(base, placement)
+        if getattr(base, "occult_sharded_source", None) is not None:
+            from .sharded_load import place_sharded
+
+            place_sharded(base, placement)  # read shard-wise: re-read the expert block in the new order
+        else:
+            apply_occult(base, placement)
         if profile is not None:
             similarity = placed_similarity(profile.similarity(), placement)
     if ckpt_similarity is not None:

@@ -62,6 +62,7 @@ from .expert_parallel import (
 from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
 from .prepare import OccultSetup, prepare_model, resolve_checkpoint
+from .sharded_load import can_load_sharded, load_sharded_training_model
 
 logger = logging.get_logger(__name__)
 
@@ -186,7 +187,12 @@ class OccultTrainer(Trainer):
             raise ValueError("OccultTrainer needs a model (a transformers MoE model or a model path)")
         check_before_loading(args)
         if isinstance(model, str):
-            model, tokenizer = load_training_model(model, args)
+            flat = getattr(args, "exchange", "flat") == "flat"
+            if args.expert_parallel_size > 1 and flat and can_load_sharded(model):
+                # each rank reads only its own expert block from the safetensors files
+                model, tokenizer = load_sharded_training_model(model, args, placement)
+            else:
+                model, tokenizer = load_training_model(model, args)
             processing_class = processing_class if processing_class is not None else tokenizer
         train_dataset = tokenize_for_training(train_dataset, processing_class, args)
         if isinstance(eval_dataset, dict):

@@ -1,0 +1,452 @@
+"""Each rank reads only what it holds: an expert-parallel model built straight from safetensors files.
+
+`load_sharded_model(path, rank, size, placement)` never materialises an expert the rank does not hold,
+on the host or on its device:
+
+1. the model skeleton is built on the `meta` device (`AutoModelForCausalLM.from_config`);
+2. the placement is checked on the skeleton (`permute_experts` on meta tensors only validates), then
+   every MoE layer's fused expert tensors are cut, still on meta, to the P = E / D experts of block
+   `rank` of the *placed* order, and the kernel is switched to "occult_ep" (the same `ExpertShard`
+   record as `occult_ft.dispatch.shard_experts` writes);
+3. the skeleton is materialised (`to_empty`) and every tensor is read from disk with plain file reads
+   straight into its parameter (no mmap, so no page of the file counts in this process's memory):
+   replicated tensors whole (router rows reordered by the placement at read time), expert tensors only
+   for the original ids `order[rank * P : (rank + 1) * P]`, in placed order.
+
+Checkpoint key names come from transformers' own conversion mapping
+(`transformers.conversion_mapping.get_model_conversion_mapping`): per-expert Hub tensors
+(`...experts.3.w1.weight`) are assembled into the fused (P, 2I, H) / (P, H, I) blocks as its
+`MergeModulelist(dim=0)` (+ `Concatenate(dim=1)`) operations say, each expert read into its own rows;
+other operation chains run transformers' operations on this rank's experts only. Fused tensors
+stored as such (`...experts.gate_up_proj`, (E, ...)) are read row by row. Tied weights are re-tied and
+buffers that are not in the checkpoint (rotary `inv_freq`) are initialised by transformers' own
+`initialize_weights`, which skips every tensor read from disk.
+
+`place_sharded(model, placement)` re-reads the expert block and the router rows of a model loaded
+this way in a new placed order (what `placement: auto` does after profiling the sequential layout).
+
+Shape legend: E experts of a layer, D expert-parallel size, P = E / D, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+from torch import nn
+
+from ..dispatch import EXPERTS_IMPLEMENTATION, ExpertShard
+from ..models.registry import find_moe_layers, get_arch, unwrap_model
+
+__all__ = [
+    "SafetensorsReader",
+    "can_load_sharded",
+    "load_sharded_model",
+    "load_sharded_training_model",
+    "place_sharded",
+    "sharded_placement",
+]
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class SafetensorsReader:
+    """Tensors of the `*.safetensors` files of a model directory, read with plain `readinto` calls.
+
+    Attributes:
+        entries: checkpoint key -> (file, dtype, shape, byte offset of its data in the file).
+    """
+
+    def __init__(self, directory: str):
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as fh:
+                files = sorted(set(json.load(fh)["weight_map"].values()))
+        else:
+            files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        if not files:
+            raise ValueError(
+                f"{directory!r} holds no *.safetensors weights; save the model with save_pretrained "
+                "(safetensors) or use expert_parallel_size=1"
+            )
+        self.entries: dict[str, tuple[str, torch.dtype, tuple[int, ...], int]] = {}
+        for name in files:
+            path = os.path.join(directory, name)
+            with open(path, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size))
+            for key, meta in header.items():
+                if key == "__metadata__":
+                    continue
+                if meta["dtype"] not in _DTYPES:
+                    raise ValueError(
+                        f"{path}: tensor {key!r} has dtype {meta['dtype']}, which the sharded loader does not "
+                        "read; use expert_parallel_size=1 or convert the checkpoint"
+                    )
+                start = 8 + size + int(meta["data_offsets"][0])
+                self.entries[key] = (path, _DTYPES[meta["dtype"]], tuple(meta["shape"]), start)
+        self._handles: dict[str, object] = {}
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.entries[key][2]
+
+    def read_into(self, key: str, out: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Copy tensor `key` (or its dim-0 `rows`, in that order) into `out` (same shape, any dtype)."""
+        path, dtype, shape, start = self.entries[key]
+        want = (len(rows), *shape[1:]) if rows is not None else shape
+        if tuple(out.shape) != tuple(want):
+            raise ValueError(
+                f"checkpoint tensor {key!r} gives shape {want}, the model expects {tuple(out.shape)}"
+            )
+        direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
+        target = out if direct else torch.empty(want, dtype=dtype)
+        fh = self._handles.get(path)
+        if fh is None:
+            fh = self._handles[path] = open(path, "rb")
+        flat = target.reshape(len(rows), -1) if rows is not None else target.reshape(1, -1)
+        row_bytes = flat[0].numel() * flat.element_size() if flat.shape[0] else 0
+        for j, row in enumerate(rows if rows is not None else [0]):
+            fh.seek(start + row * row_bytes)
+            fh.readinto(memoryview(flat[j].view(torch.uint8).numpy()))
+        if not direct:
+            out.copy_(target)
+
+    def close(self) -> None:
+        for fh in self._handles.values():
+            fh.close()
+        self._handles = {}
+
+
+def can_load_sharded(path: str) -> bool:
+    """Whether `path` is a model directory (or cached Hub snapshot) of plain safetensors weights that
+    the sharded loader reads: a LoRA adapter directory or a non-directory path is not."""
+    from ..checkpoint import resolve_model_path
+
+    path = resolve_model_path(path)
+    if not os.path.isdir(path):
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(path, local_files_only=True)
+        except Exception:  # not cached: the ordinary loader downloads it
+            return False
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return False
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        f.endswith(".safetensors") for f in os.listdir(path)
+    )
+
+
+# ---- key mapping: which checkpoint tensors make which model tensor ----------------------------------
+def _conversions(model: nn.Module):
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return [t for t in transforms if not isinstance(t, WeightConverter)], converters
+
+
+def _plan(model: nn.Module, reader: SafetensorsReader):
+    """model key -> ("plain", ckpt key) or ("converted", converter, {pattern: {expert id: ckpt key}})."""
+    from transformers.core_model_loading import rename_source_key
+
+    renamings, converters = _conversions(model)
+    meta_state = model.state_dict()
+    plan: dict[str, tuple] = {}
+    for key in reader.entries:
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_state)
+        if pattern is None:
+            plan[target] = ("plain", key)
+            continue
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        renamed = key
+        for renaming in renamings:
+            renamed, _ = renaming.rename_source_key(renamed)
+        items = plan.setdefault(target, ("converted", converter, {}))[2].setdefault(pattern, {})
+        found = re.search(pattern.replace("*.", r"(\d+)\."), renamed)  # the item (expert) id of the key
+        items[int(found.group(1)) if found and found.groups() else len(items)] = key
+    return plan
+
+
+def _fill_converted(model, reader, target, converter, sources, out, experts: list[int] | None):
+    """Fill `out` from per-item checkpoint tensors `sources` {pattern: {index: key}}, items `experts`
+    (default all, in index order) stacked on dim 0."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    patterns = [p for p in converter.source_patterns if p in sources]
+    ids = experts if experts is not None else sorted(sources[patterns[0]])
+    ops = converter.operations
+    simple = (
+        isinstance(ops[0], MergeModulelist)
+        and ops[0].dim == 0
+        and (len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1))
+    )
+    if simple and (len(ops) == 2 or len(patterns) == 1):
+        # MergeModulelist(0) stacks the items; Concatenate(1) then joins the patterns along each item's rows
+        for j, e in enumerate(ids):
+            row = 0
+            for p in patterns:
+                key = sources[p][e]
+                rows = reader.shape(key)[0]
+                reader.read_into(key, out[j].narrow(0, row, rows))
+                row += rows
+            if row != out.shape[1]:
+                raise ValueError(f"{target}: checkpoint rows {row} do not fill the model's {out.shape[1]}")
+        return
+    collected = {}
+    for p in patterns:
+        collected[p] = []
+        for e in ids:
+            shape = reader.shape(sources[p][e])
+            tensor = torch.empty(shape, dtype=reader.entries[sources[p][e]][1])
+            reader.read_into(sources[p][e], tensor)
+            collected[p].append(tensor)
+    for op in ops:
+        collected = op.convert(
+            collected,
+            source_patterns=converter.source_patterns,
+            target_patterns=converter.target_patterns,
+            full_layer_name=target,
+            model=model,
+            config=model.config,
+        )
+    (value,) = collected.values()
+    out.copy_(value)
+
+
+def _expert_tensors(model: nn.Module) -> dict[str, tuple[object, str]]:
+    """model key of every fused expert tensor and router row tensor -> (MoE layer, kind)."""
+    out = {}
+    for layer in find_moe_layers(model):
+        for name in layer.arch.expert_params:
+            out[f"{layer.name}.experts.{name}"] = (layer, "experts")
+        for name in layer.arch.router_params:
+            if getattr(layer.router, name, None) is not None:
+                out[f"{layer.name}.{layer.arch.router_attr}.{name}"] = (layer, "router")
+    return out
+
+
+@torch.no_grad()
+def _read(model: nn.Module, reader: SafetensorsReader, placement, only_placed: bool) -> set[str]:
+    """Read every model tensor found in the checkpoint (only the expert and router tensors when
+    `only_placed`); returns the model keys that were read."""
+    plan = _plan(model, reader)
+    placed = _expert_tensors(model)
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    done = set()
+    for target, tensor in tensors.items():
+        if target not in plan or (only_placed and target not in placed):
+            continue
+        layer, kind = placed.get(target, (None, None))
+        order = placement.expert_order(layer.index).tolist() if layer is not None else None
+        ids = None
+        if kind == "experts":
+            shard: ExpertShard = layer.experts.occult_shard
+            start = shard.rank * shard.experts_per_device
+            ids = order[start : start + shard.experts_per_device]
+        elif kind == "router":
+            ids = order
+        entry = plan[target]
+        if entry[0] == "plain":
+            reader.read_into(entry[1], tensor, rows=ids)
+        else:
+            _fill_converted(model, reader, target, entry[1], entry[2], tensor, ids)
+        tensor._is_hf_initialized = True
+        done.add(target)
+    return done
+
+
+# ---- building the model ---------------------------------------------------------------------------------
+def _shard_on_meta(base: nn.Module, rank: int, size: int, group) -> None:
+    """`shard_experts` on the meta skeleton: every layer keeps P = E / D experts (still meta)."""
+    previous = base.config._experts_implementation
+    for layer in find_moe_layers(base):
+        experts, names = layer.experts, tuple(layer.arch.expert_params)
+        num_experts = int(getattr(experts, names[0]).shape[0])
+        per_device = num_experts // size
+        for name in names:
+            full = getattr(experts, name)
+            shard = nn.Parameter(full.detach()[:per_device].clone(), requires_grad=full.requires_grad)
+            shard.occult_expert_shard = True
+            setattr(experts, name, shard)
+        experts.occult_shard = ExpertShard(group, rank, size, num_experts, per_device, names, previous)
+        experts.num_experts = per_device
+    base.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+
+
+def _checkpoint_dtype(reader: SafetensorsReader) -> torch.dtype:
+    floats = [d for _, d, _, _ in reader.entries.values() if d.is_floating_point]
+    return floats[0] if floats else torch.float32
+
+
+def load_sharded_model(
+    path: str, rank: int, size: int, placement="sequential", dtype=None, group=None, device=None
+) -> nn.Module:
+    """A causal-LM whose MoE layers hold only expert block `rank` of `size`, read straight from disk.
+
+    Args:
+        path: a model directory (or cached Hub snapshot) with `config.json` and safetensors weights.
+        rank / size: this rank's position in its expert-parallel group and D (P = E / D experts each).
+        placement: a `Placement`, a placement JSON path or "sequential" (for D devices); the experts
+            are read in its placed order, the router rows reordered to match. None: the stored order.
+        dtype: parameter dtype (None / "auto": the config's dtype, else the checkpoint's).
+        group: the expert-parallel process group recorded on each layer's `ExpertShard`.
+        device: where the tensors are allocated (default CPU).
+
+    Returns:
+        the model in eval mode, equal to `from_pretrained` + `permute_experts` + `shard_experts`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..apply import resolve_placement
+    from ..checkpoint import _local_dir
+    from ..placement import permute_experts
+    from .expert_parallel import check_expert_parallel_size
+
+    if not 0 <= rank < size:
+        raise ValueError(
+            f"rank={rank} is outside the expert-parallel group of size {size}; use 0..{size - 1}"
+        )
+    path = _local_dir(path)
+    reader = SafetensorsReader(path)
+    config = AutoConfig.from_pretrained(path)
+    if dtype in (None, "auto"):
+        dtype = getattr(config, "dtype", None) or _checkpoint_dtype(reader)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    get_arch(model)  # an unsupported type fails here, naming the supported ones
+    check_expert_parallel_size(size, size, find_moe_layers(model)[0].num_experts)
+    if placement is None or (isinstance(placement, str) and placement == "sequential"):
+        placement = resolve_placement("sequential", model, size)  # the stored order
+    placement = resolve_placement(placement, model, None)
+    permute_experts(model, placement)  # on meta: checks the placement against the model, moves nothing
+    _shard_on_meta(model, rank, size, group)
+    model.to_empty(device=device or "cpu")  # new Parameter objects: mark the shards again
+    for layer in find_moe_layers(model):
+        for name in layer.experts.occult_shard.param_names:
+            getattr(layer.experts, name).occult_expert_shard = True
+    try:
+        done = _read(model, reader, placement, only_placed=False)
+    finally:
+        reader.close()
+    _finish(model, done, path)
+    model.occult_sharded_source = (path, placement)
+    return model
+
+
+def _finish(model: nn.Module, done: set[str], path: str) -> None:
+    """Tie weights, initialise what the checkpoint lacks (non-persistent buffers) and refuse gaps."""
+    model.tie_weights()
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    persistent = set(model.state_dict())
+    missing = sorted(k for k in persistent - done - tied)
+    if missing:
+        raise ValueError(
+            f"checkpoint {path!r} lacks {len(missing)} tensors of the model, e.g. {missing[0]!r}; "
+            "is it a complete checkpoint of this architecture?"
+        )
+    for module in model.modules():
+        own = list(module.parameters(recurse=False)) + [
+            b for b in module.buffers(recurse=False) if b is not None
+        ]
+        if own and all(getattr(t, "_is_hf_initialized", False) for t in own):
+            module._is_hf_initialized = True
+    model.initialize_weights()
+    model.config._name_or_path = path
+    model.eval()
+
+
+def sharded_placement(model: nn.Module):
+    """The placement a model loaded by `load_sharded_model` was read in, or None for other models."""
+    source = getattr(unwrap_model(model), "occult_sharded_source", None)
+    return source[1] if source is not None else None
+
+
+def place_sharded(model: nn.Module, placement) -> None:
+    """Re-read the expert block and router rows of a `load_sharded_model` model in `placement`'s order
+    (nothing happens when it was read in that order already)."""
+    from ..apply import resolve_placement
+
+    base = unwrap_model(model)
+    path, current = base.occult_sharded_source
+    placement = resolve_placement(placement, base, None)
+    if _same_order(placement, current):
+        base.occult_sharded_source = (path, placement)
+        return
+    reader = SafetensorsReader(path)
+    try:
+        _read(base, reader, placement, only_placed=True)
+    finally:
+        reader.close()
+    base.occult_sharded_source = (path, placement)
+
+
+def _same_order(a, b) -> bool:
+    """Whether two placements put the experts of every layer in the same placed order."""
+    return a.layers == b.layers and all(torch.equal(a.expert_order(i), b.expert_order(i)) for i in a.layers)
+
+
+def load_sharded_training_model(path: str, args, placement=None):
+    """(model, tokenizer) for `OccultTrainer` under expert parallelism: this rank's shard only.
+
+    The placement read is `placement` (a `Placement`), else `args.placement` when it is a file or
+    "sequential"; `auto` reads the sequential layout first (`prepare_model` profiles it under expert
+    parallelism and `place_sharded` re-reads the new block). A placed occult_ft checkpoint is read in
+    its stored order and gets its pruned routing back, as `occult_ft.from_pretrained` does.
+    Collective on first use (builds the expert-parallel groups): call it on every rank.
+    """
+    from ..apply import apply_occult
+    from ..checkpoint import (
+        _local_dir,
+        attach_occult_save,
+        load_tokenizer,
+        model_block,
+        pruning_from_block,
+        read_block,
+        read_similarity,
+    )
+    from ..fileio import read_json_object
+    from ..models.registry import config_num_experts
+    from .expert_parallel import check_expert_parallel_size, expert_parallel_groups
+
+    path = _local_dir(path)
+    size, world = int(args.expert_parallel_size), int(args.world_size)
+    check_expert_parallel_size(
+        size, world, config_num_experts(read_json_object(os.path.join(path, "config.json")))
+    )
+    groups = expert_parallel_groups(size, use_deepspeed=bool(args.deepspeed))
+    if read_block(path).get("placed"):
+        placement = None
+    elif placement is None and args.placement != "auto":
+        placement = args.placement
+    dtype = None if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
+    model = load_sharded_model(
+        path, groups.ep_ranks.index(groups.rank), size, placement, dtype=dtype, group=groups.ep_group
+    )
+    block = model_block(model)
+    pruning = pruning_from_block(block)
+    if pruning is not None:
+        apply_occult(model, pruning=pruning, similarity=read_similarity(path), similarity_placed=True)
+    if block:
+        attach_occult_save(model, block)
+    try:
+        tokenizer = load_tokenizer(path)
+    except ValueError:
+        tokenizer = None
+    return model, tokenizer
