@@ -29,14 +29,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(fn, rank: int, world_size: int, port: int, results, args, collective_timeout_s: float) -> None:
+def _entry(
+    fn,
+    rank: int,
+    world_size: int,
+    port: int,
+    results,
+    args,
+    collective_timeout_s: float,
+    backend: str = "gloo",
+) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -50,8 +61,26 @@ def _entry(fn, rank: int, world_size: int, port: int, results, args, collective_
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, collective_timeout_s: float = 45.0):
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo processes; return [result of rank 0, ...]."""
+def process_group_backend(device: str, world_size: int) -> str:
+    """The backend a test on `device` runs its ranks with: NCCL when every rank has its own GPU, else
+    gloo (also over CUDA tensors: NCCL refuses two ranks on one GPU, gloo does not)."""
+    import torch
+
+    if device == "cuda" and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def run_distributed(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 120.0,
+    collective_timeout_s: float = 45.0,
+    backend: str = "gloo",
+):
+    """Run `fn(rank, world_size, *args)` on `world_size` processes (`backend`: gloo, or nccl with one GPU
+    per rank); return [result of rank 0, ...]."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -59,7 +88,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, collecti
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children at start
     try:
         procs = [
-            ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args, collective_timeout_s))
+            ctx.Process(
+                target=_entry, args=(fn, rank, world_size, port, results, args, collective_timeout_s, backend)
+            )
             for rank in range(world_size)
         ]
         for proc in procs:
