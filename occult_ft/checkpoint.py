@@ -55,6 +55,8 @@ __all__ = [
     "write_native_group_fields",
     "save_pruned",
     "attach_occult_save",
+    "restore_occult",
+    "local_model_dir",
     "from_pretrained",
     "load_model_and_tokenizer",
     "load_tokenizer",
@@ -409,7 +411,7 @@ def resolve_model_path(path: str) -> str:
     return os.path.abspath(path) if os.path.isdir(path) else path
 
 
-def _local_dir(path: str) -> str:
+def local_model_dir(path: str) -> str:
     """A local directory for `path`; Hub ids are downloaded (side files such as adapters and the
     similarity tables must be read from disk)."""
     path = resolve_model_path(path)
@@ -502,11 +504,17 @@ def from_pretrained(path: str, dtype=None, is_trainable: bool = False, **kwargs)
     plain HF MoE checkpoint (returned unchanged), or a LoRA adapter directory written by
     `OccultTrainer` (the base model named in it is loaded, placed, pruned, and the adapter attached).
     """
-    path = _local_dir(path)
+    path = local_model_dir(path)
     adapter_cfg = os.path.join(path, "adapter_config.json")
     if os.path.isfile(adapter_cfg):
         return _from_adapter(path, dtype=dtype, is_trainable=is_trainable, **kwargs)
     model, _ = load_model_and_tokenizer(path, dtype=dtype, warn_pruned=False, **kwargs)
+    return restore_occult(model, path)
+
+
+def restore_occult(model: nn.Module, path: str) -> nn.Module:
+    """Give a model loaded from checkpoint `path` (its experts as stored) the pruned routing its `occult`
+    block records, with the similarity tables saved beside it, and a `save_pretrained` that keeps them."""
     block = model_block(model)
     pruning = pruning_from_block(block)
     if pruning is not None:

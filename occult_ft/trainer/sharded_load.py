@@ -314,7 +314,7 @@ def load_sharded_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..apply import resolve_placement
-    from ..checkpoint import _local_dir
+    from ..checkpoint import local_model_dir
     from ..placement import permute_experts
     from .expert_parallel import check_expert_parallel_size
 
@@ -322,7 +322,7 @@ def load_sharded_model(
         raise ValueError(
             f"rank={rank} is outside the expert-parallel group of size {size}; use 0..{size - 1}"
         )
-    path = _local_dir(path)
+    path = local_model_dir(path)
     reader = SafetensorsReader(path)
     config = AutoConfig.from_pretrained(path)
     if dtype in (None, "auto"):
@@ -411,21 +411,12 @@ def load_sharded_training_model(path: str, args, placement=None):
     its stored order and gets its pruned routing back, as `occult_ft.from_pretrained` does.
     Collective on first use (builds the expert-parallel groups): call it on every rank.
     """
-    from ..apply import apply_occult
-    from ..checkpoint import (
-        _local_dir,
-        attach_occult_save,
-        load_tokenizer,
-        model_block,
-        pruning_from_block,
-        read_block,
-        read_similarity,
-    )
+    from ..checkpoint import load_tokenizer, local_model_dir, read_block, restore_occult
     from ..fileio import read_json_object
     from ..models.registry import config_num_experts
     from .expert_parallel import check_expert_parallel_size, expert_parallel_groups
 
-    path = _local_dir(path)
+    path = local_model_dir(path)
     size, world = int(args.expert_parallel_size), int(args.world_size)
     check_expert_parallel_size(
         size, world, config_num_experts(read_json_object(os.path.join(path, "config.json")))
@@ -439,12 +430,7 @@ def load_sharded_training_model(path: str, args, placement=None):
     model = load_sharded_model(
         path, groups.ep_ranks.index(groups.rank), size, placement, dtype=dtype, group=groups.ep_group
     )
-    block = model_block(model)
-    pruning = pruning_from_block(block)
-    if pruning is not None:
-        apply_occult(model, pruning=pruning, similarity=read_similarity(path), similarity_placed=True)
-    if block:
-        attach_occult_save(model, block)
+    restore_occult(model, path)
     try:
         tokenizer = load_tokenizer(path)
     except ValueError:
