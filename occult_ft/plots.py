@@ -15,6 +15,8 @@ Users pick an expert placement and a `max_devices_per_token` budget by looking a
     plot_quality_tradeoff       eval loss against max_devices_per_token, one line per pruning criterion
     plot_bench                  rows per token and exchange time per backend of an `occult-ft bench` report
     plot_cost_model             predicted exchange time and speed-up against the budget, per cluster shape
+    plot_gain_kept              share of standard fine-tuning's gain kept, and exact match, against
+                                comm_complexity, from the rows of `occult-ft study --task` (mean +- sd)
 
 Every function returns the `matplotlib.figure.Figure` and, given `path`, also writes it as PNG. Figures
 are built with matplotlib's object-oriented API (no pyplot): nothing switches the global backend or keeps
@@ -55,6 +57,7 @@ __all__ = [
     "plot_quality_tradeoff",
     "plot_bench",
     "plot_cost_model",
+    "plot_gain_kept",
 ]
 
 DPI = 110
@@ -988,6 +991,79 @@ def plot_cost_model(
     ax_ms.set_title("predicted all-to-all time")
     ax_speed.set_ylabel("speed-up over per-expert dispatch")
     ax_speed.set_title("predicted speed-up")
+    if title:
+        fig.suptitle(title)
+    return _finish(fig, path)
+
+
+# ---- the task quality study ----------------------------------------------------------------------------
+def plot_gain_kept(
+    summary: Iterable[Mapping[str, Any]],
+    path: str | os.PathLike | None = None,
+    *,
+    title: str | None = None,
+) -> Figure:
+    """The trade-off of `occult-ft study --task`: gain kept (loss) and exact match against comm_complexity.
+
+    One line per family of rows (zero-shot and fine-tuned per criterion, distilled), points at budgets
+    1..D-1 with error bars of one seed-to-seed standard deviation; standard fine-tuning (gain kept 1) and
+    the base model (0) are the reference points.
+
+    Args:
+        summary: the `summary` rows of a study result (`occult_ft.task_study.summarize_runs`): dicts
+            with `setting`, `kind`, `budget`, `criterion`, `comm_complexity`, `gain_kept`(`_sd`) and
+            `exact_match`(`_sd`).
+        path: also write the figure to this PNG.
+        title: figure title.
+    """
+    rows = [dict(r) for r in summary]
+    need = ("setting", "kind", "comm_complexity", "gain_kept", "exact_match")
+    bad = [r for r in rows if any(k not in r for k in need)]
+    if bad or not rows:
+        raise ValueError(f"summary rows need {', '.join(need)}; got {bad[0] if bad else 'no rows'}")
+    families: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["kind"] in ("zero-shot", "pruned", "distilled"):
+            label = {"zero-shot": "zero-shot", "pruned": "fine-tuned", "distilled": "distilled"}[r["kind"]]
+            families.setdefault(f"{r.get('criterion')}, {label}", []).append(r)
+    fig, axes = _new_figure(ncols=2, size=(11.5, 4.4))
+    for ax, key, ylabel in (
+        (axes[0], "gain_kept", "share of standard fine-tuning's loss gain kept"),
+        (axes[1], "exact_match", "exact match on held-out rows"),
+    ):
+        for i, (label, group) in enumerate(families.items()):
+            group = sorted(group, key=lambda r: float(r["comm_complexity"]))
+            style = ":" if "zero-shot" in label else "-"
+            ax.errorbar(
+                [float(r["comm_complexity"]) for r in group],
+                [float(r[key]) for r in group],
+                yerr=[float(r.get(f"{key}_sd", 0.0)) for r in group],
+                marker="o",
+                linestyle=style,
+                color=_CYCLE[i % len(_CYCLE)],
+                capsize=3,
+                label=label,
+            )
+        for r in rows:
+            if r["kind"] in ("base", "standard"):
+                marker, color = ("*", _OURS) if r["kind"] == "standard" else ("s", _PEER)
+                ax.errorbar(
+                    [float(r["comm_complexity"])],
+                    [float(r[key])],
+                    yerr=[float(r.get(f"{key}_sd", 0.0))],
+                    marker=marker,
+                    markersize=10,
+                    color=color,
+                    linestyle="none",
+                    capsize=3,
+                    label=r["setting"],
+                )
+        ax.set_xlabel("comm_complexity (devices per token)")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    axes[0].axhline(1.0, color=_PEER, linestyle=":", linewidth=1.0)
+    axes[0].set_title("gain kept against communication")
+    axes[1].set_title("exact match against communication")
     if title:
         fig.suptitle(title)
     return _finish(fig, path)

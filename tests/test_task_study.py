@@ -103,3 +103,21 @@ def test_study_rejects_bad_flags(capsys):
     assert "max_devices_per_token=5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["study", "--task", "maths"])
+
+
+def test_plot_gain_kept_draws_every_family(tmp_path):
+    pytest.importorskip("matplotlib")
+    from occult_ft.plots import plot_gain_kept
+
+    runs = [
+        _run("base model", "base", None, 5.0, 0.0),
+        _run("standard fine-tuning", "standard", 0, 1.0, 0.5),
+        _run("prune to 1, score, no fine-tuning", "zero-shot", None, 6.0, 0.0, 1, "score"),
+        _run("prune to 1, score, fine-tuned", "pruned", 0, 2.0, 0.25, 1, "score"),
+    ]
+    fig = plot_gain_kept(summarize_runs(runs), tmp_path / "gain.png", title="t")
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["score, zero-shot", "score, fine-tuned", "base model", "standard fine-tuning"]
+    assert (tmp_path / "gain.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="summary rows need"):
+        plot_gain_kept([{"setting": "x"}])
