@@ -33,9 +33,9 @@ __all__ = ["TASK_SETTINGS", "run_task_study", "summarize_runs", "format_task_tab
 
 # sizes that fit 2 shared CPU cores (about a minute per fine-tuning); the CLI flags override them
 TASK_SETTINGS = {
-    "steps": 150,
-    "batch_size": 16,
-    "seq_len": 64,
+    "steps": 100,
+    "batch_size": 8,
+    "seq_len": 56,
     "learning_rate": 3e-3,
     "profile_tokens": 16384,
     "train_rows": 4000,
@@ -173,6 +173,7 @@ def run_task_study(
     budgets=(1, 2, 3),
     criteria=("score", "similarity"),
     distill_coef: float = 1.0,
+    distill_budgets=None,
     train_rows: int = TASK_SETTINGS["train_rows"],
     eval_rows: int = TASK_SETTINGS["eval_rows"],
     verbose: bool = True,
@@ -186,6 +187,7 @@ def run_task_study(
         seeds: training seeds; every fine-tuning runs once per seed.
         budgets / criteria: the pruned settings (zero-shot and fine-tuned).
         distill_coef: `OccultConfig.distill_coef` of the distilled rows; 0 leaves them out.
+        distill_budgets: budgets of the distilled rows (default: `budgets`).
         train_rows / eval_rows: rows of the task for training and for the held-out measurement.
     """
     from .checkpoint import load_model_and_tokenizer
@@ -199,7 +201,7 @@ def run_task_study(
     seeds = list(dict.fromkeys(int(x) for x in seeds))
     if not seeds:
         raise ValueError("seeds is empty; pass at least one seed, e.g. seeds=(0, 1, 2)")
-    for m in budgets:
+    for m in (*budgets, *(distill_budgets or ())):
         PruningConfig(s.devices, m, s.criterion)
     if not distill_coef >= 0:
         raise ValueError(f"distill_coef={distill_coef!r} must be >= 0 (0 leaves the distilled rows out)")
@@ -265,7 +267,7 @@ def run_task_study(
                 s.criterion,
                 distill_coef,
             )
-            for m in budgets
+            for m in (budgets if distill_budgets is None else distill_budgets)
         ]
     results_path = os.path.join(s.output_dir, f"study_{task}_results.json")
 

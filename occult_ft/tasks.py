@@ -6,9 +6,10 @@ task metric beside the loss. Tasks are generated deterministically from a seed (
 download) as Alpaca rows (`instruction`, `input`, `output`) that `occult_ft.data.tokenize_dataset`
 turns into response-only examples.
 
-    dates    "Write this date in words." + an ISO date (1931-09-17) -> "17 September 1931".
-             Copying the day and year and looking up the month name: the lookup is what experts
-             store, the copying is what the (frozen) attention already does on text.
+    dates    "Write the date 1931-09-17 in words." -> "September 17, 1931". Looking up the month
+             name and rewriting the day (09 -> 9) are what the experts must learn; the year is copied
+             (its tokens are the same in the question and the answer), which the frozen attention
+             already does on text.
 
 Exact match is measured without a decoding loop: greedy decoding reproduces a known answer exactly
 when, feeding the answer (teacher forcing), the argmax at every response position (its end-of-sequence
@@ -49,15 +50,15 @@ _LAST_DAY = datetime.date(2099, 12, 31).toordinal()
 def _date_row(rng: random.Random) -> dict:
     day = datetime.date.fromordinal(rng.randint(_FIRST_DAY, _LAST_DAY))
     return {
-        "instruction": "Write this date in words.",
-        "input": day.isoformat(),
-        "output": f"{day.day} {MONTHS[day.month - 1]} {day.year}",
+        "instruction": f"Write the date {day.isoformat()} in words.",
+        "input": "",
+        "output": f"{MONTHS[day.month - 1]} {day.day}, {day.year}",
     }
 
 
 _GENERATORS = {"dates": _date_row}
 TASKS = tuple(_GENERATORS)
-TASK_INFO = {"dates": "ISO date -> 'day Month year' (month lookup + copying), exact match of the answer"}
+TASK_INFO = {"dates": "ISO date -> 'Month day, year' (month lookup + copying), exact match of the answer"}
 
 
 def make_task_rows(task: str, count: int, seed: int = 0) -> list[dict]:
@@ -74,8 +75,8 @@ def make_task_rows(task: str, count: int, seed: int = 0) -> list[dict]:
     rows, seen = [], set()
     while len(rows) < count:
         row = _GENERATORS[task](rng)
-        if row["input"] not in seen:
-            seen.add(row["input"])
+        if row["instruction"] not in seen:
+            seen.add(row["instruction"])
             rows.append(row)
     return rows
 

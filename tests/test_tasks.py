@@ -15,19 +15,19 @@ def test_date_rows_are_deterministic_distinct_and_correct():
     rows = make_task_rows("dates", 300, seed=4)
     assert rows == make_task_rows("dates", 300, seed=4)
     assert rows != make_task_rows("dates", 300, seed=5)
-    assert len({r["input"] for r in rows}) == 300
+    assert len({r["instruction"] for r in rows}) == 300
     for r in rows:
-        # an independent reading of the answer: strptime's %B month names and %d day
-        assert datetime.datetime.strptime(r["output"], "%d %B %Y").date() == datetime.date.fromisoformat(
-            r["input"]
-        )
-        assert not r["output"].startswith("0")  # "5 April", not "05 April"
+        # an independent reading of question and answer: the ISO date in the question, strptime's %B and %d
+        iso = r["instruction"].split()[3]
+        assert r["instruction"] == f"Write the date {iso} in words." and r["input"] == ""
+        assert datetime.datetime.strptime(r["output"], "%B %d, %Y").date() == datetime.date.fromisoformat(iso)
+        assert " 0" not in r["output"]  # "April 5", not "April 05"
 
 
 def test_task_split_is_disjoint_and_the_held_out_rows_do_not_depend_on_the_train_size():
     train, held = task_split("dates", 100, 20)
     assert len(train) == 100 and len(held) == 20
-    assert not {r["input"] for r in train} & {r["input"] for r in held}
+    assert not {r["instruction"] for r in train} & {r["instruction"] for r in held}
     assert task_split("dates", 7, 20)[1] == held
 
 

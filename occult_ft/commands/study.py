@@ -43,7 +43,7 @@ def add_parser(sub):
         default="text",
         choices=("text", *TASKS),
         help=f"text (default): held-out embedded text, one seed; {tasks}. With a task, --steps, --batch-size, "
-        "--seq-len, --learning-rate and --profile-tokens default to the task's sizes (150, 16, 64, 3e-3, 16384)",
+        "--seq-len, --learning-rate and --profile-tokens default to the task's sizes (100, 8, 56, 3e-3, 16384)",
     )
     p.add_argument(
         "--seeds", type=_int_list, default=[0, 1, 2], help="a task's training seeds (default 0,1,2)"
@@ -56,6 +56,12 @@ def add_parser(sub):
         type=float,
         default=1.0,
         help="a task's distilled rows: OccultConfig.distill_coef (default 1.0; 0 leaves them out)",
+    )
+    p.add_argument(
+        "--distill-budgets",
+        type=_int_list,
+        default=None,
+        help="budgets of the distilled rows (default: --budgets)",
     )
     p.add_argument(
         "--train-rows", type=positive_int, default=4000, help="a task's training rows (default 4000)"
@@ -77,7 +83,7 @@ def run(args) -> int:
     if args.task != "text" and args.output_dir == "occult-study":
         args.output_dir = f"occult-study-{args.task}"
     budgets = tuple(args.budgets) if args.budgets else ((2, 1) if args.task == "text" else (1, 2, 3))
-    for m in budgets:
+    for m in (*budgets, *(args.distill_budgets or ())):
         PruningConfig(args.devices, m, args.criterion)  # fail fast on bad flags
     if not args.distill_coef >= 0:
         raise ValueError(f"--distill-coef {args.distill_coef} must be >= 0 (0 leaves the distilled rows out)")
@@ -91,6 +97,7 @@ def run(args) -> int:
             task=args.task,
             seeds=args.seeds,
             distill_coef=args.distill_coef,
+            distill_budgets=tuple(args.distill_budgets) if args.distill_budgets else None,
             train_rows=args.train_rows,
             eval_rows=args.eval_rows,
         )
