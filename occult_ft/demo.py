@@ -114,7 +114,7 @@ def _finetune(
         max_devices_per_token=budget,
         criterion=criterion,
         profile_tokens=s.profile_tokens,
-        train_mode="moe",
+        train_mode=extra.pop("train_mode", "moe"),
         max_steps=s.steps,
         per_device_train_batch_size=s.batch_size,
         learning_rate=s.learning_rate,

@@ -43,7 +43,7 @@ def add_parser(sub):
         default="text",
         choices=("text", *TASKS),
         help=f"text (default): held-out embedded text, one seed; {tasks}. With a task, --steps, --batch-size, "
-        "--seq-len, --learning-rate and --profile-tokens default to the task's sizes (100, 8, 56, 3e-3, 16384)",
+        "--seq-len, --learning-rate and --profile-tokens default to the task's sizes (150, 8, 56, 3e-3, 16384)",
     )
     p.add_argument(
         "--seeds", type=_int_list, default=[0, 1, 2], help="a task's training seeds (default 0,1,2)"
@@ -65,6 +65,12 @@ def add_parser(sub):
     )
     p.add_argument(
         "--train-rows", type=positive_int, default=4000, help="a task's training rows (default 4000)"
+    )
+    p.add_argument(
+        "--train-mode",
+        default="full",
+        choices=("full", "moe", "lora"),
+        help="a task's OccultConfig.train_mode (default full: attention must learn where the month is)",
     )
     p.add_argument("--eval-rows", type=positive_int, default=256, help="a task's held-out rows (default 256)")
     p.set_defaults(func=run)
@@ -98,6 +104,7 @@ def run(args) -> int:
             seeds=args.seeds,
             distill_coef=args.distill_coef,
             distill_budgets=tuple(args.distill_budgets) if args.distill_budgets else None,
+            train_mode=args.train_mode,
             train_rows=args.train_rows,
             eval_rows=args.eval_rows,
         )
