@@ -9,7 +9,7 @@ the shipped corpus -> place its experts on D devices (sequential, the paper's gr
 `run_quality_study` (behind `occult-ft study`): on the same model and held-out text, eval loss and
 `comm_complexity` for the base model, standard (unpruned) fine-tuning, zero-shot pruning and pruned
 fine-tuning to 1 and 2 devices with the score and similarity criteria. With a task
-(`occult-ft study --task dates`) it runs the multi-seed study of `occult_ft.task_study` instead.
+(`occult-ft study --task months`) it runs the multi-seed study of `occult_ft.task_study` instead.
 """
 
 from __future__ import annotations

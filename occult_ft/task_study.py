@@ -1,4 +1,4 @@
-"""The quality study on a task where fine-tuning matters (`occult-ft study --task dates`).
+"""The quality study on a task where fine-tuning matters (`occult-ft study --task months`).
 
 On held-out embedded text, standard fine-tuning barely moves the loss, so "pruned fine-tuning keeps its
 quality" cannot fail there. This study uses a synthetic instruction task of `occult_ft.tasks` instead
@@ -35,7 +35,7 @@ __all__ = ["TASK_SETTINGS", "run_task_study", "summarize_runs", "format_task_tab
 TASK_SETTINGS = {
     "steps": 150,
     "batch_size": 8,
-    "seq_len": 56,
+    "seq_len": 48,
     "learning_rate": 3e-3,
     "profile_tokens": 16384,
     "train_rows": 4000,
@@ -168,7 +168,7 @@ def format_task_table(result: dict) -> str:
 
 def run_task_study(
     settings,
-    task: str = "dates",
+    task: str = "months",
     seeds=(0, 1, 2),
     budgets=(1, 2, 3),
     criteria=("score", "similarity"),

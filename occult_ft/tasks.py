@@ -6,10 +6,12 @@ task metric beside the loss. Tasks are generated deterministically from a seed (
 download) as Alpaca rows (`instruction`, `input`, `output`) that `occult_ft.data.tokenize_dataset`
 turns into response-only examples.
 
+    months   "Name the month of the date 1931-09-17." -> "September". The month name is a lookup from
+             the two month digits, the kind of knowledge experts hold; the study's default task.
     dates    "Write the date 1931-09-17 in words." -> "September 17, 1931". Looking up the month
              name and rewriting the day (09 -> 9) are what the experts must learn; the year is copied
              (its tokens are the same in the question and the answer), which the frozen attention
-             already does on text.
+             already does on text. Harder: 150 steps on 2 CPU cores leave its exact match near 0.
 
 Exact match is measured without a decoding loop: greedy decoding reproduces a known answer exactly
 when, feeding the answer (teacher forcing), the argmax at every response position (its end-of-sequence
@@ -56,9 +58,21 @@ def _date_row(rng: random.Random) -> dict:
     }
 
 
-_GENERATORS = {"dates": _date_row}
+def _month_row(rng: random.Random) -> dict:
+    day = datetime.date.fromordinal(rng.randint(_FIRST_DAY, _LAST_DAY))
+    return {
+        "instruction": f"Name the month of the date {day.isoformat()}.",
+        "input": "",
+        "output": MONTHS[day.month - 1],
+    }
+
+
+_GENERATORS = {"months": _month_row, "dates": _date_row}
 TASKS = tuple(_GENERATORS)
-TASK_INFO = {"dates": "ISO date -> 'Month day, year' (month lookup + copying), exact match of the answer"}
+TASK_INFO = {
+    "months": "ISO date -> its month's name (a 12-way lookup), exact match of the answer",
+    "dates": "ISO date -> 'Month day, year' (month lookup + copying), exact match of the answer",
+}
 
 
 def make_task_rows(task: str, count: int, seed: int = 0) -> list[dict]:

@@ -64,7 +64,7 @@ def test_gain_kept_is_paired_with_the_standard_run_of_the_same_seed():
 @pytest.mark.slow
 def test_study_task_runs_from_the_cli(tmp_path, capsys):
     out = tmp_path / "study"
-    args = ["study", "--task", "dates", "--output-dir", str(out), "--steps", "2", "--batch-size", "4"]
+    args = ["study", "--task", "months", "--output-dir", str(out), "--steps", "2", "--batch-size", "4"]
     args += [
         "--seeds",
         "0",
@@ -78,7 +78,7 @@ def test_study_task_runs_from_the_cli(tmp_path, capsys):
         "512",
     ]
     assert main(args) == 0
-    result = json.load(open(os.path.join(out, "study_dates_results.json")))
+    result = json.load(open(os.path.join(out, "study_months_results.json")))
     rows = {r["setting"]: r for r in result["summary"]}
     assert set(rows) == {
         "base model",
@@ -99,7 +99,7 @@ def test_study_task_runs_from_the_cli(tmp_path, capsys):
 
 
 def test_study_rejects_bad_flags(capsys):
-    assert main(["study", "--task", "dates", "--budgets", "5"]) == 2
+    assert main(["study", "--task", "months", "--budgets", "5"]) == 2
     assert "max_devices_per_token=5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["study", "--task", "maths"])

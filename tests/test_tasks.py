@@ -24,6 +24,15 @@ def test_date_rows_are_deterministic_distinct_and_correct():
         assert " 0" not in r["output"]  # "April 5", not "April 05"
 
 
+def test_month_rows_name_the_month_of_their_date():
+    rows = make_task_rows("months", 200, seed=0)
+    assert len({r["instruction"] for r in rows}) == 200
+    for r in rows:
+        iso = r["instruction"].removeprefix("Name the month of the date ").removesuffix(".")
+        assert r["output"] == datetime.date.fromisoformat(iso).strftime("%B") and r["input"] == ""
+    assert {r["output"] for r in rows} == {datetime.date(2000, m, 1).strftime("%B") for m in range(1, 13)}
+
+
 def test_task_split_is_disjoint_and_the_held_out_rows_do_not_depend_on_the_train_size():
     train, held = task_split("dates", 100, 20)
     assert len(train) == 100 and len(held) == 20

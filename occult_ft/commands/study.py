@@ -1,7 +1,7 @@
 """`occult-ft study`: the quality study on the embedded model (base, standard fine-tuning, zero-shot
 pruning and pruned fine-tuning to 1 and 2 devices with the score and similarity criteria).
 
-`--task text` (default) measures the loss on held-out embedded text. `--task dates` (see
+`--task text` (default) measures the loss on held-out embedded text. `--task months` (see
 `occult_ft.tasks`) is an instruction task the base model never saw, where fine-tuning matters: response
 loss and exact match on held-out rows, budgets 1-3, several seeds with their spread, and pruned runs
 distilled from the unpruned model (`--distill-coef`)."""
@@ -43,7 +43,7 @@ def add_parser(sub):
         default="text",
         choices=("text", *TASKS),
         help=f"text (default): held-out embedded text, one seed; {tasks}. With a task, --steps, --batch-size, "
-        "--seq-len, --learning-rate and --profile-tokens default to the task's sizes (150, 8, 56, 3e-3, 16384)",
+        "--seq-len, --learning-rate and --profile-tokens default to the task's sizes (150, 8, 48, 3e-3, 16384)",
     )
     p.add_argument(
         "--seeds", type=_int_list, default=[0, 1, 2], help="a task's training seeds (default 0,1,2)"
@@ -70,7 +70,7 @@ def add_parser(sub):
         "--train-mode",
         default="full",
         choices=("full", "moe", "lora"),
-        help="a task's OccultConfig.train_mode (default full: attention must learn where the month is)",
+        help="a task's OccultConfig.train_mode (default full: attention must learn where the month digits are)",
     )
     p.add_argument("--eval-rows", type=positive_int, default=256, help="a task's held-out rows (default 256)")
     p.set_defaults(func=run)
