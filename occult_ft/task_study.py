@@ -29,7 +29,14 @@ import statistics
 import time
 from dataclasses import asdict
 
-__all__ = ["TASK_SETTINGS", "run_task_study", "summarize_runs", "format_task_table", "paired_difference"]
+__all__ = [
+    "TASK_SETTINGS",
+    "run_task_study",
+    "summarize_runs",
+    "format_task_table",
+    "paired_difference",
+    "merge_results",
+]
 
 # sizes that fit 2 shared CPU cores (about a minute per fine-tuning); the CLI flags override them
 TASK_SETTINGS = {
@@ -164,6 +171,43 @@ def format_task_table(result: dict) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def merge_results(*results: dict) -> dict:
+    """One study result from runs of the same study over different seeds (e.g. parallel processes).
+
+    The seed-independent rows (base model, zero-shot pruning) are taken from the first result; every
+    fine-tuning run of every result is kept. Raises ValueError when the results differ in task or
+    settings (other than output_dir) or share a seed.
+    """
+    if not results:
+        raise ValueError("merge_results needs at least one study result")
+    first = results[0]
+
+    def same(r: dict) -> tuple:
+        settings = {k: v for k, v in r["settings"].items() if k != "output_dir"}
+        return (
+            r["task"],
+            json.dumps(settings, sort_keys=True),
+            r["train_rows"],
+            r["eval_rows"],
+            r["distill_coef"],
+        )
+
+    seeds: list[int] = []
+    for r in results:
+        if same(r) != same(first):
+            raise ValueError(f"study results differ in task or settings: {same(r)} vs {same(first)}")
+        if set(r["seeds"]) & set(seeds):
+            raise ValueError(
+                f"seeds {sorted(set(r['seeds']) & set(seeds))} appear in two results; merge disjoint seeds"
+            )
+        seeds += r["seeds"]
+    runs = [run for run in first["runs"] if run["seed"] is None]
+    runs += [run for r in results for run in r["runs"] if run["seed"] is not None]
+    merged = {**first, "seeds": seeds, "runs": runs, "summary": summarize_runs(runs)}
+    merged["wall_seconds"] = sum(r["wall_seconds"] for r in results)
+    return merged
 
 
 def run_task_study(

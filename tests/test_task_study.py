@@ -9,7 +9,7 @@ import os
 import pytest
 
 from occult_ft.cli import main
-from occult_ft.task_study import format_task_table, paired_difference, summarize_runs
+from occult_ft.task_study import format_task_table, merge_results, paired_difference, summarize_runs
 
 
 def test_paired_difference_by_hand():
@@ -121,3 +121,27 @@ def test_plot_gain_kept_draws_every_family(tmp_path):
     assert (tmp_path / "gain.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="summary rows need"):
         plot_gain_kept([{"setting": "x"}])
+
+
+def test_merge_results_joins_disjoint_seeds():
+    base = [_run("base model", "base", None, 5.0, 0.0)]
+    one = [_run("standard fine-tuning", "standard", 0, 1.0, 0.5)]
+    two = [_run("standard fine-tuning", "standard", 1, 3.0, 0.4)]
+    meta = {"task": "months", "settings": {"steps": 2, "output_dir": "a"}, "train_rows": 4, "eval_rows": 2}
+    meta["distill_coef"] = 1.0
+    a = {**meta, "seeds": [0], "runs": base + one, "wall_seconds": 1.0}
+    b = {
+        **meta,
+        "settings": {"steps": 2, "output_dir": "b"},
+        "seeds": [1],
+        "runs": base + two,
+        "wall_seconds": 2.0,
+    }
+    merged = merge_results(a, b)
+    assert merged["seeds"] == [0, 1] and len(merged["runs"]) == 3 and merged["wall_seconds"] == 3.0
+    rows = {r["setting"]: r for r in merged["summary"]}
+    assert rows["standard fine-tuning"]["loss"] == pytest.approx(2.0)  # (1 + 3) / 2
+    with pytest.raises(ValueError, match="seeds \\[0\\] appear in two results"):
+        merge_results(a, a)
+    with pytest.raises(ValueError, match="differ in task or settings"):
+        merge_results(a, {**b, "settings": {"steps": 3, "output_dir": "b"}})
