@@ -144,7 +144,9 @@ def _pm(mean: float, sd: float, fmt: str, seeds: int) -> str:
 def _diff(d: dict | None, fmt: str) -> str:
     if d is None:
         return ""
-    return f"{fmt.format(d['mean'])} ± {fmt.format(d['sd'])}" + (" (real)" if d["real"] else "")
+    return f"{fmt.format(d['mean'])} ± {fmt.replace('+', '').format(d['sd'])}" + (
+        " (real)" if d["real"] else ""
+    )
 
 
 def format_task_table(result: dict) -> str:
