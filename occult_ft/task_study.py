@@ -208,7 +208,7 @@ def merge_results(*results: dict) -> dict:
     runs = [run for run in first["runs"] if run["seed"] is None]
     runs += [run for r in results for run in r["runs"] if run["seed"] is not None]
     merged = {**first, "seeds": seeds, "runs": runs, "summary": summarize_runs(runs)}
-    merged["wall_seconds"] = sum(r["wall_seconds"] for r in results)
+    merged["wall_seconds"] = sum(r["wall_seconds"] for r in results)  # summed over processes
     return merged
 
 
