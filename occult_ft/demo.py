@@ -8,7 +8,8 @@ the shipped corpus -> place its experts on D devices (sequential, the paper's gr
 
 `run_quality_study` (behind `occult-ft study`): on the same model and held-out text, eval loss and
 `comm_complexity` for the base model, standard (unpruned) fine-tuning, zero-shot pruning and pruned
-fine-tuning to 1 and 2 devices with the score and similarity criteria.
+fine-tuning to 1 and 2 devices with the score and similarity criteria. With a task
+(`occult-ft study --task months`) it runs the multi-seed study of `occult_ft.task_study` instead.
 """
 
 from __future__ import annotations
@@ -70,20 +71,30 @@ def _evaluate(model, batches, devices: int) -> dict:
     }
 
 
-def _finetune(s: DemoSettings, placement_path: str, out: str, budget: int | None, criterion: str):
+def _finetune(
+    s: DemoSettings,
+    placement_path: str,
+    out: str,
+    budget: int | None,
+    criterion: str,
+    dataset: str = "embedded",
+    seed: int | None = None,
+    **extra,
+):
+    """One fine-tuning of the embedded model on `dataset` (extra: more `OccultConfig` fields)."""
     from .trainer import OccultConfig, train
 
     config = OccultConfig(
         output_dir=out,
         model_name_or_path="embedded",
-        dataset="embedded",
+        dataset=dataset,
         seq_len=s.seq_len,
         devices=s.devices,
         placement=placement_path,
         max_devices_per_token=budget,
         criterion=criterion,
         profile_tokens=s.profile_tokens,
-        train_mode="moe",
+        train_mode=extra.pop("train_mode", "moe"),
         max_steps=s.steps,
         per_device_train_batch_size=s.batch_size,
         learning_rate=s.learning_rate,
@@ -92,9 +103,10 @@ def _finetune(s: DemoSettings, placement_path: str, out: str, budget: int | None
         logging_steps=max(1, s.steps // 10),
         save_strategy="no",
         report_to=[],
-        seed=s.seed,
+        seed=s.seed if seed is None else seed,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        **extra,
     )
     t = time.perf_counter()
     trainer, metrics = train(config)
@@ -247,11 +259,30 @@ def run_quality_study(
     budgets=(2, 1),
     criteria=("score", "similarity"),
     verbose: bool = True,
+    task: str = "text",
+    **task_options,
 ) -> dict:
     """Eval loss and comm_complexity for base, standard fine-tuning, zero-shot pruning and pruned
-    fine-tuning (every budget x criterion), all on the search placement."""
+    fine-tuning (every budget x criterion), all on the search placement.
+
+    `task="text"` (default) is the held-out embedded text; any task of `occult_ft.tasks.TASKS` runs
+    `occult_ft.task_study.run_task_study` instead (budgets, criteria and `task_options` such as seeds and
+    distill_coef passed on)."""
     from .routing import PruningConfig
 
+    if task != "text":
+        from .task_study import run_task_study
+
+        return run_task_study(
+            settings or DemoSettings(output_dir=f"occult-study-{task}"),
+            task=task,
+            budgets=budgets,
+            criteria=criteria,
+            verbose=verbose,
+            **task_options,
+        )
+    if task_options:
+        raise ValueError(f"{sorted(task_options)} apply to a study task, not to task='text'; pass task=")
     s = settings or DemoSettings(output_dir="occult-study")
     start = time.perf_counter()
     say = print if verbose else (lambda *a, **k: None)

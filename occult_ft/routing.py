@@ -52,7 +52,8 @@ Shape legend: T tokens, E experts, K top-k, D devices, N nodes, M = max_devices_
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -90,6 +91,7 @@ __all__ = [
     "pruned_routers",
     "collect_routing",
     "set_recording",
+    "unpruned_routing",
 ]
 
 
@@ -390,3 +392,20 @@ def collect_routing(model: nn.Module) -> dict[int, RouterRecord]:
         if record is not None:
             out[layer.index] = record
     return out
+
+
+@contextmanager
+def unpruned_routing(model: nn.Module, record: bool = False):
+    """Inside the block every pruned router of `model` routes as the unpruned model does (its budget is
+    lifted) and, unless `record`, leaves its recording and last record alone; both are restored on exit.
+    The teacher of distillation: the same weights with the unpruned routing."""
+    saved = []
+    for _, router in pruned_routers(model):
+        saved.append((router, router.occult_config, router.occult_recording, router.occult_record))
+        router.occult_config = replace(router.occult_config, max_devices_per_token=None)
+        router.occult_recording = router.occult_recording and record
+    try:
+        yield model
+    finally:
+        for router, config, recording, last in saved:
+            router.occult_config, router.occult_recording, router.occult_record = config, recording, last

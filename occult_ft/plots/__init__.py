@@ -15,6 +15,7 @@ Users pick an expert placement and a `max_devices_per_token` budget by looking a
     plot_devices_histogram      share of tokens reaching c devices, for several routings side by side
     plot_training_curves        loss, comm_complexity and removed router mass from `Trainer.state.log_history`
     plot_quality_tradeoff       eval loss against max_devices_per_token, one line per pruning criterion
+    plot_gain_kept              the task study's gain kept and exact match against comm_complexity
     plot_bench                  rows per token and exchange time per backend of an `occult-ft bench` report
     plot_cost_model             predicted exchange time and speed-up against the budget, per cluster shape
 
@@ -28,7 +29,7 @@ the optional `plot` extra (`pip install "occult-ft[plot]"`).
     base.py        colours, figure creation, PNG writing, reference lines
     routing.py     plot_report, comm_complexity_figure, plot_devices_histogram
     placement.py   plot_coactivation, plot_placement_comparison, plot_placement
-    training.py    plot_training_curves, plot_quality_tradeoff
+    training.py    plot_training_curves, plot_quality_tradeoff, plot_gain_kept
     bench.py       plot_bench, plot_cost_model
 
 Shape legend: T tokens, K experts per token (top-k), E experts, D devices, M = max_devices_per_token.
@@ -38,7 +39,7 @@ from .base import DPI
 from .bench import plot_bench, plot_cost_model
 from .placement import plot_coactivation, plot_placement, plot_placement_comparison
 from .routing import comm_complexity_figure, plot_devices_histogram, plot_report
-from .training import plot_quality_tradeoff, plot_training_curves
+from .training import plot_gain_kept, plot_quality_tradeoff, plot_training_curves
 
 __all__ = [
     "DPI",
@@ -50,6 +51,7 @@ __all__ = [
     "plot_devices_histogram",
     "plot_training_curves",
     "plot_quality_tradeoff",
+    "plot_gain_kept",
     "plot_bench",
     "plot_cost_model",
 ]

@@ -15,7 +15,7 @@ from .base import _BUDGET, _CYCLE, _OURS, _PEER, _finish, _new_figure
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["plot_training_curves", "plot_quality_tradeoff"]
+__all__ = ["plot_training_curves", "plot_quality_tradeoff", "plot_gain_kept"]
 
 
 _TRAINING_LABELS = {
@@ -183,6 +183,78 @@ def plot_quality_tradeoff(
     if with_cc:
         axes[1].set_xlabel("comm_complexity (devices per token)")
         axes[1].set_title(f"{metric} against communication")
+    if title:
+        fig.suptitle(title)
+    return _finish(fig, path)
+
+
+def plot_gain_kept(
+    summary: Iterable[Mapping[str, Any]],
+    path: str | os.PathLike | None = None,
+    *,
+    title: str | None = None,
+) -> Figure:
+    """The trade-off of `occult-ft study --task`: gain kept (loss) and exact match against comm_complexity.
+
+    One line per family of rows (zero-shot and fine-tuned per criterion, distilled), points at budgets
+    1..D-1 with error bars of one seed-to-seed standard deviation; standard fine-tuning (gain kept 1) and
+    the base model (0) are the reference points.
+
+    Args:
+        summary: the `summary` rows of a study result (`occult_ft.task_study.summarize_runs`): dicts
+            with `setting`, `kind`, `budget`, `criterion`, `comm_complexity`, `gain_kept`(`_sd`) and
+            `exact_match`(`_sd`).
+        path: also write the figure to this PNG.
+        title: figure title.
+    """
+    rows = [dict(r) for r in summary]
+    need = ("setting", "kind", "comm_complexity", "gain_kept", "exact_match")
+    bad = [r for r in rows if any(k not in r for k in need)]
+    if bad or not rows:
+        raise ValueError(f"summary rows need {', '.join(need)}; got {bad[0] if bad else 'no rows'}")
+    families: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["kind"] in ("zero-shot", "pruned", "distilled"):
+            label = {"zero-shot": "zero-shot", "pruned": "fine-tuned", "distilled": "distilled"}[r["kind"]]
+            families.setdefault(f"{r.get('criterion')}, {label}", []).append(r)
+    fig, axes = _new_figure(ncols=2, size=(11.5, 4.4))
+    for ax, key, ylabel in (
+        (axes[0], "gain_kept", "share of standard fine-tuning's loss gain kept"),
+        (axes[1], "exact_match", "exact match on held-out rows"),
+    ):
+        for i, (label, group) in enumerate(families.items()):
+            group = sorted(group, key=lambda r: float(r["comm_complexity"]))
+            style = ":" if "zero-shot" in label else "-"
+            ax.errorbar(
+                [float(r["comm_complexity"]) for r in group],
+                [float(r[key]) for r in group],
+                yerr=[float(r.get(f"{key}_sd", 0.0)) for r in group],
+                marker="o",
+                linestyle=style,
+                color=_CYCLE[i % len(_CYCLE)],
+                capsize=3,
+                label=label,
+            )
+        for r in rows:
+            if r["kind"] in ("base", "standard"):
+                marker, color = ("*", _OURS) if r["kind"] == "standard" else ("s", _PEER)
+                ax.errorbar(
+                    [float(r["comm_complexity"])],
+                    [float(r[key])],
+                    yerr=[float(r.get(f"{key}_sd", 0.0))],
+                    marker=marker,
+                    markersize=10,
+                    color=color,
+                    linestyle="none",
+                    capsize=3,
+                    label=r["setting"],
+                )
+        ax.set_xlabel("comm_complexity (devices per token)")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    axes[0].axhline(1.0, color=_PEER, linestyle=":", linewidth=1.0)
+    axes[0].set_title("gain kept against communication")
+    axes[1].set_title("exact match against communication")
     if title:
         fig.suptitle(title)
     return _finish(fig, path)

@@ -63,6 +63,7 @@ class OccultConfig(TrainingArguments):
         criterion / gate_weights: how tokens over budget are re-routed and weighted (`occult_ft.routing`).
         balance_loss_coef: weight of the pruning-aware load-balancing loss (on the scale of the model's
             own `router_aux_loss_coef`, see `occult_ft.trainer.losses`).
+        distill_coef / distill_temperature: distillation from the unpruned model (`trainer.distill`).
 
     Training:
         train_mode: `full`, `moe` (MoE blocks only: routers, experts, shared experts) or `lora`.
@@ -217,6 +218,19 @@ class OccultConfig(TrainingArguments):
         },
     )
 
+    distill_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of distillation from the unpruned model during pruned fine-tuning: KL(teacher || "
+            "student) on the logits of labelled positions, the teacher being the same weights with the "
+            "budget lifted (one extra forward without gradient per step); 0 (default) turns it off."
+        },
+    )
+    distill_temperature: float = field(
+        default=1.0,
+        metadata={"help": "Softmax temperature of the distillation KL (scaled back by its square); > 0."},
+    )
+
     # ---- what trains ----------------------------------------------------------------------------
     train_mode: str = field(
         default="moe",
@@ -304,6 +318,14 @@ class OccultConfig(TrainingArguments):
         if not self.balance_loss_coef >= 0:
             raise ValueError(
                 f"balance_loss_coef={self.balance_loss_coef!r} must be >= 0 (0 turns the balance loss off)"
+            )
+        if not self.distill_coef >= 0:
+            raise ValueError(
+                f"distill_coef={self.distill_coef!r} must be >= 0 (0 turns distillation off; try 0.5-1)"
+            )
+        if not self.distill_temperature > 0:
+            raise ValueError(
+                f"distill_temperature={self.distill_temperature!r} must be > 0 (1.0 = the plain distributions)"
             )
         if not self.lora_alpha > 0:
             raise ValueError(f"lora_alpha={self.lora_alpha!r} must be > 0, e.g. 2 * lora_r")

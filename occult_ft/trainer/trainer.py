@@ -6,6 +6,8 @@ On construction the model is placed, pruned and set up for its `train_mode` (see
 - `compute_loss` = the model's language-modelling loss (its own auxiliary loss is off: it ignores
   pruning) + `balance_loss_coef` * the pruning-aware balance loss of `occult_ft.trainer.losses`, scaled
   so that gradient accumulation and data parallelism leave it a plain mean over micro-batches;
+  with `distill_coef` > 0 and a budget, + `distill_coef` * KL(unpruned teacher || pruned student)
+  (`occult_ft.trainer.distill`), logged as `distill_kl`;
 - every forward feeds a `RoutingMeter`; each log line carries `comm_complexity`, `intra_share`,
   `removed_mass`, `load_imbalance`, `max_token_devices`, `balance_loss` and `padding_share` averaged
   since the last line;
@@ -46,6 +48,7 @@ from ..data.batching import real_token_mask
 from ..models.registry import unwrap_model
 from ..routing import apply_pruning, pruned_routers
 from .config import OccultConfig, check_before_loading
+from .distill import distillation_kl, teacher_logits
 from .expert_parallel import (
     ExpertParallelGroups,
     clip_expert_parallel_grad_norm,
@@ -227,6 +230,7 @@ class OccultTrainer(Trainer):
         )
         self._meters = {"train": RoutingMeter(args.devices), "eval": RoutingMeter(args.devices)}
         self._routers = pruned_routers(self.model)
+        self._distill_kl_sum, self._distill_kl_count = torch.zeros((), dtype=torch.float64), 0
         forward = inspect.signature(unwrap_model(self.model).forward).parameters
         self._router_logits_flag = "output_router_logits" in forward
 
@@ -245,6 +249,7 @@ class OccultTrainer(Trainer):
         if self._router_logits_flag:
             inputs = {**inputs, "output_router_logits": False}
         mask = real_token_mask(inputs)
+        labels = inputs.get("labels")  # Trainer may pop it (label smoothing, compute_loss_func)
         if "token_mask" in inputs:  # a packed batch (occult_ft.data.batching): the model does not take it
             inputs = {k: v for k, v in inputs.items() if k != "token_mask"}
         if "position_ids" in inputs and "attention_mask" not in inputs:
@@ -269,7 +274,30 @@ class OccultTrainer(Trainer):
                 )
                 factor = balance_loss_factor(self._loss_is_scaled_for_ga(num_items_in_batch), accumulation)
                 loss = loss + (self.args.balance_loss_coef * factor) * aux.to(loss.device, loss.dtype)
+        if training and self.args.distill_coef > 0 and self.occult.pruning.active:
+            kl = self._distillation_loss(model, inputs, labels, outputs)
+            if kl is not None:
+                self._distill_kl_sum += kl.detach().double().cpu()
+                self._distill_kl_count += 1
+                factor = self._mean_loss_factor(num_items_in_batch)
+                loss = loss + (self.args.distill_coef * factor) * kl.to(loss.device, loss.dtype)
         return (loss, outputs) if return_outputs else loss
+
+    def _mean_loss_factor(self, num_items_in_batch) -> float:
+        """Factor for a per-micro-batch mean added to the model loss (see `balance_loss_factor`)."""
+        accumulation = (
+            getattr(self, "current_gradient_accumulation_steps", None)
+            or self.args.gradient_accumulation_steps
+        )
+        return balance_loss_factor(self._loss_is_scaled_for_ga(num_items_in_batch), accumulation)
+
+    def _distillation_loss(self, model, inputs, labels, outputs) -> torch.Tensor | None:
+        """KL(unpruned teacher || pruned student) on the labelled positions (`trainer.distill`)."""
+        logits = getattr(outputs, "logits", None) if not isinstance(outputs, dict) else outputs.get("logits")
+        if labels is None or logits is None:
+            return None
+        teacher = teacher_logits(model, inputs)
+        return distillation_kl(logits, teacher, labels, self.args.distill_temperature)
 
     def _records(self) -> dict:
         """layer index -> the last `RouterRecord` of each router (read from the routers found at init, so
@@ -329,6 +357,14 @@ class OccultTrainer(Trainer):
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:
             logs.update(self._meters["train"].summary(self._reduce))
+            if self.args.distill_coef > 0 and self.occult.pruning.active:
+                sums = torch.tensor(
+                    [float(self._distill_kl_sum), float(self._distill_kl_count)], dtype=torch.float64
+                )
+                pair = self._reduce(sums, "sum").cpu()
+                if pair[1] > 0:
+                    logs["distill_kl"] = float(pair[0] / pair[1])
+                self._distill_kl_sum, self._distill_kl_count = torch.zeros((), dtype=torch.float64), 0
         super().log(logs, *args, **kwargs)
 
     def evaluation_loop(
