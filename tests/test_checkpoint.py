@@ -365,3 +365,18 @@ def test_stock_loading_of_a_pruned_checkpoint_is_said_aloud(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="occult_ft"):
         from_pretrained(path)
     assert "original top-k" not in caplog.text
+
+
+def test_resume_skips_a_checkpoint_whose_write_was_interrupted(tmp_path):
+    """Trainer writes trainer_state.json last: checkpoint-4 without it was killed mid-write."""
+    from occult_ft.trainer.prepare import resolve_checkpoint
+
+    for step, complete in ((2, True), (4, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x")
+        if complete:
+            (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    assert resolve_checkpoint(True, str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    with pytest.raises(ValueError, match="was not written completely"):
+        resolve_checkpoint(str(tmp_path / "checkpoint-4"), str(tmp_path))
