@@ -275,7 +275,11 @@ def test_configs_that_cannot_work_are_one_line_errors(config, message):
     with pytest.raises(ValueError) as err:
         check_deepspeed_config(config, 2)
     assert str(err.value).startswith(message) and len(str(err.value).splitlines()) == 1
-    check_deepspeed_config(config, 1)  # nothing to check without expert parallelism
+    if config["zero_optimization"]["stage"] == 3:  # ZeRO-3 partitions the weights placement permutes
+        with pytest.raises(ValueError, match="ZeRO stage 3 partitions every weight"):
+            check_deepspeed_config(config, 1)
+    else:
+        check_deepspeed_config(config, 1)  # AutoEP alone is DeepSpeed's business without our EP
 
 
 def test_stage_zero_with_clipping_warns_that_deepspeed_averages_per_rank_norms(recwarn):
