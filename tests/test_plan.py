@@ -237,3 +237,26 @@ def test_a_gpu_run_that_cannot_fit_stops_before_loading_with_the_plans_suggestio
     from occult_ft.plan import check_fits_before_loading
 
     assert check_fits_before_loading(config).fits  # the recipe's stated hardware: 4 x 80 GB
+
+
+def test_a_budget_the_model_cannot_hold_is_refused_before_loading(tmp_path, monkeypatch):
+    """Mixtral (8 experts, top-2) on 8 devices with a budget of 1: 1 expert per device cannot hold top-2.
+    The config ships with occult_ft, so this is known before any download or load."""
+    from occult_ft.commands.train import parse_config
+    from occult_ft.trainer.config import check_before_loading
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    config = parse_config(
+        [
+            "recipes/mixtral-8x7b.yaml",
+            "--output_dir",
+            str(tmp_path),
+            "--devices",
+            "8",
+            "--expert_parallel_size",
+            "8",
+        ]
+    )
+    with pytest.raises(ValueError, match="max_devices_per_token=1 holds only 1 experts") as err:
+        check_before_loading(config)
+    assert "\n" not in str(err.value)

@@ -388,17 +388,47 @@ def check_before_loading(args: OccultConfig) -> None:
     DeepSpeed config, ZeRO stage 3 (any layout) and, with `expert_parallel_size` > 1, an AutoEP section
     are one-line ValueErrors (`occult_ft.integrations.deepspeed.check_deepspeed_config`; its stage-0 clipping warning
     is left to the expert-parallel setup, which repeats the check). LoRA with expert parallelism is
-    supported (the expert LoRA factors shard with the experts), so it is not refused.
+    supported (the expert LoRA factors shard with the experts), so it is not refused. The budget and the
+    layout are checked against the model's config (its expert count and top-k) when it can be read.
     """
-    if not args.deepspeed:
+    if args.deepspeed:
+        import warnings
+
+        from ..integrations.deepspeed import check_deepspeed_config
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            check_deepspeed_config(args.deepspeed, args.expert_parallel_size, args.max_grad_norm)
+    _check_layout_against_the_model_config(args)
+
+
+def _check_layout_against_the_model_config(args: OccultConfig) -> None:
+    """The budget and the expert-parallel layout against the model's expert count and top-k, read from
+    its config alone (a local directory, a config shipped for a recipe's model, or the Hub's config.json).
+    Skipped when no config can be read here (e.g. offline): the model's own load then checks."""
+    name = args.model_name_or_path
+    if not isinstance(name, str) or not name:
         return
-    import warnings
+    from ..configs import load_model_config
+    from ..models.registry import config_num_experts
+    from ..routing import PruningConfig
 
-    from ..integrations.deepspeed import check_deepspeed_config
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        check_deepspeed_config(args.deepspeed, args.expert_parallel_size, args.max_grad_norm)
+    try:
+        config = load_model_config(name)
+    except (ValueError, OSError):
+        return
+    num_experts, top_k = config_num_experts(config), getattr(config, "num_experts_per_tok", None)
+    if not num_experts or not top_k:
+        return
+    PruningConfig(
+        args.devices, args.max_devices_per_token, args.criterion, args.gate_weights, args.nodes,
+        args.max_nodes_per_token,
+    ).check(num_experts, int(top_k))  # fmt: skip
+    ep = args.expert_parallel_size
+    if ep > 1 and num_experts % ep:
+        raise ValueError(
+            f"expert_parallel_size={ep} does not divide the {num_experts} experts of {name}; use a divisor"
+        )
 
 
 def _accelerator_available() -> bool:
