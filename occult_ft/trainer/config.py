@@ -406,7 +406,7 @@ def _check_layout_against_the_model_config(args: OccultConfig) -> None:
     """The budget and the expert-parallel layout against the model's expert count and top-k, read from
     its config alone (a local directory, a config shipped for a recipe's model, or the Hub's config.json).
     Skipped when no config can be read here (e.g. offline): the model's own load then checks."""
-    name = args.model_name_or_path
+    name = getattr(args, "model_name_or_path", None)
     if not isinstance(name, str) or not name:
         return
     from ..configs import load_model_config
