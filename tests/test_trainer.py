@@ -833,3 +833,28 @@ def test_long_phases_are_announced_only_while_progress_bars_are_on(tmp_path, cap
     monkeypatch.setenv("LOCAL_RANK", "1")  # other processes of a launch stay quiet
     _announcer(loud)("not rank 0")
     assert capsys.readouterr().err == ""
+
+
+def test_a_pruned_checkpoint_trained_on_with_a_new_budget_saves_the_new_budget(
+    tiny_olmoe_dir, data, tmp_path
+):
+    """The model comes from occult_ft.from_pretrained (its save hook knows the loaded block); the run
+    changes the budget, and its checkpoint must record and route with the new one."""
+    import occult_ft
+    from occult_ft.checkpoint import read_block
+
+    first = make_config(
+        tmp_path / "a", max_steps=1, max_devices_per_token=1, criterion="score", placement="sequential"
+    )
+    trainer = OccultTrainer(tiny_olmoe_dir, args=first, train_dataset=data[1])
+    trainer.train()
+    trainer.save_model(first.output_dir)
+    again = make_config(tmp_path / "b", max_steps=1, max_devices_per_token=2, criterion="score")
+    trainer = OccultTrainer(first.output_dir, args=again, train_dataset=data[1])
+    trainer.train()
+    trainer.save_model(again.output_dir)
+    assert read_block(again.output_dir)["max_devices_per_token"] == 2
+    reloaded = occult_ft.from_pretrained(again.output_dir)
+    from occult_ft.routing import pruned_routers
+
+    assert {r.occult_config.max_devices_per_token for _, r in pruned_routers(reloaded)} == {2}

@@ -36,6 +36,7 @@ from transformers.utils import logging
 
 from ..apply import permute_state_dict, placed_similarity
 from ..checkpoint import (
+    attach_occult_save,
     occult_block,
     occult_config_fields,
     placement_from_block,
@@ -487,10 +488,13 @@ class OccultTrainer(Trainer):
             if self.args.should_save:
                 write_adapter_block(output_dir, block)
         else:
-            config = unwrap_model(self.model).config
-            with occult_config_fields(
-                config, self.occult_block(placed=True), self.occult.pruning, output_dir
-            ):
+            base = unwrap_model(self.model)
+            block = self.occult_block(placed=True)
+            if "save_pretrained" in vars(base):
+                # loaded by occult_ft.from_pretrained: its own save hook must write this run's block,
+                # not the one it was loaded with (a changed budget would otherwise be saved as the old one)
+                attach_occult_save(base, block)
+            with occult_config_fields(base.config, block, self.occult.pruning, output_dir):
                 super()._save(output_dir, state_dict=state_dict)
         if self.args.should_save:
             write_similarity(output_dir, similarity)
