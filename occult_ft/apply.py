@@ -29,7 +29,9 @@ import torch
 from torch import nn
 
 from .models.registry import find_moe_layers, get_arch, unwrap_model
-from .routing import PruningConfig, apply_pruning, remove_pruning
+from .placement import Placement, permute_experts, sequential_placement
+from .profiling import Profile
+from .routing import PruningConfig, apply_pruning, pruned_routers, remove_pruning
 
 __all__ = [
     "resolve_placement",
@@ -48,7 +50,6 @@ def resolve_placement(spec, model: nn.Module, devices: int | None = None):
     Raises:
         ValueError: the placement does not fit the model, or disagrees with `devices`.
     """
-    from .placement import Placement, sequential_placement
 
     layers = find_moe_layers(model)
     num_experts, indices = layers[0].num_experts, [layer.index for layer in layers]
@@ -69,7 +70,6 @@ def resolve_placement(spec, model: nn.Module, devices: int | None = None):
 
 def profile_similarity(profile_path: str | None, model: nn.Module) -> dict[int, torch.Tensor]:
     """The similarity tables (original expert order) of a saved profile, checked against `model`."""
-    from .profiling import Profile
 
     if profile_path is None:
         raise ValueError(
@@ -122,7 +122,6 @@ def apply_occult(
     Returns:
         `model` (the same object).
     """
-    from .placement import permute_experts
 
     base = unwrap_model(model)
     if placement is not None:
@@ -168,7 +167,6 @@ def placed_copy(
 def applied_similarity(model: nn.Module) -> dict[int, torch.Tensor] | None:
     """The placed-order similarity tables held by `model`'s pruned routers (None when none holds one),
     detached on the CPU: what a checkpoint of the model must save beside its weights."""
-    from .routing import pruned_routers
 
     tables = {
         layer.index: router._buffers.get("occult_similarity") for layer, router in pruned_routers(model)

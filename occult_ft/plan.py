@@ -38,6 +38,8 @@ import torch
 from torch import nn
 
 from .configs import as_config, load_model_config, shipped_config_path
+from .integrations.deepspeed import read_deepspeed_config
+from .integrations.peft import lora_targets
 from .models.registry import find_moe_layers
 
 __all__ = [
@@ -114,8 +116,6 @@ def _linear_outs(module: nn.Module, skip=()) -> tuple[int, int]:
 def count_params(model_config) -> ModelCounts:
     """Count the parameters of `model_config`'s model, built on the meta device (no memory, exact)."""
     from transformers import AutoModelForCausalLM
-
-    from .integrations.peft import lora_targets
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
@@ -218,8 +218,6 @@ def _setup(args, model_config, gpus: int, gpu_memory_gb: float) -> Setup:
     mixed = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
     stage, buckets = None, (0, 0)
     if getattr(args, "deepspeed", None):
-        from .integrations.deepspeed import read_deepspeed_config
-
         zero = read_deepspeed_config(args.deepspeed).get("zero_optimization") or {}
         stage = int(zero.get("stage", 0)) if str(zero.get("stage", 0)).isdigit() else 0
         buckets = tuple(

@@ -1,4 +1,4 @@
-"""DeepSeek-MoE -> qwen2_moe conversion (`occult_ft.convert`, `occult-ft convert`).
+"""DeepSeek-MoE -> qwen2_moe conversion (`occult_ft.checkpoint.convert`, `occult-ft convert`).
 
 The oracle is a plain-torch reference of the ORIGINAL DeepSeek-MoE architecture (the Hub's remote
 `modeling_deepseek.py`, written out here independently) under the original weight names: random
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.nn import functional as F
 
-from occult_ft.convert import ConversionError, convert_config, convert_deepseek_moe, maybe_convert
+from occult_ft.checkpoint.convert import ConversionError, convert_config, convert_deepseek_moe, maybe_convert
 
 
 # ---- reference: the original architecture -----------------------------------------------------------

@@ -6,7 +6,8 @@ import os
 import pytest
 
 from occult_ft.cli import main
-from occult_ft.demo import DemoSettings, run_demo
+from occult_ft.studies.demo import run_demo
+from occult_ft.studies.finetune import DemoSettings
 
 
 @pytest.mark.slow

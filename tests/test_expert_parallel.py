@@ -633,7 +633,7 @@ def test_combinations_the_config_refuses_fail_before_the_model_is_loaded(tmp_pat
     from types import SimpleNamespace
 
     from occult_ft.trainer.config import check_before_loading
-    from occult_ft.trainer.trainer import load_training_model
+    from occult_ft.trainer.loading import load_training_model
 
     zero3 = {"zero_optimization": {"stage": 3}}
     args = SimpleNamespace(

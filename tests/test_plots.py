@@ -323,7 +323,7 @@ def test_plot_bench_rejects_a_report_without_backends():
 
 
 def test_plot_cost_model_from_predict_speedup(tmp_path):
-    from occult_ft.costmodel import CLUSTER_PRESETS, predict_speedup
+    from occult_ft.bench.costmodel import CLUSTER_PRESETS, predict_speedup
 
     gen = torch.Generator().manual_seed(0)
     scores = torch.softmax(torch.randn(64, 32, generator=gen), dim=-1)

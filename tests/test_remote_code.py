@@ -1,4 +1,4 @@
-"""Remote code in pruned checkpoints (`occult_ft.remote_code`): stock transformers with
+"""Remote code in pruned checkpoints (`occult_ft.checkpoint.remote_code`): stock transformers with
 `trust_remote_code=True`, on a Python that cannot import occult_ft, routes exactly like
 `occult_ft.from_pretrained`; without it, the stock class loads as before.
 
@@ -28,8 +28,13 @@ from occult_ft.checkpoint import (
     occult_config_fields,
     save_pruned,
 )
+from occult_ft.checkpoint.remote_code import (
+    REMOTE_CODE_FILE,
+    remote_auto_map,
+    remote_class_name,
+    remote_code_source,
+)
 from occult_ft.models import find_moe_layers, supported_model_types, tiny_config
-from occult_ft.remote_code import REMOTE_CODE_FILE, remote_auto_map, remote_class_name, remote_code_source
 from occult_ft.routing import PruningConfig
 
 TYPES = ["olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"]

@@ -44,7 +44,7 @@ def _int_list(text: str) -> list[int]:
 
 def add_parser(sub):
     from ..bench import BACKENDS, DTYPES
-    from ..costmodel import CLUSTER_PRESETS
+    from ..bench.costmodel import CLUSTER_PRESETS
 
     p = sub.add_parser(
         "bench",
@@ -166,7 +166,7 @@ def build_workload(args, settings):
 
 def run(args) -> int:
     from ..bench import DEFAULT_BUDGETS, BenchSettings, format_report, run_benchmark
-    from ..costmodel import get_cluster
+    from ..bench.costmodel import get_cluster
 
     settings = BenchSettings(
         devices=args.devices,

@@ -4,7 +4,7 @@
 
 MODEL is a local directory or a Hub id with `model_type: deepseek` (DeepSeek-MoE, which transformers
 only runs through remote code). The result loads with `AutoModelForCausalLM` and every occult_ft
-command; see `occult_ft.convert` for the mapping. Other commands convert such a model by themselves
+command; see `occult_ft.checkpoint.convert` for the mapping. Other commands convert such a model by themselves
 (once, into a cache directory), so converting by hand is only needed to keep or publish the result.
 """
 
@@ -32,7 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..convert import convert_deepseek_moe
+    from ..checkpoint.convert import convert_deepseek_moe
 
     out = convert_deepseek_moe(args.model, args.out, overwrite=args.overwrite)
     print(f"converted {args.model} (deepseek) to qwen2_moe in {out}")

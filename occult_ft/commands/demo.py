@@ -32,7 +32,7 @@ def add_settings_args(p, output_dir: str, steps: int) -> None:
 
 
 def settings_from_args(args, **extra):
-    from ..demo import DemoSettings
+    from ..studies.finetune import DemoSettings
 
     return DemoSettings(
         output_dir=args.output_dir,
@@ -62,8 +62,8 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from ..demo import run_demo
     from ..routing import PruningConfig
+    from ..studies.demo import run_demo
 
     PruningConfig(args.devices, args.max_devices_per_token, args.criterion)  # fail fast on bad flags
     run_demo(settings_from_args(args, max_devices_per_token=args.max_devices_per_token))

@@ -64,12 +64,12 @@ def _take_own(argv: list[str]) -> tuple[dict, list[str]]:
 
 def _expert_parallel_size(rest: list[str]) -> int:
     """expert_parallel_size from the overrides or the recipe (before OccultConfig checks the world size)."""
-    from .train import _load_recipe, _parser, _split_recipe
+    from .train import config_parser, load_recipe, split_recipe
 
-    recipe, flags = _split_recipe(rest)
+    recipe, flags = split_recipe(rest)
     value = 1
     if recipe is not None:
-        value = _load_recipe(recipe, _parser()).get("expert_parallel_size", 1)
+        value = load_recipe(recipe, config_parser()).get("expert_parallel_size", 1)
     for i, token in enumerate(flags):
         name, eq, v = token.partition("=")
         if name.lstrip("-").replace("-", "_") == "expert_parallel_size":

@@ -2,7 +2,7 @@
 pruning and pruned fine-tuning to 1 and 2 devices with the score and similarity criteria).
 
 `--task text` (default) measures the loss on held-out embedded text. `--task months` (see
-`occult_ft.tasks`) is an instruction task the base model never saw, where fine-tuning matters: response
+`occult_ft.studies.tasks`) is an instruction task the base model never saw, where fine-tuning matters: response
 loss and exact match on held-out rows, budgets 1-3, several seeds with their spread, and pruned runs
 distilled from the unpruned model (`--distill-coef`)."""
 
@@ -29,13 +29,13 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_parser(sub):
-    from ..tasks import TASK_INFO, TASKS
+    from ..studies.tasks import TASK_INFO, TASKS
 
     p = sub.add_parser(
         "study", help="quality study of pruned fine-tuning on the embedded model", description=__doc__
     )
     add_settings_args(p, "occult-study", 300)
-    # sizes default per task (text: 300 steps, batch 8 x 128, lr 1e-3; a task: occult_ft.task_study.TASK_SETTINGS)
+    # sizes default per task (text: 300 steps, batch 8 x 128, lr 1e-3; a task: occult_ft.studies.task_study.TASK_SETTINGS)
     p.set_defaults(steps=None, batch_size=None, seq_len=None, learning_rate=None, profile_tokens=None)
     tasks = "; ".join(f"{name}: {info}" for name, info in TASK_INFO.items())
     p.add_argument(
@@ -78,9 +78,9 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from ..demo import run_quality_study
     from ..routing import PruningConfig
-    from ..task_study import TASK_SETTINGS
+    from ..studies.demo import run_quality_study
+    from ..studies.task_study import TASK_SETTINGS
 
     sizes = _TEXT_SIZES if args.task == "text" else TASK_SETTINGS
     for name in _TEXT_SIZES:

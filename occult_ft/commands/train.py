@@ -27,7 +27,18 @@ from pathlib import Path
 
 from ._common import standalone
 
-__all__ = ["add_parser", "run", "parse_config", "main", "shipped_recipes", "find_recipe", "missing_extras"]
+__all__ = [
+    "add_parser",
+    "run",
+    "parse_config",
+    "config_parser",
+    "split_recipe",
+    "load_recipe",
+    "main",
+    "shipped_recipes",
+    "find_recipe",
+    "missing_extras",
+]
 
 _RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -48,7 +59,8 @@ def add_parser(sub):
     return p
 
 
-def _parser():
+def config_parser():
+    """The `HfArgumentParser` of `OccultConfig` behind `occult-ft train` (errors raise ValueError)."""
     from transformers import HfArgumentParser
 
     from ..trainer import OccultConfig
@@ -100,7 +112,7 @@ def find_recipe(token: str) -> str | None:
     return None
 
 
-def _split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
+def split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
     """The recipe (first positional, after any launcher-inserted --local_rank) and the rest."""
     rest = list(argv)
     for i, token in enumerate(rest):
@@ -111,7 +123,7 @@ def _split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
             if found is not None:
                 return found, rest[:i] + rest[i + 1 :]
             if token.lower().endswith(_RECIPE_SUFFIXES):
-                return token, rest[:i] + rest[i + 1 :]  # _load_recipe names the missing file
+                return token, rest[:i] + rest[i + 1 :]  # load_recipe names the missing file
             names = sorted(shipped_recipes())
             close = difflib.get_close_matches(token, names, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}? " if close else ""
@@ -123,7 +135,7 @@ def _split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
     return None, rest
 
 
-def _load_recipe(path: str, parser) -> dict:
+def load_recipe(path: str, parser) -> dict:
     import yaml
 
     if not os.path.isfile(path):
@@ -165,14 +177,14 @@ def parse_config(argv: list[str]):
     Raises:
         ValueError: one line naming an unknown field (with the closest valid one) or a bad value.
     """
-    parser = _parser()
+    parser = config_parser()
     if any(token in ("-h", "--help") for token in argv):
         parser.print_help()
         return None
     parser.set_defaults(disable_tqdm=False)  # progress bars by default (the CLI quiets library logging)
-    recipe, rest = _split_recipe(argv)
+    recipe, rest = split_recipe(argv)
     if recipe is not None:
-        parser.set_defaults(**_load_recipe(recipe, parser))
+        parser.set_defaults(**load_recipe(recipe, parser))
     try:
         config, remaining = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
     except ImportError as err:  # TrainingArguments imports deepspeed itself when --deepspeed is set

@@ -44,13 +44,13 @@ __all__ = [
 #: config fields that may carry a device budget natively (DeepSeek-V2/V3 group-limited routing)
 NATIVE_ROUTING_FIELDS = ("n_group", "topk_group", "topk_method")
 #: config fields that name the number of routed experts, by architecture
-_EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def config_num_experts(config) -> int | None:
     """Routed experts per layer from a config object or a `config.json` dict (None when absent)."""
     get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
-    return next((int(get(k)) for k in _EXPERT_COUNT_FIELDS if get(k)), None)
+    return next((int(get(k)) for k in EXPERT_COUNT_FIELDS if get(k)), None)
 
 
 class UnsupportedModelError(ValueError):

@@ -18,7 +18,11 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from ..routing import CRITERIA, GATE_WEIGHT_POLICIES, check_pruning_settings
+from ..configs import load_model_config
+from ..integrations.deepspeed import check_deepspeed_config
+from ..models.registry import config_num_experts
+from ..placement import PLACEMENT_ALGORITHMS
+from ..routing import CRITERIA, GATE_WEIGHT_POLICIES, PruningConfig, check_pruning_settings
 
 __all__ = ["OccultConfig", "TRAIN_MODES", "PLACEMENT_MODES", "MODEL_DTYPES", "check_before_loading"]
 
@@ -341,7 +345,6 @@ class OccultConfig(TrainingArguments):
                 f"placement={self.placement!r} is neither {' nor '.join(PLACEMENT_MODES)} nor an existing placement "
                 f"file{_suggest(self.placement, PLACEMENT_MODES)}; create one with `occult-ft place`"
             )
-        from ..placement import PLACEMENT_ALGORITHMS
 
         if self.placement_algorithm not in PLACEMENT_ALGORITHMS:
             raise _choice_error("placement_algorithm", self.placement_algorithm, sorted(PLACEMENT_ALGORITHMS))
@@ -394,8 +397,6 @@ def check_before_loading(args: OccultConfig) -> None:
     if args.deepspeed:
         import warnings
 
-        from ..integrations.deepspeed import check_deepspeed_config
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             check_deepspeed_config(args.deepspeed, args.expert_parallel_size, args.max_grad_norm)
@@ -409,9 +410,6 @@ def _check_layout_against_the_model_config(args: OccultConfig) -> None:
     name = getattr(args, "model_name_or_path", None)
     if not isinstance(name, str) or not name:
         return
-    from ..configs import load_model_config
-    from ..models.registry import config_num_experts
-    from ..routing import PruningConfig
 
     try:
         config = load_model_config(name)

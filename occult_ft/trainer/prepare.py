@@ -30,9 +30,14 @@ from transformers.utils import logging
 from ..apply import applied_similarity, apply_occult, placed_similarity, resolve_placement
 from ..checkpoint import model_block, placement_from_block, pruning_from_block, read_block, read_similarity
 from ..data.batching import profile_batches  # the batching lives in occult_ft.data
+from ..fileio import read_json_object
+from ..integrations.peft import apply_lora, is_peft_model
 from ..metrics import contiguous_expert_device
 from ..models.registry import find_moe_layers, unwrap_model
+from ..placement import compute_placement
+from ..profiling import profile_model
 from ..routing import PruningConfig, pruned_routers, set_recording
+from .sharded_load import place_sharded
 
 logger = logging.get_logger(__name__)
 
@@ -73,7 +78,6 @@ class OccultSetup:
 def checkpoint_is_complete(path: str) -> bool:
     """Trainer writes `trainer_state.json` last in a `checkpoint-N` folder: a folder without a readable
     one was interrupted (killed, full disk) and must not be resumed from."""
-    from ..fileio import read_json_object
 
     try:
         read_json_object(os.path.join(path, "trainer_state.json"))
@@ -120,8 +124,6 @@ def resolve_checkpoint(resume, output_dir: str | None) -> str | None:
 
 # ---- profiling -------------------------------------------------------------------------------------
 def _profile(model, dataset, collate, args, name: str):
-    from ..profiling import profile_model
-
     if dataset is None:
         raise ValueError(
             "placement='auto' and criterion='similarity' profile the training data, but no train_dataset was "
@@ -196,8 +198,6 @@ def prepare_model(
     Returns:
         (model, setup): the model to train (a `PeftModel` for `train_mode="lora"`) and its `OccultSetup`.
     """
-    from ..integrations.peft import apply_lora, is_peft_model
-    from ..placement import compute_placement
 
     base = unwrap_model(model)
     layers = find_moe_layers(base)
@@ -256,8 +256,6 @@ def prepare_model(
             placement if placement is not None else args.placement, base, args.devices
         )
         if getattr(base, "occult_sharded_source", None) is not None:
-            from .sharded_load import place_sharded
-
             place_sharded(base, placement)  # read shard-wise: re-read the expert block in the new order
         else:
             apply_occult(base, placement)
