@@ -207,10 +207,7 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike) -> CheckpointSummary:
         summary.top_k = int(config["num_experts_per_tok"]) if config.get("num_experts_per_tok") else None
         arch = lookup_arch(summary.model_type)
         summary.native_routing = bool(
-            arch is not None
-            and arch.native_routing_matches(
-                config, block.get("num_devices"), block.get("max_devices_per_token")
-            )
+            arch is not None and arch.native_routing_matches(config, pruning_from_block(block))
         )
         summary.remote_code = has_remote_code(path, config)
     else:

@@ -126,9 +126,7 @@ def _warn_if_pruned(model: nn.Module, path: str) -> None:
     pruning = pruning_from_block(block)
     if pruning is None or not pruning.active:
         return
-    native = get_arch(model).native_routing_matches(
-        model.config.to_dict(), pruning.num_devices, pruning.max_devices_per_token
-    )
+    native = get_arch(model).native_routing_matches(model.config.to_dict(), pruning)
     if not native:
         logging.get_logger("occult_ft").warning(
             f"{path} is an occult_ft checkpoint pruned to {pruning.max_devices_per_token} devices per token "

@@ -30,12 +30,8 @@ _MISSING = object()
 
 def write_native_group_fields(config, pruning: PruningConfig) -> bool:
     """Express the budget in the model's own config where stock transformers can (in place; see
-    `MoEArch.write_native_routing`). Returns True when the fields were written."""
-    if not pruning.active:
-        return False
-    return get_arch(config).write_native_routing(
-        config, pruning.num_devices, pruning.max_devices_per_token, pruning.criterion
-    )
+    `MoEArch.native_group_fields`). Returns True when the fields were written."""
+    return get_arch(config).write_native_routing(config, pruning)
 
 
 @contextlib.contextmanager
