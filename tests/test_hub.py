@@ -405,6 +405,8 @@ def test_cli_push_embeds_the_measured_comm_complexity_figure(tiny_olmoe_dir, tmp
                 "4",
                 "--max-devices-per-token",
                 "1",
+                "--criterion",
+                "score",
                 "--out",
                 str(out),
             ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import standalone
+from ._common import check_hub_sources, quiet_deepspeed_accelerator, standalone
 
 __all__ = ["add_parser", "run", "main"]
 
@@ -22,7 +22,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "convert",
         help="convert a DeepSeek-MoE checkpoint (model_type deepseek) to the transformers-native qwen2_moe",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL", help="DeepSeek-MoE checkpoint: local directory or Hub model id")
     p.add_argument("--out", required=True, help="directory to write (must not be inside MODEL)")
@@ -32,6 +31,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_hub_sources("convert", models=[args.model])
+    quiet_deepspeed_accelerator()
+
     from ..checkpoint.convert import convert_deepseek_moe
 
     out = convert_deepseek_moe(args.model, args.out, overwrite=args.overwrite)

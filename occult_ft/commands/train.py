@@ -1,7 +1,8 @@
 """`occult-ft train [RECIPE] [--field value ...]`: Occult fine-tuning from a recipe and/or flags.
 
 Every `OccultConfig` field (the Occult fields and all of `transformers.TrainingArguments`) can be set in
-the YAML recipe and on the command line; command-line values win. `occult-ft train --help` lists them.
+the YAML recipe and on the command line (`--max_steps 200` or `--max-steps 200`); command-line values
+win. `occult-ft train --help` lists the Occult fields first, then the inherited ones.
 RECIPE is a YAML file or the name of a shipped recipe (`tiny`, `olmoe-1b-7b`, ...: the files of the
 repository's `recipes/`, installed with the package as `occult_ft/recipes/`).
 
@@ -25,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from ._common import standalone
+from ._common import check_hub_sources, quiet_deepspeed_accelerator, standalone
 
 __all__ = [
     "add_parser",
@@ -38,9 +39,78 @@ __all__ = [
     "shipped_recipes",
     "find_recipe",
     "missing_extras",
+    "format_help",
+    "FIELD_GROUPS",
 ]
 
 _RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
+
+#: `occult-ft train --help` shows these OccultConfig fields first, in these groups (a field of
+#: OccultConfig missing here is listed under "other Occult fields"; tests/test_cli.py keeps it empty)
+FIELD_GROUPS = {
+    "model and data": (
+        "model_name_or_path",
+        "model_dtype",
+        "dataset",
+        "dataset_split",
+        "text_field",
+        "eval_dataset",
+        "eval_dataset_split",
+        "streaming",
+        "seq_len",
+        "packing",
+        "response_only",
+    ),
+    "placement and pruning": (
+        "devices",
+        "nodes",
+        "exchange",
+        "placement",
+        "placement_algorithm",
+        "profile_tokens",
+        "max_devices_per_token",
+        "max_nodes_per_token",
+        "criterion",
+        "gate_weights",
+        "balance_loss_coef",
+        "distill_coef",
+        "distill_temperature",
+    ),
+    "training": (
+        "train_mode",
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "expert_parallel_size",
+        "output_dir",
+        "learning_rate",
+        "bf16",
+        "logging_steps",
+    ),
+}
+
+# --report_to names -> the module each needs (transformers.integrations); checked before any model loads
+_REPORTERS = {
+    "tensorboard": ("tensorboard", "tensorboardX"),
+    "wandb": ("wandb",),
+    "mlflow": ("mlflow",),
+    "comet_ml": ("comet_ml",),
+    "clearml": ("clearml",),
+    "neptune": ("neptune",),
+    "dvclive": ("dvclive",),
+    "codecarbon": ("codecarbon",),
+    "swanlab": ("swanlab",),
+    "trackio": ("trackio",),
+    "dagshub": ("dagshub",),
+    "flyte": ("flytekit",),
+    "azure_ml": ("azureml",),
+}
+
+# deprecated TrainingArguments names -> current ones (a recipe may use either with any transformers >= 5.17)
+_ALIASES = {
+    "gradient_checkpointing": "activation_checkpointing",
+    "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs",
+}
 
 
 def add_parser(sub):
@@ -69,12 +139,64 @@ def config_parser():
         def error(self, message):  # one line through the CLI's error handling, not a usage dump
             raise ValueError(message)
 
+    from ..cli import HelpFormatter
+
     return _Parser(
         OccultConfig,
         prog="occult-ft train",
         allow_abbrev=False,
+        formatter_class=HelpFormatter,
         description="Fine-tune an MoE with Occult placement and collaboration pruning.",
     )
+
+
+def format_help(parser) -> str:
+    """`occult-ft train --help`: usage with the recipe, the Occult fields in `FIELD_GROUPS`, then the
+    fields inherited from `transformers.TrainingArguments`, every default shown once."""
+    import argparse
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from ..cli import HelpFormatter
+
+    display = argparse.ArgumentParser(
+        prog="occult-ft train",
+        usage="occult-ft train [RECIPE] [--field value ...]",
+        description=__doc__,
+        formatter_class=HelpFormatter,
+        add_help=False,
+    )
+    actions: dict[str, list] = {}
+    for action in parser._actions:
+        if action.dest != "help":
+            actions.setdefault(action.dest, []).append(action)
+    shown: set[str] = set()
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    own = [name for name in actions if name not in inherited]
+    groups = dict(FIELD_GROUPS)
+    others = tuple(name for name in own if not any(name in names for names in groups.values()))
+    if others:
+        groups["other Occult fields"] = others
+    for acts in actions.values():
+        for action in acts[1:]:
+            if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser's --no_<field>
+                action.help = f"sets {acts[0].option_strings[0]} to False"
+    for title, names in groups.items():
+        group = display.add_argument_group(f"Occult: {title}")
+        for name in names:
+            for action in actions.get(name, ()):
+                group._add_action(action)
+            shown.add(name)
+    group = display.add_argument_group(
+        "inherited from transformers.TrainingArguments",
+        "the Trainer's own settings (https://huggingface.co/docs/transformers/main_classes/trainer)",
+    )
+    for name, acts in actions.items():
+        if name not in shown:
+            for action in acts:
+                group._add_action(action)
+    return display.format_help()
 
 
 def _field_names(parser) -> list[str]:
@@ -157,6 +279,11 @@ def load_recipe(path: str, parser) -> dict:
     values = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name not in actions and name in _ALIASES and _ALIASES[name] in actions:
+            name = _ALIASES[name]  # the current name of a deprecated field
+        elif name not in actions and name in _ALIASES.values():
+            old = next(k for k, v in _ALIASES.items() if v == name)
+            name = old if old in actions else name  # a transformers release before the rename
         if name not in actions or name == "help":
             raise _unknown(name, names, f"in recipe {path!r}")
         convert = actions[name].type
@@ -179,9 +306,13 @@ def parse_config(argv: list[str]):
     """
     parser = config_parser()
     if any(token in ("-h", "--help") for token in argv):
-        parser.print_help()
+        print(format_help(parser))
         return None
-    parser.set_defaults(disable_tqdm=False)  # progress bars by default (the CLI quiets library logging)
+    import torch
+
+    # progress bars by default (the CLI quiets library logging); no pinned memory without an accelerator
+    # (the DataLoader warns on every CPU run otherwise)
+    parser.set_defaults(disable_tqdm=False, dataloader_pin_memory=torch.accelerator.is_available())
     recipe, rest = split_recipe(argv)
     if recipe is not None:
         parser.set_defaults(**load_recipe(recipe, parser))
@@ -211,14 +342,23 @@ def missing_extras(config) -> list[str]:
         needs.append(("peft", "peft", "train_mode=lora"))
     if config.deepspeed:
         needs.append(("deepspeed", "deepspeed", "--deepspeed"))
-    return [
+    missing = [
         f"{why} needs {module}, which is not installed: pip install 'occult-ft[{extra}]'"
         for module, extra, why in needs
         if importlib.util.find_spec(module) is None
     ]
+    for name in config.report_to or ():
+        modules = _REPORTERS.get(name, ())
+        if modules and all(importlib.util.find_spec(m) is None for m in modules):
+            missing.append(
+                f"--report_to {name} needs {modules[0]}, which is not installed: pip install {modules[0]} "
+                "(or --report_to none)"
+            )
+    return missing
 
 
 def run(args) -> int:
+    quiet_deepspeed_accelerator()
     from ..trainer import train
 
     config = parse_config(list(args.argv))
@@ -227,11 +367,17 @@ def run(args) -> int:
     missing = missing_extras(config)
     if missing:
         raise ImportError("; ".join(missing))
+    check_hub_sources(
+        "train", models=[config.model_name_or_path], datasets=[config.dataset, config.eval_dataset]
+    )
     finished = False
     try:
         trainer, metrics = train(config)
         if trainer.is_world_process_zero():
-            print(f"saved the pruned model to {config.output_dir}")
+            what = "LoRA adapter" if config.train_mode == "lora" else "model"
+            print(
+                f"{what} in {config.output_dir} (occult_ft.from_pretrained({config.output_dir!r})); metrics:"
+            )
             for key in sorted(metrics):
                 value = metrics[key]
                 print(f"  {key}: {value:.4f}" if isinstance(value, float) else f"  {key}: {value}")
