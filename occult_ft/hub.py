@@ -1,15 +1,18 @@
 """Hub pushes of occult_ft checkpoints, with their model card (`occult_ft.checkpoint.card`).
 
 `push_checkpoint` uploads a checkpoint directory with `HfApi.create_repo(exist_ok=True)` +
-`HfApi.upload_folder` from a staged mirror of the folder whose README.md is the card (the folder itself
-is never written). `push_after_training` does the same for a finished training run, given the trainer
-(anything with `.args.output_dir`) or its output directory. `make_comm_complexity_figure` measures a
-checkpoint's routing and draws the figure the card can show.
+`HfApi.upload_folder` from a staged mirror of the folder: the card is its README.md, the figure sits
+beside it, and an adapter's `base_model_name_or_path` names a local base by its folder name. The folder
+itself is never written, by a push, a dry run (`staged_upload`) or a failed push. A push checks the
+endpoint first and names the endpoint and the step that failed. `push_after_training` does the same for
+a finished training run, given the trainer (anything with `.args.output_dir`) or its output directory.
+`card_figure` measures a checkpoint's routing and draws the figure the card can show, outside the folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -21,16 +24,24 @@ from .checkpoint.card import (
     CARD_TAGS,
     KNOWN_LICENSES,
     OCCULT_CITATION,
+    base_model_reference,
     build_model_card,
     figure_name,
     last_eval_metrics,
     write_model_card,
 )
-from .evaluation import FIGURE_NAME, make_comm_complexity_figure
+from .evaluation import FIGURE_NAME, make_comm_complexity_figure, measure_checkpoint
+from .fileio import read_json_object
+from .hub_access import hub_endpoint, hub_unreachable
+from .plots import comm_complexity_figure
 
 __all__ = [
     "FIGURE_NAME",
+    "HubPushError",
+    "card_figure",
+    "check_endpoint",
     "make_comm_complexity_figure",
+    "staged_upload",
     "OCCULT_CITATION",
     "CARD_TAGS",
     "DEFAULT_IGNORE_PATTERNS",
@@ -70,6 +81,38 @@ def upload_file_list(
         for name in names
     ]
     return sorted(filter_repo_objects(files, ignore_patterns=list(ignore_patterns)))
+
+
+class HubPushError(ValueError):
+    """A push that failed, in one line: the endpoint, the step (reaching the Hub, creating the repo,
+    uploading) and the reason. Nothing was written into the checkpoint folder."""
+
+
+def check_endpoint(step: str = "reaching the Hub") -> str:
+    """The endpoint (HF_ENDPOINT or https://huggingface.co) after checking that it answers, once and
+    quickly; a `HubPushError` naming it otherwise."""
+    endpoint = hub_endpoint()
+    reason = hub_unreachable()
+    if reason is not None:
+        raise HubPushError(
+            f"{step}: the Hub at {endpoint} cannot be reached ({reason}); nothing was uploaded and nothing "
+            "written into the folder (check the network, or HF_ENDPOINT)"
+        )
+    return endpoint
+
+
+def card_figure(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    data: Any = "embedded",
+    max_tokens: int = 2048,
+) -> str:
+    """Measure the checkpoint's routing on `data` (`evaluation.measure_checkpoint`) and draw its
+    comm_complexity figure as `out_dir/FIGURE_NAME` (not into the checkpoint); returns the PNG's path."""
+    report = measure_checkpoint(checkpoint_dir, data=data, max_tokens=max_tokens)
+    path = os.path.join(os.fspath(out_dir), FIGURE_NAME)
+    comm_complexity_figure(report, path)
+    return path
 
 
 # ---- pushing -----------------------------------------------------------------------------------
@@ -128,25 +171,43 @@ def push_checkpoint(
     if api is None:
         from huggingface_hub import HfApi
 
+        check_endpoint()
         api = HfApi(token=token)
-    repo_url = api.create_repo(repo_id, private=private, exist_ok=True, token=token)
-    with _staged_folder(path, str(card), figure) as staged:
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=staged,
-            commit_message=commit_message or "Upload occult_ft checkpoint",
-            ignore_patterns=list(ignore_patterns),
-            token=token,
-        )
+    endpoint = getattr(api, "endpoint", None) or hub_endpoint()
+    try:
+        repo_url = api.create_repo(repo_id, private=private, exist_ok=True, token=token)
+    except Exception as exc:  # noqa: BLE001 - network, auth, permissions: one line naming the step
+        raise HubPushError(f"creating the repo {repo_id} at {endpoint} failed: {_first_line(exc)}") from None
+    with staged_upload(path, str(card), figure) as staged:
+        try:
+            info = api.upload_folder(
+                repo_id=repo_id,
+                folder_path=staged,
+                commit_message=commit_message or "Upload occult_ft checkpoint",
+                ignore_patterns=list(ignore_patterns),
+                token=token,
+            )
+        except Exception as exc:  # noqa: BLE001
+            raise HubPushError(
+                f"uploading {path} to {repo_id} at {endpoint} failed: {_first_line(exc)}; the repo exists, "
+                "nothing of the folder was changed: push again"
+            ) from None
     url = getattr(info, "commit_url", None) or getattr(repo_url, "url", None) or repo_url
-    return str(url) if url is not None else f"https://huggingface.co/{repo_id}"
+    return str(url) if url is not None else f"{endpoint}/{repo_id}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return " ".join(text.splitlines()[0].split()) if text else type(exc).__name__
 
 
 @contextlib.contextmanager
-def _staged_folder(path: str, card: str, figure: str | os.PathLike | None):
+def staged_upload(path: str, card: str, figure: str | os.PathLike | None = None):
     """A temporary folder that mirrors `path` (hard links, symlinks across file systems) with the card
-    as README.md and the figure beside it: what gets uploaded. `path` itself is never modified, so a
-    user's own README.md survives a push, failed or not."""
+    as README.md, the figure beside it and, for an adapter, `base_model_name_or_path` naming a local base
+    by its folder name (a path of this machine means nothing on the Hub; the card says how to point it at
+    a copy): what gets uploaded. `path` itself is never modified, so a user's own README.md survives a
+    push, failed or not, and a dry run leaves the folder as it was."""
     with tempfile.TemporaryDirectory(prefix=".occult-push-") as staged:
         for root, _, names in os.walk(path):
             rel = os.path.relpath(root, path)
@@ -155,6 +216,9 @@ def _staged_folder(path: str, card: str, figure: str | os.PathLike | None):
                 if rel == "." and name == "README.md":
                     continue
                 src, dst = os.path.join(root, name), os.path.join(staged, rel, name)
+                if rel == "." and name == "adapter_config.json":
+                    _write_portable_adapter_config(src, dst)
+                    continue
                 try:
                     os.link(src, dst)
                 except OSError:
@@ -166,6 +230,17 @@ def _staged_folder(path: str, card: str, figure: str | os.PathLike | None):
             if not os.path.exists(target):
                 shutil.copyfile(os.fspath(figure), target)
         yield staged
+
+
+def _write_portable_adapter_config(src: str, dst: str) -> None:
+    config = read_json_object(src)
+    base = base_model_reference(config.get("base_model_name_or_path"))
+    if base is not None and base != "embedded" and (os.path.isabs(base) or os.path.exists(base)):
+        base = os.path.basename(os.path.normpath(base))  # a local model: its folder name
+    config["base_model_name_or_path"] = base
+    with open(dst, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def push_after_training(

@@ -1,21 +1,31 @@
 """The model card (README.md) of an occult_ft checkpoint directory, built from what the directory records.
 
+The card is a template shipped with the package, `occult_ft/templates/model_card.md` (Jinja2, as
+TRL renders its cards), filled from the directory's records:
+
     metadata   base_model, library_name (transformers | peft), tags (moe, occult, expert-parallelism,
                the model type, lora), license and datasets when they are known
     body       base model; placement (algorithm, devices D, nodes); the budget max_devices_per_token M;
                criterion; gate weights; comm_complexity before / after with the reference points
                (k rows per token for per-expert dispatch, the lower bound ceil(k*D/E), random placement);
-               evaluation results; how to load it; an optional figure; the Occult citation
+               the training run's settings; evaluation results; how to load it; an optional figure;
+               the Occult citation
 
 How to load: a pruned full checkpoint needs `occult_ft.from_pretrained`, which reactivates the pruned
 routing; plain `AutoModelForCausalLM.from_pretrained` gives the same weights with the original top-k
 routing. An unpruned checkpoint (placement only: the same function as the base model), or one whose
 budget is written in the model's own config (`n_group` / `topk_group`, DeepSeek-V2/V3), routes
-identically in stock transformers. Uploading the card with the checkpoint is `occult_ft.hub`'s job.
+identically in stock transformers. Every load line a card shows is executed by tests/test_hub.py.
+
+How a checkpoint names its base model (`base_model_reference`): by Hub id when there is one (a model
+read from the Hub cache included), `embedded` for the shipped model, else the path it was trained
+from; a card for the Hub names a local base by its folder name and says how to point at a copy
+(`set_adapter_base`). Uploading the card with the checkpoint is `occult_ft.hub`'s job.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -23,19 +33,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..embedded import embedded_model_path
-from ..fileio import atomic_write_text, read_json_object
+from ..fileio import atomic_save, atomic_write_text, read_json_object
 from ..metrics import comm_complexity_lower_bound, random_placement_comm_complexity
 from .format import CheckpointSummary, OccultBlock, describe_checkpoint
 
 __all__ = [
     "OCCULT_CITATION",
     "CARD_TAGS",
+    "CARD_TEMPLATE",
     "KNOWN_LICENSES",
+    "RUN_SETTINGS",
+    "base_model_reference",
     "build_model_card",
     "write_model_card",
     "figure_name",
     "is_occult_card",
     "last_eval_metrics",
+    "recorded_run_settings",
+    "run_settings",
+    "set_adapter_base",
 ]
 
 OCCULT_CITATION = """@inproceedings{luo2025occult,
@@ -48,8 +64,10 @@ OCCULT_CITATION = """@inproceedings{luo2025occult,
 }"""
 
 CARD_TAGS = ("moe", "occult", "expert-parallelism")
+CARD_TEMPLATE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "templates", "model_card.md"
+)
 
-# Trainer leftovers that do not belong in a published model repo (fnmatch patterns; `*` crosses `/`).
 # Base models whose Hub license is a plain SPDX-style id; a derived checkpoint carries it on.
 KNOWN_LICENSES = {
     "mistralai/Mixtral-8x7B-v0.1": "apache-2.0",
@@ -57,25 +75,51 @@ KNOWN_LICENSES = {
     "Qwen/Qwen3-30B-A3B": "apache-2.0",
 }
 
+#: the settings of a training run recorded in its `occult` block (`run_settings`), so that `occult-ft eval`
+#: of the run's output evaluates as the trainer did and the card shows what the run was
+RUN_SETTINGS = (
+    "dataset",
+    "dataset_split",
+    "eval_dataset",
+    "eval_dataset_split",
+    "seq_len",
+    "packing",
+    "response_only",
+)
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# a snapshot in the Hub cache: .../models--owner--name/snapshots/<revision>
+_CACHE_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
 # recorded settings rendered in their own sections; the other extras go to "Other recorded settings"
-_EXTRA_SHOWN = {"comm_complexity_before", "comm_complexity_after", "eval", "license", "dataset"}
+_EXTRA_SHOWN = {"comm_complexity_before", "comm_complexity_after", "eval", "license"}
 
 
-def _local_name(name: Any) -> str | None:
-    """How a card names a local base model: `embedded` for the shipped model, else the folder's name (an
-    absolute path of the machine that trained it means nothing to a reader of the card)."""
+# ---- naming the base model ------------------------------------------------------------------------
+def _is_embedded(name: str) -> bool:
+    if name == "embedded":
+        return True
+    try:
+        return os.path.isdir(name) and os.path.samefile(name, embedded_model_path())
+    except OSError:
+        return False
+
+
+def base_model_reference(name: Any) -> str | None:
+    """How a checkpoint names its base model so that the name means the same elsewhere.
+
+    Returns:
+        `embedded` for the model shipped with occult_ft; `owner/name` for a Hub id or a snapshot of the
+        Hub cache (`.../models--owner--name/snapshots/REV`); any other local path as it is (it names a
+        model of this machine: a card for the Hub then says how to point at a copy); None for none.
+    """
     if not isinstance(name, str) or not name:
         return None
-    if not os.path.isabs(name):
-        return name
-
-    try:
-        if os.path.realpath(name) == os.path.realpath(embedded_model_path()):
-            return "embedded"
-    except FileNotFoundError:
-        pass
-    return os.path.basename(os.path.normpath(name))
+    if _is_embedded(name):
+        return "embedded"
+    found = _CACHE_SNAPSHOT.search(os.fspath(name).replace(os.sep, "/"))
+    if found:
+        return f"{found.group(1)}/{found.group(2)}"
+    return name
 
 
 def _hub_id(name: Any) -> str | None:
@@ -83,6 +127,45 @@ def _hub_id(name: Any) -> str | None:
     if isinstance(name, str) and _HUB_ID.match(name) and not os.path.exists(name):
         return name
     return None
+
+
+def _base(name: Any) -> dict:
+    """The base model as the card's loading section needs it: kind hub / embedded / local / unknown,
+    its name, and the string a load line passes."""
+    ref = base_model_reference(name)
+    if ref is None:
+        return {"kind": "unknown", "name": "BASE_MODEL", "path": "BASE_MODEL"}
+    if ref == "embedded":
+        return {"kind": "embedded", "name": "embedded", "path": "embedded"}
+    if _hub_id(ref):
+        return {"kind": "hub", "name": ref, "path": ref}
+    local = os.path.basename(os.path.normpath(ref))
+    return {"kind": "local", "name": local, "path": f"path/to/{local}"}
+
+
+def set_adapter_base(adapter_dir: str | os.PathLike, base_model: str) -> None:
+    """Make a LoRA adapter directory name `base_model` as its base (`base_model_name_or_path` of
+    adapter_config.json, read by PEFT and `occult_ft.from_pretrained`), through `base_model_reference`:
+    the trainer's save calls it so that a base read from `embedded` or from the Hub cache is named as
+    such, and a user calls it to point a downloaded adapter at a local copy of its base."""
+    reference = base_model_reference(base_model)
+    if reference is None:
+        raise ValueError(f"base model {base_model!r} is empty; pass a Hub id, 'embedded' or a model directory")
+    path = os.path.join(os.fspath(adapter_dir), "adapter_config.json")
+    config = read_json_object(path)
+    config["base_model_name_or_path"] = reference
+    atomic_write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def run_settings(config: Any) -> dict[str, Any]:
+    """The `RUN_SETTINGS` of a training config (an `OccultConfig`), for the run's `occult` block."""
+    return {k: getattr(config, k) for k in RUN_SETTINGS if getattr(config, k, None) is not None}
+
+
+def recorded_run_settings(summary: CheckpointSummary) -> dict[str, Any]:
+    """The `RUN_SETTINGS` a checkpoint's block records ({} for a checkpoint that is not a run's output)."""
+    extra = summary.block.extra if summary.block is not None else {}
+    return {k: extra[k] for k in RUN_SETTINGS if extra.get(k) is not None}
 
 
 # ---- card body ---------------------------------------------------------------------------------
@@ -103,8 +186,8 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
-def _table(rows: list[tuple[str, Any]], header: tuple[str, str] = ("setting", "value")) -> str:
-    lines = [f"| {header[0]} | {header[1]} |", "|---|---|"]
+def _table(rows: list[tuple[str, Any]], first: str = "setting", second: str = "value") -> str:
+    lines = [f"| {first} | {second} |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in rows]
     return "\n".join(lines)
 
@@ -120,7 +203,8 @@ def _read_eval_results(path: str) -> dict[str, Any]:
     return {}
 
 
-def _placement_section(s: CheckpointSummary) -> str:
+def _placement(s: CheckpointSummary) -> tuple[list[tuple[str, Any]], list[str]]:
+    """Rows of the placement-and-budget table and the paragraphs under it."""
     b = s.block or OccultBlock()
     d, p = b.num_devices, b.pruning
     m = p.max_devices_per_token if p is not None else None
@@ -152,16 +236,16 @@ def _placement_section(s: CheckpointSummary) -> str:
                 f"n_group={s.config.get('n_group')}, topk_group={s.config.get('topk_group')}",
             )
         )
-    text = "## Expert placement and routing budget\n\n" + _table(rows)
+    notes = []
     if algorithm and b.placed:
-        text += (
-            "\n\nThe experts of every MoE layer are stored permuted so that device d of D holds the contiguous "
+        notes.append(
+            "The experts of every MoE layer are stored permuted so that device d of D holds the contiguous "
             "block [d*E/D, (d+1)*E/D), the layout every expert-parallel runtime uses. `placement.layers` in the "
             "`occult` block of config.json records which original experts each device holds."
         )
     elif algorithm:
-        text += (
-            "\n\nThe base model's experts are not stored permuted here: `occult_ft.from_pretrained` permutes "
+        notes.append(
+            "The base model's experts are not stored permuted here: `occult_ft.from_pretrained` permutes "
             "them with the placement recorded in `occult_config.json` before attaching the adapter."
         )
     if s.pruned:
@@ -170,14 +254,14 @@ def _placement_section(s: CheckpointSummary) -> str:
             limits.append(f"at most {m} of the {d} devices")
         if mn is not None and mn < b.num_nodes:
             limits.append(f"at most {mn} of the {b.num_nodes} nodes")
-        text += (
-            f"\n\nCollaboration pruning: each token's top-k is restricted to experts on {' and '.join(limits)} "
+        notes.append(
+            f"Collaboration pruning: each token's top-k is restricted to experts on {' and '.join(limits)} "
             f"(criterion `{p.criterion}`), and the model was fine-tuned that way."
         )
-    return text
+    return rows, notes
 
 
-def _comm_section(s: CheckpointSummary) -> str | None:
+def _comm_rows(s: CheckpointSummary) -> list[tuple[str, Any]]:
     b = s.block or OccultBlock()
     rows: list[tuple[str, Any]] = []
     for key, label in (
@@ -196,18 +280,11 @@ def _comm_section(s: CheckpointSummary) -> str | None:
         rows.append(("random placement, uniform routing", random_placement_comm_complexity(e, k, d)))
         rows.append(("lower bound ceil(k*D/E)", comm_complexity_lower_bound(e, k, d)))
         if s.pruned:
-            budget = b.pruning.device_budget
-            rows.append(("upper bound with the budget", min(budget, k, d)))
-    if not rows:
-        return None
-    return (
-        "## Communication\n\n`comm_complexity` (the paper's C_T) is the mean number of distinct devices hosting "
-        "a token's top-k experts: the rows per token a de-duplicated all-to-all sends (and returns), against "
-        "k rows for per-expert dispatch.\n\n" + _table(rows, ("comm_complexity", "rows per token"))
-    )
+            rows.append(("upper bound with the budget", min(b.pruning.device_budget, k, d)))
+    return rows
 
 
-def _eval_section(s: CheckpointSummary, eval_results: Mapping[str, Any] | None) -> str | None:
+def _eval_rows(s: CheckpointSummary, eval_results: Mapping[str, Any] | None) -> list[tuple[str, Any]]:
     flat: dict[str, Any] = {}
     recorded = s.block.extra.get("eval") if s.block is not None else None
     if isinstance(recorded, Mapping):
@@ -215,93 +292,7 @@ def _eval_section(s: CheckpointSummary, eval_results: Mapping[str, Any] | None) 
     if eval_results is None:
         eval_results = _read_eval_results(s.path)
     _flatten("", dict(eval_results), flat)
-    if not flat:
-        return None
-    return "## Evaluation\n\n" + _table(sorted(flat.items()), ("metric", "value"))
-
-
-def _usage_section(s: CheckpointSummary, repo: str) -> str:
-    load_local = s.kind == "adapter" or s.has_similarity
-    lines = ["## How to load it", "", "```python", "import occult_ft"]
-    if load_local:
-        # occult_ft reads the adapter / similarity files from a local folder: download the repo first
-        lines += [
-            "from huggingface_hub import snapshot_download",
-            "",
-            f'model = occult_ft.from_pretrained(snapshot_download("{repo}"))',
-        ]
-    else:
-        lines += ["", f'model = occult_ft.from_pretrained("{repo}")']
-    if s.has_tokenizer:
-        lines += [
-            "",
-            "from transformers import AutoTokenizer",
-            "",
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
-        ]
-    lines += ["```", ""]
-    if s.kind == "adapter":
-        lines.append(
-            f"This is a LoRA adapter for `{s.base_model or 'its base model'}`: `occult_ft.from_pretrained` loads "
-            "the base model, applies the recorded placement and routing budget, then attaches the adapter."
-        )
-        if s.block is not None and s.block.expert_order == "original":
-            base = _hub_id(s.base_model) or s.base_model or "BASE_MODEL"
-            pruned = s.pruned
-            lines += [
-                "",
-                "The adapter is stored in the base model's own expert order, so stock PEFT on the stock base "
-                + (
-                    "computes the fine-tuned model without the collaboration pruning it was trained with "
-                    "(each token may then reach more devices than the budget; quality stays close):"
-                    if pruned
-                    else "computes exactly the fine-tuned model:"
-                ),
-                "",
-                "```python",
-                "from peft import PeftModel",
-                "from transformers import AutoModelForCausalLM",
-                "",
-                f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{repo}")',
-                "```",
-            ]
-    elif s.needs_occult_ft and s.remote_code:
-        lines += [
-            "`occult_ft.from_pretrained` restores the pruned routing the model was fine-tuned with. Without "
-            "occult_ft, stock transformers does too when it may run the checkpoint's `occult_pruned_routing.py` "
-            "(torch, transformers and safetensors only):",
-            "",
-            "```python",
-            "from transformers import AutoModelForCausalLM",
-            "",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)',
-            "```",
-            "",
-            "Without `trust_remote_code=True` it loads the same weights but routes with the original top-k, "
-            "which is not what was trained.",
-        ]
-    elif s.needs_occult_ft:
-        lines.append(
-            "`occult_ft.from_pretrained` restores the pruned routing the model was fine-tuned with. Plain "
-            "`AutoModelForCausalLM.from_pretrained` loads the same weights but routes with the original top-k, "
-            "which is not what was trained."
-        )
-    else:
-        reason = (
-            "the routing budget is written in the model's own config (`n_group` / `topk_group`)"
-            if s.native_routing
-            else "the routing is the model's own"
-        )
-        lines += [
-            f"Stock transformers runs it as well, since {reason}:",
-            "",
-            "```python",
-            "from transformers import AutoModelForCausalLM",
-            "",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
-            "```",
-        ]
-    return "\n".join(lines)
+    return sorted(flat.items())
 
 
 def figure_name(checkpoint_dir: str, figure: str | os.PathLike) -> str:
@@ -316,6 +307,17 @@ def figure_name(checkpoint_dir: str, figure: str | os.PathLike) -> str:
     return rel.replace(os.sep, "/") if not rel.startswith("..") else os.path.basename(full)
 
 
+def _render(context: dict) -> str:
+    import jinja2
+
+    with open(CARD_TEMPLATE, encoding="utf-8") as f:
+        template = jinja2.Environment(
+            trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False
+        ).from_string(f.read())
+    text = template.render(table=_table, **context)
+    return re.sub(r"\n{3,}", "\n\n", text)
+
+
 def build_model_card(
     checkpoint_dir: str | os.PathLike,
     repo_id: str | None = None,
@@ -325,16 +327,17 @@ def build_model_card(
     base_model: str | None = None,
     license: str | None = None,
 ):
-    """Build the Hub model card of an occult_ft checkpoint directory.
+    """Build the Hub model card of an occult_ft checkpoint directory (the template `CARD_TEMPLATE`).
 
     Args:
         checkpoint_dir: a full checkpoint (config.json, optionally with the `occult` block) or a LoRA
             adapter directory (adapter_config.json, optionally occult_config.json).
-        repo_id: the Hub repo the card is for (used in the loading snippets); default: the folder name.
+        repo_id: the Hub repo the card is for (its load lines name it); default: none, the card of a
+            local folder, whose load lines name the folder.
         eval_results: metric name -> value; default: `eval_results.json` (or the eval_* entries of
             `all_results.json`) in the directory. The block's `eval` dict is shown as well.
         figure: a PNG shown in the card. A path inside the directory is referenced as is; any other path
-            by its file name (`push_checkpoint` copies it into the directory).
+            by its file name (`push_checkpoint` copies it into what it uploads).
         base_model: override the recorded base model (the block's `base_model`, the adapter's
             `base_model_name_or_path`, or config.json's `_name_or_path`).
         license: license id for the metadata; default: the block's `license`, else `KNOWN_LICENSES`.
@@ -351,9 +354,11 @@ def build_model_card(
     s = describe_checkpoint(checkpoint_dir)
     if base_model:
         s.base_model = base_model
+    base = _base(s.base_model)
+    hub_base = base["name"] if base["kind"] == "hub" else None
+    s.base_model = base["name"] if base["kind"] != "unknown" else None
+    on_hub = repo_id is not None
     repo = repo_id or os.path.basename(os.path.abspath(s.path))
-    hub_base = _hub_id(s.base_model)
-    s.base_model = hub_base or _local_name(s.base_model)
     recorded = s.block.extra if s.block is not None else {}
     license = license or recorded.get("license") or KNOWN_LICENSES.get(hub_base or "")
     tags = list(CARD_TAGS)
@@ -372,13 +377,12 @@ def build_model_card(
         datasets=[dataset] if dataset else None,
         pipeline_tag="text-generation",
     )
-
-    what = "LoRA adapter" if s.kind == "adapter" else "checkpoint"
-    base_text = (
-        f"[`{hub_base}`](https://huggingface.co/{hub_base})"
-        if hub_base
-        else f"`{s.base_model or 'an MoE model'}`"
-    )
+    if hub_base:
+        base_text = f"[`{hub_base}`](https://huggingface.co/{hub_base})"
+    elif base["kind"] == "embedded":
+        base_text = "occult_ft's embedded OLMoE (`embedded`, shipped with the package)"
+    else:
+        base_text = f"`{s.base_model or 'an MoE model'}`"
     placed = s.block is not None and s.block.placement is not None
     if s.pruned and placed:
         action = "with collaboration-aware expert placement and collaboration pruning, then fine-tuned"
@@ -388,46 +392,43 @@ def build_model_card(
         action = "with collaboration-aware expert placement (the same function as the base model, permuted experts)"
     else:
         action = "fine-tuned"
-    sections = [
-        f"# {repo.split('/')[-1]}",
-        f"A {what} of {base_text} {action} with occult_ft, an implementation of Occult (Luo et al., ICML 2025, "
-        "[arXiv:2505.13345](https://arxiv.org/abs/2505.13345)). Occult cuts the all-to-all traffic of expert "
-        "parallelism: a token is sent once per device rather than once per expert, experts that are often "
-        "selected together share a device, and optionally each token may reach only a budget of devices.",
-        _placement_section(s),
-    ]
+    placement_rows, placement_notes = _placement(s)
+    adapter_rows = []
     if s.kind == "adapter" and s.adapter:
-        a = s.adapter
-        rows = [
-            (k, a[k])
-            for k in (
-                "peft_type",
-                "r",
-                "lora_alpha",
-                "lora_dropout",
-                "target_modules",
-                "target_parameters",
-                "modules_to_save",
-            )
-            if a.get(k) is not None
-        ]
-        sections.append("## Adapter\n\n" + _table(rows))
-    other = [
+        keys = ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "target_parameters")
+        adapter_rows = [(k, s.adapter[k]) for k in (*keys, "modules_to_save") if s.adapter.get(k) is not None]
+    other_rows = [
         (k, v)
         for k, v in sorted(recorded.items())
         if k not in _EXTRA_SHOWN and not isinstance(v, (dict, list))
     ]
-    if other:
-        sections.append("## Other recorded settings\n\n" + _table(other))
-    for section in (_comm_section(s), _eval_section(s, eval_results)):
-        if section:
-            sections.append(section)
-    if figure is not None:
-        name = figure_name(s.path, figure)
-        sections.append(f"## Figure\n\n![occult_ft figure]({name})")
-    sections.append(_usage_section(s, repo))
-    sections.append("## Citation\n\n```bibtex\n" + OCCULT_CITATION + "\n```")
-    content = f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
+    content = _render(
+        {
+            "card_data": data.to_yaml(),
+            "title": repo.split("/")[-1],
+            "what": "LoRA adapter" if s.kind == "adapter" else "checkpoint",
+            "base_text": base_text,
+            "action": action,
+            "placement_rows": placement_rows,
+            "placement_notes": placement_notes,
+            "adapter_rows": adapter_rows,
+            "other_rows": other_rows,
+            "comm_rows": _comm_rows(s),
+            "eval_rows": _eval_rows(s, eval_results),
+            "figure": figure_name(s.path, figure) if figure is not None else None,
+            "repo": repo,
+            "on_hub": on_hub,
+            "kind": s.kind,
+            "base": base,
+            "has_tokenizer": s.has_tokenizer,
+            "pruned": s.pruned,
+            "needs_occult_ft": s.needs_occult_ft,
+            "remote_code": s.remote_code,
+            "native_routing": s.native_routing,
+            "expert_order_original": s.block is not None and s.block.expert_order == "original",
+            "citation": OCCULT_CITATION,
+        }
+    )
     return ModelCard(content)
 
 
@@ -443,7 +444,7 @@ def write_model_card(
     if figure is not None:
         target = os.path.join(path, figure_name(path, figure))
         if not os.path.isfile(target):
-            shutil.copyfile(os.fspath(figure), target)
+            atomic_save(target, lambda tmp: shutil.copyfile(os.fspath(figure), tmp))
     readme = os.path.join(path, "README.md")
     atomic_write_text(readme, str(card))
     return readme

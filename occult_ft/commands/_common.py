@@ -22,7 +22,6 @@ __all__ = [
     "note",
     "note_data_ran_out",
     "is_hub_id",
-    "hub_endpoint",
     "check_hub_sources",
     "quiet_deepspeed_accelerator",
 ]
@@ -137,62 +136,6 @@ def is_hub_id(name) -> bool:
     )
 
 
-def hub_endpoint() -> str:
-    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
-
-
-def _hub_cache() -> str:
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface"
-    )
-    return os.path.join(os.path.expanduser(home), "hub")
-
-
-def _cached(repo_id: str, kind: str) -> bool:
-    """Whether the Hub cache holds a snapshot of `repo_id` (kind: models or datasets)."""
-    folder = os.path.join(_hub_cache(), f"{kind}--{repo_id.replace('/', '--')}", "snapshots")
-    try:
-        return any(os.scandir(folder))
-    except OSError:
-        return False
-
-
-def _offline_requested() -> bool:
-    return any(
-        os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE")
-        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
-
-
-def _hub_unreachable(timeout: float = 5.0) -> str | None:
-    """None when the Hub endpoint answers (any HTTP status), else the reason, after one try (the Hub
-    libraries retry a failed connection for over a minute)."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(urllib.request.Request(hub_endpoint(), method="HEAD"), timeout=timeout).close()
-    except urllib.error.HTTPError:
-        return None  # it answered
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return getattr(reason, "strerror", None) or str(reason) or type(exc).__name__
-    return None
-
-
-def _go_offline() -> None:
-    """Hub libraries read offline mode at import: set it for those not imported yet and the imported ones."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    for module, attr in (
-        ("huggingface_hub.constants", "HF_HUB_OFFLINE"),
-        ("datasets.config", "HF_HUB_OFFLINE"),
-    ):
-        if module in sys.modules:
-            setattr(sys.modules[module], attr, True)
-
-
 def check_hub_sources(command: str, models=(), datasets=()) -> None:
     """One behaviour for every command when a Hub id is given and the Hub cannot be reached: one line at
     once, naming the id, the endpoint and the reason, instead of a minute of retries. Ids found in the
@@ -207,22 +150,31 @@ def check_hub_sources(command: str, models=(), datasets=()) -> None:
         ValueError: a Hub id that is not in the cache while the Hub cannot be reached (or HF_HUB_OFFLINE
             is set).
     """
+    from ..hub_access import (
+        go_offline,
+        hub_cache,
+        hub_endpoint,
+        hub_unreachable,
+        is_cached,
+        offline_requested,
+    )
+
     hub_models = [m for m in models if is_hub_id(m)]
     hub_data = [d for d in datasets if is_hub_id(d)]
     if not hub_models and not hub_data:
         return
-    missing = [("model", m) for m in hub_models if not _cached(m, "models")]
-    missing += [("dataset", d) for d in hub_data if not _cached(d, "datasets")]
-    if _offline_requested():
+    missing = [("model", m) for m in hub_models if not is_cached(m, "models")]
+    missing += [("dataset", d) for d in hub_data if not is_cached(d, "datasets")]
+    if offline_requested():
         if missing:
             what, name = missing[0]
             raise ValueError(
                 f"{what} {name!r} is not a local {'directory' if what == 'model' else 'file or directory'} and "
-                f"not in the Hub cache {_hub_cache()}, and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to "
+                f"not in the Hub cache {hub_cache()}, and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to "
                 f"download it, or pass a local {'model directory' if what == 'model' else 'data file'}"
             )
         return
-    reason = _hub_unreachable()
+    reason = hub_unreachable()
     if reason is None:
         return
     if missing:
@@ -234,13 +186,13 @@ def check_hub_sources(command: str, models=(), datasets=()) -> None:
         )
         raise ValueError(
             f"{what} {name!r} is not a local path, so it is read from the Hub, but the Hub at {hub_endpoint()} "
-            f"cannot be reached ({reason}) and {name!r} is not in the cache {_hub_cache()}; pass {local}"
+            f"cannot be reached ({reason}) and {name!r} is not in the cache {hub_cache()}; pass {local}"
         )
-    _go_offline()
+    go_offline()
     note(
         command,
         f"the Hub at {hub_endpoint()} cannot be reached ({reason}); reading "
-        f"{', '.join(hub_models + hub_data)} from the cache {_hub_cache()}",
+        f"{', '.join(hub_models + hub_data)} from the cache {hub_cache()}",
     )
 
 

@@ -36,6 +36,7 @@ from ..checkpoint import (
     write_adapter_block,
     write_similarity,
 )
+from ..checkpoint.card import base_model_reference, run_settings, set_adapter_base
 from ..integrations.peft import is_peft_model
 from ..models.registry import get_arch, unwrap_model
 from ..routing import apply_pruning
@@ -69,10 +70,11 @@ def run_block(trainer, placed: bool) -> OccultBlock:
         placed=placed,
         num_devices=trainer.args.devices,
         num_nodes=trainer.args.nodes,
-        base_model=trainer.occult.base_model,
+        base_model=base_model_reference(trainer.occult.base_model),
         model_type=get_arch(unwrap_model(trainer.model)).model_type,
         train_mode=trainer.args.train_mode,
         balance_loss_coef=trainer.args.balance_loss_coef,
+        **run_settings(trainer.args),
         **_measured_comm_complexity(trainer),
     )
 
@@ -129,6 +131,8 @@ def save_checkpoint(trainer, output_dir: str | None = None, state_dict=None, fin
         Trainer._save(trainer, output_dir, state_dict=state_dict)
         if trainer.args.should_save:
             write_adapter_block(output_dir, block)
+            if trainer.occult.base_model:  # named by Hub id, or `embedded`, when it is one
+                set_adapter_base(output_dir, trainer.occult.base_model)
     else:
         # the model's own save hook (`apply_occult`) reads the block from its config: this run's block,
         # not the one it was loaded with (a changed budget is saved as such)

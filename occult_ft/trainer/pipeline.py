@@ -85,7 +85,9 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
         say("starting DeepSpeed (its first run on a machine builds CUDA ops, which can take minutes)")
     say("training")
     result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
-    say(f"saving the pruned model to {config.output_dir}")
+    pruned = config.max_devices_per_token is not None or config.max_nodes_per_token is not None
+    what = "LoRA adapter" if config.train_mode == "lora" else "pruned model" if pruned else "model"
+    say(f"saving the {what} to {config.output_dir}")
     trainer.save_model(config.output_dir)
     metrics = dict(result.metrics)
     if eval_dataset is not None:
