@@ -611,7 +611,7 @@ def test_a_missing_extra_is_one_line_before_any_model_loads(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_the_wheel_ships_the_recipes(tmp_path):
+def test_the_wheel_ships_the_recipes_and_the_card_template_without_warnings(tmp_path):
     import shutil
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -621,7 +621,7 @@ def test_the_wheel_ships_the_recipes(tmp_path):
         shutil.copy(os.path.join(root, name), src / name)
     for name in ("occult_ft", "recipes"):
         shutil.copytree(os.path.join(root, name), src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run(
+    build = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -630,13 +630,18 @@ def test_the_wheel_ships_the_recipes(tmp_path):
             str(src),
             "--no-deps",
             "--no-build-isolation",
-            "-q",
+            "-v",
             "-w",
             str(tmp_path),
         ],
         check=True,
         capture_output=True,
+        text=True,
     )
+    # setuptools' warnings (a license table, data folders missing from `packages`) are the user's noise
+    assert "Warning" not in build.stdout + build.stderr, [
+        line for line in (build.stdout + build.stderr).splitlines() if "Warning" in line
+    ]
     import zipfile
 
     (wheel,) = tmp_path.glob("*.whl")
@@ -645,7 +650,7 @@ def test_the_wheel_ships_the_recipes(tmp_path):
         f"occult_ft/recipes/{n}" for n in os.listdir(os.path.join(root, "recipes")) if n.endswith(".yaml")
     }
     assert "occult_ft/recipes/tiny.yaml" in shipped and shipped <= names
-    assert "occult_ft/data/tokenize.py" in names
+    assert "occult_ft/data/tokenize.py" in names and "occult_ft/templates/model_card.md" in names
 
 
 def test_node_budget_through_prune_analyze_and_the_checkpoint(tmp_path, tiny_olmoe_dir, text_file, capsys):

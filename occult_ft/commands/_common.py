@@ -59,8 +59,8 @@ def add_model_data_args(
     p.add_argument(
         "--split",
         default=None,
-        help=f"split of --data: for 'embedded' train, eval or instructions (default {embedded_split}); for a "
-        "saved dataset or Hub id its split name (default train); a single file has none",
+        help="split of --data: for 'embedded' one of train, eval, instructions; for a saved dataset or Hub id "
+        f"its split name; a single file has none (default: {embedded_split} for 'embedded', else train)",
     )
     p.set_defaults(embedded_split=embedded_split)
     p.add_argument("--max-tokens", type=positive_int, default=max_tokens, help="stop after this many tokens")

@@ -44,8 +44,8 @@ def add_parser(sub):
         "--task",
         default="text",
         choices=("text", *TASK_INFO),
-        help=f"text (default): held-out embedded text, one seed; {tasks}. With a task, --steps, --batch-size, "
-        "--seq-len, --learning-rate and --profile-tokens default to the task's sizes (150, 8, 48, 3e-3, 16384)",
+        help=f"text: held-out embedded text, one seed; {tasks}. With a task, --steps, --batch-size, "
+        "--seq-len, --learning-rate and --profile-tokens take the task's sizes (150, 8, 48, 3e-3, 16384)",
     )
     p.add_argument("--seeds", type=_int_list, default=[0, 1, 2], help="a task's training seeds")
     p.add_argument(
