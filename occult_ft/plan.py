@@ -363,12 +363,19 @@ def _plan(c: ModelCounts, s: Setup) -> Plan:
     )
 
 
-def _suggestions(c: ModelCounts, s: Setup, plan: Plan) -> list[str]:
-    """Concrete changes that bring the run under the GPU's memory, each with its planned total."""
-    out = []
+def _suggestions(c: ModelCounts, s: Setup, plan: Plan) -> tuple[list[str], list[str]]:
+    """Concrete changes that bring the run under the GPU's memory, each with its planned total, and
+    notes on the usual changes left out because they would need more memory, not less."""
+    out, left_out = [], []
 
-    def option(text: str, **change):
+    def option(text: str, why_not: str = "", **change):
         p = _plan(c, dataclasses.replace(s, **change))
+        if p.per_gpu_gb >= plan.per_gpu_gb:  # makes it worse: say why instead of suggesting it
+            left_out.append(
+                f"not suggested: {text} ({p.per_gpu_gb:.1f} GB per GPU, not less than {plan.per_gpu_gb:.1f} GB"
+                + (f": {why_not})" if why_not else ")")
+            )
+            return
         verdict = "fits" if p.fits else "still too big"
         out.append(f"{text}: {p.per_gpu_gb:.1f} GB per GPU ({verdict})")
 
@@ -377,6 +384,10 @@ def _suggestions(c: ModelCounts, s: Setup, plan: Plan) -> list[str]:
     if s.zero_stage is None or s.zero_stage < 2:
         option(
             "DeepSpeed ZeRO-2 (--deepspeed with zero_optimization.stage 2)",
+            f"DeepSpeed keeps fp32 master weights and optimizer states, and partitions the expert ones only "
+            f"over the expert-data-parallel group, of {max(s.gpus // s.ep, 1)} GPU"
+            + ("s" if s.gpus // s.ep > 1 else "")
+            + " here",
             zero_stage=2,
             buckets=(int(5e8), int(5e8)),
         )
@@ -400,7 +411,7 @@ def _suggestions(c: ModelCounts, s: Setup, plan: Plan) -> list[str]:
                 f"per_device_train_batch_size {batch} with gradient_accumulation_steps {accum}", batch=batch
             )
             break
-    return out
+    return out, left_out
 
 
 def _smallest_fitting(c: ModelCounts, s: Setup) -> str | None:
@@ -462,5 +473,6 @@ def plan_for_config(occult_config, model_config, gpus: int, gpu_memory_gb: float
     setup = _setup(occult_config, model_config, gpus, gpu_memory_gb)
     plan = _plan(counts, setup)
     if not plan.fits:
-        plan = dataclasses.replace(plan, suggestions=tuple(_suggestions(counts, setup, plan)))
+        suggestions, left_out = _suggestions(counts, setup, plan)
+        plan = dataclasses.replace(plan, suggestions=tuple(suggestions), notes=(*plan.notes, *left_out))
     return plan

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import shutil
 import socket
@@ -356,3 +357,36 @@ def test_gitignore_lists_no_tracked_file():
         text=True,
     )
     assert res.returncode == 0 and res.stdout.strip() == "", res.stdout
+
+
+@pytest.mark.slow
+def test_eval_of_a_training_output_evaluates_as_the_trainer_did(tmp_path, tiny_olmoe_dir, text_file, capsys):
+    """seq_len and eval data default to the run's (recorded in its block): the loss is the trainer's own
+    final eval loss on the same data, and the command says which settings it took."""
+    from occult_ft.trainer import OccultConfig, train
+
+    config = OccultConfig(
+        output_dir=str(tmp_path / "run"),
+        model_name_or_path=tiny_olmoe_dir,
+        dataset=text_file,
+        eval_dataset=text_file,
+        seq_len=32,
+        devices=4,
+        max_devices_per_token=2,
+        criterion="score",
+        profile_tokens=512,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    _, metrics = train(config)
+    capsys.readouterr()
+    assert main(["eval", config.output_dir, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert f"evaluating with the training run's settings: data {text_file}, seq_len 32" in captured.err
+    result = json.loads(captured.out)
+    assert result["loss"] == pytest.approx(metrics["eval_loss"], rel=1e-3)

@@ -257,6 +257,18 @@ def split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
     return None, rest
 
 
+def _current_name(name: str, actions) -> str:
+    """The name this transformers release knows for a field that was renamed: the current one for a
+    deprecated name (no deprecation warning for a recipe that works either way), the old one on a release
+    before the rename."""
+    if name in _ALIASES and _ALIASES[name] in actions:
+        return _ALIASES[name]
+    old = next((k for k, v in _ALIASES.items() if v == name), None)
+    if old is not None and name not in actions and old in actions:
+        return old
+    return name
+
+
 def load_recipe(path: str, parser) -> dict:
     import yaml
 
@@ -278,12 +290,7 @@ def load_recipe(path: str, parser) -> dict:
     names = _field_names(parser)
     values = {}
     for key, value in data.items():
-        name = str(key).replace("-", "_")
-        if name not in actions and name in _ALIASES and _ALIASES[name] in actions:
-            name = _ALIASES[name]  # the current name of a deprecated field
-        elif name not in actions and name in _ALIASES.values():
-            old = next(k for k, v in _ALIASES.items() if v == name)
-            name = old if old in actions else name  # a transformers release before the rename
+        name = _current_name(str(key).replace("-", "_"), actions)
         if name not in actions or name == "help":
             raise _unknown(name, names, f"in recipe {path!r}")
         convert = actions[name].type
@@ -316,6 +323,13 @@ def parse_config(argv: list[str]):
     recipe, rest = split_recipe(argv)
     if recipe is not None:
         parser.set_defaults(**load_recipe(recipe, parser))
+    actions = {a.dest: a for a in parser._actions}
+    for i, token in enumerate(rest):
+        if token.startswith("--"):
+            flag, eq, value = token.partition("=")
+            name = flag[2:].replace("-", "_")
+            if _current_name(name, actions) != name:
+                rest[i] = f"--{_current_name(name, actions)}{eq}{value}"
     try:
         config, remaining = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
     except ImportError as err:  # TrainingArguments imports deepspeed itself when --deepspeed is set
