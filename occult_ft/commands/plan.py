@@ -135,9 +135,9 @@ def run(args) -> int:
     if any(token in ("-h", "--help") for token in argv):
         print(__doc__)
         return 0
-    from .train import _field_names, config_parser
+    from .train import field_names, config_parser
 
-    own, rest = _take_own(argv, _field_names(config_parser()))
+    own, rest = _take_own(argv, field_names(config_parser()))
     ep = _expert_parallel_size(rest)
     gpus = own.get("--gpus", ep)
     if gpus < 1 or gpus % ep:

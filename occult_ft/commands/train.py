@@ -38,6 +38,7 @@ __all__ = [
     "main",
     "shipped_recipes",
     "find_recipe",
+    "field_names",
     "missing_extras",
     "format_help",
     "FIELD_GROUPS",
@@ -199,7 +200,8 @@ def format_help(parser) -> str:
     return display.format_help()
 
 
-def _field_names(parser) -> list[str]:
+def field_names(parser) -> list[str]:
+    """The OccultConfig field names `parser` (`config_parser()`) knows, sorted."""
     return sorted({a.dest for a in parser._actions if a.dest not in ("help",)})
 
 
@@ -287,7 +289,7 @@ def load_recipe(path: str, parser) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"recipe {path!r} holds a {type(data).__name__}; expected a mapping of field: value")
     actions = {a.dest: a for a in parser._actions}
-    names = _field_names(parser)
+    names = field_names(parser)
     values = {}
     for key, value in data.items():
         name = _current_name(str(key).replace("-", "_"), actions)
@@ -343,7 +345,7 @@ def parse_config(argv: list[str]):
     if remaining:
         flag = next((t for t in remaining if t.startswith("-")), remaining[0])
         name = flag.lstrip("-").split("=", 1)[0].replace("-", "_")
-        raise _unknown(name, _field_names(parser), "on the command line")
+        raise _unknown(name, field_names(parser), "on the command line")
     return config
 
 
