@@ -36,6 +36,7 @@ import traceback
 
 import pytest
 import torch
+from conftest import safety_timeout
 
 try:
     from .dist_utils import free_port
@@ -204,7 +205,7 @@ def launch(launcher: list[str], spec: dict, tmp_path, timeout: float = 300.0) ->
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=safety_timeout(timeout),
     )
     if proc.returncode != 0 and (tmp_path / "results.json").exists():  # rank 0 recorded why it stopped
         failed = {
@@ -486,7 +487,7 @@ def test_cli_train_with_expert_parallel_size_under_torchrun(tiny_olmoe_dir, text
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=safety_timeout(300),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = [e for e in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in e]

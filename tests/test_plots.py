@@ -103,6 +103,24 @@ def test_plot_coactivation_draws_into_given_axes(tmp_path):
     assert_png(tmp_path / "pair.png")
 
 
+def test_every_coactivation_heatmap_has_a_colour_bar():
+    """`occult-ft place --plot` draws two heatmaps; each gets its colour bar (its own scale)."""
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft.models import tiny_config
+    from occult_ft.placement import compute_placement
+    from occult_ft.profiling import profile_model
+
+    fig = plots.plot_coactivation(torch.ones(8, 8), contiguous_expert_device(8, 2))
+    assert len(fig.axes) == 2 and "tokens selecting both" in fig.axes[1].get_ylabel()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("olmoe"))
+    prof = profile_model(model, [{"input_ids": torch.randint(0, 128, (4, 32))}], progress=False)
+    fig = plots.plot_placement(prof, {"search": compute_placement(prof, 4)})
+    colour_bars = [ax for ax in fig.axes if "tokens selecting both" in ax.get_ylabel()]
+    assert len(colour_bars) == 2
+
+
 def test_plot_coactivation_rejects_a_mapping_of_the_wrong_size():
     with pytest.raises(ValueError, match="3 entries"):
         plots.plot_coactivation(torch.ones(4, 4), [0, 0, 1])
@@ -309,6 +327,8 @@ def test_bench_figures_read_the_budget_from_the_field_not_the_name(tmp_path):
     assert line.get_xdata().tolist() == [2, 8] and line.get_ydata().tolist() == [0.2, 0.4]
     (speed,) = [ln for ln in fig.axes[1].get_lines() if ln.get_marker() == "o"]
     assert speed.get_ydata().tolist() == [0.8 / 0.2, 0.8 / 0.4]  # the peer (0.8 ms) over each point
+    # the speed-ups are written once, in the legend: labels at the points overlap between clusters
+    assert not fig.axes[1].texts and "M=2: 4.00x, M=8: 2.00x" in speed.get_label()
 
 
 def test_plot_cost_model_rejects_entries_without_a_kind():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import safety_timeout
 from transformers import HfArgumentParser
 
 from occult_ft.hub import KNOWN_LICENSES
@@ -209,7 +210,7 @@ def test_module_entry_point_of_the_launch_lines_runs_a_command():
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=safety_timeout(120),
     )
     assert done.returncode == 0, done.stderr
     assert "usage: occult-ft push" in done.stdout

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from conftest import safety_timeout
 from transformers import AutoModelForCausalLM
 
 from occult_ft import hub
@@ -143,7 +144,12 @@ def run(tmp_path_factory):
     )
     cmd = [sys.executable, "-I", "-S", "-c", _SCRIPT, json.dumps(site.getsitepackages()), str(results)]
     proc = subprocess.run(
-        [*cmd, json.dumps(dirs)], cwd=root, env=env, capture_output=True, text=True, timeout=600
+        [*cmd, json.dumps(dirs)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=safety_timeout(600),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(dirs=dirs, ref=ref, unpruned=unpruned, got=torch.load(results), stderr=proc.stderr)

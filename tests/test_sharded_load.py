@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from conftest import build_tokenizer, save_tiny_model
+from conftest import build_tokenizer, safety_timeout, save_tiny_model
 from dist_utils import free_port
 
 from occult_ft.models import find_moe_layers, supported_model_types
@@ -244,7 +244,7 @@ def run_trainer(model: str, placement: str, tmp_path) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
          "--master_port", str(free_port()), os.path.abspath(__file__), str(spec)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env, capture_output=True, text=True, timeout=safety_timeout(300),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import yaml
-from conftest import SAMPLE_TEXT, save_tiny_model
+from conftest import SAMPLE_TEXT, safety_timeout, save_tiny_model
 from transformers import TrainerCallback
 
 import occult_ft
@@ -632,7 +632,7 @@ def test_cli_train_under_torchrun_with_two_processes(tiny_olmoe_dir, data, tmp_p
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=safety_timeout(300),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("saved the pruned model") == 1  # one job (rank 0 reports), not two lone runs

@@ -150,7 +150,9 @@ def set_adapter_base(adapter_dir: str | os.PathLike, base_model: str) -> None:
     such, and a user calls it to point a downloaded adapter at a local copy of its base."""
     reference = base_model_reference(base_model)
     if reference is None:
-        raise ValueError(f"base model {base_model!r} is empty; pass a Hub id, 'embedded' or a model directory")
+        raise ValueError(
+            f"base model {base_model!r} is empty; pass a Hub id, 'embedded' or a model directory"
+        )
     path = os.path.join(os.fspath(adapter_dir), "adapter_config.json")
     config = read_json_object(path)
     config["base_model_name_or_path"] = reference

@@ -10,15 +10,15 @@ from ._common import positive_int, quiet_deepspeed_accelerator, standalone
 __all__ = ["add_parser", "run", "add_settings_args", "settings_from_args"]
 
 
-def add_settings_args(p, output_dir: str, steps: int, sizes=None) -> None:
-    """The run-size flags of `demo` and `study`; `sizes` overrides the demo's defaults (DemoSettings')."""
+def add_settings_args(p, output_dir: str, steps: int) -> None:
+    """The run-size flags of `demo` and `study`; their defaults are `DemoSettings`' (tests/test_demo.py
+    checks that they agree: importing it here would import torch)."""
     from_settings = {
         "batch_size": 8,
         "seq_len": 128,
         "learning_rate": 1e-3,
         "eval_tokens": 32768,
         "profile_tokens": 32768,
-        **(sizes or {}),
     }
     p.add_argument("--output-dir", default=output_dir, help="where results and checkpoints go")
     p.add_argument("--devices", type=positive_int, default=4, help="expert-parallel devices D")
@@ -55,6 +55,13 @@ def add_settings_args(p, output_dir: str, steps: int, sizes=None) -> None:
         help=f"pruning criterion, one of {', '.join(CRITERIA)}",
     )
     p.add_argument("--seed", type=int, default=0, help="training seed")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch CPU threads: the embedded model's matrices are too small to gain from more, and on a "
+        "machine whose cores are busy more threads cost many times the CPU time",
+    )
 
 
 def settings_from_args(args, **extra):
@@ -87,8 +94,12 @@ def add_parser(sub):
 
 def run(args) -> int:
     quiet_deepspeed_accelerator()
+    import torch
+
     from ..routing import PruningConfig
     from ..studies.demo import run_demo
+
+    torch.set_num_threads(args.threads)
 
     PruningConfig(args.devices, args.max_devices_per_token, args.criterion)  # fail fast on bad flags
     run_demo(settings_from_args(args, max_devices_per_token=args.max_devices_per_token))

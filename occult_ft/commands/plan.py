@@ -135,7 +135,7 @@ def run(args) -> int:
     if any(token in ("-h", "--help") for token in argv):
         print(__doc__)
         return 0
-    from .train import field_names, config_parser
+    from .train import config_parser, field_names
 
     own, rest = _take_own(argv, field_names(config_parser()))
     ep = _expert_parallel_size(rest)

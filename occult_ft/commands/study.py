@@ -77,6 +77,8 @@ def add_parser(sub):
 
 def run(args) -> int:
     quiet_deepspeed_accelerator()
+    import torch
+
     from ..routing import PruningConfig
     from ..studies.demo import run_quality_study
     from ..studies.task_study import TASK_SETTINGS
@@ -93,6 +95,7 @@ def run(args) -> int:
     if not args.distill_coef >= 0:
         raise ValueError(f"--distill-coef {args.distill_coef} must be >= 0 (0 leaves the distilled rows out)")
     settings = settings_from_args(args)
+    torch.set_num_threads(args.threads)
     if args.task == "text":
         run_quality_study(settings, budgets=budgets)
     else:

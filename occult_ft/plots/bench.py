@@ -240,11 +240,10 @@ def plot_cost_model(
         if s["peer_ms"] is not None:
             ax_ms.axhline(s["peer_ms"], color=color, linestyle=":", linewidth=1.2)
             speed = [s["peer_ms"] / v if v > 0 else math.inf for _, v in s["budgets"]]
-            ax_speed.plot(ms_, speed, marker="o", color=color, label=label)
-            for m, v in zip(ms_, speed):
-                ax_speed.annotate(
-                    f"{v:.2f}x", (m, v), textcoords="offset points", xytext=(3, 4), fontsize=7, color=color
-                )
+            # the figures go into the legend, one line per cluster: labels at the points overlap as soon
+            # as two clusters predict similar speed-ups
+            shown = ", ".join(f"M={m}: {v:.2f}x" for m, v in zip(ms_, speed))
+            ax_speed.plot(ms_, speed, marker="o", color=color, label=f"{label}: {shown}")
     ax_speed.axhline(1.0, color=PEER, linestyle=":", linewidth=1.2, label="per-expert dispatch (1x)")
     ax_ms.plot([], [], color=PEER, linestyle=":", label="dotted: per-expert dispatch")
     for ax in (ax_ms, ax_speed):

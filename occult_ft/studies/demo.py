@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict
 
 import torch
+from tqdm.auto import tqdm
 
 from ..apply import placed_copy
 from ..checkpoint.load import from_pretrained, load_model_and_tokenizer
@@ -40,8 +41,8 @@ def _eval_batches(tokenizer, s: DemoSettings):
     return data_batches(tokenizer, "embedded", s.seq_len, 16, s.eval_tokens)
 
 
-def _evaluate(model, batches, devices: int) -> dict:
-    r = evaluate_model(model, batches, devices)
+def _evaluate(model, batches, devices: int, progress: bool = True) -> dict:
+    r = evaluate_model(model, tqdm(batches, desc="evaluating", unit="batch", disable=not progress), devices)
     return {
         k: r[k]
         for k in ("loss", "perplexity", "comm_complexity", "intra_share", "removed_mass", "load_imbalance")
@@ -59,11 +60,13 @@ def _prepare(s: DemoSettings):
     train_text = load_text_dataset("embedded", split="train")
     prof_batches = data_batches(tokenizer, train_text, s.seq_len, 16, s.profile_tokens)
     profile = profile_model(
-        model, prof_batches, model_name="embedded", max_tokens=s.profile_tokens, progress=False
+        model, prof_batches, model_name="embedded", max_tokens=s.profile_tokens, progress=s.progress
     )
     profile.save(os.path.join(s.output_dir, "profile.safetensors"))
     placements = {}
-    for algo in ("sequential", "occult", "search"):
+    for algo in tqdm(
+        ("sequential", "occult", "search"), desc="placing", unit="algorithm", disable=not s.progress
+    ):
         t = time.perf_counter()
         placements[algo] = compute_placement(profile, s.devices, algorithm=algo)
         placements[algo].metrics["seconds"] = time.perf_counter() - t
@@ -71,10 +74,10 @@ def _prepare(s: DemoSettings):
     return model, tokenizer, _eval_batches(tokenizer, s), profile, placements
 
 
-def _placement_rows(model, eval_batches, placements, devices: int) -> list[dict]:
+def _placement_rows(model, eval_batches, placements, devices: int, progress: bool = True) -> list[dict]:
     """comm_complexity of the base model's held-out routing under each placement (exact: a permutation)."""
 
-    routing = profile_model(model, eval_batches, progress=False).topk_ids()
+    routing = profile_model(model, eval_batches, progress=progress).topk_ids()
     layer = find_moe_layers(model)[0]
     e, k = layer.num_experts, layer.top_k
     rows = [
@@ -120,21 +123,23 @@ def run_demo(settings: DemoSettings | None = None, verbose: bool = True) -> dict
     say = print if verbose else (lambda *a, **k: None)
     say(f"[1/5] profiling the embedded OLMoE and placing its experts on {s.devices} devices")
     model, tokenizer, eval_batches, profile, placements = _prepare(s)
-    rows = _placement_rows(model, eval_batches, placements, s.devices)
+    rows = _placement_rows(model, eval_batches, placements, s.devices, s.progress)
     say("[2/5] evaluating the base model")
-    base = _evaluate(placed_copy(model, placements["search"]), eval_batches, s.devices)
+    base = _evaluate(placed_copy(model, placements["search"]), eval_batches, s.devices, s.progress)
     rows.append({"setting": "base model (search placement)", **base})
     say(f"[3/5] pruning to {s.max_devices_per_token} devices per token without training ({s.criterion})")
     pruning = PruningConfig(s.devices, s.max_devices_per_token, s.criterion)
     sim = profile.similarity()  # original expert order: placed_copy reorders it
-    zero = _evaluate(placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices)
+    zero = _evaluate(
+        placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices, s.progress
+    )
     rows.append({"setting": f"pruned to {s.max_devices_per_token}, no fine-tuning", **zero})
     say(f"[4/5] pruned fine-tuning: {s.steps} steps")
     out = os.path.join(s.output_dir, "model")
     trainer, run = finetune_embedded(
         s, os.path.join(s.output_dir, "placement-search.json"), out, s.max_devices_per_token, s.criterion
     )
-    tuned = _evaluate(trainer.model, eval_batches, s.devices)
+    tuned = _evaluate(trainer.model, eval_batches, s.devices, s.progress)
     rows.append(
         {
             "setting": f"pruned to {s.max_devices_per_token}, fine-tuned",
@@ -143,7 +148,7 @@ def run_demo(settings: DemoSettings | None = None, verbose: bool = True) -> dict
         }
     )
     say(f"[5/5] reloading {out} with occult_ft.from_pretrained")
-    reloaded = _evaluate(from_pretrained(out), eval_batches, s.devices)
+    reloaded = _evaluate(from_pretrained(out), eval_batches, s.devices, s.progress)
     if (
         abs(reloaded["loss"] - tuned["loss"]) > 1e-4
         or abs(reloaded["comm_complexity"] - tuned["comm_complexity"]) > 1e-6
@@ -203,13 +208,13 @@ def run_quality_study(
     start = time.perf_counter()
     say = print if verbose else (lambda *a, **k: None)
     model, tokenizer, eval_batches, profile, placements = _prepare(s)
-    rows = _placement_rows(model, eval_batches, placements, s.devices)
+    rows = _placement_rows(model, eval_batches, placements, s.devices, s.progress)
     placement_path = os.path.join(s.output_dir, "placement-search.json")
     sim = profile.similarity()  # original expert order: placed_copy reorders it
     rows.append(
         {
             "setting": "base model",
-            **_evaluate(placed_copy(model, placements["search"]), eval_batches, s.devices),
+            **_evaluate(placed_copy(model, placements["search"]), eval_batches, s.devices, s.progress),
         }
     )
     say("standard fine-tuning (no pruning)")
@@ -219,14 +224,16 @@ def run_quality_study(
     rows.append(
         {
             "setting": "standard fine-tuning",
-            **_evaluate(trainer.model, eval_batches, s.devices),
+            **_evaluate(trainer.model, eval_batches, s.devices, s.progress),
             "train_tokens_per_second": run["train_tokens_per_second"],
         }
     )
     for m in budgets:
         for crit in criteria:
             pruning = PruningConfig(s.devices, m, crit)
-            zero = _evaluate(placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices)
+            zero = _evaluate(
+                placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices, s.progress
+            )
             rows.append({"setting": f"prune to {m}, {crit}, no fine-tuning", **zero})
             say(f"pruned fine-tuning: {m} device(s), {crit}")
             trainer, run = finetune_embedded(
@@ -235,7 +242,7 @@ def run_quality_study(
             rows.append(
                 {
                     "setting": f"prune to {m}, {crit}, fine-tuned",
-                    **_evaluate(trainer.model, eval_batches, s.devices),
+                    **_evaluate(trainer.model, eval_batches, s.devices, s.progress),
                     "train_tokens_per_second": run["train_tokens_per_second"],
                 }
             )

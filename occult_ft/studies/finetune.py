@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from ..trainer import OccultConfig, train
 
 __all__ = ["DemoSettings", "finetune_embedded"]
@@ -26,6 +28,7 @@ class DemoSettings:
         profile_tokens: training tokens profiled for placement and similarity tables.
         eval_tokens: held-out tokens evaluated per model.
         seed: training seed.
+        progress: a progress bar (or a phase line) on every phase, fine-tuning included.
     """
 
     output_dir: str = "occult-demo"
@@ -39,6 +42,7 @@ class DemoSettings:
     profile_tokens: int = 32768
     eval_tokens: int = 32768
     seed: int = 0
+    progress: bool = True
 
 
 def finetune_embedded(
@@ -86,7 +90,8 @@ def finetune_embedded(
         report_to=[],
         seed=s.seed if seed is None else seed,
         dataloader_num_workers=0,
-        disable_tqdm=True,
+        dataloader_pin_memory=torch.accelerator.is_available(),
+        disable_tqdm=not s.progress,
         **extra,
     )
     t = time.perf_counter()
