@@ -399,7 +399,7 @@ def _suggestions(c: ModelCounts, s: Setup, plan: Plan) -> tuple[list[str], list[
     if s.zero_stage is not None and s.zero_stage >= 1:
         option(f"{2 * s.gpus} GPUs (more data-parallel ranks share the ZeRO partitions)", gpus=2 * s.gpus)
     if not s.checkpointing:
-        option("gradient_checkpointing: true", checkpointing=True)
+        option("activation_checkpointing: true", checkpointing=True)
     smallest = _smallest_fitting(c, s)
     if smallest is not None:
         out.append(smallest)
@@ -430,7 +430,8 @@ def _smallest_fitting(c: ModelCounts, s: Setup) -> str | None:
                     if p.fits:
                         zero = "no DeepSpeed" if stage is None else f"DeepSpeed ZeRO-{stage}"
                         return (
-                            f"smallest setup that fits: {gpus} GPUs, train_mode {mode}, expert_parallel_size {ep}, "
+                            f"smallest setup that fits: {gpus} GPU{'s' if gpus > 1 else ''}, train_mode {mode}, "
+                            f"expert_parallel_size {ep}, "
                             f"{zero}, gradient checkpointing: {p.per_gpu_gb:.1f} GB per GPU"
                         )
     return None

@@ -199,6 +199,11 @@ def _train_adapter(base: str, out, rows_dir, env_cache=None):
     ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
+    # no noise a user cannot act on, and a LoRA run is not called a pruned model, once
+    output = res.stdout + res.stderr
+    for noise in ("accelerator", "pin_memory", "is deprecated", "Warning"):
+        assert noise not in output, (noise, output[-3000:])
+    assert "pruned model" not in output and output.count(str(out)) <= 2, output[-3000:]
     return str(out)
 
 

@@ -390,3 +390,18 @@ def test_eval_of_a_training_output_evaluates_as_the_trainer_did(tmp_path, tiny_o
     assert f"evaluating with the training run's settings: data {text_file}, seq_len 32" in captured.err
     result = json.loads(captured.out)
     assert result["loss"] == pytest.approx(metrics["eval_loss"], rel=1e-3)
+
+
+def test_prune_prints_no_notice_a_user_cannot_act_on(tmp_path, tiny_olmoe_dir):
+    """No DeepSpeed accelerator line, no library warning: the one result line."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("DS_ACCELERATOR", None)
+    out = tmp_path / "o"
+    argv = ["prune", tiny_olmoe_dir, "--placement", "sequential", "--devices", "4", "--out", out]
+    res = subprocess.run(
+        [sys.executable, "-m", "occult_ft", *map(str, argv)], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    for noise in ("accelerator", "Warning", "warn"):
+        assert noise not in res.stderr, res.stderr
+    assert res.stdout.strip() == f"wrote {out}: experts placed on 4 devices"

@@ -102,6 +102,7 @@ def run(args) -> int:
     data = load_data(args.data, args.split, args.embedded_split)
 
     import torch
+    from tqdm.auto import tqdm
 
     from ..checkpoint.load import from_pretrained, load_tokenizer
     from ..evaluation import evaluate_model, format_results
@@ -112,7 +113,8 @@ def run(args) -> int:
         model = model.to("cuda")
     tokenizer = load_tokenizer(path, getattr(unwrap_model(model).config, "_name_or_path", None))
     batches = data_batches(tokenizer, data, args.seq_len, args.batch_size, args.max_tokens)
-    results = {"model": args.model, **evaluate_model(model, batches, args.devices, args.max_tokens)}
+    shown = tqdm(batches, desc="evaluating", unit="batch")
+    results = {"model": args.model, **evaluate_model(model, shown, args.devices, args.max_tokens)}
     print(json.dumps(results) if args.json else format_results(results))
     return 0
 

@@ -229,7 +229,7 @@ def plot_cost_model(
         The Figure (two axes: predicted ms, speed-up), M on a log2 axis.
     """
     series = _cost_series(predictions)
-    fig, (ax_ms, ax_speed) = new_figure(ncols=2, size=(12.0, 4.6))
+    fig, (ax_ms, ax_speed) = new_figure(ncols=2, size=(12.0, 4.6 + 0.22 * len(series)))
     ticks: set[int] = set()
     for i, s in enumerate(series):
         color = CYCLE[i % len(CYCLE)]
@@ -251,7 +251,9 @@ def plot_cost_model(
         ax.set_xticks(sorted(ticks))
         ax.set_xticklabels([str(t) for t in sorted(ticks)])
         ax.set_xlabel("max_devices_per_token M (M = D: de-duplication only)")
-        ax.legend(fontsize=8)
+    ax_ms.legend(fontsize=8)
+    # below the panel: one line per cluster with its speed-ups, clear of the curves
+    ax_speed.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     from matplotlib.ticker import FuncFormatter
 
     ax_ms.set_yscale("log")  # clusters differ by orders of magnitude (PCIe vs NVLink)
