@@ -73,7 +73,17 @@ def test_the_demo_command_shows_a_bar_or_a_line_for_every_phase(tmp_path, capsys
     for name, value in vars(DemoSettings()).items():
         if name not in ("progress",):
             assert defaults[name] == value, name
-    argv = ["demo", "--output-dir", str(tmp_path / "d"), "--steps", "4", "--batch-size", "2", "--seq-len", "32"]
+    argv = [
+        "demo",
+        "--output-dir",
+        str(tmp_path / "d"),
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+    ]
     assert main([*argv, "--eval-tokens", "512", "--profile-tokens", "1024"]) == 0
     out, err = capsys.readouterr()
     for bar in ("profiling", "placing", "evaluating", "4/4"):  # 4/4: the trainer's bar over the steps
