@@ -159,7 +159,10 @@ def run(args) -> int:
         from ..configs import shipped_config_path
 
         if config.model_name_or_path and not shipped_config_path(config.model_name_or_path):
-            check_hub_sources("plan", models=[config.model_name_or_path])
+            try:
+                check_hub_sources("plan", models=[config.model_name_or_path])
+            except ValueError as err:  # plan needs only the config: say how to give it
+                raise ValueError(f"{err}, or pass --config PATH/config.json") from None
     model_config = load_model_config(config.model_name_or_path, own.get("--config"))
     plan = plan_for_config(config, model_config, gpus=gpus, gpu_memory_gb=own.get("--gpu-memory", 80.0))
     if own["--json"]:
