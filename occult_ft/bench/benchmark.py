@@ -33,7 +33,7 @@ Report fields (`definitions` in the report repeats them):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -296,6 +296,7 @@ def run_benchmark(
     budgets: Sequence[int] = DEFAULT_BUDGETS,
     backends: Sequence[str] | None = None,
     clusters: Sequence[str] | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> dict:
     """Measure every backend on `workload` with `settings.devices` processes; return the report dict.
 
@@ -306,6 +307,8 @@ def run_benchmark(
         budgets: max_devices_per_token values for the pruned variants (`occult_dedup_prune{M}`).
         backends: names to measure (default: all peers, `occult_dedup` and the pruned variants).
         clusters: cluster presets or specs for the cost model (default: all presets).
+        on_start: called once every input has been checked, just before the processes start (the CLI
+            prints its phase line there, so a bad input gives one line and nothing else).
 
     Returns:
         The report (see the module docstring and `DEFINITIONS`).
@@ -330,6 +333,8 @@ def run_benchmark(
     unknown = [n for n in names if n not in all_names]
     if unknown:
         raise ValueError(f"unknown or unmeasurable backends {unknown}; choose from {', '.join(all_names)}")
+    if on_start is not None:
+        on_start()
     variants = routing_variants(workload, d, kept)
     layers = [{name: variants[name][li] for name in names} for li in range(len(workload.layers))]
     raw = run_exchanges(layers, names, e, workload.hidden, settings)

@@ -191,12 +191,15 @@ def run(args) -> int:
     workload = build_workload(args, settings)
     budgets = list(DEFAULT_BUDGETS) + ([args.max_devices_per_token] if args.max_devices_per_token else [])
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
-    phase(
-        "bench",
-        f"measuring the exchanges on {args.devices} processes ({'gloo, CPU' if args.cpu else 'GPUs if present'}): "
-        f"{args.warmup} + {args.iters} iterations per backend and layer",
-    )
-    report = run_benchmark(workload, settings, budgets, backends, args.cluster)
+    def announce() -> None:
+        where = "gloo, CPU" if args.cpu else "GPUs if present"
+        phase(
+            "bench",
+            f"measuring the exchanges on {args.devices} processes ({where}): "
+            f"{args.warmup} + {args.iters} iterations per backend and layer",
+        )
+
+    report = run_benchmark(workload, settings, budgets, backends, args.cluster, on_start=announce)
     if args.plot:
         from ..plots import plot_bench
 
