@@ -11,7 +11,7 @@ from transformers.utils import logging
 
 from ..apply import apply_occult, permute_state_dict, placed_similarity
 from ..embedded import embedded_model_path
-from ..fileio import read_json_object
+from ..fileio import read_json_object, recover_directory
 from ..models.registry import get_arch
 from ..routing import PruningConfig
 from .convert import maybe_convert
@@ -57,6 +57,7 @@ def resolve_model_path(path: str) -> str:
     """`embedded` -> the shipped base model's directory; local directories -> absolute paths."""
     if path == "embedded":
         return embedded_model_path()
+    recover_directory(path)  # a checkpoint whose directory swap was interrupted: finished first
     return os.path.abspath(path) if os.path.isdir(path) else path
 
 

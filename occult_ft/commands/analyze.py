@@ -119,7 +119,10 @@ def run(args) -> int:
     from ..apply import profile_similarity, resolve_placement
     from ..checkpoint import model_block
     from ..checkpoint.load import from_pretrained, load_tokenizer, resolve_model_path
+    from ..fileio import check_output_path
 
+    if args.plot is not None:
+        check_output_path(args.plot, args.model, args.data, what="--plot")
     if args.devices % args.nodes:
         divisors = [n for n in range(1, args.devices + 1) if args.devices % n == 0]
         raise ValueError(

@@ -167,7 +167,10 @@ def build_workload(args, settings):
 def run(args) -> int:
     from ..bench import DEFAULT_BUDGETS, BenchSettings, format_report, run_benchmark
     from ..bench.costmodel import get_cluster
+    from ..fileio import check_output_path
 
+    if args.plot is not None:
+        check_output_path(args.plot, what="--plot")
     settings = BenchSettings(
         devices=args.devices,
         nodes=args.nodes,
