@@ -28,6 +28,11 @@ def add_model_data_args(p: argparse.ArgumentParser, data_required: bool = True) 
         help="a .txt file, a .jsonl/.json file (text field, Alpaca instruction/input/output, prompt/completion "
         "or chat messages), a saved dataset directory, or a Hub dataset id; 'embedded' = the shipped eval text",
     )
+    p.add_argument(
+        "--skip-invalid-rows",
+        action="store_true",
+        help="skip data rows that do not fit the file's layout (counted) instead of stopping at the first",
+    )
     p.add_argument("--max-tokens", type=positive_int, default=65536, help="stop after this many tokens")
     p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence")
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")

@@ -128,7 +128,7 @@ def run(args) -> int:
         raise ValueError(
             f"--nodes {args.nodes} does not divide --devices {args.devices}; use one of {divisors}"
         )
-    data = load_data(args.data)
+    data = load_data(args.data, getattr(args, "skip_invalid_rows", False))
     model = from_pretrained(args.model)  # a pruned checkpoint routes with its own budget
     tokenizer = load_tokenizer(resolve_model_path(args.model))
     block = model_block(model)

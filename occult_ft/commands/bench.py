@@ -144,7 +144,7 @@ def build_workload(args, settings):
     from ..checkpoint.load import load_model_and_tokenizer
     from ..models import find_moe_layers
 
-    data = load_data(args.data)
+    data = load_data(args.data, getattr(args, "skip_invalid_rows", False))
     model, tokenizer = load_model_and_tokenizer(args.model)
     first = find_moe_layers(model)[0]
     check_inputs(first.num_experts, first.top_k, args.max_tokens, settings)

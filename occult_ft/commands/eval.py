@@ -46,7 +46,7 @@ def run(args) -> int:
 
     from ..checkpoint.load import from_pretrained, load_tokenizer
 
-    data = load_data(args.data)
+    data = load_data(args.data, getattr(args, "skip_invalid_rows", False))
     model = from_pretrained(args.model)
     if torch.cuda.is_available():
         model = model.to("cuda")

@@ -29,7 +29,7 @@ def run(args) -> int:
     from ..profiling import profile_model
 
     check_output_path(args.out, args.model, args.data, what="--out")
-    data = load_data(args.data)
+    data = load_data(args.data, getattr(args, "skip_invalid_rows", False))
     model, tokenizer = load_model_and_tokenizer(args.model)
     batches = data_batches(
         tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False

@@ -45,9 +45,7 @@ def run(args) -> int:
     from ..fileio import check_output_path
     from ..routing import PruningConfig
 
-    check_output_path(
-        args.out, args.model, args.placement, args.profile, what="--out", directory=True
-    )
+    check_output_path(args.out, args.model, args.placement, args.profile, what="--out", directory=True)
     model, tokenizer = load_model_and_tokenizer(args.model)
     block = model_block(model)
     if block is not None and block.placed:

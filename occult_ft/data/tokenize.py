@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from .loading import IGNORE_INDEX, DataError, dataset_columns, dataset_layout
+from .loading import IGNORE_INDEX, DataError, check_rows, dataset_columns, dataset_layout
 
 __all__ = [
     "PROMPT_TEMPLATE",
@@ -317,11 +317,12 @@ def tokenize_dataset(
     return out
 
 
-def tokenize_for_training(dataset, tokenizer, args):
+def tokenize_for_training(dataset, tokenizer, args, name: str = "the dataset given to OccultTrainer"):
     """Tokenize raw rows (any layout of `occult_ft.data.load_text_dataset`: text, instruction, prompt /
     completion, messages; a `Dataset` or a streamed `IterableDataset`) as `args` (an `OccultConfig`) says
-    (`seq_len`, `packing`, `response_only`); tokenized data (an `input_ids` column) and non-`datasets` objects are
-    returned unchanged."""
+    (`seq_len`, `packing`, `response_only`), after the row check of every loader (`check_rows`, with
+    `args.skip_invalid_rows`; `name` names the rows in its messages); tokenized data (an `input_ids`
+    column) and non-`datasets` objects are returned unchanged."""
     from datasets import Dataset, IterableDataset
 
     if not isinstance(dataset, (Dataset, IterableDataset)):
@@ -333,6 +334,10 @@ def tokenize_for_training(dataset, tokenizer, args):
         raise ValueError(
             "the dataset holds raw text; pass processing_class=<tokenizer> so it can be tokenized"
         )
+    # rows a user built go through the same row check as every loaded source (`occult_ft.data.rows`)
+    text_field = getattr(args, "text_field", None)  # loaded rows carry it renamed to `text` already
+    text_field = text_field if text_field in dataset_columns(dataset) else None
+    dataset = check_rows(dataset, name, text_field, getattr(args, "skip_invalid_rows", False))
     with args.main_process_first(desc="tokenizing"):
         return tokenize_dataset(
             dataset, tokenizer, args.seq_len, packing=args.packing, response_only=args.response_only

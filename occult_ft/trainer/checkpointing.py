@@ -36,6 +36,7 @@ from ..checkpoint import (
     write_adapter_block,
     write_similarity,
 )
+from ..fileio import umask_modes
 from ..integrations.peft import is_peft_model
 from ..models.registry import get_arch, unwrap_model
 from ..routing import apply_pruning
@@ -48,6 +49,7 @@ from .expert_parallel import (
     save_expert_optimizer_state,
     shard_state_dict,
 )
+from .guards import check_finite_weights
 
 __all__ = [
     "run_block",
@@ -113,6 +115,8 @@ def save_checkpoint(trainer, output_dir: str | None = None, state_dict=None, fin
         state_dict = gathered_state_dict(trainer.model, state_dict)
         if not trainer.args.should_save:
             return
+    if trainer.args.should_save:  # a diverged run is never saved as a result
+        check_finite_weights(state_dict if state_dict is not None else trainer.model.state_dict(), output_dir)
     similarity = trainer.occult.similarity
     if is_peft_model(trainer.model):
         block = run_block(trainer, placed=trainer.occult.base_placed)
@@ -137,6 +141,7 @@ def save_checkpoint(trainer, output_dir: str | None = None, state_dict=None, fin
             Trainer._save(trainer, output_dir, state_dict=state_dict)
     if trainer.args.should_save:
         write_similarity(output_dir, similarity)
+        umask_modes(output_dir)  # safetensors writes the weights 0600
 
 
 # ---- resuming -------------------------------------------------------------------------------------

@@ -29,7 +29,11 @@ def load_run_dataset(
     if source == "embedded" and split is None:
         split = "eval" if evaluation else "train"
     dataset = load_text_dataset(
-        source, split=split, text_field=config.text_field, streaming=config.streaming and not evaluation
+        source,
+        split=split,
+        text_field=config.text_field,
+        streaming=config.streaming and not evaluation,
+        skip_invalid_rows=config.skip_invalid_rows,
     )
     if tokenizer is None:
         raise ValueError(
@@ -85,6 +89,12 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
         say("starting DeepSpeed (its first run on a machine builds CUDA ops, which can take minutes)")
     say("training")
     result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    if trainer.state.global_step == 0:  # never save and report an untouched model as trained
+        raise ValueError(
+            f"the run took no optimizer step (max_steps={config.max_steps}, num_train_epochs="
+            f"{config.num_train_epochs}, {len(train_dataset) if hasattr(train_dataset, '__len__') else 'streamed'} "
+            "training rows); nothing was saved: give more data or set max_steps"
+        )
     say(f"saving the pruned model to {config.output_dir}")
     trainer.save_model(config.output_dir)
     metrics = dict(result.metrics)

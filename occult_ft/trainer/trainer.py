@@ -63,6 +63,7 @@ from .expert_parallel import (
     reduce_expert_gradients,
     setup_expert_parallel,
 )
+from .guards import check_step
 from .loading import check_seq_len, load_training_model, may_move_to
 from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
@@ -155,6 +156,7 @@ class OccultTrainer(Trainer):
         self._meters = {"train": RoutingMeter(args.devices), "eval": RoutingMeter(args.devices)}
         self._routers = pruned_routers(self.model)
         self._distill_kl_sum, self._distill_kl_count = torch.zeros((), dtype=torch.float64), 0
+        self._losses_finite: torch.Tensor | None = None  # since the last optimizer step (trainer.guards)
         forward = inspect.signature(unwrap_model(self.model).forward).parameters
         self._router_logits_flag = "output_router_logits" in forward
 
@@ -235,6 +237,8 @@ class OccultTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
+        finite = torch.isfinite(loss.detach()).all()  # read at the optimizer step (one sync per step)
+        self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
         if self._reduces_expert_gradients() and self.accelerator.sync_gradients:
             reduce_expert_gradients(self.model, self.expert_parallel)
         # the records keep the last routing for inspection, but not the probabilities' graph
@@ -254,9 +258,20 @@ class OccultTrainer(Trainer):
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
+        """Trainer's gradient norm, called at every optimizer step just before the update: a non-finite
+        loss or norm stops the run there, naming the step (`occult_ft.trainer.guards`)."""
         if grad_norm is None and self._reduces_expert_gradients():
             grad_norm = clip_expert_parallel_grad_norm(self.model, self.expert_parallel, float("inf"))
-        return super()._get_grad_norm(model, grad_norm=grad_norm)
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        finite, self._losses_finite = self._losses_finite, None
+        check_step(
+            self.state.global_step + 1,
+            True if finite is None else finite,
+            grad_norm,
+            self.args.learning_rate,
+            check_gradient=getattr(self.accelerator, "scaler", None) is None,
+        )
+        return grad_norm
 
     def create_optimizer(self, *args, **kwargs):
         """`Trainer.create_optimizer`; under DeepSpeed with expert parallelism the expert shards go into
