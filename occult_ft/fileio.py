@@ -31,9 +31,9 @@ written into only if it is empty or holds nothing but what occult_ft, transforme
 DeepSpeed write there, and carries a mark of occult_ft or of a training run (`is_artifact`). So a
 user's own files are never replaced, and neither is the working directory.
 
-Reading (`reading`, `read_json_object`, `read_text`, `load_safetensors`, `torch_load`): a file that
-cannot be read (missing, not UTF-8, not JSON, a truncated safetensors file, a pickle that holds code)
-is one `ReadError` line, `could not read FILE: reason; fix`.
+Reading (`reading`, `reading_directory`, `read_json_object`, `read_text`, `load_safetensors`,
+`torch_load`): a file that cannot be read (missing, not UTF-8, not JSON, a truncated safetensors file,
+a pickle that holds code) is one `ReadError` line, `could not read FILE: reason; fix`.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ __all__ = [
     "foreign_entries",
     "is_artifact",
     "reading",
+    "reading_directory",
     "read_error",
     "read_json_object",
     "read_text",
@@ -451,7 +452,9 @@ def _reason(exc: BaseException) -> tuple[str, str]:
             f"it is not a complete safetensors file ({text[:160]})",
             "it is truncated or not a safetensors file: write or download it again",
         )
-    if "zip" in lowered or "pickle" in lowered or isinstance(exc, EOFError):
+    if isinstance(exc, EOFError):
+        return f"it is incomplete ({text[:160]})", "it is truncated: write or download it again"
+    if "zip" in lowered or "pickle" in lowered:
         return (
             f"it is not a complete torch file ({text.split('. ')[0][:160]})",
             "it is truncated: write it again",
@@ -496,6 +499,46 @@ def reading(path: str | os.PathLike, fix: str | None = None) -> Iterator[None]:
             if type(exc).__module__.startswith("occult_ft"):
                 raise  # one of ours: it already names the value and the fix
         raise read_error(path, exc, fix) from None
+
+
+def _first_unreadable(directory: str) -> tuple[str, BaseException] | None:
+    """The first weights or state file in `directory` that cannot be read, with its error: safetensors
+    headers are opened, torch files loaded with weights_only (nothing in them runs)."""
+    import torch
+
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(path, framework="pt"):
+                    pass
+            elif name.endswith((".pt", ".pth", ".bin")):
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except _read_errors() as exc:
+            return path, exc
+    return None
+
+
+@contextlib.contextmanager
+def reading_directory(directory: str | os.PathLike, fix: str | None = None) -> Iterator[None]:
+    """`reading` for a library call that reads many files of a checkpoint `directory` (transformers'
+    `from_pretrained`, Trainer's resume): an error reading one of them is one `ReadError` naming the
+    file that cannot be read (found by opening each), or the directory when none can be singled out."""
+    try:
+        yield
+    except ReadError:
+        raise
+    except _read_errors() as exc:
+        is_safetensors = type(exc).__name__ == "SafetensorError"
+        if not (is_safetensors or isinstance(exc, (pickle.UnpicklingError, EOFError, UnicodeDecodeError))):
+            raise  # transformers' own errors (a missing file, a bad config) already say what is wrong
+        directory = os.fspath(directory)
+        found = _first_unreadable(directory) if os.path.isdir(directory) else None
+        raise read_error(*(found or (directory, exc)), fix) from None
 
 
 def read_text(path: str | os.PathLike, fix: str | None = None) -> str:

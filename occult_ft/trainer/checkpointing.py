@@ -36,9 +36,9 @@ from ..checkpoint import (
     write_adapter_block,
     write_similarity,
 )
-from ..fileio import umask_modes
+from ..fileio import read_json_object, umask_modes
 from ..integrations.peft import is_peft_model
-from ..models.registry import get_arch, unwrap_model
+from ..models.registry import config_num_experts, get_arch, unwrap_model
 from ..routing import apply_pruning
 from .expert_parallel import (
     gathered_state_dict,
@@ -55,6 +55,7 @@ __all__ = [
     "run_block",
     "save_checkpoint",
     "adopt_checkpoint",
+    "check_checkpoint_model",
     "load_checkpoint_weights",
     "restore_expert_shards",
     "save_optimizer_shards",
@@ -145,8 +146,38 @@ def save_checkpoint(trainer, output_dir: str | None = None, state_dict=None, fin
 
 
 # ---- resuming -------------------------------------------------------------------------------------
+_SHAPE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+
+
+def check_checkpoint_model(model, checkpoint: str) -> None:
+    """Refuse, in one line naming the checkpoint, resuming `model` from a checkpoint of another model:
+    its config.json (a full checkpoint) or its block (a LoRA adapter) must describe `model`."""
+    base = unwrap_model(model)
+    if hasattr(base, "get_base_model"):
+        base = base.get_base_model()
+    ours = base.config.to_dict()
+    ours["num_experts"] = config_num_experts(ours)
+    path = os.path.join(checkpoint, "config.json")
+    if os.path.isfile(path):
+        theirs = read_json_object(path)
+        theirs["num_experts"] = config_num_experts(theirs)
+        fields = (*_SHAPE_FIELDS, "num_experts")
+    else:
+        block = read_block(checkpoint)
+        theirs, fields = {"model_type": block.model_type if block else None}, ("model_type",)
+    for name in fields:
+        if theirs.get(name) is not None and theirs.get(name) != ours.get(name):
+            raise ValueError(
+                f"checkpoint {checkpoint!r} is not of this run's model: its {name} is {theirs[name]!r}, the "
+                f"model's ({ours.get('_name_or_path') or ours['model_type']}) is {ours.get(name)!r}; resume "
+                "from a checkpoint of this model, or train the model the checkpoint was written for"
+            )
+
+
 def adopt_checkpoint(trainer, checkpoint: str) -> None:
-    """Make the placement and similarity tables those of `checkpoint` (its weights follow them)."""
+    """Make the placement and similarity tables those of `checkpoint` (its weights follow them), after
+    checking that it is a checkpoint of the run's model (`check_checkpoint_model`)."""
+    check_checkpoint_model(trainer.model, checkpoint)
     block, similarity = read_block(checkpoint), read_similarity(checkpoint)
     theirs = block_placement(block, get_arch(unwrap_model(trainer.model)).model_type)
     ours = trainer.occult.placement

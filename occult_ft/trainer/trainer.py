@@ -43,6 +43,7 @@ from ..data import (
 )
 from ..data.batching import real_token_mask
 from ..evaluation import make_comm_complexity_figure
+from ..fileio import reading_directory
 from ..integrations.deepspeed import split_moe_param_groups
 from ..models.registry import unwrap_model
 from ..routing import pruned_routers
@@ -370,18 +371,27 @@ class OccultTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         save_checkpoint(self, output_dir, state_dict, final=getattr(self, "_occult_final_save", False))
 
+    # every file of a checkpoint read on resume: one `could not read FILE: reason` line (fileio)
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        if (model is None or model is self.model) and load_checkpoint_weights(self, resume_from_checkpoint):
-            return
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        with reading_directory(resume_from_checkpoint):
+            if (model is None or model is self.model) and load_checkpoint_weights(
+                self, resume_from_checkpoint
+            ):
+                return
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        with reading_directory(checkpoint or "."):
+            super()._load_rng_state(checkpoint)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         save_optimizer_shards(self, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        load_optimizer_shards(self, checkpoint)
+        with reading_directory(checkpoint or "."):
+            super()._load_optimizer_and_scheduler(checkpoint)
+            load_optimizer_shards(self, checkpoint)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
