@@ -258,7 +258,7 @@ def test_check_output_path_refuses_outputs_that_destroy_an_input(tmp_path, monke
     with pytest.raises(OutputPathError, match="would overwrite the input"):
         check_output_path(out, *inputs)
     check_output_path("elsewhere", *inputs)  # a new sibling is fine
-    check_output_path("model", "org/hub-id")  # Hub ids are not local inputs
+    check_output_path("model", "org/hub-id", directory=True)  # Hub ids are not local inputs
 
 
 def test_a_nan_similarity_table_is_refused():
