@@ -25,6 +25,7 @@ PRIVATE_HOOKS = {
     "_clip_grad_norm": "clips by the norm of the whole expert-parallel model",
     "_get_grad_norm": "reports that norm, and stops the run at a non-finite loss or norm",
     "_load_rng_state": "names the file when a checkpoint's RNG state cannot be read",
+    "_run_epoch": "takes no step when resumed from a checkpoint already at max_steps",
 }
 
 

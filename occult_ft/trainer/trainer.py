@@ -31,6 +31,7 @@ import math
 import torch
 from torch import nn
 from transformers import Trainer
+from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from ..checkpoint import OccultBlock
@@ -293,6 +294,8 @@ class OccultTrainer(Trainer):
         return tensor.cpu()
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "train_loss" in logs and self.state.global_step == getattr(self, "_initial_global_step", -1):
+            logs = {k: v for k, v in logs.items() if k != "train_loss"}  # no step this call: no loss, not 0
         if "loss" in logs:
             logs.update(self._meters["train"].summary(self._reduce))
             if self.args.distill_coef > 0 and self.occult.pruning.active:
@@ -416,9 +419,47 @@ class OccultTrainer(Trainer):
             )
         if checkpoint is not None:
             adopt_checkpoint(self, checkpoint)
-        return super().train(
+        result = super().train(
             resume_from_checkpoint=checkpoint,
             trial=trial,
             ignore_keys_for_eval=ignore_keys_for_eval,
             **kwargs,
+        )
+        if checkpoint is not None and self.state.global_step == getattr(self, "_initial_global_step", -1):
+            # resumed from a checkpoint at max_steps: no step was taken, so there is no train loss to report
+            metrics = {k: v for k, v in result.metrics.items() if k != "train_loss"}
+            result = TrainOutput(result.global_step, float("nan"), metrics)
+        return result
+
+    def _run_epoch(
+        self,
+        model,
+        epoch,
+        train_dataloader,
+        steps_in_epoch,
+        num_update_steps_per_epoch,
+        trial,
+        ignore_keys_for_eval,
+        start_time,
+        resume_from_checkpoint,
+        epochs_trained,
+        steps_trained_in_current_epoch,
+    ):
+        """`Trainer._run_epoch`, except for a run resumed from a checkpoint already at `max_steps`: Trainer
+        would take one step past it (step 61 of 60, a `checkpoint-61`); here no step is taken."""
+        if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(
+            model,
+            epoch,
+            train_dataloader,
+            steps_in_epoch,
+            num_update_steps_per_epoch,
+            trial,
+            ignore_keys_for_eval,
+            start_time,
+            resume_from_checkpoint,
+            epochs_trained,
+            steps_trained_in_current_epoch,
         )
