@@ -69,6 +69,7 @@ from .guards import check_step
 from .loading import check_seq_len, load_training_model, may_move_to
 from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
+from .optim import choose_optimizer
 from .prepare import OccultSetup, prepare_model, resolve_checkpoint
 from .sharded_load import can_load_sharded, load_sharded_training_model
 
@@ -274,6 +275,14 @@ class OccultTrainer(Trainer):
             check_gradient=getattr(self.accelerator, "scaler", None) is None,
         )
         return grad_norm
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        """Trainer's optimizer, except that `torch.optim.AdamW` over 16-bit (bf16/fp16) trainable weights
+        becomes `occult_ft.trainer.optim.CompensatedAdamW` (float32 moments, Kahan-compensated weights),
+        so bf16 `full` / `moe` runs lose no update to rounding."""
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        return choose_optimizer(args, model, cls, kwargs)
 
     def create_optimizer(self, *args, **kwargs):
         """`Trainer.create_optimizer`; under DeepSpeed with expert parallelism the expert shards go into
