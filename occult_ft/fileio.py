@@ -25,11 +25,12 @@ The directory swap, with `.NAME.tmp-*` (being written), `.NAME.new` (complete) a
     remove .NAME.old          NAME = new       what is left of .NAME.old is removed
 
 Where outputs may go (`check_output_path`, used by every command and by the trainer). An output is
-refused, in one line naming it, when it is empty, would overwrite an input, or is a directory that
-is not empty and not an artifact of this project (`foreign_entries`): a directory is replaced or
-written into only if it is empty or holds nothing but what occult_ft, transformers, PEFT, Trainer and
-DeepSpeed write there, and carries a mark of occult_ft or of a training run (`is_artifact`). So a
-user's own files are never replaced, and neither is the working directory.
+refused, in one line naming it, when it is empty or would overwrite an input. A directory replaced
+whole (a checkpoint) must be missing, empty or an artifact of this project (`is_artifact`: it holds
+nothing but what occult_ft, transformers, PEFT, Trainer and DeepSpeed write there, and a mark of
+occult_ft or of a training run), and is never the working directory; a directory written into (a
+training run's `output_dir`) must not hold files of the user's at the names the run writes (their
+README.md, a model occult_ft did not write). So a user's own files are never replaced.
 
 Reading (`reading`, `reading_directory`, `read_json_object`, `read_text`, `load_safetensors`,
 `torch_load`): a file that cannot be read (missing, not UTF-8, not JSON, a truncated safetensors file,
@@ -336,14 +337,10 @@ def foreign_entries(directory: str | os.PathLike) -> list[str]:
     return found
 
 
-def is_artifact(directory: str | os.PathLike) -> bool:
-    """Whether `directory` is a checkpoint or training output of this project: nothing foreign in it
-    (`foreign_entries`) and a mark of its own: a file only occult_ft writes, a config.json with an
-    `occult` block, an occult_ft model card, the index of a converted checkpoint, or a Trainer's state
-    (here or in a `checkpoint-*`)."""
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory) or foreign_entries(directory):
-        return False
+def _marked(directory: str) -> bool:
+    """A mark of this project in `directory` or one of its `checkpoint-*` folders: a file only occult_ft
+    writes, a config.json with an `occult` block, an occult_ft model card, the index of a converted
+    checkpoint, or a Trainer's state."""
 
     def marked(path: str) -> bool:
         names = os.listdir(path)
@@ -361,9 +358,21 @@ def is_artifact(directory: str | os.PathLike) -> bool:
     )
 
 
+def is_artifact(directory: str | os.PathLike) -> bool:
+    """Whether `directory` is a checkpoint or training output of this project: nothing foreign in it
+    (`foreign_entries`) and a mark of its own (`_marked`: occult_ft's files, a config.json with an
+    `occult` block, an occult_ft card, a converted checkpoint's index, a Trainer's state)."""
+    directory = os.fspath(directory)
+    return os.path.isdir(directory) and not foreign_entries(directory) and _marked(directory)
+
+
 def _inside(path: str, folder: str) -> bool:
     path, folder = os.path.realpath(path), os.path.realpath(folder)
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def check_output_path(
@@ -371,26 +380,34 @@ def check_output_path(
     *inputs: str | os.PathLike | None,
     what: str = "output",
     directory: bool = False,
+    replace: bool = True,
 ) -> None:
     """Refuse (`OutputPathError`, one line naming `out` and the fix) an output that would lose something.
 
-    Refused: an empty path; `out` equal to one of `inputs`, inside an input directory, or containing an
-    input (writing it would destroy what is being read; Hub ids and missing inputs are ignored); a file
-    output that is a directory; a directory output (`directory=True`: a checkpoint written whole, or a
-    training run's output directory) that is a file, that is the working directory or one above it,
-    or that is not empty and not an artifact of this project (`is_artifact`: a user's own files).
+    Refused: an empty path; a file output that is a directory, a directory output that is a file;
+    `out` equal to one of `inputs` or inside an input directory (Hub ids and missing inputs are
+    ignored). For a directory (`directory=True`):
+
+    - replaced whole (`replace=True`: a checkpoint, `atomic_directory`): an input inside it, the working
+      directory or one above it, or a directory that is not empty and not an artifact of this project
+      (`is_artifact`): every file of a user's would be lost;
+    - written into (`replace=False`: a training run's `output_dir`): a directory holding files that the
+      run would overwrite and that are not this project's (a user's README.md, a model occult_ft did
+      not write, an input at such a name). Other files of the user's are left alone.
     """
     if out is None or not os.fspath(out).strip():
         kind = "directory" if directory else "file"
         raise OutputPathError(f"{what} is empty; pass the {kind} to write, e.g. {what} my-{kind}")
     out = os.fspath(out)
     for source in inputs:
-        if source is None:
+        if source is None or not os.fspath(source) or not os.path.exists(source):
             continue
         source = os.fspath(source)
-        if not source or not os.path.exists(source):
-            continue
-        if _inside(out, source) or (os.path.isdir(out) and _inside(source, out)):
+        contains = os.path.isdir(out) and _inside(source, out)
+        if contains and directory and not replace:  # written into: only an input at a written name is hit
+            top = os.path.relpath(os.path.realpath(source), os.path.realpath(out)).split(os.sep)[0]
+            contains = top == "." or _matches(top, ARTIFACT_ENTRIES)
+        if _inside(out, source) or contains:
             raise OutputPathError(
                 f"{what} {out!r} would overwrite the input {source!r}; write to a new path outside it"
             )
@@ -400,18 +417,33 @@ def check_output_path(
         return
     if os.path.exists(out) and not os.path.isdir(out):
         raise OutputPathError(f"{what} {out!r} is a file; pass a directory path")
-    if _inside(os.getcwd(), out):
+    if replace and _inside(os.getcwd(), out):
         raise OutputPathError(
             f"{what} {out!r} is the working directory or holds it; pass a new directory, e.g. {what} out"
         )
-    if not os.path.isdir(out) or not os.listdir(out) or is_artifact(out):
+    if not os.path.isdir(out) or not os.listdir(out):
         return
     foreign = foreign_entries(out)
+    if not replace:  # only what the run writes counts: the user's other files stay as they are
+        foreign = [f for f in foreign if _matches(f.split("/")[0], ARTIFACT_ENTRIES)]
+        written = [n for n in sorted(os.listdir(out)) if _matches(n, ARTIFACT_ENTRIES)]
+        if foreign:
+            raise OutputPathError(
+                f"{what} {out!r} holds files of yours that training would overwrite ({_shown(foreign)}); "
+                "pass a new or empty directory"
+            )
+        if written and not _marked(out):
+            raise OutputPathError(
+                f"{what} {out!r} holds a model occult_ft did not write ({_shown(written)}), which training "
+                "would overwrite; pass a new or empty directory"
+            )
+        return
+    if is_artifact(out):
+        return
     if foreign:
-        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
         raise OutputPathError(
-            f"{what} {out!r} holds files occult_ft did not write ({shown}); they would be lost: pass a new "
-            "or empty directory"
+            f"{what} {out!r} holds files occult_ft did not write ({_shown(foreign)}); they would be lost: "
+            "pass a new or empty directory"
         )
     raise OutputPathError(
         f"{what} {out!r} is a model directory occult_ft did not write; pass a new or empty directory"

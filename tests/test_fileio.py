@@ -322,3 +322,23 @@ def test_a_pickle_that_holds_code_is_refused_without_running_it(tmp_path, monkey
     (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(ReadError, match=r"cut.pt: it is not a complete torch file"):
         torch_load(tmp_path / "cut.pt")
+
+
+def test_a_directory_written_into_keeps_the_users_other_files_but_not_colliding_ones(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "ds_config.json").write_text("{}")  # the user's: training writes no such name
+    check_output_path(out, out / "ds_config.json", what="output_dir", directory=True, replace=False)
+    with pytest.raises(OutputPathError, match="is not empty|holds files occult_ft did not write"):
+        check_output_path(out, what="--out", directory=True)  # replacing it whole would lose it
+    (out / "README.md").write_text("# mine\n")
+    with pytest.raises(
+        OutputPathError, match=r"holds files of yours that training would overwrite \(README.md\)"
+    ):
+        check_output_path(out, what="output_dir", directory=True, replace=False)
+    (out / "README.md").unlink()
+    (out / "config.json").write_text('{"model_type": "olmoe"}')  # someone else's model
+    with pytest.raises(OutputPathError, match=r"holds a model occult_ft did not write \(config.json\)"):
+        check_output_path(out, what="output_dir", directory=True, replace=False)
+    (out / "trainer_state.json").write_text("{}")  # ... unless it is an earlier run's output
+    check_output_path(out, what="output_dir", directory=True, replace=False)

@@ -121,7 +121,7 @@ def test_train_into_an_output_dir_holding_the_users_readme_is_refused_before_loa
     (out / "README.md").write_text("# my project\n")
     argv = ["train", "--model_name_or_path", tiny_olmoe_dir, "--dataset", text_file, "--output_dir", out]
     assert run_cli(*argv, "--use_cpu", "true", "--report_to", "none", "--max_steps", 1) == 2
-    assert "holds files occult_ft did not write (README.md)" in capsys.readouterr().err
+    assert "holds files of yours that training would overwrite (README.md)" in capsys.readouterr().err
     assert (out / "README.md").read_text() == "# my project\n" and os.listdir(out) == ["README.md"]
 
 

@@ -488,11 +488,11 @@ def _check_run_length_and_output(config: OccultConfig) -> None:
 
 
 def check_output_dir(args: OccultConfig) -> None:
-    """The run's `output_dir` must be new, empty or an earlier output of occult_ft training: a directory of
-    the user's own files (their README.md, code) is refused, naming them (`occult_ft.fileio`)."""
+    """The run's `output_dir` must not hold files of the user's that training would overwrite (their
+    README.md, a model occult_ft did not write): refused, naming them (`occult_ft.fileio`)."""
     inputs = (args.model_name_or_path, args.dataset, args.eval_dataset, args.deepspeed)
     inputs = tuple(p for p in inputs if isinstance(p, str) and p not in ("", "embedded"))
-    check_output_path(args.output_dir, *inputs, what="output_dir", directory=True)
+    check_output_path(args.output_dir, *inputs, what="output_dir", directory=True, replace=False)
 
 
 def check_before_loading(args: OccultConfig) -> None:

@@ -44,7 +44,7 @@ from ..data import (
 )
 from ..data.batching import real_token_mask
 from ..evaluation import make_comm_complexity_figure
-from ..fileio import reading_directory
+from ..fileio import check_output_path, reading_directory
 from ..integrations.deepspeed import split_moe_param_groups
 from ..models.registry import unwrap_model
 from ..routing import pruned_routers
@@ -363,6 +363,13 @@ class OccultTrainer(Trainer):
         """`Trainer.save_model`; a save the user asks for (not an intermediate checkpoint) also writes the
         Occult model card (README.md: placement, budget, measured comm_complexity, how to load) beside
         the model. The card's figure is only drawn on push, where the measurement is worth its cost."""
+        if not _internal_call:  # a directory the user names: none of their files is overwritten
+            check_output_path(
+                output_dir if output_dir is not None else self.args.output_dir,
+                what="save_model's output_dir",
+                directory=True,
+                replace=False,
+            )
         self._occult_final_save = not _internal_call
         try:
             super().save_model(output_dir, _internal_call=_internal_call)
