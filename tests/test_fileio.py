@@ -101,6 +101,9 @@ def test_save_pruned_writes_world_readable_weights_card_and_similarity(tmp_path,
     for name in os.listdir(out):
         assert _mode(out / name) == 0o666 & ~mask, name
     assert is_artifact(out)
+    model.save_pretrained(tmp_path / "own")  # the model's own save (attach_occult_save), not a swap
+    for name in os.listdir(tmp_path / "own"):
+        assert _mode(tmp_path / "own" / name) == 0o666 & ~mask, name
 
 
 # ---- where outputs may go ---------------------------------------------------------------------------

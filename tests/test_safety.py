@@ -333,3 +333,12 @@ def test_latin1_data_names_the_file_before_any_model_loads(tmp_path, capsys):
         run_cli("profile", "no-such-model-dir/x/y", "--data", data, "--out", tmp_path / "p.safetensors") == 2
     )
     assert f"could not read {data}: it is not UTF-8 text (byte 0xe9 at offset 3)" in capsys.readouterr().err
+
+
+def test_the_token_survives_in_memory_copies_but_no_pickle(tmp_path):
+    import copy
+    import pickle
+
+    args = OccultConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", hub_token=SECRET)
+    assert copy.deepcopy(args).hub_token == SECRET and copy.copy(args).hub_token == SECRET
+    assert SECRET.encode() not in pickle.dumps(args) and pickle.loads(pickle.dumps(args)).hub_token is None

@@ -12,6 +12,7 @@ bad value and the fix; unknown choices come with the closest valid spelling.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -304,6 +305,18 @@ class OccultConfig(TrainingArguments):
         _check_run_length_and_output(self)
         super().__post_init__()
         self._force_non_reentrant_checkpointing()
+
+    def __deepcopy__(self, memo) -> OccultConfig:
+        """An in-memory copy keeps everything, secrets included (pickling drops them: `__getstate__`)."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return copied
+
+    def __copy__(self) -> OccultConfig:
+        copied = type(self).__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
 
     def __getstate__(self) -> dict:
         """Pickled (Trainer's `training_args.bin` in every checkpoint) without its secrets: every
