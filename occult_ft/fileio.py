@@ -540,7 +540,7 @@ def _first_unreadable(directory: str) -> tuple[str, BaseException] | None:
 
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
-        if not os.path.isfile(path):
+        if not os.path.isfile(path) or name == "training_args.bin":  # a pickled config, never loaded
             continue
         try:
             if name.endswith(".safetensors"):
