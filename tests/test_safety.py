@@ -342,3 +342,41 @@ def test_the_token_survives_in_memory_copies_but_no_pickle(tmp_path):
     args = OccultConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", hub_token=SECRET)
     assert copy.deepcopy(args).hub_token == SECRET and copy.copy(args).hub_token == SECRET
     assert SECRET.encode() not in pickle.dumps(args) and pickle.loads(pickle.dumps(args)).hub_token is None
+
+
+def test_a_streamed_file_too_short_for_one_example_is_one_line_naming_it(tmp_path, tiny_olmoe_dir):
+    from occult_ft.trainer import train
+
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"text": "a single short row"}\n')  # packed: not one full block of 32 tokens
+    config = _config(tmp_path / "out", tiny_olmoe_dir, str(data), streaming=True, max_steps=2)
+    with pytest.raises(ValueError, match=rf"dataset '{data}' gives no training example of seq_len=32 tokens"):
+        train(config)
+
+
+def test_a_run_that_took_no_step_is_refused_and_saves_nothing(
+    tmp_path, tiny_olmoe_dir, text_file, monkeypatch
+):
+    """The pipeline's last line of defence, whatever made the data loader yield nothing."""
+    from occult_ft.trainer import train
+
+    def no_batches(self, *args, **kwargs):  # a data loader without a single batch
+        self.control.should_training_stop = True
+
+    monkeypatch.setattr(OccultTrainer, "_run_epoch", no_batches)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"the run took no optimizer step .*; nothing was saved"):
+        train(_config(out, tiny_olmoe_dir, text_file, save_strategy="no"))
+    assert not (out / "model.safetensors").exists()
+
+
+def test_fewer_rows_than_one_batch_with_drop_last_is_one_line(tmp_path, tiny_olmoe_dir, text_file):
+    from occult_ft.data import load_text_dataset
+
+    rows = load_text_dataset(text_file).select(range(1))
+    args = _config(tmp_path / "o", dataloader_drop_last=True, per_device_train_batch_size=8, packing=False)
+    trainer = OccultTrainer(tiny_olmoe_dir, args=args, train_dataset=rows)
+    with pytest.raises(
+        ValueError, match=r"train_dataset has 1 rows, fewer than one batch of 8 .*dataloader_drop_last"
+    ):
+        trainer.train()

@@ -328,7 +328,10 @@ def tokenize_for_training(dataset, tokenizer, args, name: str = "the dataset giv
     if not isinstance(dataset, (Dataset, IterableDataset)):
         return dataset
 
-    if dataset_layout(dataset_columns(dataset)) == "tokenized":
+    columns = dataset_columns(dataset)
+    if not columns:  # a stream that yields nothing
+        raise DataError(f"{name} yields no rows; check the data source (a streamed dataset that is empty)")
+    if dataset_layout(columns) == "tokenized":
         return dataset
     if tokenizer is None:
         raise ValueError(

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import sys
 
-from ..data import load_text_dataset, tokenize_for_training
+from datasets import IterableDataset
+
+from ..data import DataError, load_text_dataset, tokenize_for_training
 from ..plan import check_fits_before_loading
 from .config import OccultConfig
 from .loading import check_seq_len, load_training_model
@@ -39,7 +41,13 @@ def load_run_dataset(
         raise ValueError(
             f"model {config.model_name_or_path!r} has no tokenizer; save one beside the model (tokenizer.save_pretrained)"
         )
-    return tokenize_for_training(dataset, tokenizer, config)
+    tokenized = tokenize_for_training(dataset, tokenizer, config, name=source)
+    if isinstance(tokenized, IterableDataset) and next(iter(tokenized), None) is None:
+        raise DataError(
+            f"dataset {source!r} gives no training example of seq_len={config.seq_len} tokens (its text is "
+            "shorter than one packed block, or no row is left); add data, lower seq_len or set packing=False"
+        )
+    return tokenized
 
 
 def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[str, float]]:

@@ -428,6 +428,7 @@ class OccultTrainer(Trainer):
         **kwargs,
     ):
         """`Trainer.train`; a resumed checkpoint's placement and similarity tables are adopted first."""
+        self._check_one_batch()
         checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint not in (None, False) and checkpoint is None:
             raise ValueError(
@@ -446,6 +447,19 @@ class OccultTrainer(Trainer):
             metrics = {k: v for k, v in result.metrics.items() if k != "train_loss"}
             result = TrainOutput(result.global_step, float("nan"), metrics)
         return result
+
+    def _check_one_batch(self) -> None:
+        """Refuse data that gives no batch at all (Trainer's own error speaks of a missing length)."""
+        data = self.train_dataset
+        if not self.args.dataloader_drop_last or data is None or not hasattr(data, "__len__"):
+            return
+        batch = self.args.per_device_train_batch_size * self.args.world_size
+        if len(data) < batch:
+            raise ValueError(
+                f"train_dataset has {len(data)} rows, fewer than one batch of {batch} "
+                f"(per_device_train_batch_size x processes) with dataloader_drop_last; add data, lower "
+                "per_device_train_batch_size or set dataloader_drop_last=False"
+            )
 
     def _run_epoch(
         self,
