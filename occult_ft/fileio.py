@@ -426,7 +426,11 @@ def check_output_path(
     foreign = foreign_entries(out)
     if not replace:  # only what the run writes counts: the user's other files stay as they are
         foreign = [f for f in foreign if _matches(f.split("/")[0], ARTIFACT_ENTRIES)]
-        written = [n for n in sorted(os.listdir(out)) if _matches(n, ARTIFACT_ENTRIES)]
+        written = [  # files the run writes over (logs and checkpoint folders are checked above)
+            n
+            for n in sorted(os.listdir(out))
+            if _matches(n, ARTIFACT_ENTRIES) and os.path.isfile(os.path.join(out, n))
+        ]
         if foreign:
             raise OutputPathError(
                 f"{what} {out!r} holds files of yours that training would overwrite ({_shown(foreign)}); "

@@ -329,7 +329,7 @@ def test_a_pickle_that_holds_code_is_refused_without_running_it(tmp_path, monkey
 
 def test_a_directory_written_into_keeps_the_users_other_files_but_not_colliding_ones(tmp_path):
     out = tmp_path / "run"
-    out.mkdir()
+    (out / "runs" / "Dec01").mkdir(parents=True)  # TensorBoard logs of this run so far
     (out / "ds_config.json").write_text("{}")  # the user's: training writes no such name
     check_output_path(out, out / "ds_config.json", what="output_dir", directory=True, replace=False)
     with pytest.raises(OutputPathError, match="is not empty|holds files occult_ft did not write"):
