@@ -119,3 +119,11 @@ def test_rows_given_to_the_trainer_go_through_the_same_check(tiny_tokenizer):
         tokenize_for_training(rows, tiny_tokenizer, args)
     args.skip_invalid_rows = True
     assert len(tokenize_for_training(rows, tiny_tokenizer, args)) >= 1
+
+
+def test_rows_given_to_make_batches_are_checked_too(tiny_tokenizer):
+    from occult_ft.data import make_batches
+
+    rows = Dataset.from_list([ALPACA, {"instruction": "q", "input": "", "output": None}])
+    with pytest.raises(DataError, match=r"row 1 of 'the dataset' has no 'output' field"):
+        make_batches(tiny_tokenizer, rows, seq_len=32, batch_size=2)
