@@ -32,12 +32,13 @@ __all__ = [
 ]
 
 
-def load_data(data: str):
-    """The raw dataset behind a --data value (checked before any model is loaded)."""
+def load_data(data: str, skip_invalid_rows: bool = False):
+    """The raw dataset behind a --data value (checked before any model is loaded; rows that do not fit
+    its layout are an error, or skipped and counted with `skip_invalid_rows`)."""
 
     if data == "embedded":
         return load_text_dataset("embedded", split="eval")
-    return load_text_dataset(data)
+    return load_text_dataset(data, skip_invalid_rows=skip_invalid_rows)
 
 
 def data_batches(

@@ -1,41 +1,118 @@
-"""Writes that lose nothing: every artifact goes to a temporary sibling and is renamed into place.
+"""Files that lose nothing: how every artifact is written, where it may go, and how files are read.
 
-A reader of a path written here sees the old artifact or the new one, never a mix: a crash, a full
-disk or `kill -9` in the middle of a write leaves the previous artifact untouched (plus a hidden
-`.<name>.tmp-*` sibling that the next write removes).
+Writing. Every artifact goes to a temporary sibling and is renamed into place, so a reader sees the
+old artifact or the new one, never a mix; a crash, a full disk or `kill -9` in the middle leaves the
+previous artifact readable. Files and directories get the permissions a plain `open()` / `mkdir`
+would give them (the umask applied; an existing file keeps its mode), not the private 0600 / 0700 of
+`tempfile`.
 
     atomic_write_text(path, text)          one file (JSON, model card, placement)
     atomic_save(path, save_fn)             one file written by a library call (`save_fn(tmp_path)`)
     atomic_directory(out_dir)              a whole directory (checkpoints): a context manager that
                                            yields a temporary sibling and swaps it in on success
-    check_output_path(out, *inputs)        refuse an output that is one of the inputs or inside one
-    read_json_object(path)                 a JSON file that must hold an object, with one-line errors
+    recover_directory(out_dir)             finish (or undo) a directory swap that was interrupted
+    umask_modes(path)                      files written private by a library (safetensors) get the
+                                           modes of a plain open() / mkdir
+
+The directory swap, with `.NAME.tmp-*` (being written), `.NAME.new` (complete) and `.NAME.old`
+(retired) siblings of NAME; a process killed at any instant leaves one of these states, and
+`recover_directory` (run by the next write and by the model loader) always ends in the last one:
+
+    write .NAME.tmp-*         NAME = old       incomplete: removed by the next write, ignored by readers
+    .NAME.tmp-* -> .NAME.new  NAME = old       the new artifact is complete: the swap is finished
+    NAME -> .NAME.old         NAME missing     the swap is finished (.NAME.new -> NAME)
+    .NAME.new -> NAME         NAME = new       .NAME.old is removed
+    remove .NAME.old          NAME = new       what is left of .NAME.old is removed
+
+Where outputs may go (`check_output_path`, used by every command and by the trainer). An output is
+refused, in one line naming it, when it is empty or would overwrite an input. A directory replaced
+whole (a checkpoint) must be missing, empty or an artifact of this project (`is_artifact`: it holds
+nothing but what occult_ft, transformers, PEFT, Trainer and DeepSpeed write there, and a mark of
+occult_ft or of a training run), and is never the working directory; a directory written into (a
+training run's `output_dir`) must not hold files of the user's at the names the run writes (their
+README.md, a model occult_ft did not write). So a user's own files are never replaced.
+
+Reading (`reading`, `reading_directory`, `read_json_object`, `read_text`, `load_safetensors`,
+`torch_load`): a file that cannot be read (missing, not UTF-8, not JSON, a truncated safetensors file,
+a pickle that holds code) is one `ReadError` line, `could not read FILE: reason; fix`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import glob
 import json
 import os
+import pickle
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 
 __all__ = [
     "OutputPathError",
+    "ReadError",
+    "ARTIFACT_ENTRIES",
+    "CONVERTED_MARK",
     "atomic_write_text",
     "atomic_save",
     "atomic_directory",
+    "recover_directory",
+    "umask_modes",
     "check_output_path",
+    "foreign_entries",
+    "is_artifact",
+    "reading",
+    "reading_directory",
+    "read_error",
     "read_json_object",
+    "read_text",
+    "load_safetensors",
+    "torch_load",
 ]
 
 
 class OutputPathError(ValueError):
-    """An output path that would destroy an input or another artifact."""
+    """An output path that would destroy an input, the user's files or another artifact."""
 
 
-def _sibling(path: str, kind: str) -> str:
+class ReadError(ValueError):
+    """A file that cannot be read: `could not read FILE: reason; fix`."""
+
+
+# ---- permissions: what a plain open() / mkdir would give -------------------------------------------
+def _read_umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it; set it straight back
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # read once, at import (os.umask is process-wide and not thread-safe)
+
+
+def _new_mode(path: str, directory: bool) -> int:
+    """The mode `path` gets: its current one when it exists, else the umask applied to 0666 / 0777."""
+    with contextlib.suppress(OSError):
+        return stat.S_IMODE(os.stat(path).st_mode)
+    return (0o777 if directory else 0o666) & ~_UMASK
+
+
+def umask_modes(path: str | os.PathLike) -> None:
+    """Give `path` (recursively) the permissions of a plain `open()` / `mkdir`: files left private
+    (0600, as `tempfile` and safetensors create them) and directories left 0700 get the umask's modes;
+    other modes are left as their owner set them."""
+    path = os.fspath(path)
+    for root, dirs, files in os.walk(path) if os.path.isdir(path) else [("", [], [path])]:
+        for name, private, wanted in [(d, 0o700, 0o777) for d in dirs] + [(f, 0o600, 0o666) for f in files]:
+            full = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                if not os.path.islink(full) and stat.S_IMODE(os.lstat(full).st_mode) == private:
+                    os.chmod(full, wanted & ~_UMASK)
+
+
+# ---- files -----------------------------------------------------------------------------------------
+def _sibling(path: str, kind: str) -> tuple[str, str]:
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
     return parent, f".{os.path.basename(os.path.abspath(path))}.{kind}-"
@@ -44,8 +121,11 @@ def _sibling(path: str, kind: str) -> str:
 def atomic_save(path: str | os.PathLike, save_fn: Callable[[str], object]) -> str:
     """Call `save_fn(tmp)` to write a file at a temporary sibling of `path`, then rename it over `path`."""
     path = os.fspath(path)
+    if not path.strip():
+        raise OutputPathError("the output path is empty; pass a file path")
     if os.path.isdir(path):
         raise OutputPathError(f"{path!r} is a directory; pass a file path")
+    mode = _new_mode(path, directory=False)
     parent, prefix = _sibling(path, "tmp")
     fd, tmp = tempfile.mkstemp(prefix=prefix, dir=parent)
     os.close(fd)
@@ -53,6 +133,7 @@ def atomic_save(path: str | os.PathLike, save_fn: Callable[[str], object]) -> st
         save_fn(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, mode)  # after save_fn, which may have re-created the file
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -71,35 +152,218 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> str:
     return atomic_save(path, write)
 
 
+# ---- directories -----------------------------------------------------------------------------------
+def _swap_names(out_dir: str) -> tuple[str, str, str, str]:
+    parent, name = os.path.split(out_dir)
+    return parent, os.path.join(parent, f".{name}.tmp-"), os.path.join(parent, f".{name}.new"), name
+
+
+def _retired(out_dir: str) -> list[str]:
+    """`.NAME.old` and the `.NAME.old-*` of earlier releases, most recent first."""
+    parent, _, _, name = _swap_names(out_dir)
+    found = [p for p in [os.path.join(parent, f".{name}.old")] if os.path.isdir(p)]
+    found += glob.glob(os.path.join(glob.escape(parent), glob.escape(f".{name}.old-") + "*"))
+    return sorted(set(found), key=lambda p: os.stat(p).st_mtime, reverse=True)
+
+
+def recover_directory(out_dir: str | os.PathLike) -> None:
+    """Finish a directory swap of `atomic_directory` that a killed process left half done (see the module
+    docstring): afterwards `out_dir` is the old or the new artifact and no `.new` / `.old` sibling is
+    left. Temporary `.tmp-*` siblings (writes still in progress, or killed) are left to the next write.
+    Safe to call on any path, and by readers."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    parent, _, new, name = _swap_names(out_dir)
+    if not name or not os.path.isdir(parent):
+        return
+    old = os.path.join(parent, f".{name}.old")
+    if os.path.isdir(new):  # the new artifact is complete: it becomes out_dir
+        if os.path.isdir(out_dir):
+            if os.path.isdir(old):
+                shutil.rmtree(old)  # a retired copy of an earlier swap: out_dir supersedes it
+            with contextlib.suppress(FileNotFoundError):  # another reader may be finishing it too
+                os.replace(out_dir, old)
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(new, out_dir)
+    for retired in _retired(out_dir):
+        if os.path.isdir(out_dir):
+            shutil.rmtree(retired, ignore_errors=True)
+        else:  # out_dir was retired and nothing new took its place: it comes back
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(retired, out_dir)
+
+
 @contextlib.contextmanager
-def atomic_directory(out_dir: str | os.PathLike) -> Iterator[str]:
+def atomic_directory(out_dir: str | os.PathLike, what: str = "output") -> Iterator[str]:
     """Yield a temporary sibling directory; on success it replaces `out_dir` whole.
 
-    An existing `out_dir` is renamed aside, the new one renamed in, and the old one removed, so no file
-    of the previous artifact (a stale adapter, old weights) survives beside the new one. On an error
-    the temporary directory is removed and `out_dir` is left as it was.
+    `out_dir` must be missing, empty or an artifact of this project (`check_output_path`), so a user's
+    files are never replaced. The swap leaves no file of the previous artifact (a stale adapter, old
+    weights) beside the new one, and is recoverable at every instant (`recover_directory`). On an
+    error the temporary directory is removed and `out_dir` is left as it was.
     """
     out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise OutputPathError(f"output {out_dir!r} is a file; pass a directory path")
-    parent, prefix = _sibling(out_dir, "tmp")
-    for stale in os.listdir(parent):  # leftovers of an interrupted write of this same artifact
-        if stale.startswith(prefix) or stale.startswith(prefix.replace(".tmp-", ".old-")):
-            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
-    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    recover_directory(out_dir)  # an interrupted swap first, so the check below sees the artifact
+    check_output_path(out_dir, what=what, directory=True)
+    parent, prefix, new, name = _swap_names(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    for stale in glob.glob(glob.escape(prefix) + "*"):  # writes of this artifact that were killed
+        shutil.rmtree(stale, ignore_errors=True)
+    mode = _new_mode(out_dir, directory=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(prefix), dir=parent)
+    os.chmod(tmp, mode)
     try:
         yield tmp
+        umask_modes(tmp)  # safetensors writes its files 0600
+        os.replace(tmp, new)  # complete: from here on every reader ends up with the new artifact
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if os.path.isdir(out_dir):
-        old = tempfile.mkdtemp(prefix=prefix.replace(".tmp-", ".old-"), dir=parent)
-        os.rmdir(old)
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    recover_directory(out_dir)
+
+
+# ---- what occult_ft may overwrite -------------------------------------------------------------------
+#: fnmatch patterns of the entries occult_ft, transformers, PEFT, Trainer and DeepSpeed write into a
+#: checkpoint or a training output directory (README.md only when it is an occult_ft card)
+ARTIFACT_ENTRIES = (
+    # a transformers checkpoint, its tokenizer and remote code
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "*.tiktoken",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "modeling_*.py",
+    "configuration_*.py",
+    "tokenization_*.py",
+    # PEFT
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    # occult_ft
+    "occult_config.json",
+    "occult_similarity.safetensors",
+    "occult_pruned_routing.py",
+    "comm_complexity.png",
+    "README.md",
+    # Trainer
+    "training_args.bin",
+    "trainer_state.json",
+    "optimizer.pt",
+    "optimizer.bin",
+    "scheduler.pt",
+    "scaler.pt",
+    "rng_state*.pth",
+    "optimizer_expert_shard_*_of_*.pt",
+    "all_results.json",
+    "train_results.json",
+    "eval_results.json",
+    "checkpoint-*",
+    "runs",
+    # DeepSpeed
+    "global_step*",
+    "latest",
+    "zero_to_fp32.py",
+)
+# directories kept whole (logs, DeepSpeed state); `checkpoint-*` folders are looked into
+_OPAQUE_DIRS = ("runs", "global_step*")
+#: the key `occult_ft.checkpoint.convert` writes into the index metadata of a converted checkpoint
+CONVERTED_MARK = "converted_by_occult_ft"
+_CARD_TAG = "occult"  # the tag of occult_ft model cards (occult_ft.checkpoint.card.CARD_TAGS)
+# files that only occult_ft writes, and the state files of a training run
+_MARKS = ("occult_config.json", "occult_similarity.safetensors", "occult_pruned_routing.py")
+_RUN_MARKS = ("trainer_state.json", "training_args.bin")
+
+
+def _matches(name: str, patterns) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _is_card(path: str) -> bool:
+    """A README.md that occult_ft wrote: its YAML front matter lists the `occult` tag."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            head = f.read(4096)
+    except (OSError, UnicodeDecodeError):
+        return False
+    if not head.startswith("---") or head.count("---") < 2:
+        return False
+    return any(line.strip() == f"- {_CARD_TAG}" for line in head.split("---", 2)[1].splitlines())
+
+
+def _json_has(path: str, *keys: str) -> bool:
+    """Whether the JSON object at `path` holds the nested key `keys` (False when unreadable)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        for key in keys:
+            data = data[key]
+    except (OSError, ValueError, TypeError, KeyError):
+        return False
+    return True
+
+
+def foreign_entries(directory: str | os.PathLike) -> list[str]:
+    """Entries of `directory` (relative paths, sorted) that no writer of a checkpoint or training output
+    produces: the files a user keeps there. `checkpoint-*` folders are looked into; a README.md that is
+    not an occult_ft model card is foreign."""
+    directory = os.fspath(directory)
+    found = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not _matches(name, ARTIFACT_ENTRIES) or (name == "README.md" and not _is_card(path)):
+            found.append(name + ("/" if os.path.isdir(path) else ""))
+        elif os.path.isdir(path) and not _matches(name, _OPAQUE_DIRS):
+            if not fnmatch.fnmatchcase(name, "checkpoint-*"):
+                found.append(name + "/")  # e.g. a folder called config.json
+            else:
+                found.extend(f"{name}/{inner}" for inner in foreign_entries(path))
+        elif not os.path.isdir(path) and fnmatch.fnmatchcase(name, "checkpoint-*"):
+            found.append(name)
+    return found
+
+
+def _marked(directory: str) -> bool:
+    """A mark of this project in `directory` or one of its `checkpoint-*` folders: a file only occult_ft
+    writes, a config.json with an `occult` block, an occult_ft model card, the index of a converted
+    checkpoint, or a Trainer's state."""
+
+    def marked(path: str) -> bool:
+        names = os.listdir(path)
+        return (
+            any(n in names for n in _MARKS + _RUN_MARKS)
+            or _json_has(os.path.join(path, "config.json"), "occult")  # the occult block
+            or _json_has(os.path.join(path, "model.safetensors.index.json"), "metadata", CONVERTED_MARK)
+            or ("README.md" in names and _is_card(os.path.join(path, "README.md")))
+        )
+
+    return marked(directory) or any(
+        marked(os.path.join(directory, n))
+        for n in os.listdir(directory)
+        if fnmatch.fnmatchcase(n, "checkpoint-*") and os.path.isdir(os.path.join(directory, n))
+    )
+
+
+def is_artifact(directory: str | os.PathLike) -> bool:
+    """Whether `directory` is a checkpoint or training output of this project: nothing foreign in it
+    (`foreign_entries`) and a mark of its own (`_marked`: occult_ft's files, a config.json with an
+    `occult` block, an occult_ft card, a converted checkpoint's index, a Trainer's state)."""
+    directory = os.fspath(directory)
+    return os.path.isdir(directory) and not foreign_entries(directory) and _marked(directory)
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -107,33 +371,245 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
 def check_output_path(
-    out: str | os.PathLike, *inputs: str | os.PathLike | None, what: str = "output"
+    out: str | os.PathLike | None,
+    *inputs: str | os.PathLike | None,
+    what: str = "output",
+    directory: bool = False,
+    replace: bool = True,
 ) -> None:
-    """Raise `OutputPathError` when `out` is one of `inputs`, lies inside an input directory, or contains
-    an input (writing it would destroy what is being read). Hub ids and missing inputs are ignored."""
+    """Refuse (`OutputPathError`, one line naming `out` and the fix) an output that would lose something.
+
+    Refused: an empty path; a file output that is a directory, a directory output that is a file;
+    `out` equal to one of `inputs` or inside an input directory (Hub ids and missing inputs are
+    ignored). For a directory (`directory=True`):
+
+    - replaced whole (`replace=True`: a checkpoint, `atomic_directory`): an input inside it, the working
+      directory or one above it, or a directory that is not empty and not an artifact of this project
+      (`is_artifact`): every file of a user's would be lost;
+    - written into (`replace=False`: a training run's `output_dir`): a directory holding files that the
+      run would overwrite and that are not this project's (a user's README.md, a model occult_ft did
+      not write, an input at such a name). Other files of the user's are left alone.
+    """
+    if out is None or not os.fspath(out).strip():
+        kind = "directory" if directory else "file"
+        raise OutputPathError(f"{what} is empty; pass the {kind} to write, e.g. {what} my-{kind}")
     out = os.fspath(out)
     for source in inputs:
-        if source is None:
+        if source is None or not os.fspath(source) or not os.path.exists(source):
             continue
         source = os.fspath(source)
-        if not os.path.exists(source):
-            continue
-        if _inside(out, source) or (os.path.isdir(out) and _inside(source, out)):
+        contains = os.path.isdir(out) and _inside(source, out)
+        if contains and directory and not replace:  # written into: only an input at a written name is hit
+            top = os.path.relpath(os.path.realpath(source), os.path.realpath(out)).split(os.sep)[0]
+            contains = top == "." or _matches(top, ARTIFACT_ENTRIES)
+        if _inside(out, source) or contains:
             raise OutputPathError(
                 f"{what} {out!r} would overwrite the input {source!r}; write to a new path outside it"
             )
+    if not directory:
+        if os.path.isdir(out):
+            raise OutputPathError(f"{what} {out!r} is a directory; pass a file path inside it")
+        return
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise OutputPathError(f"{what} {out!r} is a file; pass a directory path")
+    if replace and _inside(os.getcwd(), out):
+        raise OutputPathError(
+            f"{what} {out!r} is the working directory or holds it; pass a new directory, e.g. {what} out"
+        )
+    if not os.path.isdir(out) or not os.listdir(out):
+        return
+    foreign = foreign_entries(out)
+    if not replace:  # only what the run writes counts: the user's other files stay as they are
+        foreign = [f for f in foreign if _matches(f.split("/")[0], ARTIFACT_ENTRIES)]
+        written = [  # files the run writes over (logs and checkpoint folders are checked above)
+            n
+            for n in sorted(os.listdir(out))
+            if _matches(n, ARTIFACT_ENTRIES) and os.path.isfile(os.path.join(out, n))
+        ]
+        if foreign:
+            raise OutputPathError(
+                f"{what} {out!r} holds files of yours that training would overwrite ({_shown(foreign)}); "
+                "pass a new or empty directory"
+            )
+        if written and not _marked(out):
+            raise OutputPathError(
+                f"{what} {out!r} holds a model occult_ft did not write ({_shown(written)}), which training "
+                "would overwrite; pass a new or empty directory"
+            )
+        return
+    if is_artifact(out):
+        return
+    if foreign:
+        raise OutputPathError(
+            f"{what} {out!r} holds files occult_ft did not write ({_shown(foreign)}); they would be lost: "
+            "pass a new or empty directory"
+        )
+    raise OutputPathError(
+        f"{what} {out!r} is a model directory occult_ft did not write; pass a new or empty directory"
+    )
+
+
+# ---- reading ----------------------------------------------------------------------------------------
+def _reason(exc: BaseException) -> tuple[str, str]:
+    """(what is wrong, how to fix it) of an exception raised while reading a file."""
+    if isinstance(exc, UnicodeDecodeError):
+        byte = exc.object[exc.start : exc.start + 1].hex() if exc.object else "?"
+        return (
+            f"it is not UTF-8 text (byte 0x{byte} at offset {exc.start})",
+            "convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`)",
+        )
+    if isinstance(exc, json.JSONDecodeError):
+        return f"it is not valid JSON ({exc.msg} at line {exc.lineno})", "rewrite or remove it"
+    if isinstance(exc, pickle.UnpicklingError):
+        text = " ".join(str(exc).split())
+        detail = next((part for part in text.split(". ") if "GLOBAL" in part or "global" in part), "")
+        detail = detail.split("Unsupported global: ")[-1][:120] if detail else "non-tensor objects"
+        return (
+            f"it holds Python objects that are not tensors ({detail}), which weights_only loading refuses",
+            "replace it with a file you trust; nothing in it was run",
+        )
+    if isinstance(exc, FileNotFoundError):
+        return "it does not exist", "check the path"
+    if isinstance(exc, IsADirectoryError):
+        return "it is a directory", "pass a file"
+    if isinstance(exc, PermissionError):
+        return "permission denied", "make it readable (chmod) or pass another copy"
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc), "check the file"
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    lowered = text.lower()
+    if type(exc).__name__ == "SafetensorError" or "deserializ" in lowered or "header" in lowered:
+        return (
+            f"it is not a complete safetensors file ({text[:160]})",
+            "it is truncated or not a safetensors file: write or download it again",
+        )
+    if isinstance(exc, EOFError):
+        return f"it is incomplete ({text[:160]})", "it is truncated: write or download it again"
+    if "zip" in lowered or "pickle" in lowered:
+        return (
+            f"it is not a complete torch file ({text.split('. ')[0][:160]})",
+            "it is truncated: write it again",
+        )
+    return text[:200], "check the file"
+
+
+def read_error(path: str | os.PathLike, exc: BaseException, fix: str | None = None) -> ReadError:
+    """The one-line `ReadError` for `exc`, raised while reading `path` (`fix` overrides the default)."""
+    reason, default_fix = _reason(exc)
+    return ReadError(f"could not read {os.fspath(path)}: {reason}; {fix or default_fix}")
+
+
+_READ_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    UnicodeDecodeError,
+    ValueError,  # json.JSONDecodeError is one
+    pickle.UnpicklingError,
+    EOFError,
+    RuntimeError,  # torch: "PytorchStreamReader failed reading zip archive"
+)
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return _READ_ERRORS
+    return (*_READ_ERRORS, SafetensorError)
+
+
+@contextlib.contextmanager
+def reading(path: str | os.PathLike, fix: str | None = None) -> Iterator[None]:
+    """Within the context, an error reading `path` becomes one `ReadError` line naming it (errors that
+    already name what is wrong, `ReadError` and other occult_ft errors raised inside, pass through)."""
+    try:
+        yield
+    except ReadError:
+        raise
+    except _read_errors() as exc:
+        if isinstance(exc, ValueError) and not isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)):
+            if type(exc).__module__.startswith("occult_ft"):
+                raise  # one of ours: it already names the value and the fix
+        raise read_error(path, exc, fix) from None
+
+
+def _first_unreadable(directory: str) -> tuple[str, BaseException] | None:
+    """The first weights or state file in `directory` that cannot be read, with its error: safetensors
+    headers are opened, torch files loaded with weights_only (nothing in them runs)."""
+    import torch
+
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path) or name == "training_args.bin":  # a pickled config, never loaded
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(path, framework="pt"):
+                    pass
+            elif name.endswith((".pt", ".pth", ".bin")):
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except _read_errors() as exc:
+            return path, exc
+    return None
+
+
+@contextlib.contextmanager
+def reading_directory(directory: str | os.PathLike, fix: str | None = None) -> Iterator[None]:
+    """`reading` for a library call that reads many files of a checkpoint `directory` (transformers'
+    `from_pretrained`, Trainer's resume): an error reading one of them is one `ReadError` naming the
+    file that cannot be read (found by opening each), or the directory when none can be singled out."""
+    try:
+        yield
+    except ReadError:
+        raise
+    except _read_errors() as exc:
+        is_safetensors = type(exc).__name__ == "SafetensorError"
+        if not (is_safetensors or isinstance(exc, (pickle.UnpicklingError, EOFError, UnicodeDecodeError))):
+            raise  # transformers' own errors (a missing file, a bad config) already say what is wrong
+        directory = os.fspath(directory)
+        found = _first_unreadable(directory) if os.path.isdir(directory) else None
+        raise read_error(*(found or (directory, exc)), fix) from None
+
+
+def read_text(path: str | os.PathLike, fix: str | None = None) -> str:
+    """The UTF-8 text of `path` (`ReadError` when missing or not UTF-8)."""
+    with reading(path, fix):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
 
 
 def read_json_object(path: str | os.PathLike) -> dict:
-    """The JSON object stored at `path`; a broken file or another JSON type is a one-line ValueError."""
-    try:
-        with open(path) as f:
+    """The JSON object stored at `path`; a broken file or another JSON type is a one-line ReadError."""
+    with reading(path):
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); rewrite or remove it"
-        ) from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object; rewrite or remove it")
+        raise ReadError(
+            f"could not read {os.fspath(path)}: it holds a JSON {type(data).__name__}, not an object; "
+            "rewrite or remove it"
+        )
     return data
+
+
+def load_safetensors(path: str | os.PathLike, device: str = "cpu") -> dict:
+    """All tensors of a safetensors file (`ReadError` naming it when it is truncated or not one)."""
+    from safetensors.torch import load_file
+
+    with reading(path):
+        return load_file(os.fspath(path), device=device)
+
+
+def torch_load(path: str | os.PathLike, **kwargs):
+    """`torch.load(path, weights_only=True)`: tensors and plain containers only, never code; a file
+    holding anything else is refused in one `ReadError` line naming it."""
+    import torch
+
+    kwargs["weights_only"] = True
+    with reading(path):
+        return torch.load(os.fspath(path), **kwargs)

@@ -63,6 +63,13 @@ DEFAULT_IGNORE_PATTERNS = (
     "optimizer.pt",
     "scheduler.pt",
     "rng_state*.pth",
+    # training state may hold secrets (a pickled TrainingArguments carries its hub_token): pass your own
+    # ignore_patterns to upload it on purpose
+    "training_args.bin",
+    "optimizer.bin",
+    "scaler.pt",
+    "optimizer_expert_shard_*.pt",
+    "global_step*/*",
     "__pycache__/*",
     ".cache/*",
 )

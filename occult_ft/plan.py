@@ -9,9 +9,11 @@ What each GPU holds, in bytes:
   (`modules_to_save`, in the weights' dtype).
 - **gradients**: one per trainable parameter, in its dtype (`train_mode`: `full` = all, `moe` = the MoE
   blocks, `lora` = adapters + router copies).
-- **optimizer states**: AdamW's two moments, in the parameter's dtype (what `torch.optim.AdamW` allocates:
-  bf16 weights -> 4 B per trainable parameter, no float32 master copy) plus its 4-byte `step` per
-  tensor. Under DeepSpeed with bf16/fp16 the engine keeps a float32 master copy and float32 moments
+- **optimizer states**: AdamW's two moments, float32 (8 B per trainable parameter), plus for 16-bit
+  weights the 2-byte Kahan compensation of `occult_ft.trainer.optim.CompensatedAdamW`, which
+  `OccultTrainer` uses in place of `torch.optim.AdamW` so that bf16 runs lose no update to rounding
+  (bf16 weights: 10 B per trainable parameter; with the weight and its gradient, 14 B), plus a 4-byte
+  `step` per tensor; other optimizers as they allocate (8-bit: int8 moments, SGD: none). Under DeepSpeed with bf16/fp16 the engine keeps a float32 master copy and float32 moments
   (12 B per trainable parameter); ZeRO-1/2 partition them over the data-parallel ranks: the replicated
   parameters' over all GPUs, the experts' over the expert-data-parallel group (GPUs / D). ZeRO-2 also
   partitions the (float32) gradients.
@@ -44,6 +46,7 @@ from .models.registry import find_moe_layers
 
 __all__ = [
     "GIB",
+    "COMPENSATED_OPTIMS",
     "ModelCounts",
     "Plan",
     "count_params",
@@ -56,6 +59,9 @@ __all__ = [
 GIB = 1024**3
 HEADROOM = 0.10  # kept free for the CUDA context, allocator fragmentation and temporary buffers
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+#: `optim` values whose optimizer is `torch.optim.AdamW`, which OccultTrainer replaces by
+#: `CompensatedAdamW` (occult_ft.trainer.optim.choose_optimizer): float32 moments, compensated 16-bit weights
+COMPENSATED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
 
 # ---- the model's parameters -------------------------------------------------------------------------
@@ -301,6 +307,9 @@ def _optimizer_bytes(s: Setup, trainable: Group, param_bytes: int) -> int:
         )  # int8 moments (+ per-tensor quantisation, approx.)
     if s.optim.startswith("sgd"):
         return 0
+    if s.optim in COMPENSATED_OPTIMS:  # CompensatedAdamW: fp32 moments (+ compensation for 16-bit weights)
+        compensation = param_bytes if param_bytes < 4 else 0
+        return (8 + compensation) * trainable.numel + 4 * trainable.tensors
     return 2 * param_bytes * trainable.numel + 4 * trainable.tensors  # exp_avg, exp_avg_sq, step
 
 

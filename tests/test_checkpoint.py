@@ -217,13 +217,14 @@ def test_interrupted_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeyp
 def test_atomic_directory_replaces_whole_and_cleans_leftovers(tmp_path):
     target = tmp_path / "d"
     target.mkdir()
-    (target / "old.txt").write_text("old")
+    (target / "occult_config.json").write_text("{}")  # an occult_ft adapter ...
+    (target / "adapter_model.safetensors").write_text("old")  # ... whose stale weights must go
     (tmp_path / ".d.tmp-leftover").mkdir()  # an earlier write killed with -9
     with atomic_directory(target) as tmp:
-        with open(os.path.join(tmp, "new.txt"), "w") as f:
+        with open(os.path.join(tmp, "model.safetensors"), "w") as f:
             f.write("new")
-        assert (target / "old.txt").exists()  # readers still see the old one while writing
-    assert sorted(os.listdir(target)) == ["new.txt"]
+        assert (target / "adapter_model.safetensors").exists()  # readers see the old one meanwhile
+    assert sorted(os.listdir(target)) == ["model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["d"]
 
 
@@ -257,7 +258,7 @@ def test_check_output_path_refuses_outputs_that_destroy_an_input(tmp_path, monke
     with pytest.raises(OutputPathError, match="would overwrite the input"):
         check_output_path(out, *inputs)
     check_output_path("elsewhere", *inputs)  # a new sibling is fine
-    check_output_path("model", "org/hub-id")  # Hub ids are not local inputs
+    check_output_path("model", "org/hub-id", directory=True)  # Hub ids are not local inputs
 
 
 def test_a_nan_similarity_table_is_refused():

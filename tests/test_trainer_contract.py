@@ -23,7 +23,9 @@ PRIVATE_HOOKS = {
     "_load_optimizer_and_scheduler": "reads this rank's expert optimizer state",
     "_load_best_model": "loads the best checkpoint like a resumed one",
     "_clip_grad_norm": "clips by the norm of the whole expert-parallel model",
-    "_get_grad_norm": "reports that norm",
+    "_get_grad_norm": "reports that norm, and stops the run at a non-finite loss or norm",
+    "_load_rng_state": "names the file when a checkpoint's RNG state cannot be read",
+    "_run_epoch": "takes no step when resumed from a checkpoint already at max_steps",
 }
 
 

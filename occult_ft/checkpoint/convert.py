@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 
-from ..fileio import OutputPathError, atomic_directory, check_output_path
+from ..fileio import CONVERTED_MARK, OutputPathError, atomic_directory, check_output_path
 
 __all__ = [
     "DEEPSEEK_MODEL_TYPE",
@@ -280,7 +280,7 @@ def _write_weights(reader: _ShardReader, cfg: dict, dst: str, zeros_like) -> Non
         os.replace(os.path.join(dst, name), os.path.join(dst, new_name))
         final[name] = new_name
     index = {
-        "metadata": {"total_size": total},
+        "metadata": {"total_size": total, CONVERTED_MARK: DEEPSEEK_MODEL_TYPE},  # fileio: ours to replace
         "weight_map": {k: final[v] for k, v in sorted(weight_map.items())},
     }
     with open(os.path.join(dst, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
@@ -334,7 +334,7 @@ def convert_deepseek_moe(model: str, out: str, overwrite: bool = False) -> str:
     src = _local_checkpoint(model)
     out = os.path.abspath(os.path.expanduser(out))
     try:
-        check_output_path(out, src, what="--out")
+        check_output_path(out, src, what="--out", directory=True)
     except OutputPathError as exc:
         raise ConversionError(str(exc)) from None
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fileio import atomic_save, atomic_write_text, read_json_object
+from ..fileio import atomic_save, atomic_write_text, load_safetensors, read_json_object
 from ..models.registry import config_num_experts, lookup_arch, unwrap_model
 from ..placement import Placement
 from ..routing import PruningConfig
@@ -414,9 +414,7 @@ def read_similarity(path: str) -> dict[int, torch.Tensor] | None:
     file = os.path.join(path, SIMILARITY_FILE)
     if not os.path.isfile(file):
         return None
-    from safetensors.torch import load_file
-
-    return {int(k.split(".")[1]): v for k, v in load_file(file).items()}
+    return {int(k.split(".")[1]): v for k, v in load_safetensors(file).items()}
 
 
 def write_similarity(out_dir: str, similarity: dict[int, torch.Tensor] | None) -> None:

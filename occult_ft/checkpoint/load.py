@@ -11,7 +11,7 @@ from transformers.utils import logging
 
 from ..apply import apply_occult, permute_state_dict, placed_similarity
 from ..embedded import embedded_model_path
-from ..fileio import read_json_object
+from ..fileio import ReadError, read_json_object, reading_directory, recover_directory
 from ..models.registry import get_arch
 from ..routing import PruningConfig
 from .convert import maybe_convert
@@ -57,6 +57,7 @@ def resolve_model_path(path: str) -> str:
     """`embedded` -> the shipped base model's directory; local directories -> absolute paths."""
     if path == "embedded":
         return embedded_model_path()
+    recover_directory(path)  # a checkpoint whose directory swap was interrupted: finished first
     return os.path.abspath(path) if os.path.isdir(path) else path
 
 
@@ -104,8 +105,11 @@ def load_model_and_tokenizer(path: str, dtype=None, warn_pruned: bool = True, **
     path = maybe_convert(resolve_model_path(path))  # absolute; DeepSeek-MoE -> its qwen2_moe conversion
     _check_exists(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **kwargs)
+        with reading_directory(path):  # a truncated model.safetensors: one line naming it
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **kwargs)
     except (OSError, ValueError, KeyError) as exc:
+        if isinstance(exc, ReadError):
+            raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"cannot load model {path!r}: {first}") from None
     get_arch(model)  # unsupported types fail here, with the list of supported ones

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from ..fileio import atomic_directory
+from ..fileio import atomic_directory, umask_modes
 from ..models.registry import NATIVE_ROUTING_FIELDS, get_arch, unwrap_model
 from ..routing import PruningConfig, router_similarity
 from .card import is_occult_card, write_model_card
@@ -100,6 +100,7 @@ def _save_pretrained_with_occult(self, save_directory, *args, **kwargs):
         with occult_config_fields(self.config, block, save_directory):
             result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     if kwargs.get("is_main_process", True):
+        umask_modes(os.fspath(save_directory))  # safetensors writes the weights 0600
         write_similarity(os.fspath(save_directory), router_similarity(self))
         if block is not None:
             _write_card(os.fspath(save_directory))

@@ -15,6 +15,7 @@ import sys
 __all__ = [
     "standalone",
     "load_data",
+    "load_args_data",
     "data_batches",
     "add_model_data_args",
     "positive_int",
@@ -63,18 +64,36 @@ def add_model_data_args(
         f"its split name; a single file has none (default: {embedded_split} for 'embedded', else train)",
     )
     p.set_defaults(embedded_split=embedded_split)
+    p.add_argument(
+        "--skip-invalid-rows",
+        action="store_true",
+        help="skip data rows that do not fit the file's layout (counted) instead of stopping at the first",
+    )
     p.add_argument("--max-tokens", type=positive_int, default=max_tokens, help="stop after this many tokens")
     p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence")
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
 
 
-def load_data(data: str, split: str | None = None, embedded_split: str = "eval"):
-    """The raw dataset behind a --data value and its --split (checked before any model is loaded)."""
+def load_data(
+    data: str, split: str | None = None, embedded_split: str = "eval", skip_invalid_rows: bool = False
+):
+    """The raw dataset behind a --data value and its --split (checked before any model is loaded; rows
+    that do not fit its layout are an error, or skipped and counted with `skip_invalid_rows`)."""
     from ..data import load_text_dataset
 
     if data == "embedded":
         return load_text_dataset("embedded", split=split or embedded_split)
-    return load_text_dataset(data, split=split)
+    return load_text_dataset(data, split=split, skip_invalid_rows=skip_invalid_rows)
+
+
+def load_args_data(args):
+    """`load_data` of a command's parsed --data, --split and --skip-invalid-rows."""
+    return load_data(
+        args.data,
+        getattr(args, "split", None),
+        getattr(args, "embedded_split", "eval"),
+        getattr(args, "skip_invalid_rows", False),
+    )
 
 
 def data_batches(

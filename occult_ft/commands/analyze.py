@@ -17,7 +17,7 @@ from ._common import (
     add_model_data_args,
     check_hub_sources,
     data_batches,
-    load_data,
+    load_args_data,
     note_data_ran_out,
     positive_int,
     quiet_deepspeed_accelerator,
@@ -139,6 +139,10 @@ def analyze_model(
 
 
 def run(args) -> int:
+    from ..fileio import check_output_path
+
+    if args.plot is not None:
+        check_output_path(args.plot, args.model, args.data, what="--plot")
     if args.devices % args.nodes:
         divisors = [n for n in range(1, args.devices + 1) if args.devices % n == 0]
         raise ValueError(
@@ -151,7 +155,7 @@ def run(args) -> int:
             "(the one `occult-ft place` read), or --criterion score"
         )
     check_hub_sources("analyze", models=[args.model], datasets=[args.data])
-    data = load_data(args.data, args.split, args.embedded_split)
+    data = load_args_data(args)
 
     quiet_deepspeed_accelerator()
     from ..apply import profile_similarity, resolve_placement

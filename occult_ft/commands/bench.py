@@ -24,7 +24,7 @@ from ._choices import BENCH_BACKENDS, BENCH_DTYPES, CLUSTER_PRESETS
 from ._common import (
     check_hub_sources,
     data_batches,
-    load_data,
+    load_args_data,
     phase,
     positive_int,
     quiet_deepspeed_accelerator,
@@ -150,7 +150,7 @@ def build_workload(args, settings):
     from ..models import find_moe_layers
 
     check_hub_sources("bench", models=[args.model], datasets=[args.data])
-    data = load_data(args.data)
+    data = load_args_data(args)
     phase("bench", f"routing {args.model} over {args.max_tokens} tokens of {args.data}")
     model, tokenizer = load_model_and_tokenizer(args.model)
     first = find_moe_layers(model)[0]
@@ -175,7 +175,10 @@ def run(args) -> int:
     quiet_deepspeed_accelerator()
     from ..bench import DEFAULT_BUDGETS, BenchSettings, format_report, run_benchmark
     from ..bench.costmodel import get_cluster
+    from ..fileio import check_output_path
 
+    if args.plot is not None:
+        check_output_path(args.plot, what="--plot")
     settings = BenchSettings(
         devices=args.devices,
         nodes=args.nodes,
@@ -191,6 +194,7 @@ def run(args) -> int:
     workload = build_workload(args, settings)
     budgets = list(DEFAULT_BUDGETS) + ([args.max_devices_per_token] if args.max_devices_per_token else [])
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
+
     def announce() -> None:
         where = "gloo, CPU" if args.cpu else "GPUs if present"
         phase(

@@ -26,7 +26,7 @@ from ._common import (
     add_model_data_args,
     check_hub_sources,
     data_batches,
-    load_data,
+    load_args_data,
     note,
     positive_int,
     quiet_deepspeed_accelerator,
@@ -99,7 +99,7 @@ def run(args) -> int:
     taken = run_defaults(args, recorded_run_settings(describe_checkpoint(path)))
     if taken:
         note("eval", f"evaluating with the training run's settings: {', '.join(taken)}")
-    data = load_data(args.data, args.split, args.embedded_split)
+    data = load_args_data(args)
 
     import torch
     from tqdm.auto import tqdm

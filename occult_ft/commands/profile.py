@@ -10,7 +10,7 @@ from ._common import (
     add_model_data_args,
     check_hub_sources,
     data_batches,
-    load_data,
+    load_args_data,
     note_data_ran_out,
     positive_int,
     quiet_deepspeed_accelerator,
@@ -41,7 +41,7 @@ def run(args) -> int:
 
     check_output_path(args.out, args.model, args.data, what="--out")
     check_hub_sources("profile", models=[args.model], datasets=[args.data])
-    data = load_data(args.data, args.split, args.embedded_split)
+    data = load_args_data(args)
 
     quiet_deepspeed_accelerator()
     from ..checkpoint.load import load_model_and_tokenizer

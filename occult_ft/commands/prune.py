@@ -54,7 +54,7 @@ def add_parser(sub):
 def run(args) -> int:
     from ..fileio import check_output_path
 
-    check_output_path(args.out, args.model, args.placement, args.profile, what="--out")
+    check_output_path(args.out, args.model, args.placement, args.profile, what="--out", directory=True)
     budget = args.max_devices_per_token is not None or args.max_nodes_per_token is not None
     if budget and args.criterion == "similarity" and args.profile is None:
         raise ValueError(

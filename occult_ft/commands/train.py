@@ -61,6 +61,7 @@ FIELD_GROUPS = {
         "seq_len",
         "packing",
         "response_only",
+        "skip_invalid_rows",
     ),
     "placement and pruning": (
         "devices",
@@ -279,13 +280,15 @@ def load_recipe(path: str, parser) -> dict:
             f"recipe {path!r} does not exist; pass a YAML file of OccultConfig fields or a shipped recipe "
             f"name ({', '.join(sorted(shipped_recipes()))})"
         )
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise ValueError(f"recipe {path!r} is not valid YAML{where}") from None
+    from ..fileio import read_text
+
+    text = read_text(path)  # one line naming the recipe when it is not UTF-8 text
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"recipe {path!r} is not valid YAML{where}") from None
     if not isinstance(data, dict):
         raise ValueError(f"recipe {path!r} holds a {type(data).__name__}; expected a mapping of field: value")
     actions = {a.dest: a for a in parser._actions}
@@ -303,6 +306,12 @@ def load_recipe(path: str, parser) -> dict:
                 raise ValueError(
                     f"recipe {path!r}: {name}={value!r} is not a valid {convert.__name__}"
                 ) from None
+        if convert in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            if value is not None or actions[name].default is not None:
+                raise ValueError(
+                    f"recipe {path!r}: {name}={value!r} is not a {'number' if convert is float else 'whole number'}; "
+                    f"write one value, e.g. {name}: {actions[name].default!r}"
+                )
         values[name] = value
     return values
 

@@ -12,6 +12,7 @@ import os
 
 from ..checkpoint.convert import DEEPSEEK_MODEL_TYPE, convert_config
 from ..checkpoint.load import resolve_model_path
+from ..fileio import read_json_object
 
 __all__ = ["as_config", "load_model_config", "shipped_config_path"]
 
@@ -46,11 +47,7 @@ def _read_json(path: str) -> dict:
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"config {path!r} does not exist; pass a config.json file or a model directory")
-    with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except ValueError:
-            raise ValueError(f"config {path!r} is not valid JSON") from None
+    return read_json_object(path)  # one line naming the file when it is not a JSON object
 
 
 def load_model_config(model: str | None, config: str | None = None):

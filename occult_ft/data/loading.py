@@ -18,24 +18,35 @@ Layouts (the columns of the returned rows; `dataset_layout` names them), the sha
     instruction             `instruction` + `output` (+ optional `input`): Alpaca rows
     prompt                  `prompt` + `completion`: strings, or lists of chat messages
     messages                `messages`: a list of {"role", "content"} (rendered by the chat template)
+
+Every row is checked against the layout its source is read with (a file: that of its first row; a
+dataset: that of its columns) by the one row validator of `occult_ft.data.rows`: blank rows are dropped
+with a printed count; a row that does not fit (a text row in an Alpaca file, a missing `output`, a
+number where text belongs) is a `DataError` naming the file, the row and the field, or, with
+`skip_invalid_rows=True`, skipped with a printed count. Files that are not UTF-8 are one `ReadError`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict, IterableDataset, load_from_disk
 
 from ..embedded import EMBEDDED_SPLITS, embedded_data_path
+from ..fileio import read_text, reading
+from .rows import LAYOUT_FIELDS, DataError, RowCheck, normalise_row
 
 __all__ = [
     "DataError",
     "EMBEDDED",
     "IGNORE_INDEX",
     "LAYOUTS",
+    "check_rows",
     "dataset_columns",
     "dataset_layout",
     "load_text_dataset",
@@ -48,13 +59,8 @@ LAYOUTS = ("text", "instruction", "prompt", "messages")
 _FILE_SUFFIXES = (".txt", ".jsonl", ".json")
 # suffixes that mark a source as a file path even when it does not exist (never a Hub id)
 _PATH_LIKE_SUFFIXES = _FILE_SUFFIXES + (".csv", ".tsv", ".parquet", ".arrow", ".gz", ".zip", ".md")
-_INSTRUCTION_FIELDS = ("instruction", "input", "output")
 _TEXT_FIELDS = ("text", "content")
 _SOURCE_HELP = "pass a .txt/.jsonl/.json file, a saved dataset directory or a Hub dataset id"
-
-
-class DataError(ValueError):
-    """A data source or layout occult_ft cannot use; the message names the value and the fix."""
 
 
 # ---- loading -----------------------------------------------------------------------------------
@@ -71,42 +77,122 @@ def _split_documents(text: str, chunk_chars: int | None) -> list[str]:
     return [doc.strip("\n").rstrip() for doc in re.split(r"\n[ \t]*\n", text) if doc.strip()]
 
 
-def _read_json_rows(path: Path) -> list[dict]:
-    if path.suffix.lower() == ".jsonl":
-        rows = []
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise DataError(
-                        f"line {number} of '{path}' is not valid JSON ({err.msg}); "
-                        "a .jsonl file holds one JSON object per line"
-                    ) from None
-    else:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise DataError(f"'{path}' is not valid JSON ({err.msg} at line {err.lineno})") from None
-        if isinstance(data, dict):
-            lists = [value for value in data.values() if isinstance(value, list)]
-            if len(lists) != 1:
-                raise DataError(
-                    f"'{path}' holds a JSON object with {len(lists)} lists; "
-                    "expected a list of rows or an object with exactly one list of rows"
-                )
-            data = lists[0]
-        if not isinstance(data, list):
-            raise DataError(f"'{path}' holds a JSON {type(data).__name__}; expected a list of rows")
-        rows = data
-    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
-    if bad is not None:
+def _parse_jsonl_line(path: Path, number: int, line: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
         raise DataError(
-            f"row {bad} of '{path}' is a {type(rows[bad]).__name__}, not a JSON object with fields"
+            f"line {number} of '{path}' is not valid JSON ({err.msg}); a .jsonl file holds one JSON object per line"
+        ) from None
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed row) of each non-blank line, read lazily (errors name the file)."""
+    with reading(path), path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                yield number, _parse_jsonl_line(path, number, line)
+
+
+def _json_rows(path: Path) -> list[tuple[int, object]]:
+    """(index, row) of a .json file holding a list of rows (or an object holding exactly one list)."""
+    try:
+        data = json.loads(read_text(path))
+    except json.JSONDecodeError as err:
+        raise DataError(f"'{path}' is not valid JSON ({err.msg} at line {err.lineno})") from None
+    if isinstance(data, dict):
+        lists = [value for value in data.values() if isinstance(value, list)]
+        if len(lists) != 1:
+            raise DataError(
+                f"'{path}' holds a JSON object with {len(lists)} lists; "
+                "expected a list of rows or an object with exactly one list of rows"
+            )
+        data = lists[0]
+    if not isinstance(data, list):
+        raise DataError(f"'{path}' holds a JSON {type(data).__name__}; expected a list of rows")
+    return list(enumerate(data))
+
+
+def _check_object(path: Path, unit: str, number: int, row) -> dict:
+    if not isinstance(row, dict):
+        raise DataError(
+            f"{unit} {number} of '{path}' is a {type(row).__name__}, not a JSON object with fields"
         )
-    return rows
+    return row
+
+
+def _layout_of(columns, source: str, text_field: str | None) -> tuple[str, str]:
+    """(layout, text field) of a source with these columns; DataError naming the source otherwise."""
+    columns = list(columns)
+    if text_field is not None and text_field not in columns:
+        raise DataError(f"text_field {text_field!r} is not a field of '{source}'; fields found: {columns}")
+    try:
+        layout = dataset_layout(columns, text_field)
+    except DataError:
+        raise DataError(
+            f"'{source}' has fields {columns}; expected 'text' (or 'content', or pass text_field=...) "
+            "for plain text, 'instruction' + 'output' (+ 'input') or 'prompt' + 'completion' for "
+            "instruction data, or 'messages' for conversations"
+        ) from None
+    if layout == "tokenized":
+        raise DataError(
+            f"'{source}' is already tokenized (it has input_ids); pass it to OccultTrainer directly"
+        )
+    field = text_field or next((name for name in _TEXT_FIELDS if name in columns), "text")
+    return layout, field
+
+
+def _empty(source: str, check: RowCheck | None = None) -> DataError:
+    detail = ""
+    if check is not None and (check.blank or check.skipped):
+        detail = f": {check.blank} blank rows, {check.skipped} skipped"
+    layout = check.layout if check is not None else "usable"
+    return DataError(f"dataset '{source}' is empty (no row with non-empty {layout} fields{detail})")
+
+
+def _rows_dataset(
+    path: Path, rows: Iterable[tuple[int, object]], unit: str, text_field, skip_invalid_rows: bool
+) -> Dataset:
+    """A `Dataset` of the rows that fit the layout of the first row (the others: `RowCheck`)."""
+    rows = iter(rows)
+    first = next(rows, None)
+    if first is None:
+        raise DataError(f"dataset '{path}' is empty (the file holds no rows)")
+    first_row = _check_object(path, unit, *first)
+    layout, field = _layout_of(list(first_row), str(path), text_field)
+    check = RowCheck(str(path), layout, field, skip_invalid_rows, unit, why=f"as its first {unit} is")
+    kept = []
+    for number, row in itertools.chain([first], rows):
+        row = _check_object(path, unit, number, row)
+        if check.keep(row, number):
+            kept.append(normalise_row(row, layout, field))
+    check.report()
+    if not kept:
+        raise _empty(str(path), check)
+    return Dataset.from_list(kept)
+
+
+def _streamed_jsonl(path: Path, text_field, skip_invalid_rows: bool) -> IterableDataset:
+    """A .jsonl file as a stream: its first row fixes the layout, every row is checked as it is read."""
+    first = next(_jsonl_rows(path), None)
+    if first is None:
+        raise DataError(f"dataset '{path}' is empty (the file holds no rows)")
+    layout, field = _layout_of(list(_check_object(path, "line", *first)), str(path), text_field)
+    stream = IterableDataset.from_generator(
+        _checked_stream,
+        gen_kwargs={"path": str(path), "layout": layout, "field": field, "skip": skip_invalid_rows},
+    )
+    if next(iter(stream), None) is None:  # reads up to the first usable row (all of it when none)
+        raise DataError(f"dataset '{path}' is empty (no row with non-empty {layout} fields)")
+    return stream
+
+
+def _checked_stream(path: str, layout: str, field: str, skip: bool) -> Iterator[dict]:
+    check = RowCheck(path, layout, field, skip, "line", why="as its first line is")
+    for number, row in _jsonl_rows(Path(path)):
+        if check.keep(_check_object(Path(path), "line", number, row), number):
+            yield normalise_row(row, layout, field)
+    check.report()
 
 
 def _load_saved(path: Path, split: str | None) -> Dataset:
@@ -114,7 +200,8 @@ def _load_saved(path: Path, split: str | None) -> Dataset:
         (path / marker).is_file() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")
     ):
         raise DataError(f"directory '{path}' is not a dataset saved with save_to_disk; {_SOURCE_HELP}")
-    loaded = load_from_disk(str(path))
+    with reading(path, fix="save it again with save_to_disk"):
+        loaded = load_from_disk(str(path))
     if isinstance(loaded, DatasetDict):
         name = split or "train"
         if name not in loaded:
@@ -182,52 +269,40 @@ def dataset_layout(columns, text_field: str | None = None) -> str:
     )
 
 
-def _is_messages(value) -> bool:
-    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+def check_rows(ds, source: str, text_field: str | None = None, skip_invalid_rows: bool = False):
+    """A dataset (saved, Hub, streamed or not, or rows a user built) reduced to the columns of its
+    layout, every row checked by `occult_ft.data.rows.RowCheck` (blank rows dropped and counted, rows
+    that do not fit an error naming `source`, the row and the field, or skipped and counted).
 
-
-def _normalise(ds, source: str, text_field: str | None):
-    """Reduce `ds` to the columns of its layout (see the module docstring), dropping empty rows."""
-    columns = dataset_columns(ds)
-    if text_field is not None and text_field not in columns:
-        raise DataError(f"text_field {text_field!r} is not a field of '{source}'; fields found: {columns}")
-    try:
-        layout = dataset_layout(columns, text_field)
-    except DataError:
-        raise DataError(
-            f"'{source}' has fields {columns}; expected 'text' (or 'content', or pass text_field=...) "
-            "for plain text, 'instruction' + 'output' (+ 'input') or 'prompt' + 'completion' for "
-            "instruction data, or 'messages' for conversations"
-        ) from None
-    if layout == "tokenized":
-        raise DataError(
-            f"'{source}' is already tokenized (it has input_ids); pass it to OccultTrainer directly"
-        )
+    Raises:
+        DataError: no known layout, a row that does not fit it, or no row left.
+    """
     streamed = isinstance(ds, IterableDataset)
-    if layout == "text":
-        name = text_field or next(name for name in _TEXT_FIELDS if name in columns)
-        ds = ds.select_columns([name])
-        if name != "text":
-            ds = ds.rename_column(name, "text")
-        ds = ds.filter(lambda row: isinstance(row["text"], str) and row["text"].strip() != "")
-    elif layout == "instruction":
-        ds = ds.select_columns([c for c in _INSTRUCTION_FIELDS if c in columns])
-        ds = ds.map(lambda row: {k: "" if row.get(k) is None else str(row[k]) for k in _INSTRUCTION_FIELDS})
-        ds = ds.filter(lambda row: row["instruction"].strip() != "" and row["output"].strip() != "")
-    elif layout == "prompt":
-        ds = ds.select_columns(["prompt", "completion"])
-        ds = ds.filter(
-            lambda row: all(
-                (isinstance(row[k], str) and row[k].strip() != "") or (_is_messages(row[k]) and row[k])
-                for k in ("prompt", "completion")
-            )
-        )
-    else:
-        ds = ds.select_columns(["messages"])
-        ds = ds.filter(lambda row: _is_messages(row["messages"]) and len(row["messages"]) > 0)
-    if not streamed and len(ds) == 0:
-        raise DataError(f"dataset '{source}' is empty (no row with non-empty {layout} fields)")
-    return ds
+    columns = dataset_columns(ds)
+    if streamed and not columns:
+        raise DataError(f"dataset '{source}' is empty (the stream holds no rows)")
+    layout, field = _layout_of(columns, source, text_field)
+    check = RowCheck(source, layout, field, skip_invalid_rows, "row", why="as its columns are")
+    order = ("instruction", "input", "output") if layout == "instruction" else LAYOUT_FIELDS[layout][0]
+    wanted = [field] if layout == "text" else [c for c in order if c in columns]
+    ds = ds.select_columns(wanted)
+    if streamed:
+        ds = ds.filter(check.keep, with_indices=True)
+        ds = ds.map(lambda row: normalise_row(row, layout, field), remove_columns=wanted)
+        if next(iter(ds), None) is None:
+            raise _empty(source, check)
+        return ds
+    # in memory and never from a cache: the check must see every row (and write nothing beside the data)
+    ds = ds.filter(check.keep, with_indices=True, keep_in_memory=True, load_from_cache_file=False)
+    check.report()
+    if len(ds) == 0:
+        raise _empty(source, check)
+    return ds.map(
+        lambda row: normalise_row(row, layout, field),
+        remove_columns=wanted,
+        keep_in_memory=True,
+        load_from_cache_file=False,
+    )
 
 
 def load_text_dataset(
@@ -237,6 +312,7 @@ def load_text_dataset(
     *,
     chunk_chars: int | None = None,
     streaming: bool = False,
+    skip_invalid_rows: bool = False,
 ) -> Dataset | IterableDataset:
     """Load text, instruction or conversation data from a file, a saved dataset, the embedded corpus or the Hub.
 
@@ -249,14 +325,18 @@ def load_text_dataset(
         chunk_chars: `.txt` only: cut the file into chunks of this many characters instead of
             splitting it into documents at blank lines.
         streaming: return a `datasets.IterableDataset` (rows are read as they are used).
+        skip_invalid_rows: skip rows that do not fit the source's layout (a missing field, a number
+            where text belongs), printing how many, instead of raising (`occult_ft.data.rows`).
 
     Returns:
         A `datasets.Dataset` (or `IterableDataset`) with the columns of one layout: `text`;
         `instruction`, `input`, `output`; `prompt`, `completion`; or `messages`.
 
     Raises:
-        DataError: for a missing file, an unsupported extension, an unknown field layout, an empty
-            dataset or a Hub id that cannot be loaded (for example while offline).
+        DataError: for a missing file, an unsupported extension, an unknown field layout, a row that
+            does not fit the layout (naming the file, the row and the field), an empty dataset or a Hub
+            id that cannot be loaded (for example while offline).
+        ReadError: a file that is not UTF-8 text (`occult_ft.fileio`).
     """
     source_str = os.fspath(source)
     if source_str == EMBEDDED:
@@ -266,7 +346,11 @@ def load_text_dataset(
                 f"embedded split {name!r} does not exist; use one of {', '.join(EMBEDDED_SPLITS)}"
             )
         return load_text_dataset(
-            embedded_data_path(name), text_field=text_field, chunk_chars=chunk_chars, streaming=streaming
+            embedded_data_path(name),
+            text_field=text_field,
+            chunk_chars=chunk_chars,
+            streaming=streaming,
+            skip_invalid_rows=skip_invalid_rows,
         )
 
     path = Path(source_str).expanduser()
@@ -288,20 +372,16 @@ def load_text_dataset(
                 raise DataError(
                     f"text_field={text_field!r} does not apply to the plain-text file '{source_str}'"
                 )
-            docs = _split_documents(path.read_text(encoding="utf-8"), chunk_chars)
+            docs = _split_documents(read_text(path), chunk_chars)
+            if not docs:
+                raise DataError(f"dataset '{source_str}' is empty (the file holds no text)")
             ds = Dataset.from_dict({"text": docs})
-        elif suffix == ".jsonl" and streaming:
-            from datasets import load_dataset
-
-            ds = load_dataset("json", data_files=str(path), split="train", streaming=True)
-            return _normalise(ds, source_str, text_field)
-        else:
-            rows = _read_json_rows(path)
-            if not rows:
-                raise DataError(f"dataset '{source_str}' is empty (the file holds no rows)")
-            # columns from the union of all rows' keys (Dataset.from_list would take the first row's only)
-            keys = list(dict.fromkeys(key for row in rows for key in row))
-            ds = Dataset.from_dict({key: [row.get(key) for row in rows] for key in keys})
+            return ds.to_iterable_dataset() if streaming else ds
+        if suffix == ".jsonl" and streaming:
+            return _streamed_jsonl(path, text_field, skip_invalid_rows)
+        rows, unit = (_jsonl_rows(path), "line") if suffix == ".jsonl" else (_json_rows(path), "row")
+        ds = _rows_dataset(path, rows, unit, text_field, skip_invalid_rows)
+        return ds.to_iterable_dataset() if streaming else ds
     elif (
         path.suffix.lower() in _PATH_LIKE_SUFFIXES
         or source_str.startswith((".", "/", "~", "\\"))
@@ -309,6 +389,6 @@ def load_text_dataset(
     ):  # a Hub id is "name" or "owner/name"
         raise DataError(f"data file '{source_str}' does not exist; {_SOURCE_HELP}")
     else:
-        return _normalise(_load_hub(source_str, split, streaming), source_str, text_field)
-    ds = _normalise(ds, source_str, text_field)
+        return check_rows(_load_hub(source_str, split, streaming), source_str, text_field, skip_invalid_rows)
+    ds = check_rows(ds, source_str, text_field, skip_invalid_rows)
     return ds.to_iterable_dataset() if streaming else ds

@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from .loading import IGNORE_INDEX, DataError, dataset_columns, dataset_layout
+from .loading import IGNORE_INDEX, DataError, check_rows, dataset_columns, dataset_layout
 
 __all__ = [
     "PROMPT_TEMPLATE",
@@ -218,8 +218,12 @@ def tokenize_dataset(
     response_only: bool = True,
     *,
     num_proc: int | None = None,
+    text_field: str | None = None,
+    skip_invalid_rows: bool = False,
+    name: str = "the dataset",
 ):
-    """Turn the rows of `load_text_dataset` into causal-LM examples.
+    """Turn the rows of `load_text_dataset` (or rows of those layouts built by hand) into causal-LM
+    examples, after the row check every loader shares (`occult_ft.data.loading.check_rows`).
 
     Args:
         ds: a `Dataset` or `IterableDataset` of one layout: `text`; `instruction` / `input` / `output`;
@@ -236,6 +240,9 @@ def tokenize_dataset(
         response_only: all but text rows: labels are -100 on the prompt, so the loss covers the
             responses; False trains on the prompt too.
         num_proc: processes for `Dataset.map` (ignored for an `IterableDataset`).
+        text_field / skip_invalid_rows / name: the row check's (`check_rows`): the plain-text field when
+            it is neither `text` nor `content`, skip rows that do not fit the layout (counted), and the
+            name its messages give the rows.
 
     Returns:
         A dataset of the same kind with `input_ids`, `labels` and either `attention_mask` (padded to
@@ -253,7 +260,7 @@ def tokenize_dataset(
     eos, pad = _special_ids(tokenizer)
     columns = dataset_columns(ds)
     try:
-        layout = dataset_layout(columns)
+        layout = dataset_layout(columns, text_field)
     except DataError:
         raise DataError(
             "tokenize_dataset needs a 'text' column, 'instruction'/'output' or 'prompt'/'completion' columns, "
@@ -261,6 +268,8 @@ def tokenize_dataset(
         ) from None
     if layout == "tokenized":
         return ds
+    ds = check_rows(ds, name, text_field, skip_invalid_rows)  # every row fits the layout, or is counted
+    columns = dataset_columns(ds)
     streamed = isinstance(ds, IterableDataset)
     extra = {} if streamed else {"num_proc": num_proc}
     if layout == "text":
@@ -317,23 +326,35 @@ def tokenize_dataset(
     return out
 
 
-def tokenize_for_training(dataset, tokenizer, args):
+def tokenize_for_training(dataset, tokenizer, args, name: str = "the dataset given to OccultTrainer"):
     """Tokenize raw rows (any layout of `occult_ft.data.load_text_dataset`: text, instruction, prompt /
     completion, messages; a `Dataset` or a streamed `IterableDataset`) as `args` (an `OccultConfig`) says
-    (`seq_len`, `packing`, `response_only`); tokenized data (an `input_ids` column) and non-`datasets` objects are
-    returned unchanged."""
+    (`seq_len`, `packing`, `response_only`, and the row check's `text_field` / `skip_invalid_rows`;
+    `name` names the rows in its messages); tokenized data (an `input_ids` column) and non-`datasets`
+    objects are returned unchanged."""
     from datasets import Dataset, IterableDataset
 
     if not isinstance(dataset, (Dataset, IterableDataset)):
         return dataset
 
-    if dataset_layout(dataset_columns(dataset)) == "tokenized":
+    columns = dataset_columns(dataset)
+    if not columns:  # a stream that yields nothing
+        raise DataError(f"{name} yields no rows; check the data source (a streamed dataset that is empty)")
+    if dataset_layout(columns) == "tokenized":
         return dataset
     if tokenizer is None:
         raise ValueError(
             "the dataset holds raw text; pass processing_class=<tokenizer> so it can be tokenized"
         )
+    text_field = getattr(args, "text_field", None)  # loaded rows carry it renamed to `text` already
     with args.main_process_first(desc="tokenizing"):
         return tokenize_dataset(
-            dataset, tokenizer, args.seq_len, packing=args.packing, response_only=args.response_only
+            dataset,
+            tokenizer,
+            args.seq_len,
+            packing=args.packing,
+            response_only=args.response_only,
+            text_field=text_field if text_field in columns else None,
+            skip_invalid_rows=getattr(args, "skip_invalid_rows", False),
+            name=name,
         )

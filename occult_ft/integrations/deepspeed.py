@@ -68,7 +68,6 @@ Not used, and why:
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import warnings
 from collections.abc import Iterable
@@ -76,6 +75,8 @@ from functools import lru_cache
 
 import torch
 from torch import nn
+
+from ..fileio import read_json_object
 
 __all__ = [
     "MARKER_ATTRIBUTE",
@@ -227,8 +228,7 @@ def read_deepspeed_config(config) -> dict:
         raise ValueError(
             f"deepspeed={path!r} is not a file; pass the path of a DeepSpeed JSON config or a dict"
         )
-    with open(path) as f:
-        return json.load(f)
+    return read_json_object(path)  # one line naming the file when it is not a JSON object
 
 
 def check_deepspeed_config(config, expert_parallel_size: int, max_grad_norm: float | None = None) -> None:

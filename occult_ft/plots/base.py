@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..fileio import atomic_save
 from ..metrics import RoutingReport, comm_complexity_lower_bound, random_placement_comm_complexity
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def finish(fig: Figure, path: str | os.PathLike | None) -> Figure:
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise ValueError(f"cannot write figure {path!r}: directory {parent!r} does not exist")
-        fig.savefig(path, dpi=DPI, format="png")
+        atomic_save(path, lambda tmp: fig.savefig(tmp, dpi=DPI, format="png"))
     return fig
 
 

@@ -26,6 +26,7 @@ from ..apply import placed_copy
 from ..checkpoint.load import from_pretrained, load_model_and_tokenizer
 from ..data import load_text_dataset
 from ..evaluation import data_batches, evaluate_model
+from ..fileio import atomic_write_text
 from ..metrics import random_placement_comm_complexity, routing_report
 from ..models import find_moe_layers
 from ..placement import compute_placement
@@ -164,8 +165,7 @@ def run_demo(settings: DemoSettings | None = None, verbose: bool = True) -> dict
         "wall_seconds": time.perf_counter() - start,
         "log_history": run["log_history"],
     }
-    with open(os.path.join(s.output_dir, "demo_results.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    atomic_write_text(os.path.join(s.output_dir, "demo_results.json"), json.dumps(result, indent=1))
     say(
         format_rows(
             rows,
@@ -247,8 +247,7 @@ def run_quality_study(
                 }
             )
     result = {"settings": asdict(s), "rows": rows, "wall_seconds": time.perf_counter() - start}
-    with open(os.path.join(s.output_dir, "study_results.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    atomic_write_text(os.path.join(s.output_dir, "study_results.json"), json.dumps(result, indent=1))
     say(
         format_rows(
             rows, f"\nQuality study: embedded OLMoE, {s.devices} devices, {s.steps} steps per fine-tuning"

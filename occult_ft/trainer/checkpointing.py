@@ -37,8 +37,9 @@ from ..checkpoint import (
     write_similarity,
 )
 from ..checkpoint.card import base_model_reference, run_settings, set_adapter_base
+from ..fileio import read_json_object, umask_modes
 from ..integrations.peft import is_peft_model
-from ..models.registry import get_arch, unwrap_model
+from ..models.registry import config_num_experts, get_arch, unwrap_model
 from ..routing import apply_pruning
 from .expert_parallel import (
     gathered_state_dict,
@@ -49,11 +50,13 @@ from .expert_parallel import (
     save_expert_optimizer_state,
     shard_state_dict,
 )
+from .guards import check_finite_weights
 
 __all__ = [
     "run_block",
     "save_checkpoint",
     "adopt_checkpoint",
+    "check_checkpoint_model",
     "load_checkpoint_weights",
     "restore_expert_shards",
     "save_optimizer_shards",
@@ -115,6 +118,8 @@ def save_checkpoint(trainer, output_dir: str | None = None, state_dict=None, fin
         state_dict = gathered_state_dict(trainer.model, state_dict)
         if not trainer.args.should_save:
             return
+    if trainer.args.should_save:  # a diverged run is never saved as a result
+        check_finite_weights(state_dict if state_dict is not None else trainer.model.state_dict(), output_dir)
     similarity = trainer.occult.similarity
     if is_peft_model(trainer.model):
         block = run_block(trainer, placed=trainer.occult.base_placed)
@@ -141,11 +146,42 @@ def save_checkpoint(trainer, output_dir: str | None = None, state_dict=None, fin
             Trainer._save(trainer, output_dir, state_dict=state_dict)
     if trainer.args.should_save:
         write_similarity(output_dir, similarity)
+        umask_modes(output_dir)  # safetensors writes the weights 0600
 
 
 # ---- resuming -------------------------------------------------------------------------------------
+_SHAPE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+
+
+def check_checkpoint_model(model, checkpoint: str) -> None:
+    """Refuse, in one line naming the checkpoint, resuming `model` from a checkpoint of another model:
+    its config.json (a full checkpoint) or its block (a LoRA adapter) must describe `model`."""
+    base = unwrap_model(model)
+    if hasattr(base, "get_base_model"):
+        base = base.get_base_model()
+    ours = base.config.to_dict()
+    ours["num_experts"] = config_num_experts(ours)
+    path = os.path.join(checkpoint, "config.json")
+    if os.path.isfile(path):
+        theirs = read_json_object(path)
+        theirs["num_experts"] = config_num_experts(theirs)
+        fields = (*_SHAPE_FIELDS, "num_experts")
+    else:
+        block = read_block(checkpoint)
+        theirs, fields = {"model_type": block.model_type if block else None}, ("model_type",)
+    for name in fields:
+        if theirs.get(name) is not None and theirs.get(name) != ours.get(name):
+            raise ValueError(
+                f"checkpoint {checkpoint!r} is not of this run's model: its {name} is {theirs[name]!r}, the "
+                f"model's ({ours.get('_name_or_path') or ours['model_type']}) is {ours.get(name)!r}; resume "
+                "from a checkpoint of this model, or train the model the checkpoint was written for"
+            )
+
+
 def adopt_checkpoint(trainer, checkpoint: str) -> None:
-    """Make the placement and similarity tables those of `checkpoint` (its weights follow them)."""
+    """Make the placement and similarity tables those of `checkpoint` (its weights follow them), after
+    checking that it is a checkpoint of the run's model (`check_checkpoint_model`)."""
+    check_checkpoint_model(trainer.model, checkpoint)
     block, similarity = read_block(checkpoint), read_similarity(checkpoint)
     theirs = block_placement(block, get_arch(unwrap_model(trainer.model)).model_type)
     ours = trainer.occult.placement

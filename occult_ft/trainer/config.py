@@ -12,19 +12,32 @@ bad value and the fix; unknown choices come with the closest valid spelling.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import difflib
+import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
 from ..configs import load_model_config
+from ..fileio import check_output_path
 from ..integrations.deepspeed import check_deepspeed_config
 from ..models.registry import config_num_experts
 from ..placement import PLACEMENT_ALGORITHMS
 from ..routing import CRITERIA, GATE_WEIGHT_POLICIES, PruningConfig, check_pruning_settings
 
-__all__ = ["OccultConfig", "TRAIN_MODES", "PLACEMENT_MODES", "MODEL_DTYPES", "check_before_loading"]
+__all__ = [
+    "OccultConfig",
+    "TRAIN_MODES",
+    "PLACEMENT_MODES",
+    "MODEL_DTYPES",
+    "check_before_loading",
+    "check_output_dir",
+]
 
 TRAIN_MODES = ("full", "moe", "lora")
 PLACEMENT_MODES = ("auto", "sequential")
@@ -52,8 +65,9 @@ class OccultConfig(TrainingArguments):
         model_name_or_path: base model (local directory, Hub id, `embedded`, a pruned checkpoint or a
             LoRA adapter directory written by `OccultTrainer`).
         model_dtype: dtype the weights are loaded in.
-        dataset / dataset_split / text_field / streaming: training data, read by
-            `occult_ft.data.load_text_dataset`.
+        dataset / dataset_split / text_field / streaming / skip_invalid_rows: training data, read by
+            `occult_ft.data.load_text_dataset` (rows that do not fit its layout are an error, or skipped
+            with a count printed).
         eval_dataset / eval_dataset_split: optional held-out data.
         seq_len / packing / response_only: tokenisation (`occult_ft.data.tokenize_dataset`).
 
@@ -141,6 +155,13 @@ class OccultConfig(TrainingArguments):
         metadata={
             "help": "Read `dataset` as a stream (datasets.IterableDataset: Hub ids and .jsonl files are read "
             "as used); needs max_steps."
+        },
+    )
+    skip_invalid_rows: bool = field(
+        default=False,
+        metadata={
+            "help": "Skip data rows that do not fit the layout the file is read with (a missing or non-text "
+            "field), printing how many; default: such a row is an error naming the file, the row and the field."
         },
     )
     seq_len: int = field(default=512, metadata={"help": "Tokens per training example."})
@@ -277,11 +298,34 @@ class OccultConfig(TrainingArguments):
             # several CPU processes (torchrun / accelerate / deepspeed): without use_cpu, TrainingArguments
             # sees no distributed setup on CPU and every process would train alone
             self.use_cpu = True
+        _check_field_types(self)
         if self.bf16 is None:
             self.bf16 = _bf16_available() and not self.fp16 and not self.use_cpu
         self._check_occult_fields()
+        _check_run_length_and_output(self)
         super().__post_init__()
         self._force_non_reentrant_checkpointing()
+
+    def __deepcopy__(self, memo) -> OccultConfig:
+        """An in-memory copy keeps everything, secrets included (pickling drops them: `__getstate__`)."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return copied
+
+    def __copy__(self) -> OccultConfig:
+        copied = type(self).__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
+
+    def __getstate__(self) -> dict:
+        """Pickled (Trainer's `training_args.bin` in every checkpoint) without its secrets: every
+        `*_token` field (`hub_token`) is stored as None, so no artifact carries the token."""
+        state = dict(self.__dict__)
+        for name, value in state.items():
+            if name.endswith("_token") and isinstance(value, str):
+                state[name] = None
+        return state
 
     # ---- validation ---------------------------------------------------------------------------
     def _check_occult_fields(self) -> None:
@@ -393,6 +437,80 @@ class OccultConfig(TrainingArguments):
             setattr(self, name, kwargs)
 
 
+def _plain_kinds(annotation) -> tuple[tuple[type, ...], bool] | None:
+    """(allowed types, None allowed) of a field annotated with bool / int / float / str, optionally
+    `| None`; None for richer annotations (lists, dicts, enums), which are left to TrainingArguments."""
+    optional = False
+    members = [annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = list(typing.get_args(annotation))
+        optional = type(None) in members
+        members = [m for m in members if m is not type(None)]
+    if len(members) != 1 or members[0] not in (bool, int, float, str):
+        return None
+    return members[0], optional
+
+
+def _check_field_types(config: OccultConfig) -> None:
+    """Every field annotated bool / int / float / str (or `| None`) holds a value of that type, so a
+    recipe's `learning_rate: [1, 2]` or `OccultConfig(lora_alpha='32')` is one line naming the field,
+    not a TypeError from a comparison deep inside (a float field takes an int: `lora_alpha=32`)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        kinds = _plain_kinds(hints.get(f.name))
+        if kinds is None or not f.init:
+            continue
+        kind, optional = kinds
+        value = getattr(config, f.name)
+        if value is None and optional:
+            continue
+        is_bool = isinstance(value, bool)
+        ok = {
+            bool: is_bool,
+            int: isinstance(value, int) and not is_bool,
+            float: isinstance(value, (int, float)) and not is_bool,
+            str: isinstance(value, str),
+        }[kind]
+        if ok:
+            continue
+        name = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}[kind]
+        hint = ""
+        if isinstance(value, str) and kind in (int, float):
+            try:
+                hint = f", e.g. {f.name}={kind(value)!r} (not the string {value!r})"
+            except ValueError:
+                pass
+        raise ValueError(
+            f"{f.name}={value!r} must be {name}{' or None' if optional else ''}{hint}; "
+            f"got a {type(value).__name__}"
+        )
+
+
+def _check_run_length_and_output(config: OccultConfig) -> None:
+    """A run that would take no optimizer step, and an empty output_dir, are refused up front."""
+    if config.max_steps <= 0 and not (math.isfinite(config.num_train_epochs) and config.num_train_epochs > 0):
+        raise ValueError(
+            f"num_train_epochs={config.num_train_epochs!r} gives no training step; set num_train_epochs > 0 "
+            "(e.g. 1) or max_steps > 0"
+        )
+    if isinstance(config.output_dir, str) and not config.output_dir.strip():
+        raise ValueError(
+            f"output_dir={config.output_dir!r} is empty; pass the directory for checkpoints and the final model, "
+            "e.g. --output_dir my-run"
+        )
+
+
+def check_output_dir(args: OccultConfig) -> None:
+    """The run's `output_dir` must not hold files of the user's that training would overwrite (their
+    README.md, a model occult_ft did not write): refused, naming them (`occult_ft.fileio`)."""
+    if not hasattr(args, "output_dir"):  # a partial config (tests, other callers): nothing to check
+        return
+    names = ("model_name_or_path", "dataset", "eval_dataset", "deepspeed")
+    inputs = tuple(getattr(args, n, None) for n in names)
+    inputs = tuple(p for p in inputs if isinstance(p, str) and p not in ("", "embedded"))
+    check_output_path(args.output_dir, *inputs, what="output_dir", directory=True, replace=False)
+
+
 def check_before_loading(args: OccultConfig) -> None:
     """Refuse, before any model is loaded, the combinations the config alone shows cannot work.
 
@@ -401,8 +519,10 @@ def check_before_loading(args: OccultConfig) -> None:
     are one-line ValueErrors (`occult_ft.integrations.deepspeed.check_deepspeed_config`; its stage-0 clipping warning
     is left to the expert-parallel setup, which repeats the check). LoRA with expert parallelism is
     supported (the expert LoRA factors shard with the experts), so it is not refused. The budget and the
-    layout are checked against the model's config (its expert count and top-k) when it can be read.
+    layout are checked against the model's config (its expert count and top-k) when it can be read, and
+    the output directory must not hold the user's own files (`check_output_dir`).
     """
+    check_output_dir(args)
     if args.deepspeed:
         import warnings
 

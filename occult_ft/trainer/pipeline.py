@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import sys
 
-from ..data import load_text_dataset, tokenize_for_training
+from datasets import IterableDataset
+
+from ..data import DataError, load_text_dataset, tokenize_for_training
 from ..plan import check_fits_before_loading
 from .config import OccultConfig
 from .loading import check_seq_len, load_training_model
@@ -29,13 +31,23 @@ def load_run_dataset(
     if source == "embedded" and split is None:
         split = "eval" if evaluation else "train"
     dataset = load_text_dataset(
-        source, split=split, text_field=config.text_field, streaming=config.streaming and not evaluation
+        source,
+        split=split,
+        text_field=config.text_field,
+        streaming=config.streaming and not evaluation,
+        skip_invalid_rows=config.skip_invalid_rows,
     )
     if tokenizer is None:
         raise ValueError(
             f"model {config.model_name_or_path!r} has no tokenizer; save one beside the model (tokenizer.save_pretrained)"
         )
-    return tokenize_for_training(dataset, tokenizer, config)
+    tokenized = tokenize_for_training(dataset, tokenizer, config, name=source)
+    if isinstance(tokenized, IterableDataset) and next(iter(tokenized), None) is None:
+        raise DataError(
+            f"dataset {source!r} gives no training example of seq_len={config.seq_len} tokens (its text is "
+            "shorter than one packed block, or no row is left); add data, lower seq_len or set packing=False"
+        )
+    return tokenized
 
 
 def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[str, float]]:
@@ -85,6 +97,12 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
         say("starting DeepSpeed (its first run on a machine builds CUDA ops, which can take minutes)")
     say("training")
     result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    if trainer.state.global_step == 0:  # never save and report an untouched model as trained
+        raise ValueError(
+            f"the run took no optimizer step (max_steps={config.max_steps}, num_train_epochs="
+            f"{config.num_train_epochs}, {len(train_dataset) if hasattr(train_dataset, '__len__') else 'streamed'} "
+            "training rows); nothing was saved: give more data or set max_steps"
+        )
     pruned = config.max_devices_per_token is not None or config.max_nodes_per_token is not None
     what = "LoRA adapter" if config.train_mode == "lora" else "pruned model" if pruned else "model"
     say(f"saving the {what} to {config.output_dir}")

@@ -38,6 +38,7 @@ from ..models.registry import find_moe_layers, unwrap_model
 from ..placement import compute_placement
 from ..profiling import profile_model
 from ..routing import PruningConfig, pruned_routers, router_similarity, set_recording
+from .checkpointing import check_checkpoint_model
 from .sharded_load import place_sharded
 
 logger = logging.get_logger(__name__)
@@ -225,6 +226,8 @@ def prepare_model(
         )
     name = getattr(base.config, "_name_or_path", None) or getattr(base, "name_or_path", None)
 
+    if checkpoint:
+        check_checkpoint_model(model, checkpoint)  # before its placement is read for this model
     ckpt_block = read_block(checkpoint) if checkpoint else None
     ckpt_similarity = read_similarity(checkpoint) if checkpoint else None
     already_placed = block is not None and block.placed

@@ -41,7 +41,7 @@ from ..apply import resolve_placement
 from ..checkpoint import read_block
 from ..checkpoint.load import load_tokenizer, local_model_dir, resolve_model_path, restore_occult
 from ..dispatch import EXPERTS_IMPLEMENTATION, ExpertShard
-from ..fileio import read_json_object
+from ..fileio import read_json_object, reading
 from ..models.registry import config_num_experts, find_moe_layers, get_arch, unwrap_model
 from ..placement import permute_experts
 from .expert_parallel import check_expert_parallel_size, expert_parallel_groups
@@ -91,9 +91,19 @@ class SafetensorsReader:
         self.entries: dict[str, tuple[str, torch.dtype, tuple[int, ...], int]] = {}
         for name in files:
             path = os.path.join(directory, name)
-            with open(path, "rb") as fh:
-                size = int.from_bytes(fh.read(8), "little")
-                header = json.loads(fh.read(size))
+            with reading(path, fix="it is truncated or not a safetensors file: write or download it again"):
+                with open(path, "rb") as fh:
+                    size = int.from_bytes(fh.read(8), "little")
+                    if not 0 < size <= os.path.getsize(path) - 8:
+                        raise EOFError(f"its header length {size} does not fit the file")
+                    header = json.loads(fh.read(size))
+                last = max(
+                    (int(m["data_offsets"][1]) for k, m in header.items() if k != "__metadata__"), default=0
+                )
+                if 8 + size + last > os.path.getsize(path):
+                    raise EOFError(
+                        f"it holds {os.path.getsize(path)} bytes, its header describes {8 + size + last}"
+                    )
             for key, meta in header.items():
                 if key == "__metadata__":
                     continue

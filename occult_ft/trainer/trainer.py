@@ -31,6 +31,7 @@ import math
 import torch
 from torch import nn
 from transformers import Trainer
+from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from ..checkpoint import OccultBlock
@@ -43,6 +44,7 @@ from ..data import (
 )
 from ..data.batching import real_token_mask
 from ..evaluation import make_comm_complexity_figure
+from ..fileio import check_output_path, reading_directory
 from ..integrations.deepspeed import split_moe_param_groups
 from ..models.registry import unwrap_model
 from ..routing import pruned_routers
@@ -63,9 +65,11 @@ from .expert_parallel import (
     reduce_expert_gradients,
     setup_expert_parallel,
 )
+from .guards import check_step
 from .loading import check_seq_len, load_training_model, may_move_to
 from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
+from .optim import choose_optimizer
 from .prepare import OccultSetup, prepare_model, resolve_checkpoint
 from .sharded_load import can_load_sharded, load_sharded_training_model
 
@@ -155,6 +159,7 @@ class OccultTrainer(Trainer):
         self._meters = {"train": RoutingMeter(args.devices), "eval": RoutingMeter(args.devices)}
         self._routers = pruned_routers(self.model)
         self._distill_kl_sum, self._distill_kl_count = torch.zeros((), dtype=torch.float64), 0
+        self._losses_finite: torch.Tensor | None = None  # since the last optimizer step (trainer.guards)
         forward = inspect.signature(unwrap_model(self.model).forward).parameters
         self._router_logits_flag = "output_router_logits" in forward
 
@@ -235,6 +240,8 @@ class OccultTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
+        finite = torch.isfinite(loss.detach()).all()  # read at the optimizer step (one sync per step)
+        self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
         if self._reduces_expert_gradients() and self.accelerator.sync_gradients:
             reduce_expert_gradients(self.model, self.expert_parallel)
         # the records keep the last routing for inspection, but not the probabilities' graph
@@ -254,9 +261,28 @@ class OccultTrainer(Trainer):
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
+        """Trainer's gradient norm, called at every optimizer step just before the update: a non-finite
+        loss or norm stops the run there, naming the step (`occult_ft.trainer.guards`)."""
         if grad_norm is None and self._reduces_expert_gradients():
             grad_norm = clip_expert_parallel_grad_norm(self.model, self.expert_parallel, float("inf"))
-        return super()._get_grad_norm(model, grad_norm=grad_norm)
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        finite, self._losses_finite = self._losses_finite, None
+        check_step(
+            self.state.global_step + 1,
+            True if finite is None else finite,
+            grad_norm,
+            self.args.learning_rate,
+            check_gradient=getattr(self.accelerator, "scaler", None) is None,
+        )
+        return grad_norm
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        """Trainer's optimizer, except that `torch.optim.AdamW` over 16-bit (bf16/fp16) trainable weights
+        becomes `occult_ft.trainer.optim.CompensatedAdamW` (float32 moments, Kahan-compensated weights),
+        so bf16 `full` / `moe` runs lose no update to rounding."""
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        return choose_optimizer(args, model, cls, kwargs)
 
     def create_optimizer(self, *args, **kwargs):
         """`Trainer.create_optimizer`; under DeepSpeed with expert parallelism the expert shards go into
@@ -277,6 +303,8 @@ class OccultTrainer(Trainer):
         return tensor.cpu()
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "train_loss" in logs and self.state.global_step == getattr(self, "_initial_global_step", -1):
+            logs = {k: v for k, v in logs.items() if k != "train_loss"}  # no step this call: no loss, not 0
         if "loss" in logs:
             logs.update(self._meters["train"].summary(self._reduce))
             if self.args.distill_coef > 0 and self.occult.pruning.active:
@@ -335,6 +363,13 @@ class OccultTrainer(Trainer):
         """`Trainer.save_model`; a save the user asks for (not an intermediate checkpoint) also writes the
         Occult model card (README.md: placement, budget, measured comm_complexity, how to load) beside
         the model. The card's figure is only drawn on push, where the measurement is worth its cost."""
+        if not _internal_call:  # a directory the user names: none of their files is overwritten
+            check_output_path(
+                output_dir if output_dir is not None else self.args.output_dir,
+                what="save_model's output_dir",
+                directory=True,
+                replace=False,
+            )
         self._occult_final_save = not _internal_call
         try:
             super().save_model(output_dir, _internal_call=_internal_call)
@@ -355,18 +390,27 @@ class OccultTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         save_checkpoint(self, output_dir, state_dict, final=getattr(self, "_occult_final_save", False))
 
+    # every file of a checkpoint read on resume: one `could not read FILE: reason` line (fileio)
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        if (model is None or model is self.model) and load_checkpoint_weights(self, resume_from_checkpoint):
-            return
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        with reading_directory(resume_from_checkpoint):
+            if (model is None or model is self.model) and load_checkpoint_weights(
+                self, resume_from_checkpoint
+            ):
+                return
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        with reading_directory(checkpoint or "."):
+            super()._load_rng_state(checkpoint)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         save_optimizer_shards(self, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        load_optimizer_shards(self, checkpoint)
+        with reading_directory(checkpoint or "."):
+            super()._load_optimizer_and_scheduler(checkpoint)
+            load_optimizer_shards(self, checkpoint)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
@@ -384,6 +428,7 @@ class OccultTrainer(Trainer):
         **kwargs,
     ):
         """`Trainer.train`; a resumed checkpoint's placement and similarity tables are adopted first."""
+        self._check_one_batch()
         checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint not in (None, False) and checkpoint is None:
             raise ValueError(
@@ -391,9 +436,60 @@ class OccultTrainer(Trainer):
             )
         if checkpoint is not None:
             adopt_checkpoint(self, checkpoint)
-        return super().train(
+        result = super().train(
             resume_from_checkpoint=checkpoint,
             trial=trial,
             ignore_keys_for_eval=ignore_keys_for_eval,
             **kwargs,
+        )
+        if checkpoint is not None and self.state.global_step == getattr(self, "_initial_global_step", -1):
+            # resumed from a checkpoint at max_steps: no step was taken, so there is no train loss to report
+            metrics = {k: v for k, v in result.metrics.items() if k != "train_loss"}
+            result = TrainOutput(result.global_step, float("nan"), metrics)
+        return result
+
+    def _check_one_batch(self) -> None:
+        """Refuse data that gives no batch at all (Trainer's own error speaks of a missing length)."""
+        data = self.train_dataset
+        if not self.args.dataloader_drop_last or data is None or not hasattr(data, "__len__"):
+            return
+        batch = self.args.per_device_train_batch_size * self.args.world_size
+        if len(data) < batch:
+            raise ValueError(
+                f"train_dataset has {len(data)} rows, fewer than one batch of {batch} "
+                f"(per_device_train_batch_size x processes) with dataloader_drop_last; add data, lower "
+                "per_device_train_batch_size or set dataloader_drop_last=False"
+            )
+
+    def _run_epoch(
+        self,
+        model,
+        epoch,
+        train_dataloader,
+        steps_in_epoch,
+        num_update_steps_per_epoch,
+        trial,
+        ignore_keys_for_eval,
+        start_time,
+        resume_from_checkpoint,
+        epochs_trained,
+        steps_trained_in_current_epoch,
+    ):
+        """`Trainer._run_epoch`, except for a run resumed from a checkpoint already at `max_steps`: Trainer
+        would take one step past it (step 61 of 60, a `checkpoint-61`); here no step is taken."""
+        if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(
+            model,
+            epoch,
+            train_dataloader,
+            steps_in_epoch,
+            num_update_steps_per_epoch,
+            trial,
+            ignore_keys_for_eval,
+            start_time,
+            resume_from_checkpoint,
+            epochs_trained,
+            steps_trained_in_current_epoch,
         )

@@ -1,0 +1,347 @@
+"""`occult_ft.fileio`: outputs that lose nothing (the output-path check, the directory swap killed at
+every step), artifact permissions that follow the umask, and the one `could not read FILE` wrapper."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from occult_ft.fileio import (
+    OutputPathError,
+    ReadError,
+    atomic_directory,
+    atomic_save,
+    atomic_write_text,
+    check_output_path,
+    foreign_entries,
+    is_artifact,
+    load_safetensors,
+    read_json_object,
+    read_text,
+    recover_directory,
+    torch_load,
+)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def _tree(path) -> dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            out[os.path.relpath(full, path)] = open(full).read()
+    return out
+
+
+def _write_artifact(path, version: str) -> None:
+    """A tiny occult_ft-looking checkpoint holding `version` in every file."""
+    with atomic_directory(path) as tmp:
+        for name in ("config.json", "model.safetensors", "occult_similarity.safetensors"):
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(json.dumps({"occult": version}) if name == "config.json" else version)
+
+
+# ---- permissions: what a plain open() / mkdir gives ------------------------------------------------
+def test_artifacts_get_the_permissions_of_a_plain_open_and_mkdir(tmp_path):
+    mask = _umask()
+    atomic_write_text(tmp_path / "placement.json", "{}")
+    atomic_save(tmp_path / "profile.safetensors", lambda tmp: open(tmp, "w").write("x"))
+    _write_artifact(tmp_path / "ckpt", "v1")
+    open(tmp_path / "plain.txt", "w").close()
+    os.mkdir(tmp_path / "plain")
+    assert _mode(tmp_path / "placement.json") == _mode(tmp_path / "plain.txt") == 0o666 & ~mask
+    assert _mode(tmp_path / "profile.safetensors") == 0o666 & ~mask
+    assert _mode(tmp_path / "ckpt") == _mode(tmp_path / "plain") == 0o777 & ~mask
+    assert _mode(tmp_path / "ckpt" / "config.json") == 0o666 & ~mask
+
+
+def test_a_rewritten_file_and_directory_keep_the_mode_their_owner_gave_them(tmp_path):
+    path = tmp_path / "placement.json"
+    atomic_write_text(path, "old")
+    os.chmod(path, 0o640)
+    atomic_write_text(path, "new")
+    assert _mode(path) == 0o640 and path.read_text() == "new"
+    _write_artifact(tmp_path / "ckpt", "v1")
+    os.chmod(tmp_path / "ckpt", 0o750)
+    _write_artifact(tmp_path / "ckpt", "v2")
+    assert _mode(tmp_path / "ckpt") == 0o750
+
+
+def test_save_pruned_writes_world_readable_weights_card_and_similarity(tmp_path, tiny_olmoe_dir):
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft import apply_occult, resolve_placement, save_pruned
+    from occult_ft.routing import PruningConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_olmoe_dir)
+    tables = {layer: torch.eye(8) for layer in range(2)}
+    apply_occult(model, resolve_placement("sequential", model, 4), PruningConfig(4, 2, "similarity"), tables)
+    out = tmp_path / "pruned"
+    save_pruned(model, str(out))
+    mask = _umask()
+    assert {"model.safetensors", "occult_similarity.safetensors", "README.md"} <= set(os.listdir(out))
+    assert _mode(out) == 0o777 & ~mask
+    for name in os.listdir(out):
+        assert _mode(out / name) == 0o666 & ~mask, name
+    assert is_artifact(out)
+    model.save_pretrained(tmp_path / "own")  # the model's own save (attach_occult_save), not a swap
+    for name in os.listdir(tmp_path / "own"):
+        assert _mode(tmp_path / "own" / name) == 0o666 & ~mask, name
+
+
+# ---- where outputs may go ---------------------------------------------------------------------------
+def test_a_directory_of_user_files_is_never_replaced(tmp_path):
+    user = tmp_path / "project"
+    (user / "src").mkdir(parents=True)
+    (user / "notes.txt").write_text("mine")
+    (user / "src" / "main.py").write_text("print(1)")
+    before = _tree(user)
+    with pytest.raises(OutputPathError, match=r"holds files occult_ft did not write \(notes.txt, src/\)"):
+        with atomic_directory(user):
+            raise AssertionError("the body must not run")
+    assert _tree(user) == before
+    assert sorted(os.listdir(tmp_path)) == ["project"]
+
+
+def test_a_model_directory_of_someone_else_is_not_replaced(tmp_path):
+    theirs = tmp_path / "their-model"
+    theirs.mkdir()
+    (theirs / "config.json").write_text('{"model_type": "olmoe"}')
+    (theirs / "model.safetensors").write_text("weights")
+    assert foreign_entries(theirs) == [] and not is_artifact(theirs)
+    with pytest.raises(OutputPathError, match="model directory occult_ft did not write"):
+        check_output_path(theirs, directory=True)
+
+
+def test_a_user_readme_inside_a_checkpoint_makes_it_foreign(tmp_path):
+    _write_artifact(tmp_path / "ckpt", "v1")
+    assert is_artifact(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "README.md").write_text("# my notes on this run\n")
+    assert foreign_entries(tmp_path / "ckpt") == ["README.md"]
+    with pytest.raises(OutputPathError, match=r"\(README.md\)"):
+        _write_artifact(tmp_path / "ckpt", "v2")
+    (tmp_path / "ckpt" / "README.md").write_text("---\ntags:\n- moe\n- occult\n---\n# card\n")
+    _write_artifact(tmp_path / "ckpt", "v2")  # an occult_ft card may be replaced
+
+
+def test_a_training_output_and_its_checkpoints_are_recognised(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoint-10").mkdir(parents=True)
+    for name in ("trainer_state.json", "optimizer.pt", "rng_state.pth", "config.json"):
+        (out / "checkpoint-10" / name).write_text("{}")
+    (out / "runs").mkdir()
+    (out / "runs" / "events.out.tfevents.1").write_text("log")
+    assert is_artifact(out)
+    check_output_path(out, directory=True)
+    (out / "checkpoint-10" / "my_eval.ipynb").write_text("{}")
+    assert foreign_entries(out) == ["checkpoint-10/my_eval.ipynb"]
+    with pytest.raises(OutputPathError, match="checkpoint-10/my_eval.ipynb"):
+        check_output_path(out, directory=True, what="output_dir")
+
+
+@pytest.mark.parametrize("out", ["", "   ", None])
+def test_an_empty_output_path_is_refused(out):
+    with pytest.raises(OutputPathError, match="is empty; pass the directory"):
+        check_output_path(out, what="--out", directory=True)
+    with pytest.raises(OutputPathError, match="is empty; pass the file"):
+        check_output_path(out, what="--out")
+
+
+def test_the_working_directory_is_never_replaced_even_when_empty(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for out in (".", str(work), str(tmp_path)):
+        with pytest.raises(OutputPathError, match="is the working directory or holds it"):
+            check_output_path(out, what="--out", directory=True)
+    check_output_path("sub", what="--out", directory=True)  # a new folder inside it is fine
+
+
+def test_file_and_directory_outputs_of_the_wrong_kind_are_refused(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputPathError, match="is a directory; pass a file path"):
+        check_output_path(tmp_path / "d", what="--out")
+    with pytest.raises(OutputPathError, match="is a file; pass a directory path"):
+        check_output_path(tmp_path / "f", what="--out", directory=True)
+    check_output_path(tmp_path / "d", what="--out", directory=True)  # empty: fine
+    check_output_path(tmp_path / "new", what="--out", directory=True)
+
+
+# ---- the directory swap, killed at every step -------------------------------------------------------
+_KILLER = textwrap.dedent(
+    """
+    import json, os, shutil, signal, sys
+    import occult_ft.fileio as fileio
+
+    target, step = sys.argv[1], int(sys.argv[2])
+    calls = {"n": 0}
+
+    def tick():
+        calls["n"] += 1
+        if calls["n"] == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    real_replace, real_remove = os.replace, os.remove
+
+    def replace(a, b):
+        real_replace(a, b)
+        tick()
+
+    def remove(path, *args, **kwargs):  # shutil.rmtree removes file by file: die after the first
+        real_remove(path, *args, **kwargs)
+        tick()
+
+    os.replace = replace
+    os.remove = os.unlink = remove
+    with fileio.atomic_directory(target) as tmp:
+        tick()  # step 1: the new copy is half written
+        for name in ("config.json", "model.safetensors", "occult_similarity.safetensors"):
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(json.dumps({"occult": "new"}) if name == "config.json" else "new")
+    print("finished")
+    """
+)
+
+
+def _version(path) -> str:
+    tree = _tree(path)
+    assert sorted(tree) == ["config.json", "model.safetensors", "occult_similarity.safetensors"], tree
+    values = {json.loads(v)["occult"] if k == "config.json" else v for k, v in tree.items()}
+    assert len(values) == 1, f"a mix of two artifacts: {tree}"
+    return values.pop()
+
+
+@pytest.mark.parametrize("step", range(1, 9))
+def test_a_swap_killed_at_any_step_leaves_the_old_or_the_new_artifact(tmp_path, step):
+    """Steps: 1 half-written copy, 2 .new complete, 3 old retired (the target missing), 4 new in place,
+    5-7 the retired copy half removed, 8 past the end (the write finished)."""
+    target = tmp_path / "ckpt"
+    _write_artifact(target, "old")
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLER, str(target), str(step)], capture_output=True, text=True
+    )
+    killed = done.returncode == -signal.SIGKILL
+    assert killed or (done.returncode == 0 and "finished" in done.stdout), done.stderr
+    recover_directory(target)  # what a reader (occult_ft.from_pretrained, the next write) does first
+    seen = _version(target)
+    assert seen == ("old" if step <= 1 else "new")
+    left = [n for n in os.listdir(tmp_path) if n != "ckpt"]
+    assert all(".tmp-" in n for n in left), left  # only an unfinished write, which the next one removes
+    _write_artifact(target, "next")
+    assert _version(target) == "next" and os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_a_swap_interrupted_by_an_earlier_release_gets_its_old_artifact_back(tmp_path):
+    """The layout the previous swap left after kill -9 between its two renames: the target missing,
+    the old copy in `.NAME.old-*`, the new one (never marked complete) in `.NAME.tmp-*`."""
+    _write_artifact(tmp_path / "ckpt", "old")
+    os.replace(tmp_path / "ckpt", tmp_path / ".ckpt.old-x1y2")
+    (tmp_path / ".ckpt.tmp-a3b4").mkdir()
+    (tmp_path / ".ckpt.tmp-a3b4" / "config.json").write_text('{"occult": "new"}')
+    recover_directory(tmp_path / "ckpt")
+    assert _version(tmp_path / "ckpt") == "old"
+    _write_artifact(tmp_path / "ckpt", "new")
+    assert _version(tmp_path / "ckpt") == "new" and os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_the_model_loader_finishes_an_interrupted_swap(tmp_path, tiny_olmoe_dir):
+    import shutil
+
+    from occult_ft import load_model_and_tokenizer
+
+    shutil.copytree(tiny_olmoe_dir, tmp_path / ".m.new")  # complete; killed before it was renamed in
+    model, _ = load_model_and_tokenizer(str(tmp_path / "m"))
+    assert model.config.model_type == "olmoe" and sorted(os.listdir(tmp_path)) == ["m"]
+
+
+# ---- reading: one line naming the file -----------------------------------------------------------------
+def test_unreadable_files_are_one_line_naming_the_file(tmp_path):
+    latin = tmp_path / "notes.txt"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(
+        ReadError,
+        match=r"could not read .*notes.txt: it is not UTF-8 text \(byte 0xe9 at offset 3\); convert",
+    ):
+        read_text(latin)
+    (tmp_path / "bad.json").write_text("{oops")
+    with pytest.raises(ReadError, match=r"bad.json: it is not valid JSON"):
+        read_json_object(tmp_path / "bad.json")
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ReadError, match=r"list.json: it holds a JSON list, not an object"):
+        read_json_object(tmp_path / "list.json")
+    with pytest.raises(ReadError, match=r"missing.json: it does not exist"):
+        read_json_object(tmp_path / "missing.json")
+
+
+def test_garbage_and_truncated_safetensors_name_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.arange(4096.0)}, tmp_path / "full.safetensors")
+    data = (tmp_path / "full.safetensors").read_bytes()
+    (tmp_path / "half.safetensors").write_bytes(data[: len(data) // 2])
+    (tmp_path / "garbage.safetensors").write_bytes(os.urandom(256))
+    assert torch.equal(load_safetensors(tmp_path / "full.safetensors")["w"], torch.arange(4096.0))
+    for name in ("half", "garbage"):
+        with pytest.raises(
+            ReadError, match=rf"could not read .*{name}.safetensors: it is not a complete safetensors"
+        ):
+            load_safetensors(tmp_path / f"{name}.safetensors")
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_pickle_that_holds_code_is_refused_without_running_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.save({"state": _Payload()}, tmp_path / "optimizer.pt")
+    with pytest.raises(
+        ReadError, match=r"optimizer.pt: it holds Python objects that are not tensors \(.*system"
+    ):
+        torch_load(tmp_path / "optimizer.pt")
+    assert not (tmp_path / "PWNED").exists()
+    torch.save({"w": torch.ones(2)}, tmp_path / "ok.pt")
+    assert torch.equal(torch_load(tmp_path / "ok.pt")["w"], torch.ones(2))
+    data = (tmp_path / "ok.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ReadError, match=r"cut.pt: it is not a complete torch file"):
+        torch_load(tmp_path / "cut.pt")
+
+
+def test_a_directory_written_into_keeps_the_users_other_files_but_not_colliding_ones(tmp_path):
+    out = tmp_path / "run"
+    (out / "runs" / "Dec01").mkdir(parents=True)  # TensorBoard logs of this run so far
+    (out / "ds_config.json").write_text("{}")  # the user's: training writes no such name
+    check_output_path(out, out / "ds_config.json", what="output_dir", directory=True, replace=False)
+    with pytest.raises(OutputPathError, match="is not empty|holds files occult_ft did not write"):
+        check_output_path(out, what="--out", directory=True)  # replacing it whole would lose it
+    (out / "README.md").write_text("# mine\n")
+    with pytest.raises(
+        OutputPathError, match=r"holds files of yours that training would overwrite \(README.md\)"
+    ):
+        check_output_path(out, what="output_dir", directory=True, replace=False)
+    (out / "README.md").unlink()
+    (out / "config.json").write_text('{"model_type": "olmoe"}')  # someone else's model
+    with pytest.raises(OutputPathError, match=r"holds a model occult_ft did not write \(config.json\)"):
+        check_output_path(out, what="output_dir", directory=True, replace=False)
+    (out / "trainer_state.json").write_text("{}")  # ... unless it is an earlier run's output
+    check_output_path(out, what="output_dir", directory=True, replace=False)
