@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .layout import ExpertLayout
+
 __all__ = [
     "contiguous_expert_device",
     "expert_device_from_groups",
@@ -47,11 +49,7 @@ __all__ = [
 
 def contiguous_expert_device(num_experts: int, num_devices: int, device=None) -> torch.Tensor:
     """Device of each expert when device d holds experts [d*E/D, (d+1)*E/D) (every framework's default)."""
-    if num_devices < 1 or num_experts % num_devices:
-        raise ValueError(
-            f"devices={num_devices} must divide the {num_experts} experts; pick a divisor of {num_experts}"
-        )
-    return torch.arange(num_experts, device=device) // (num_experts // num_devices)
+    return ExpertLayout(num_experts, num_devices).expert_device(device)
 
 
 def expert_device_from_groups(
@@ -92,10 +90,8 @@ def comm_complexity(topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, nu
 
 def expert_node(expert_device_E: torch.Tensor, num_devices: int, nodes: int) -> torch.Tensor:
     """(E,) node of each expert when node n holds devices [n * D/N, (n + 1) * D/N)."""
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or num_devices % nodes:
-        divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
-        raise ValueError(f"nodes={nodes!r} does not divide devices={num_devices}; use one of {divisors}")
-    return expert_device_E // (num_devices // nodes)
+    layout = ExpertLayout(num_devices, num_devices, nodes)  # N must divide D; the mapping may be any
+    return expert_device_E // layout.devices_per_node
 
 
 def nodes_per_token(

@@ -21,7 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "occult_ft"
 
 #: lowest first; a module may import modules of its own layer or of lower layers
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("fileio", "metrics", "embedded"),
+    ("fileio", "layout", "metrics", "embedded"),
     ("models",),
     ("routing", "placement", "profiling", "dispatch", "integrations"),
     ("apply", "checkpoint", "configs"),

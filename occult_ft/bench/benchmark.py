@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..layout import ExpertLayout
 from ..metrics import contiguous_expert_device, device_counts, devices_per_token, expert_node
 from .costmodel import (
     CLUSTER_PRESETS,
@@ -97,9 +98,7 @@ DEFINITIONS = {
 def check_inputs(num_experts: int, top_k: int, tokens: int, settings: BenchSettings) -> None:
     """Raise a one-line ValueError when the benchmark cannot run on these sizes."""
     d = settings.devices
-    if num_experts % d:
-        divisors = [x for x in range(2, num_experts + 1) if num_experts % x == 0]
-        raise ValueError(f"devices={d} does not divide the {num_experts} experts; use one of {divisors}")
+    ExpertLayout(num_experts, d, settings.nodes)
     if tokens < d:
         raise ValueError(f"{tokens} tokens cannot be shared by {d} processes; use more tokens (at least {d})")
 

@@ -30,6 +30,8 @@ Shape legend:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,8 +56,9 @@ def _aligned(t: torch.Tensor) -> bool:
     return all((st * size) % 16 == 0 for st, n in zip(t.stride(), t.shape) if st != 1 and n > 1)
 
 
-def _grouped_mm_usable(x_NI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
-    if not hasattr(F, "grouped_mm") or x_NI.dtype != w_EIO.dtype or x_NI.shape[0] == 0:
+def _grouped_mm_supported(w_EIO: torch.Tensor) -> bool:
+    """grouped_mm runs on these weights (torch, device, dtype, alignment), whatever the rows."""
+    if not hasattr(F, "grouped_mm"):
         return False
     if w_EIO.device.type == "cpu":
         ok_dtype = w_EIO.dtype in (torch.float32, torch.bfloat16)
@@ -63,28 +66,44 @@ def _grouped_mm_usable(x_NI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
         ok_dtype = w_EIO.dtype == torch.bfloat16 and torch.cuda.get_device_capability(w_EIO.device) >= (8, 0)
     else:
         return False
-    return ok_dtype and _aligned(x_NI) and _aligned(w_EIO)
+    return ok_dtype and _aligned(w_EIO)
+
+
+def _grouped_mm_usable(x_NI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
+    if x_NI.dtype != w_EIO.dtype or x_NI.shape[0] == 0:
+        return False
+    return _grouped_mm_supported(w_EIO) and _aligned(x_NI)
 
 
 def grouped_linear(
     x_NI: torch.Tensor,
     w_EIO: torch.Tensor,
-    counts: list[int],
+    counts: Sequence[int] | None,
     bias_NO: torch.Tensor | None = None,
     backend: str = "auto",
+    offs_E: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[n] = x[n] @ w[e(n)] (+ bias_NO[n]) for rows sorted into contiguous per-expert blocks.
 
     Args:
         x_NI: (N, I) rows, the first counts[0] for expert 0, the next counts[1] for expert 1, ...
         w_EIO: (E, I, O) weights (any strides).
-        counts: E Python ints summing to N.
+        counts: E Python ints summing to N; or None with `offs_E`.
         bias_NO: optional (N, O) per-row bias (already gathered per row's expert).
         backend: one of `BACKENDS`.
+        offs_E: (E,) int32 block ends on the device instead of `counts` (grouped_mm only, no host
+            synchronisation): rows from offs_E[-1] on belong to no expert and come back undefined, so
+            the caller masks them (`local_experts_forward` does).
 
     Returns:
         (N, O), attached to the graph of x_NI and w_EIO even when N == 0.
     """
+    if offs_E is not None:
+        return (
+            F.grouped_mm(x_NI, w_EIO, offs=offs_E)
+            if bias_NO is None
+            else (F.grouped_mm(x_NI, w_EIO, offs=offs_E) + bias_NO)
+        )
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "grouped_mm" and not hasattr(F, "grouped_mm"):
@@ -112,6 +131,7 @@ def local_experts_forward(
     weights_RK: torch.Tensor,
     experts: nn.Module,
     backend: str = "auto",
+    counts: Sequence[int] | str | None = None,
 ) -> torch.Tensor:
     """out[r] = sum over slots k with local_ids_RK[r, k] != -1 of weights_RK[r, k] * expert_k(x_RH[r]).
 
@@ -122,6 +142,13 @@ def local_experts_forward(
         experts: a transformers fused experts module holding P experts (any layout of
             `reference.expert_weights`; its `_apply_gate`, biases and post-norm are honoured).
         backend: "auto", "grouped_mm" or "loop" (see the module docstring).
+        counts: the live (row, slot) pairs per local expert:
+            None: counted here, with a range check of the ids (one host synchronisation);
+            P Python ints: given by the exchange (it learnt them in its count exchange; no sync);
+            "device": never read on the host (the capacity-bounded exchange): grouped_mm runs on
+            device block offsets over every (row, slot) pair and the pairs beyond the live ones are
+            masked; where grouped_mm cannot run (see `BACKENDS`), the counts are read after all (one
+            host synchronisation).
 
     Returns:
         (R, H) in x_RH.dtype, summed over slots in the promoted dtype of expert outputs and weights.
@@ -132,20 +159,31 @@ def local_experts_forward(
             f"shapes disagree: rows {tuple(x_RH.shape)}, local_ids {tuple(local_ids_RK.shape)}, "
             f"weights {tuple(weights_RK.shape)}; expected (R, H), (R, K), (R, K)"
         )
+    if isinstance(counts, str) and counts != "device":
+        raise ValueError(f"counts={counts!r}: give None, P integers or 'device'")
     w = expert_weights(experts)
     num_local = int(w["up_EIO"].shape[0])
     ids_N = local_ids_RK.reshape(-1).long()
-    # Sort (row, slot) pairs by expert; the sentinel sorts last as key P and is cut off. Out-of-range
-    # ids are counted in one extra bin (P + 1), so the per-expert counts and the range check come
-    # back to the host together: the one host synchronisation of the layer.
-    bad_N = (ids_N >= num_local) | (ids_N < LOCAL_SENTINEL)
+    # Sort (row, slot) pairs by expert; the sentinel sorts last as key P and is cut off.
     key_N = torch.where(ids_N == LOCAL_SENTINEL, num_local, ids_N)
-    key_N = torch.where(bad_N, num_local + 1, key_N)
-    counts_all = torch.bincount(key_N, minlength=num_local + 2).tolist()
-    if counts_all[num_local + 1]:
-        bad = ids_N[bad_N].unique()[:8].tolist()
-        raise ValueError(f"local expert ids {bad} are outside [0, {num_local}) and not the sentinel -1")
-    counts = counts_all[:num_local]
+    if counts == "device" and backend != "loop":
+        row_bytes = [w[n].shape[i] * w[n].element_size() for n in ("up_EIO", "down_EIO") for i in (1, 2)]
+        usable = all(_grouped_mm_supported(w[n]) for n in ("up_EIO", "down_EIO"))
+        if ids_N.numel() and usable and all(b % 16 == 0 for b in row_bytes):
+            return _device_counted(x_RH, key_N, weights_RK, experts, w, num_local, top_k)
+    if counts is None or counts == "device":
+        # Out-of-range ids are counted in one extra bin (P + 1), so the per-expert counts and the range
+        # check come back to the host together: one host synchronisation.
+        bad_N = (ids_N >= num_local) | (ids_N < LOCAL_SENTINEL)
+        key_N = torch.where(bad_N, num_local + 1, key_N)
+        counts_all = torch.bincount(key_N, minlength=num_local + 2).tolist()
+        if counts_all[num_local + 1]:
+            bad = ids_N[bad_N].unique()[:8].tolist()
+            raise ValueError(f"local expert ids {bad} are outside [0, {num_local}) and not the sentinel -1")
+        counts = counts_all[:num_local]
+    elif len(counts) != num_local:
+        raise ValueError(f"counts has {len(counts)} entries for {num_local} local experts")
+    counts = [int(c) for c in counts]
     key_sorted, pair_order = torch.sort(key_N, stable=True)
     active = sum(counts)
     pair_g, expert_g = pair_order[:active], key_sorted[:active]
@@ -162,6 +200,30 @@ def local_experts_forward(
 
     # Back to (row, slot) order; sentinel slots stay zero; then sum the slots of each row.
     pairs_NH = weighted_g.new_zeros(num_rows * top_k, weighted_g.shape[-1]).index_copy(0, pair_g, weighted_g)
+    return pairs_NH.view(num_rows, top_k, pairs_NH.shape[-1]).sum(dim=1).to(x_RH.dtype)
+
+
+def _device_counted(x_RH, key_N, weights_RK, experts, w, num_local: int, top_k: int) -> torch.Tensor:
+    """`local_experts_forward` without host counts: grouped_mm over all (row, slot) pairs sorted by
+    expert, block ends on the device; pairs past the live ones (sentinels, pads) are masked to zero
+    before and after every grouped product, so undefined rows never reach a value or a gradient."""
+    num_rows = x_RH.shape[0]
+    key_sorted, pair_order = torch.sort(key_N, stable=True)
+    live_N = (key_sorted < num_local).unsqueeze(-1)
+    per_expert = torch.bincount(key_N, minlength=num_local + 1)[:num_local]
+    offs_E = per_expert.cumsum(0).to(torch.int32)
+    expert_g = key_sorted.clamp_max(num_local - 1)
+    dtype = w["up_EIO"].dtype
+    x_g = torch.where(live_N, x_RH[pair_order // top_k].to(dtype), 0.0)
+    up_bias = w["up_bias_EO"][expert_g] if w["up_bias_EO"] is not None else None
+    up_g = torch.where(live_N, grouped_linear(x_g, w["up_EIO"], None, up_bias, offs_E=offs_E), 0.0)
+    mid_g = torch.where(live_N, expert_activation(experts, up_g), 0.0)
+    down_bias = w["down_bias_EO"][expert_g] if w["down_bias_EO"] is not None else None
+    y_g = torch.where(live_N, grouped_linear(mid_g, w["down_EIO"], None, down_bias, offs_E=offs_E), 0.0)
+    if getattr(experts, "has_post_expert_norm", False):
+        y_g = torch.where(live_N, experts.post_expert_norm(y_g), 0.0)
+    weighted_g = y_g * weights_RK.reshape(-1)[pair_order].unsqueeze(-1)
+    pairs_NH = weighted_g.new_zeros(weighted_g.shape).index_copy(0, pair_order, weighted_g)
     return pairs_NH.view(num_rows, top_k, pairs_NH.shape[-1]).sum(dim=1).to(x_RH.dtype)
 
 
