@@ -14,8 +14,8 @@ ignores `auto_map` for a model type it knows and loads the stock class, as befor
 The file is generated from occult_ft's own source, so there is one copy of the maths to maintain: the
 pure criteria of `occult_ft.routing.rules` (whole module), the scoring of `MoEArch` and
 `config_num_experts` (models/registry.py), `PruningConfig` (routing/config.py), `router_selectable` and
-`prune_topk` (routing/router.py), `contiguous_expert_device` (metrics.py) and `pruning_from_block`
-(checkpoint/format.py), plus the
+`prune_topk` (routing/router.py), `contiguous_expert_device` (metrics.py) and `OccultBlock` with its
+`PlacementRecord` (checkpoint/format.py), plus the
 model type's registry entry written out as a constant and a short adapter (`_ADAPTER` below) that hooks
 every router: the hook receives the router's own `(logits, weights, indices)` and returns `prune_topk`'s
 result, which is what occult_ft's pruned router class computes. The `similarity` criterion reads
@@ -195,7 +195,8 @@ class _PrunedRouting:
 
     def __init__(self, config):
         self.config = config
-        self.pruning = pruning_from_block(getattr(config, "occult", None))
+        data = getattr(config, "occult", None)
+        self.pruning = OccultBlock.from_dict(data, "config.json's occult block").pruning if data else None
         self.tables = None  # None: not read yet; {{}}: none found
         self.warned = False
         self._cache = {{}}
@@ -286,7 +287,7 @@ def remote_code_source(model_type: str) -> str:
     arch = registry.get_arch(model_type)
     base, cls = _stock_class_name(model_type), remote_class_name(model_type)
     imports = _absolute_imports(
-        [routing_rules, registry, routing_config, routing_router], ("dataclasses", "functools", "os")
+        [routing_rules, registry, routing_config, routing_router, format_], ("dataclasses", "functools", "os")
     )
     imports += [
         f"from transformers import {base} as _StockModel",
@@ -306,7 +307,13 @@ def remote_code_source(model_type: str) -> str:
         inspect.getsource(routing_config.PruningConfig),
         inspect.getsource(routing_router.router_selectable),
         inspect.getsource(routing_router.prune_topk),
-        inspect.getsource(format_.pruning_from_block),
+        "\n".join(
+            f"{name} = {getattr(format_, name)!r}"
+            for name in ("BLOCK_VERSION", "EXPERT_ORDERS", "PRUNING_KEYS", "KNOWN_KEYS")
+        ),
+        inspect.getsource(format_.CheckpointError),  # its `_is_int` is routing/rules.py's (the same check)
+        inspect.getsource(format_.PlacementRecord),
+        inspect.getsource(format_.OccultBlock),
         f"# ---- the {model_type!r} entry of occult_ft's architecture registry ----",
         _arch_constant(arch),
         f"SIMILARITY_FILE = {format_.SIMILARITY_FILE!r}",
