@@ -48,8 +48,16 @@ __all__ = [
 
 
 def contiguous_expert_device(num_experts: int, num_devices: int, device=None) -> torch.Tensor:
-    """Device of each expert when device d holds experts [d*E/D, (d+1)*E/D) (every framework's default)."""
-    return ExpertLayout(num_experts, num_devices).expert_device(device)
+    """Device of each expert when device d holds experts [d*E/D, (d+1)*E/D) (every framework's default).
+
+    Self-contained (torch only, no `ExpertLayout`): `occult_ft.checkpoint.remote_code` copies this
+    function's source into checkpoints; its check and message are `ExpertLayout`'s."""
+    if num_devices < 1 or num_experts % num_devices:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(
+            f"devices={num_devices} must divide the {num_experts} experts; use one of {divisors}"
+        )
+    return torch.arange(num_experts, device=device) // (num_experts // num_devices)
 
 
 def expert_device_from_groups(
@@ -173,7 +181,12 @@ class LayerMetrics:
 
 @dataclass
 class RoutingReport:
-    """Per-layer and overall metrics; `overall` averages over layers weighted by tokens."""
+    """Per-layer and overall metrics; `overall` averages over layers weighted by tokens.
+
+    `load_imbalance` is the worst layer's device load imbalance (max / mean rows per device under
+    de-duplicated dispatch), `mean_load_imbalance` its token-weighted mean over layers (each layer
+    waits for its own most loaded device, so the mean is what a step feels).
+    """
 
     num_devices: int
     num_experts: int
@@ -186,6 +199,7 @@ class RoutingReport:
     extra: dict = field(default_factory=dict)
     nodes: int = 1
     node_comm_complexity: float | None = None
+    mean_load_imbalance: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -251,4 +265,5 @@ def routing_report(
         layers=layers,
         nodes=nodes,
         node_comm_complexity=mean("node_comm_complexity") if nodes > 1 else None,
+        mean_load_imbalance=mean("load_imbalance"),
     )

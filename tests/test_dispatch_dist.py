@@ -128,6 +128,7 @@ def _gather_dim0(t: torch.Tensor, world: int) -> torch.Tensor:
 def _layer_case(rank: int, world: int, case: dict) -> list[str]:
     import torch.distributed as dist
 
+    from occult_ft.bench.syncs import HostSyncCounter
     from occult_ft.dispatch import (
         FlatExchange,
         PerExpertExchange,
@@ -172,11 +173,19 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
         else:
             exchange = FlatExchange(layout, capacity=case.get("capacity"))
         x, w = x_all[mine].clone().requires_grad_(), w_all[mine].clone().requires_grad_()
-        if chunk_count > 1:
-            out = pipelined_moe_forward(x, ids_all[mine], w, local, exchange, chunk_count)
-        else:
-            out = moe_forward(x, ids_all[mine], w, local, exchange)
-        (out * g_all[mine]).sum().backward()
+        with HostSyncCounter() as forward:
+            if chunk_count > 1:
+                out = pipelined_moe_forward(x, ids_all[mine], w, local, exchange, chunk_count)
+            else:
+                out = moe_forward(x, ids_all[mine], w, local, exchange)
+        with HostSyncCounter() as backward:
+            (out * g_all[mine]).sum().backward()
+        # host reads per layer: the count exchange once (all chunks together), none with capacity buffers
+        expected = (0 if "capacity" in case else 1, 0)
+        if (forward.count, backward.count) != expected:
+            failures.append(
+                f"host syncs (forward, backward) {(forward.count, backward.count)}, expected {expected}"
+            )
         grads = {}
         for name in names:  # collectives first (every rank), comparisons after
             grad = getattr(local, name).grad

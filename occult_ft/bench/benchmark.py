@@ -92,6 +92,9 @@ DEFINITIONS = {
     "intra_node_rows": "(nodes > 1) dispatch rows between two devices of one node (two-stage: its fan-out stage)",
     "stage2_rows": "two-stage only: rows of the intra-node fan-out stage (rows counts the inter-node stage)",
     "node_comm_complexity": "mean distinct nodes per token (N_T): the two-stage exchange's rows per token",
+    "load_imbalance": "device load imbalance: max / mean rows a device receives in one dispatch (for the "
+    "two-stage exchange, its fan-out to the expert devices), mean over the measured layers; the most loaded "
+    "device sets the layer's time",
 }
 
 
@@ -122,6 +125,12 @@ def _feasible_budgets(
         else:
             kept.append(m)
     return kept, notes
+
+
+def _load_imbalance(rows_DD: torch.Tensor) -> float:
+    """max / mean rows received per device in one dispatch (the devices that run the experts)."""
+    load_D = rows_DD.sum(dim=0).double()
+    return float(load_D.max() / load_D.mean()) if load_D.numel() and load_D.sum() > 0 else 0.0
 
 
 def _check_volumes(
@@ -373,6 +382,7 @@ def run_benchmark(
                 "rows_per_token": float(rows_DD.sum()) / tokens,
                 "remote_rows": remote,
                 "dropped_routes": dropped,
+                "load_imbalance": _load_imbalance(stage2_DD if stage2_DD is not None else rows_DD),
             }
             if stage2_DD is not None:
                 row["stage2_rows"] = int(stage2_DD.sum())
@@ -407,6 +417,7 @@ def run_benchmark(
             "rows": rows,
             "remote_rows": sum(r["remote_rows"] for r in rows_l),
             "bytes": 2 * (rows + sum(r.get("stage2_rows", 0) for r in rows_l)) * workload.hidden * elem,
+            "load_imbalance": sum(r["load_imbalance"] for r in rows_l) / max(1, len(rows_l)),
         }
         if row["kind"] == "dedup":
             row["comm_complexity"] = row["rows_per_token"]

@@ -210,7 +210,9 @@ def _device_counted(x_RH, key_N, weights_RK, experts, w, num_local: int, top_k: 
     num_rows = x_RH.shape[0]
     key_sorted, pair_order = torch.sort(key_N, stable=True)
     live_N = (key_sorted < num_local).unsqueeze(-1)
-    per_expert = torch.bincount(key_N, minlength=num_local + 1)[:num_local]
+    # counts by scatter_add: bincount's output size depends on the data, which a GPU reads on the host
+    per_expert = torch.zeros(num_local + 1, dtype=torch.long, device=key_N.device)
+    per_expert = per_expert.scatter_add_(0, key_N, torch.ones_like(key_N))[:num_local]
     offs_E = per_expert.cumsum(0).to(torch.int32)
     expert_g = key_sorted.clamp_max(num_local - 1)
     dtype = w["up_EIO"].dtype

@@ -189,7 +189,11 @@ class OccultTrainer(Trainer):
         if mask is not None:
             meter.add_padding(mask)
         if training and self.args.balance_loss_coef > 0:
-            aux = balance_loss(records, mask_T)
+            # with a budget the loss also balances device load (the rows each device receives)
+            budget = self.occult.pruning.active
+            aux = balance_loss(
+                records, mask_T, self.occult.expert_device if budget else None, self.args.devices
+            )
             if aux is not None:
                 meter.add_balance_loss(aux)
                 accumulation = (
