@@ -116,8 +116,10 @@ class OccultTrainer(Trainer):
             raise ValueError("OccultTrainer needs a model (a transformers MoE model or a model path)")
         check_before_loading(args)
         if isinstance(model, str):
-            flat = getattr(args, "exchange", "flat") == "flat"
-            if args.expert_parallel_size > 1 and flat and can_load_sharded(model):
+            one_stage = (
+                getattr(args, "exchange", "flat") != "two_stage"
+            )  # two-stage shards with its node groups
+            if args.expert_parallel_size > 1 and one_stage and can_load_sharded(model):
                 # each rank reads only its own expert block from the safetensors files
                 model, tokenizer = load_sharded_training_model(model, args, placement)
             else:
