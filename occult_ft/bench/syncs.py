@@ -44,9 +44,11 @@ class HostSyncCounter:
     Attributes:
         count: synchronisations seen.
         by_site: "file:line function" of the first caller outside torch -> count.
+        enabled: count only while True (e.g. toggled by forward hooks around the MoE blocks).
     """
 
     def __init__(self, keep_sites: bool = True):
+        self.enabled = True
         self.count = 0
         self.keep_sites = keep_sites
         self.by_site: collections.Counter[str] = collections.Counter()
@@ -70,7 +72,7 @@ class HostSyncCounter:
         counter = self
 
         def wrapper(*args, **kwargs):
-            if counter._depth == 0 and counts(*args, **kwargs):
+            if counter._depth == 0 and counter.enabled and counts(*args, **kwargs):
                 counter._record()
             counter._depth += 1
             try:
