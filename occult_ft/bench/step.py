@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..layout import ExpertLayout
+from ..models import find_moe_layers
 from .costmodel import (
     get_cluster,
     predict_exchange_ms,
@@ -432,8 +433,6 @@ def _routing(model, settings: StepSettings) -> list[tuple[torch.Tensor, torch.Te
     """(scores_TE, topk_ids_TK) of every MoE layer of the saved model on the step's tokens, repeated
     up to the tokens 32 devices would hold at the same tokens per device (fresh rows from the same
     distribution), for the cost model."""
-    from ..models import find_moe_layers
-
     layers = find_moe_layers(model)
     want = settings.tokens_per_step * max(1, 32 // settings.devices)
     gen = torch.Generator().manual_seed(settings.seed + 2)

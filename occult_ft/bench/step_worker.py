@@ -40,6 +40,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..layout import ExpertLayout
+from ..trainer import OccultConfig, OccultTrainer
 from .syncs import HostSyncCounter
 
 __all__ = ["KINDS", "PhaseClock", "main"]
@@ -276,8 +277,6 @@ def run_data_parallel(spec: dict, rank: int, world: int, records: list) -> tuple
 
 
 def run_occult_ep(spec: dict, rank: int, world: int, records: list) -> tuple[nn.Module, list[float]]:
-    from ..trainer import OccultConfig, OccultTrainer
-
     c = spec["contender"]
     args = _training_arguments(
         spec,

@@ -9,14 +9,15 @@ experts live there" read from the receiving side.
 
 Grouped computation: the (row, slot) pairs are sorted by local expert (stable, sentinels last), the
 rows gathered into one (N, H) buffer in that order, and each projection is one grouped matmul over
-contiguous per-expert blocks. Backends:
+contiguous per-expert blocks; the weighted outputs are summed per row (`_sum_slots`). Backends:
     "grouped_mm"  torch.nn.functional.grouped_mm (CPU fp32/bf16 needs 16-byte aligned strides;
                   CUDA needs bf16 and sm80+), one kernel per projection;
     "loop"        one torch.mm per *active* expert on its block (any device/dtype, exact);
     "auto"        grouped_mm where its constraints hold, else loop.
 Both give the same result as `reference_moe` to float rounding (tested at 1e-5 in fp32). The
-weighted pair outputs are put back in (row, slot) order and summed over slots with a reshape + sum
-(deterministic, unlike index_add on CUDA), as transformers' kernels do.
+weighted pair outputs are summed per row with one index_add on CPU (only the N live pairs move); on
+CUDA they are put back in (row, slot) order and summed over slots with a reshape + sum (deterministic,
+unlike index_add there), as transformers' kernels do.
 
 Every output stays attached to the autograd graph of the inputs and of all expert parameters even
 when no row reaches any expert (zero-size ops), so a device that receives nothing still runs the same
@@ -197,10 +198,22 @@ def local_experts_forward(
     if getattr(experts, "has_post_expert_norm", False):
         y_g = experts.post_expert_norm(y_g)
     weighted_g = y_g * weights_RK.reshape(-1)[pair_g].unsqueeze(-1)
+    return _sum_slots(weighted_g, pair_g, num_rows, top_k).to(x_RH.dtype)
 
-    # Back to (row, slot) order; sentinel slots stay zero; then sum the slots of each row.
-    pairs_NH = weighted_g.new_zeros(num_rows * top_k, weighted_g.shape[-1]).index_copy(0, pair_g, weighted_g)
-    return pairs_NH.view(num_rows, top_k, pairs_NH.shape[-1]).sum(dim=1).to(x_RH.dtype)
+
+def _sum_slots(weighted_NH: torch.Tensor, pair_N: torch.Tensor, num_rows: int, top_k: int) -> torch.Tensor:
+    """(R, H): the weighted outputs of each row's (row, slot) pairs summed per row.
+
+    On CPU one index_add into (R, H) (deterministic there); elsewhere the pairs go back to (row, slot)
+    order in an (R * K, H) buffer, sentinel slots zero, summed over K with a reshape (deterministic,
+    unlike index_add on CUDA), as transformers' kernels do."""
+    if weighted_NH.device.type == "cpu":
+        out_RH = weighted_NH.new_zeros(num_rows, weighted_NH.shape[-1])
+        return out_RH.index_add(0, torch.div(pair_N, top_k, rounding_mode="floor"), weighted_NH)
+    pairs_NH = weighted_NH.new_zeros(num_rows * top_k, weighted_NH.shape[-1]).index_copy(
+        0, pair_N, weighted_NH
+    )
+    return pairs_NH.view(num_rows, top_k, pairs_NH.shape[-1]).sum(dim=1)
 
 
 def _device_counted(x_RH, key_N, weights_RK, experts, w, num_local: int, top_k: int) -> torch.Tensor:
@@ -225,8 +238,7 @@ def _device_counted(x_RH, key_N, weights_RK, experts, w, num_local: int, top_k: 
     if getattr(experts, "has_post_expert_norm", False):
         y_g = torch.where(live_N, experts.post_expert_norm(y_g), 0.0)
     weighted_g = y_g * weights_RK.reshape(-1)[pair_order].unsqueeze(-1)
-    pairs_NH = weighted_g.new_zeros(weighted_g.shape).index_copy(0, pair_order, weighted_g)
-    return pairs_NH.view(num_rows, top_k, pairs_NH.shape[-1]).sum(dim=1).to(x_RH.dtype)
+    return _sum_slots(weighted_g, pair_order, num_rows, top_k).to(x_RH.dtype)
 
 
 def local_moe_forward(
