@@ -857,7 +857,7 @@ def test_a_pruned_checkpoint_trained_on_with_a_new_budget_saves_the_new_budget(
     trainer = OccultTrainer(first.output_dir, args=again, train_dataset=data[1])
     trainer.train()
     trainer.save_model(again.output_dir)
-    assert read_block(again.output_dir)["max_devices_per_token"] == 2
+    assert read_block(again.output_dir).pruning.max_devices_per_token == 2
     reloaded = occult_ft.from_pretrained(again.output_dir)
     from occult_ft.routing import pruned_routers
 
