@@ -113,7 +113,9 @@ def grouped_linear(
         )
     use_grouped = backend == "grouped_mm" or (backend == "auto" and _grouped_mm_usable(x_NI, w_EIO))
     if use_grouped and x_NI.shape[0] > 0:
-        offs_E = torch.tensor(counts, device=x_NI.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        # host ints -> device without a blocking copy (a blocking one waits for the queued kernels)
+        offs_E = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        offs_E = offs_E.to(x_NI.device, non_blocking=True)
         y_NO = F.grouped_mm(x_NI, w_EIO, offs=offs_E)
     else:
         pieces, start = [], 0
