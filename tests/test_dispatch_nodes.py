@@ -295,7 +295,7 @@ def test_sharded_model_with_two_stage_kernel_matches_concatenated_batch(world4):
         (dict(exchange="two_stage"), "exchange='two_stage' needs nodes > 1 (got nodes=1)"),
         (
             dict(exchange="hierarchical", nodes=2),
-            "exchange='hierarchical' is unknown; use 'flat' or 'two_stage'",
+            "exchange='hierarchical' is unknown; choose one of flat, two_stage, per_expert",
         ),
     ],
 )

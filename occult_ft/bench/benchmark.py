@@ -63,6 +63,7 @@ from .workload import (
     mean_comm_complexity,
     pruned_name,
     routing_variants,
+    token_capacity,
     two_stage_name,
 )
 
@@ -74,7 +75,8 @@ TARGETS = {"occult_dedup": 1.5, pruned_name(2): 2.5}
 
 DEFINITIONS = {
     "kind": "dispatch family: capacity (DeepSpeed classic, a dense [E, C, H] buffer), per_expert (one row per "
-    "(token, expert)) or dedup (one row per (token, device))",
+    "(token, expert)), dedup (one row per (token, device)) or dedup_capacity (dedup with capacity-bounded "
+    "buffers: ceil(T / D) rows to every process, padded, nothing dropped, no host synchronisation)",
     "max_devices_per_token": "pruning budget M of a de-duplicated backend (collaboration pruning to M devices per "
     "token); None when the backend does not prune",
     "rows": "rows sent by the dispatch all-to-alls over all processes and measured layers (the combine sends "
@@ -177,6 +179,8 @@ def _cluster_rows(
     if kind == "capacity":
         capacity, _ = deepspeed_capacity(ids_TK, num_experts, devices, capacity_factor, settings.min_capacity)
         return capacity_rows_matrix(devices, num_experts, capacity)
+    if kind == "dedup_capacity":
+        return torch.full((devices, devices), token_capacity(ids_TK.shape[0], devices), dtype=torch.long)
     dev_E = contiguous_expert_device(num_experts, devices)
     if budget is not None:
         ids_TK = pruned_topk(scores_TE, ids_TK, dev_E, devices, min(budget, devices))

@@ -22,6 +22,8 @@ part of `run()`.
                               "all_to_all")`), called with an identity experts module.
     occult_dedup[_pruneM]     `occult_ft.dispatch.FlatExchange`: dispatch + combine, one row per
                               (token, device).
+    occult_dedup_capacity     the same with capacity-bounded buffers (C = ceil(T / D) rows to every
+                              process, padded; no count exchange, no host synchronisation).
     occult_two_stage[_pruneM] `occult_ft.dispatch.TwoStageExchange` (with --nodes N > 1): one row per
                               (token, node) to the node's gateway, fanned out to the node's devices;
                               combine in reverse.
@@ -365,6 +367,7 @@ def build_exchange(
     deepspeed_error: str | None = None,
     mesh=None,
     node_groups=None,
+    capacity: int | None = None,
 ) -> BackendRun:
     """The `BackendRun` of backend `name` for this rank's tokens (see the module docstring); the two-stage
     backends need `node_groups` (`occult_ft.dispatch.node_groups`)."""
@@ -390,6 +393,11 @@ def build_exchange(
             raise RuntimeError("the two-stage exchange needs node groups (run with nodes > 1)")
         layout = ExpertLayout(num_experts, num_devices, node_groups.nodes)
         return OccultRun(name, TwoStageExchange(layout, node_groups), hidden_TH, topk_ids_TK, weights_TK)
+    if name == "occult_dedup_capacity":
+        if capacity is None:
+            raise RuntimeError("the capacity-bounded exchange needs its capacity (rows per process)")
+        exchange = FlatExchange(ExpertLayout(num_experts, num_devices), group, capacity=capacity)
+        return OccultRun(name, exchange, hidden_TH, topk_ids_TK, weights_TK)
     if name.startswith("occult_dedup"):
         exchange = FlatExchange(ExpertLayout(num_experts, num_devices), group)
         return OccultRun(name, exchange, hidden_TH, topk_ids_TK, weights_TK)

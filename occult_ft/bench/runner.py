@@ -173,6 +173,7 @@ def _measure(rank: int, world: int, spec: dict, device: torch.device, backend: s
                         deepspeed_error=ds_error,
                         mesh=mesh,
                         node_groups=groups,
+                        capacity=-(-int(layer[names[0]][0].shape[0]) // world),
                     )
                     exchanges[name].run()  # a trial run: failures surface here, on every process alike
             except Exception as exc:  # noqa: BLE001 - reported as "not measured, because ..."

@@ -73,6 +73,15 @@ def exchange_meta(meta_DC: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     return recv_DC
 
 
+def _split_kwargs(send_splits: Sequence[int], recv_splits: Sequence[int]) -> dict:
+    """Split sizes for `all_to_all_single`; none when every block has the same size (the capacity-bounded
+    exchange): the backend then runs its plain all-to-all instead of the uneven variant."""
+    sizes = set(send_splits) | set(recv_splits)
+    if len(sizes) == 1:
+        return {}
+    return {"output_split_sizes": list(recv_splits), "input_split_sizes": list(send_splits)}
+
+
 def _packed(
     tensors: Sequence[torch.Tensor], num_send: int
 ) -> list[tuple[list[int], list[int], torch.Tensor]]:
@@ -129,12 +138,7 @@ def start_exchange(
         recv_RC = send_SC.new_empty(num_recv, sum(widths))
         works.append(
             dist.all_to_all_single(
-                recv_RC,
-                send_SC,
-                output_split_sizes=list(recv_splits),
-                input_split_sizes=list(send_splits),
-                group=group,
-                async_op=True,
+                recv_RC, send_SC, **_split_kwargs(send_splits, recv_splits), group=group, async_op=True
             )
         )
         parts.append((members, widths, recv_RC))
@@ -159,13 +163,7 @@ def exchange_rows(
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for members, widths, send_SC in _packed(tensors, num_send):
         recv_RC = send_SC.new_empty(num_recv, sum(widths))
-        dist.all_to_all_single(
-            recv_RC,
-            send_SC,
-            output_split_sizes=list(recv_splits),
-            input_split_sizes=list(send_splits),
-            group=group,
-        )
+        dist.all_to_all_single(recv_RC, send_SC, **_split_kwargs(send_splits, recv_splits), group=group)
         for i, piece in zip(members, recv_RC.split(widths, dim=1)):
             out[i] = piece.contiguous().reshape(num_recv, *tensors[i].shape[1:])
     return out  # type: ignore[return-value]

@@ -69,6 +69,9 @@ __all__ = [
     "dispatch",
     "combine",
     "read_counts",
+    "check_hidden",
+    "send_rows",
+    "return_rows",
 ]
 
 
@@ -146,7 +149,7 @@ class Exchange(ABC):
         (default out_RH's), accumulated in at least fp32."""
 
 
-def _check_hidden(hidden_TH: torch.Tensor, topk_ids_TK: torch.Tensor) -> None:
+def check_hidden(hidden_TH: torch.Tensor, topk_ids_TK: torch.Tensor) -> None:
     if hidden_TH.dim() != 2:
         raise ValueError(f"hidden_TH must be (T, H), got shape {tuple(hidden_TH.shape)}")
     if hidden_TH.shape[0] != topk_ids_TK.shape[0]:
@@ -268,7 +271,7 @@ class FlatExchange(Exchange):
         return dedup_plan(topk_ids_TK, weights_TK, self.layout, self.rank)
 
     def dispatch(self, hidden_TH, topk_ids_TK, weights_TK):
-        _check_hidden(hidden_TH, topk_ids_TK)
+        check_hidden(hidden_TH, topk_ids_TK)
         plan = self.plan(topk_ids_TK, weights_TK)
         if self.capacity is not None:
             layout = capacity_layout(plan, self.capacity)
@@ -319,7 +322,7 @@ def moe_forward(
     Returns:
         (T, H) in hidden_TH.dtype, equal to the unsharded layer on this rank's tokens.
     """
-    _check_hidden(hidden_TH, topk_ids_TK)
+    check_hidden(hidden_TH, topk_ids_TK)
     per_device = num_local_experts(experts)
     if per_device != exchange.layout.experts_per_device:
         raise ValueError(

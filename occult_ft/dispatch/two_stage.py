@@ -23,8 +23,9 @@ Rows over the inter-node stage per token = N_T, the distinct nodes of its expert
 re-associated (over devices inside a node, then over nodes), so results equal the flat exchange and the
 unsharded layer to float rounding, outputs and all gradients; gradients flow through both stages by the
 reverse exchanges of `comm.all_to_all_rows`. Every rank of the EP group must call the layer, also
-without tokens. Collectives per layer: forward 2 x (counts + rows) + 2 combines, backward 4; host
-synchronisations: one per stage (each stage's count exchange, read with its own counts in one go).
+without tokens. Collectives per layer: forward 1 (an all-gather of every rank's counts: rows per node,
+rows per device, pairs per expert, from which each rank works out both stages' splits and its expert
+counts) + 2 x rows + 2 combines, backward 4; one host synchronisation (the counts' `.tolist()`).
 
 `TwoStageExchange` has the dispatch / combine contract of `exchange.Exchange`; `two_stage_moe_forward`
 is `moe_forward` through it.
@@ -49,8 +50,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layout import ExpertLayout
-from .comm import exchange_meta, group_size_and_rank
-from .exchange import Exchange, FlatExchange, ReceivedRows, moe_forward, read_counts, return_rows, send_rows
+from .comm import group_size_and_rank
+from .exchange import Exchange, ReceivedRows, check_hidden, moe_forward, return_rows, send_rows
 from .layout import DispatchLayout, dedup_plan, layout_from_plan, raise_bad_ids
 from .local import num_local_experts
 
@@ -233,24 +234,80 @@ class TwoStageExchange(Exchange):
             )
         self.layout, self.groups, self.group = layout, groups, groups.ep_group
         self.rank = groups.node * groups.local_size + groups.local_rank
-        self.stage1 = FlatExchange(layout.nodes_view(), groups.inter_group)
         self.fanout = layout.node_local()
 
     def dispatch(self, hidden_TH, topk_ids_TK, weights_TK):
-        node_x_RH, node_w_RK, node_received = self.stage1.dispatch(hidden_TH, topk_ids_TK, weights_TK)
-        groups = self.groups
-        plan = dedup_plan(node_received.recv_local_ids_RK, node_w_RK, self.fanout, groups.local_rank, True)
-        sends, recvs, counts = read_counts([plan], exchange_meta(plan.meta_DC, groups.intra_group))
-        device_layout = layout_from_plan(plan, sends[0])
-        recv_x_VH, recv_w_VK, recv_ids_VK = send_rows(node_x_RH, device_layout, recvs[0], groups.intra_group)
-        device_received = ReceivedRows(device_layout, recvs[0], recv_ids_VK, counts[0])
-        handle = TwoStageHandle(node_received.layout, node_received, device_layout, device_received, groups)
+        check_hidden(hidden_TH, topk_ids_TK)
+        groups, layout, me = self.groups, self.layout, self.groups.local_rank
+        plan1 = dedup_plan(topk_ids_TK, weights_TK, layout.nodes_view(), groups.node)
+        sends1, recvs1, sends2, recvs2, counts = self._counts(plan1)  # the layer's one host read
+        node_layout = layout_from_plan(plan1, sends1)
+        node_x_RH, node_w_RK, node_ids_RK = send_rows(hidden_TH, node_layout, recvs1, groups.inter_group)
+        node_received = ReceivedRows(node_layout, recvs1, node_ids_RK)
+        plan2 = dedup_plan(node_ids_RK, node_w_RK, self.fanout, me, sentinel_in=True)
+        device_layout = layout_from_plan(plan2, sends2)
+        recv_x_VH, recv_w_VK, recv_ids_VK = send_rows(node_x_RH, device_layout, recvs2, groups.intra_group)
+        device_received = ReceivedRows(device_layout, recvs2, recv_ids_VK, counts)
+        handle = TwoStageHandle(node_layout, node_received, device_layout, device_received, groups)
         return recv_x_VH, recv_w_VK, handle
+
+    def _counts(self, plan1):
+        """Every split of both stages and this rank's expert counts, from one all-gather of each rank's
+        (rows per node, rows per device, pairs per expert, bad ids) and one `.tolist()`.
+
+        Rank s = (node n_s, local index l_s) sends node_rows_s[m] rows to gateway (m, l_s); gateway
+        (m, l) fans each row out to the devices of node m its token reaches, so it sends device (m, l')
+        the sum over senders s with l_s = l of dev_rows_s[(m, l')]; a device's experts receive every
+        (token, slot) that selects them, from whichever rank."""
+        layout, groups = self.layout, self.groups
+        n, l_size, e, d = layout.num_nodes, layout.devices_per_node, layout.num_experts, layout.num_devices
+        ids_TK = plan1.topk_ids_TK.long()
+        valid_TK = (ids_TK >= 0) & (ids_TK < e)
+        dev_TK = torch.where(valid_TK, ids_TK, 0) // layout.experts_per_device
+        dev_TK = torch.where(valid_TK, dev_TK, d)
+        reached_TD = torch.zeros(ids_TK.shape[0], d + 1, dtype=torch.bool, device=ids_TK.device)
+        reached_TD.scatter_(1, dev_TK, True)
+        mine = torch.cat(
+            [
+                plan1.meta_DC[:, 0],  # rows to each node (N)
+                reached_TD[:, :d].sum(dim=0),  # rows reaching each device (D)
+                plan1.meta_DC[:, 1:-1].reshape(-1),  # (token, slot) pairs per expert (E, node-major)
+                plan1.meta_DC[:1, -1],  # ids outside [0, E)
+            ]
+        ).long()
+        table = _all_gather_rows(mine, groups.ep_group, d).tolist()  # (D ranks, N + D + E + 1)
+        bad = [s for s, row in enumerate(table) if row[-1]]
+        if bad:
+            if table[self.rank][-1]:
+                raise_bad_ids(ids_TK, e)
+            raise ValueError(
+                f"ranks {bad} routed tokens to expert ids outside [0, num_experts={e}); see their error"
+            )
+        node, me = groups.node, groups.local_rank
+        rank_of = [[m * l_size + li for li in range(l_size)] for m in range(n)]  # rank of (node m, local li)
+        sends1 = tuple(table[self.rank][m] for m in range(n))
+        recvs1 = tuple(table[rank_of[m][me]][node] for m in range(n))
+        senders = [rank_of[m][me] for m in range(n)]  # the ranks this gateway serves
+        sends2 = tuple(sum(table[s][n + rank_of[node][li]] for s in senders) for li in range(l_size))
+        recvs2 = tuple(sum(table[rank_of[m][li]][n + self.rank] for m in range(n)) for li in range(l_size))
+        p = layout.experts_per_device
+        first = n + d + self.rank * p
+        counts = tuple(sum(row[first + j] for row in table) for j in range(p))
+        return sends1, recvs1, sends2, recvs2, counts
 
     def combine(self, out_RH, handle, out_dtype=None):
         dtype = out_dtype or out_RH.dtype
         node_RH = return_rows(out_RH, handle.device_received, self.groups.intra_group, dtype)
         return return_rows(node_RH, handle.node_received, self.groups.inter_group, dtype)
+
+
+def _all_gather_rows(row_C: torch.Tensor, group: dist.ProcessGroup | None, world: int) -> torch.Tensor:
+    """(world, C): every rank's `row_C`, in group rank order (no collective for one rank)."""
+    if world == 1:
+        return row_C.unsqueeze(0)
+    pieces = [torch.empty_like(row_C) for _ in range(world)]
+    dist.all_gather(pieces, row_C.contiguous(), group=group)
+    return torch.stack(pieces)
 
 
 def two_stage_dispatch(

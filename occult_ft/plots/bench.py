@@ -26,7 +26,7 @@ __all__ = ["plot_bench", "plot_cost_model", "plot_train_step"]
 def _is_ours(backend: Mapping[str, Any]) -> bool:
     """De-duplicated dispatch (`kind` "dedup"), or, in a report without kinds, a backend marked `peer: false`."""
     if "kind" in backend:
-        return backend["kind"] in ("dedup", "two_stage")
+        return backend["kind"] in ("dedup", "two_stage", "dedup_capacity")
     return backend.get("peer") is False
 
 
