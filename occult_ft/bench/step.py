@@ -25,9 +25,10 @@ step times include the barriers. Collectives that torch runs from C++ (DDP's gra
 autograd backward of functional collectives used by transformers' EP) are not seen by the clock: they
 stay inside backward_rest.
 
-`cost_model` predicts, from the routing of the same model on the same tokens, the exchange of the same
-step (forward and backward) on a cluster shape (default 4 x 8 GPUs on InfiniBand, `4x8-ib`), for the
-same global batch and for the same tokens per device; only the exchange is predicted.
+`cost_model` predicts, from the routing of the same model on the first step's tokens, the exchange of
+the same step (forward and backward) on a cluster shape (default 4 x 8 GPUs on InfiniBand, `4x8-ib`),
+for the same global batch and for the same tokens per device (that routing repeated); only the
+exchange is predicted.
 
 Shape legend: D processes (= expert-parallel size), E experts, K top-k, T tokens per step, S sequence
 length, B sequences per rank and step.
@@ -430,13 +431,12 @@ def _compare(rows: list[dict]) -> None:
 
 @torch.no_grad()
 def _routing(model, settings: StepSettings) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(scores_TE, topk_ids_TK) of every MoE layer of the saved model on the step's tokens, repeated
-    up to the tokens 32 devices would hold at the same tokens per device (fresh rows from the same
-    distribution), for the cost model."""
+    """(scores_TE, topk_ids_TK) of every MoE layer of the saved model on the first step's tokens (the
+    cost model's routing; `_cost_model` repeats it for more tokens)."""
     layers = find_moe_layers(model)
-    want = settings.tokens_per_step * max(1, 32 // settings.devices)
-    gen = torch.Generator().manual_seed(settings.seed + 2)
-    ids = torch.randint(2, settings.vocab, (want // settings.seq_len, settings.seq_len), generator=gen)
+    rows = settings.tokens_per_step // settings.seq_len
+    gen = torch.Generator().manual_seed(settings.seed + 1)  # the data's generator: its first step's rows
+    ids = torch.randint(2, settings.vocab, (rows, settings.seq_len), generator=gen)
     captured: dict[int, list] = {layer.index: [] for layer in layers}
     handles = []
     for layer in layers:
@@ -459,10 +459,17 @@ def _routing(model, settings: StepSettings) -> list[tuple[torch.Tensor, torch.Te
     ]
 
 
+def _repeat(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first `rows` rows of `x` repeated as often as needed (the step's routing standing in for more
+    tokens of the same data)."""
+    reps = -(-rows // x.shape[0])
+    return x.repeat(reps, *([1] * (x.dim() - 1)))[:rows]
+
+
 def _cost_model(routing, settings: StepSettings, clusters) -> dict:
     """Predicted exchange of one training step (forward dispatch + combine, and the same again in
     backward, over all MoE layers) on each cluster, for the same global batch and for the same tokens
-    per device as measured here."""
+    per device as measured here (the step's routing repeated, spread over the cluster's devices)."""
     bytes_per_row = settings.hidden * (2 if settings.dtype == "bfloat16" else 4)
     out = {"bytes_per_row": bytes_per_row, "clusters": []}
     for name in clusters:
@@ -487,7 +494,7 @@ def _cost_model(routing, settings: StepSettings, clusters) -> dict:
             for kind, budget in variants.items():
                 total = 0.0
                 for scores, ids in routing:
-                    ids_t, scores_t = ids[:tokens], scores[:tokens]
+                    ids_t, scores_t = _repeat(ids, tokens), _repeat(scores, tokens)
                     if budget is not None:
                         ids_t = pruned_topk(scores_t, ids_t, dev_E, d, budget)
                     rows_DD = rows_matrix(ids_t, dev_E, d, dedup=kind != "per_expert")
@@ -496,10 +503,10 @@ def _cost_model(routing, settings: StepSettings, clusters) -> dict:
             if shape.nodes > 1:
                 total = 0.0
                 for _, ids in routing:
-                    s1, s2 = two_stage_rows(ids[:tokens], dev_E, d, shape.nodes)
+                    s1, s2 = two_stage_rows(_repeat(ids, tokens), dev_E, d, shape.nodes)
                     total += 2 * predict_two_stage_exchange_ms(s1, s2, bytes_per_row, shape)
                 preds["two_stage"] = total
-            entry[label] = {"tokens": min(tokens, routing[0][1].shape[0]), "exchange_ms_per_step": preds}
+            entry[label] = {"tokens": tokens, "exchange_ms_per_step": preds}
         out["clusters"].append(entry)
     return out
 
