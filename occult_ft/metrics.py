@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .layout import ExpertLayout
+
 __all__ = [
     "contiguous_expert_device",
     "expert_device_from_groups",
@@ -46,10 +48,14 @@ __all__ = [
 
 
 def contiguous_expert_device(num_experts: int, num_devices: int, device=None) -> torch.Tensor:
-    """Device of each expert when device d holds experts [d*E/D, (d+1)*E/D) (every framework's default)."""
+    """Device of each expert when device d holds experts [d*E/D, (d+1)*E/D) (every framework's default).
+
+    Self-contained (torch only, no `ExpertLayout`): `occult_ft.checkpoint.remote_code` copies this
+    function's source into checkpoints; its check and message are `ExpertLayout`'s."""
     if num_devices < 1 or num_experts % num_devices:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
         raise ValueError(
-            f"devices={num_devices} must divide the {num_experts} experts; pick a divisor of {num_experts}"
+            f"devices={num_devices} must divide the {num_experts} experts; use one of {divisors}"
         )
     return torch.arange(num_experts, device=device) // (num_experts // num_devices)
 
@@ -92,10 +98,8 @@ def comm_complexity(topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, nu
 
 def expert_node(expert_device_E: torch.Tensor, num_devices: int, nodes: int) -> torch.Tensor:
     """(E,) node of each expert when node n holds devices [n * D/N, (n + 1) * D/N)."""
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or num_devices % nodes:
-        divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
-        raise ValueError(f"nodes={nodes!r} does not divide devices={num_devices}; use one of {divisors}")
-    return expert_device_E // (num_devices // nodes)
+    layout = ExpertLayout(num_devices, num_devices, nodes)  # N must divide D; the mapping may be any
+    return expert_device_E // layout.devices_per_node
 
 
 def nodes_per_token(
@@ -177,7 +181,12 @@ class LayerMetrics:
 
 @dataclass
 class RoutingReport:
-    """Per-layer and overall metrics; `overall` averages over layers weighted by tokens."""
+    """Per-layer and overall metrics; `overall` averages over layers weighted by tokens.
+
+    `load_imbalance` is the worst layer's device load imbalance (max / mean rows per device under
+    de-duplicated dispatch), `mean_load_imbalance` its token-weighted mean over layers (each layer
+    waits for its own most loaded device, so the mean is what a step feels).
+    """
 
     num_devices: int
     num_experts: int
@@ -190,6 +199,7 @@ class RoutingReport:
     extra: dict = field(default_factory=dict)
     nodes: int = 1
     node_comm_complexity: float | None = None
+    mean_load_imbalance: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -255,4 +265,5 @@ def routing_report(
         layers=layers,
         nodes=nodes,
         node_comm_complexity=mean("node_comm_complexity") if nodes > 1 else None,
+        mean_load_imbalance=mean("load_imbalance"),
     )

@@ -106,19 +106,22 @@ def test_per_expert_and_capacity_replica_exchanges_on_one_process(one_process_gr
     x = torch.randn(40, 6)
     ref = (x[:, None, :] * w[..., None]).sum(dim=1)  # identity experts: sum_k w_k x
     per_expert = build_exchange("per_expert", x, ids, w, 8, group)
-    assert per_expert.send_rows_D == [80]
+    assert per_expert.send_rows_D == [80] and "PerExpertExchange" in per_expert.implementation
     original = dist.all_to_all_single
     with CollectiveClock() as clock:
         assert dist.all_to_all_single is not original
         torch.testing.assert_close(per_expert.run(), ref)
-    # counts (8 int64) + 80 rows out + 80 rows back, fp32 rows of 6: 64 + 2 * 80 * 6 * 4 bytes, 3 collectives
-    assert (clock.calls, clock.bytes) == (3, 64 + 2 * 80 * 6 * 4)
-    assert dist.all_to_all_single is original  # the wrappers are removed again
+    # occult_ft's exchanges skip the collectives of a one-rank group: nothing to time
+    assert (clock.calls, clock.bytes) == (0, 0)
     # DeepSpeed's buffer rebuilt without deepspeed: C = max(ceil(40 / 8 * 1.0 * 2), 4) = 10 -> 8 * 10 rows
     replica = build_exchange("deepspeed_classic", x, ids, w, 8, group, deepspeed_error="forced in a test")
     assert replica.send_rows_D == [80] and "forced in a test" in replica.implementation
     assert (replica.capacity, replica.dropped_routes) == deepspeed_capacity(ids, 8, 1, 1.0)
-    replica.run()
+    with CollectiveClock() as clock:
+        replica.run()
+    # 80 rows out + 80 rows back (equal splits), fp32 rows of 6: 2 * 80 * 6 * 4 bytes, 2 collectives
+    assert (clock.calls, clock.bytes) == (2, 2 * 80 * 6 * 4)
+    assert dist.all_to_all_single is original  # the wrappers are removed again
     nodrop = build_exchange("deepspeed_classic_nodrop", x, ids, w, 8, group, deepspeed_error="forced")
     assert nodrop.dropped_routes == 0 and nodrop.capacity == deepspeed_capacity(ids, 8, 1, None)[0]
     torch.testing.assert_close(nodrop.run(), ref)
@@ -174,8 +177,10 @@ def test_synthetic_json_has_the_contract_keys(synthetic_report):
     for name in ("deepspeed_classic", "per_expert", "occult_dedup", "occult_dedup_prune1"):
         assert by_name(r)[name]["measured"], by_name(r)[name].get("reason")
     hf = by_name(r)["hf_native_ep"]
-    if hf["measured"]:  # transformers' own AllToAllEP moves exactly the per-expert bytes (k rows per token)
-        assert hf["collective_bytes"] == by_name(r)["per_expert"]["collective_bytes"]
+    if hf[
+        "measured"
+    ]:  # transformers' own AllToAllEP moves at least the per-expert payload (k rows per token)
+        assert hf["collective_bytes"] >= by_name(r)["per_expert"]["bytes"]
 
 
 def test_rows_per_token_is_k_for_per_expert_and_comm_complexity_for_dedup(synthetic_report):
@@ -203,6 +208,7 @@ def test_backends_carry_their_kind_and_budget(synthetic_report):
         "per_expert": ("per_expert", None),
         "hf_native_ep": ("per_expert", None),
         "occult_dedup": ("dedup", None),
+        "occult_dedup_capacity": ("dedup_capacity", None),
         pruned_name(2): ("dedup", 2),
         pruned_name(1): ("dedup", 1),
     }
@@ -317,7 +323,7 @@ def test_bench_on_a_tiny_saved_model(tmp_path, tiny_tokenizer, text_file):
     [
         (
             ["--synthetic", "--devices", 3, "--experts", 8],
-            "devices=3 does not divide the 8 experts; use one of [2, 4, 8]",
+            "devices=3 must divide the 8 experts; use one of [1, 2, 4, 8]",
         ),
         (["--synthetic", "--devices", 1], "the exchange needs at least 2 processes"),
         (

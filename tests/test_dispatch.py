@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from occult_ft.dispatch import (
     EXPERTS_IMPLEMENTATION,
     LOCAL_SENTINEL,
+    FlatExchange,
     compute_layout,
     dedup_moe_forward,
     expert_shard_parameters,
@@ -29,6 +30,7 @@ from occult_ft.dispatch import (
     reference_moe,
     shard_experts,
 )
+from occult_ft.layout import ExpertLayout
 from occult_ft.metrics import contiguous_expert_device, device_load, devices_per_token
 from occult_ft.models import find_moe_layers, get_arch, supported_model_types, tiny_config
 
@@ -175,7 +177,10 @@ def test_layout_weights_carry_the_router_gradient():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(num_experts=8, num_devices=3, rank=0), "num_experts=8 is not divisible by num_devices=3"),
+        (
+            dict(num_experts=8, num_devices=3, rank=0),
+            "devices=3 must divide the 8 experts; use one of [1, 2, 4, 8]",
+        ),
         (dict(num_experts=8, num_devices=2, rank=2), "rank=2 is outside [0, num_devices=2)"),
         (dict(num_experts=4, num_devices=2, rank=0), "expert ids [5] outside [0, num_experts=4)"),
     ],
@@ -269,8 +274,8 @@ def test_dedup_forward_on_one_rank_matches_reference(arch):
     x_TH = torch.randn(10, _hidden_size(experts), generator=torch.Generator().manual_seed(2))
     expected = _run(_oracle, experts, x_TH, ids_TK, w_TK)
     _assert_same_run(_run(dedup_moe_forward, experts, x_TH, ids_TK, w_TK), expected)
-    _, layout = dedup_moe_forward(x_TH, ids_TK, w_TK, experts, return_layout=True)
-    assert layout.num_devices == 1 and layout.rows_sent == 10  # one row per token, C_T = 1
+    _, _, handle = FlatExchange(ExpertLayout(8, 1)).dispatch(x_TH, ids_TK, w_TK)
+    assert handle.layout.num_devices == 1 and handle.rows_sent == 10  # one row per token, C_T = 1
 
 
 def test_dedup_forward_checks_the_expert_count():

@@ -45,6 +45,24 @@ LAYER_CASES_WORLD4 = {
     "no_tokens_anywhere": dict(arch="olmoe", tokens=[0, 0, 0, 0], top_k=2, routing="random"),
     "gpt_oss_layout": dict(arch="gpt_oss", tokens=[2, 3, 1, 4], top_k=2, routing="random"),
 }
+# The other exchanges and modes on the same oracle: per-expert rows, the capacity-bounded receive
+# buffers (no host synchronisation), and the pipelined chunks (exact against the unchunked layer too).
+EXCHANGE_CASES_WORLD4 = {
+    "per_expert_rows": dict(
+        arch="qwen3_moe", tokens=[3, 5, 4, 6], top_k=3, routing="random", exchange="per_expert"
+    ),
+    "per_expert_zero_tokens": dict(
+        arch="olmoe", tokens=[0, 5, 0, 4], top_k=2, routing="random", exchange="per_expert"
+    ),
+    "capacity_bounded": dict(arch="qwen3_moe", tokens=[6, 5, 6, 4], top_k=3, routing="random", capacity=6),
+    "capacity_above_tokens": dict(arch="gpt_oss", tokens=[2, 3, 1, 4], top_k=2, routing="random", capacity=9),
+    "capacity_one_device": dict(arch="olmoe", tokens=[4, 4, 4, 4], top_k=2, routing="one_device", capacity=4),
+    "chunks_3": dict(arch="qwen3_moe", tokens=[7, 5, 6, 8], top_k=3, routing="random", chunks=3),
+    "chunks_more_than_tokens": dict(arch="olmoe", tokens=[1, 0, 3, 2], top_k=2, routing="random", chunks=4),
+    "chunks_per_expert": dict(
+        arch="gpt_oss", tokens=[5, 4, 6, 3], top_k=2, routing="random", chunks=2, exchange="per_expert"
+    ),
+}
 MODEL_CASES_WORLD2 = {
     "olmoe_model": dict(arch="olmoe", batch=1, seq=8, save=True),
     "deepseek_v3_model": dict(arch="deepseek_v3", batch=1, seq=8, save=False),
@@ -110,7 +128,17 @@ def _gather_dim0(t: torch.Tensor, world: int) -> torch.Tensor:
 def _layer_case(rank: int, world: int, case: dict) -> list[str]:
     import torch.distributed as dist
 
-    from occult_ft.dispatch import dedup_moe_forward, experts_module_fn, reference_moe, shard_experts_module
+    from occult_ft.bench.syncs import HostSyncCounter
+    from occult_ft.dispatch import (
+        FlatExchange,
+        PerExpertExchange,
+        experts_module_fn,
+        moe_forward,
+        pipelined_moe_forward,
+        reference_moe,
+        shard_experts_module,
+    )
+    from occult_ft.layout import ExpertLayout
     from occult_ft.metrics import contiguous_expert_device, device_load, devices_per_token
     from occult_ft.models import get_arch
 
@@ -129,36 +157,71 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
     out_ref = reference_moe(x_ref, ids_all, w_ref, experts_module_fn(full))
     (out_ref * g_all).sum().backward()
 
-    # This rank: its tokens, its shard.
+    # This rank: its tokens, its shard, the case's exchange (flat unless it says otherwise).
     start = sum(case["tokens"][:rank])
     mine = slice(start, start + case["tokens"][rank])
-    local = copy.deepcopy(full)
-    local.zero_grad(set_to_none=True)
     names = get_arch(case["arch"]).expert_params
-    shard_experts_module(local, names)
-    x, w = x_all[mine].clone().requires_grad_(), w_all[mine].clone().requires_grad_()
-    out, layout = dedup_moe_forward(x, ids_all[mine], w, local, return_layout=True)
-    (out * g_all[mine]).sum().backward()
+    layout = ExpertLayout(NUM_EXPERTS, world)
+    kind, chunks = case.get("exchange", "flat"), case.get("chunks", 1)
 
-    # Collectives first (every rank), comparisons after.
-    grads = {}
-    for name in names:
-        grad = getattr(local, name).grad
-        if grad is None:
-            failures.append(f"expert shard {name} got no gradient")
-            grad = torch.zeros_like(getattr(local, name))
-        grads[name] = _gather_dim0(grad, world)
-    rows_all = torch.tensor([layout.rows_sent])
+    def run(chunk_count: int):
+        local = copy.deepcopy(full)
+        local.zero_grad(set_to_none=True)
+        shard_experts_module(local, names)
+        if kind == "per_expert":
+            exchange = PerExpertExchange(layout)
+        else:
+            exchange = FlatExchange(layout, capacity=case.get("capacity"))
+        x, w = x_all[mine].clone().requires_grad_(), w_all[mine].clone().requires_grad_()
+        with HostSyncCounter() as forward:
+            if chunk_count > 1:
+                out = pipelined_moe_forward(x, ids_all[mine], w, local, exchange, chunk_count)
+            else:
+                out = moe_forward(x, ids_all[mine], w, local, exchange)
+        with HostSyncCounter() as backward:
+            (out * g_all[mine]).sum().backward()
+        # host reads per layer: the count exchange once (all chunks together), none with capacity buffers
+        expected = (0 if "capacity" in case else 1, 0)
+        if (forward.count, backward.count) != expected:
+            failures.append(
+                f"host syncs (forward, backward) {(forward.count, backward.count)}, expected {expected}"
+            )
+        grads = {}
+        for name in names:  # collectives first (every rank), comparisons after
+            grad = getattr(local, name).grad
+            if grad is None:
+                failures.append(f"expert shard {name} got no gradient")
+                grad = torch.zeros_like(getattr(local, name))
+            grads[name] = _gather_dim0(grad, world)
+        _, _, handle = exchange.dispatch(x_all[mine], ids_all[mine], w_all[mine])
+        return out, x, w, grads, handle
+
+    out, x, w, grads, handle = run(chunks)
+    rows_all = torch.tensor([int(handle.layout.send_counts_D.sum())])
     dist.all_reduce(rows_all)
 
     expert_device = contiguous_expert_device(NUM_EXPERTS, world)
-    expected_rows = int(devices_per_token(ids_all[mine], expert_device, world).sum())
-    if layout.rows_sent != expected_rows:
-        failures.append(f"rows_sent={layout.rows_sent}, expected sum of C_T = {expected_rows}")
-    expected_splits = tuple(device_load(ids_all[mine], expert_device, world).tolist())
-    if layout.send_splits != expected_splits:
-        failures.append(f"send_splits={layout.send_splits}, expected {expected_splits}")
-    global_rows = int(devices_per_token(ids_all, expert_device, world).sum())
+    if kind == "per_expert":
+        expected_rows, global_rows = case["tokens"][rank] * top_k, total * top_k
+        expected_splits = tuple(
+            torch.bincount(expert_device[ids_all[mine]].reshape(-1), minlength=world).tolist()
+        )
+    else:
+        expected_rows = int(devices_per_token(ids_all[mine], expert_device, world).sum())
+        global_rows = int(devices_per_token(ids_all, expert_device, world).sum())
+        expected_splits = tuple(device_load(ids_all[mine], expert_device, world).tolist())
+    sent = int(handle.layout.send_counts_D.sum())
+    if sent != expected_rows:
+        failures.append(f"rows sent={sent}, expected {expected_rows}")
+    if "capacity" in case:
+        if handle.layout.send_splits != (case["capacity"],) * world:
+            failures.append(f"capacity layout splits {handle.layout.send_splits}")
+        if tuple(handle.layout.send_counts_D.tolist()) != expected_splits:
+            failures.append(
+                f"real rows per device {handle.layout.send_counts_D.tolist()}, expected {expected_splits}"
+            )
+    elif handle.layout.send_splits != expected_splits:
+        failures.append(f"send_splits={handle.layout.send_splits}, expected {expected_splits}")
     if int(rows_all) != global_rows:
         failures.append(f"rows sent by all ranks={int(rows_all)}, expected {global_rows}")
     _close(failures, "output", out, out_ref[mine].detach())
@@ -166,6 +229,13 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
     _close(failures, "router weight grad", _grad(w), _grad(w_ref)[mine])
     for name in names:
         _close(failures, f"{name} grad (gathered)", grads[name], _grad(getattr(full, name)))
+    if chunks > 1:  # pipelined chunks against the unchunked layer of the same exchange
+        out1, x1, w1, grads1, _ = run(1)
+        _close(failures, "chunked vs unchunked output", out, out1.detach())
+        _close(failures, "chunked vs unchunked hidden grad", _grad(x), _grad(x1))
+        _close(failures, "chunked vs unchunked weight grad", _grad(w), _grad(w1))
+        for name in names:
+            _close(failures, f"chunked vs unchunked {name} grad", grads[name], grads1[name])
     return failures
 
 
@@ -286,7 +356,8 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_distributed(_worker, 4, LAYER_CASES_WORLD4, {}, timeout=240)
+    cases = {**LAYER_CASES_WORLD4, **EXCHANGE_CASES_WORLD4}
+    return run_distributed(_worker, 4, cases, {}, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(LAYER_CASES_WORLD2))
@@ -296,6 +367,11 @@ def test_two_ranks_match_single_process_reference(world2, name):
 
 @pytest.mark.parametrize("name", list(LAYER_CASES_WORLD4))
 def test_four_ranks_match_single_process_reference(world4, name):
+    assert not _failures(world4, name), _failures(world4, name)
+
+
+@pytest.mark.parametrize("name", list(EXCHANGE_CASES_WORLD4))
+def test_per_expert_capacity_and_chunked_exchanges_match_the_reference(world4, name):
     assert not _failures(world4, name), _failures(world4, name)
 
 

@@ -64,15 +64,16 @@ def test_fanout_layout_worked_example():
 
 def test_single_process_two_stage_equals_local_layer():
     """Without torch.distributed (D = 1, N = 1) the two-stage layer is the single-device layer."""
-    from occult_ft.dispatch import local_moe_forward, two_stage_moe_forward
+    from occult_ft.dispatch import local_moe_forward, node_groups, two_stage_dispatch, two_stage_moe_forward
 
     experts = _full_experts("olmoe", seed=1)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, experts.down_proj.shape[1], generator=gen)
     ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:2] for _ in range(5)])
     w = torch.rand(5, 2, generator=gen)
-    out, handle = two_stage_moe_forward(x, ids, w, experts, nodes=1, return_handle=True)
+    out = two_stage_moe_forward(x, ids, w, experts, nodes=1)
     torch.testing.assert_close(out, local_moe_forward(x, ids, w, experts), rtol=1e-5, atol=1e-5)
+    _, _, handle = two_stage_dispatch(x, ids, w, NUM_EXPERTS, node_groups(1))
     assert handle.node_rows == 5 and handle.cross_node_rows == 0 and handle.intra_node_rows == 0
 
 
@@ -81,7 +82,7 @@ def test_nodes_must_divide_the_ranks():
 
     experts = _full_experts("olmoe", seed=1)
     x, ids, w = torch.zeros(1, experts.down_proj.shape[1]), torch.tensor([[0, 1]]), torch.ones(1, 2)
-    with pytest.raises(ValueError, match="nodes=2 does not divide the 1 expert-parallel ranks"):
+    with pytest.raises(ValueError, match=r"nodes=2 does not divide devices=1; use one of \[1\]"):
         two_stage_moe_forward(x, ids, w, experts, nodes=2)
 
 
@@ -106,12 +107,15 @@ def _case(rank: int, world: int, case: dict) -> list[str]:
 
     from occult_ft.bench.costmodel import split_rows, two_stage_rows
     from occult_ft.dispatch import (
-        dedup_moe_forward,
+        FlatExchange,
+        TwoStageExchange,
         experts_module_fn,
+        moe_forward,
+        node_groups,
         reference_moe,
         shard_experts_module,
-        two_stage_moe_forward,
     )
+    from occult_ft.layout import ExpertLayout
     from occult_ft.metrics import contiguous_expert_device, nodes_per_token
     from occult_ft.models import get_arch
 
@@ -140,10 +144,12 @@ def _case(rank: int, world: int, case: dict) -> list[str]:
         shard_experts_module(local, names)
         x, w = x_all[mine].clone().requires_grad_(), w_all[mine].clone().requires_grad_()
         if mode == "flat":
-            out, handle = dedup_moe_forward(x, ids_all[mine], w, local, return_layout=True)
+            exchange = FlatExchange(ExpertLayout(NUM_EXPERTS, world))
         else:
-            out, handle = two_stage_moe_forward(x, ids_all[mine], w, local, nodes=NODES, return_handle=True)
+            exchange = TwoStageExchange(ExpertLayout(NUM_EXPERTS, world, NODES), node_groups(NODES))
+        out = moe_forward(x, ids_all[mine], w, local, exchange)
         (out * g_all[mine]).sum().backward()
+        _, _, handle = exchange.dispatch(x_all[mine], ids_all[mine], w_all[mine])
         grads = {}
         for name in names:
             grad = getattr(local, name).grad
@@ -289,7 +295,7 @@ def test_sharded_model_with_two_stage_kernel_matches_concatenated_batch(world4):
         (dict(exchange="two_stage"), "exchange='two_stage' needs nodes > 1 (got nodes=1)"),
         (
             dict(exchange="hierarchical", nodes=2),
-            "exchange='hierarchical' is unknown; use 'flat' or 'two_stage'",
+            "exchange='hierarchical' is unknown; choose one of flat, two_stage, per_expert",
         ),
     ],
 )

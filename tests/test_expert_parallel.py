@@ -146,6 +146,10 @@ def train_case(
         base = unwrap_model(trainer.model)
         base = base.get_base_model() if hasattr(base, "get_base_model") else base
         result["read_sharded"] = getattr(base, "occult_sharded_source", None) is not None
+        from occult_ft.models import base_experts, find_moe_layers
+
+        shard = base_experts(find_moe_layers(base)[0].experts).occult_shard
+        result["exchange"] = [shard.exchange, shard.chunks, shard.capacity]
     return result
 
 

@@ -82,6 +82,64 @@ def test_dispatcher_synchronises_with_the_host_at_most_once_per_layer_forward():
     assert len(syncs) <= 1, [str(r.message) for r in syncs]
 
 
+def _cuda_syncs(fn) -> list[str]:
+    """Messages of the host synchronisations `fn()` makes on CUDA (`set_sync_debug_mode("warn")`)."""
+    import warnings
+
+    fn()  # warm up (lazy inits may sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return [str(r.message) for r in record if "synchroniz" in str(r.message).lower()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU test)")
+@pytest.mark.parametrize("capacity, expected", [(None, 1), (256, 0)])
+def test_exchange_layer_synchronises_once_and_the_capacity_mode_never_on_cuda(capacity, expected):
+    """Forward and backward of one layer on one rank: the count exchange's one read (exact mode), none
+    with capacity-bounded buffers (bf16, so grouped_mm runs on device block offsets)."""
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft.dispatch import FlatExchange, moe_forward
+    from occult_ft.layout import ExpertLayout
+    from occult_ft.models import find_moe_layers, tiny_config
+
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(tiny_config("olmoe"), dtype=torch.bfloat16)
+    experts = find_moe_layers(model)[0].experts
+    ids = torch.stack([torch.randperm(8, device="cuda")[:2] for _ in range(256)])
+    w = torch.rand(256, 2, device="cuda", dtype=torch.bfloat16)
+    exchange = FlatExchange(ExpertLayout(8, 1), capacity=capacity)
+
+    def layer():
+        x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        moe_forward(x, ids, w, experts, exchange).float().sum().backward()
+
+    syncs = _cuda_syncs(layer)
+    assert len(syncs) <= expected, syncs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU test)")
+@pytest.mark.parametrize("criterion", ["score", "similarity", "device_max", "device_topk_sum"])
+def test_pruning_rules_never_synchronise_on_cuda(criterion):
+    from occult_ft.routing import limit_topk
+
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.softmax(torch.randn(512, 64, generator=gen), -1).cuda()
+    ids = scores.topk(8, -1).indices
+    dev = (torch.arange(64) // 8).cuda()
+    sim = torch.rand(64, 64, generator=gen).cuda()
+    syncs = _cuda_syncs(lambda: limit_topk(scores, ids, dev, 8, 2, criterion, sim, num_nodes=2, max_nodes=1))
+    assert not syncs, syncs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU test)")
 def test_gpu_layer_benchmark_on_cuda_agrees_across_kernels():

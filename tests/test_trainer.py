@@ -108,7 +108,7 @@ def test_balance_loss_is_k_for_uniform_routing_and_e_for_collapse():
     probs = torch.eye(4)
     rec = RouterRecord(torch.arange(4).unsqueeze(1), probs, torch.zeros(4))
     assert balance_loss({0: rec}, torch.tensor([True, False, False, False])).item() == pytest.approx(4.0)
-    assert balance_loss({0: rec}, torch.zeros(4, dtype=torch.bool)) is None
+    assert balance_loss({0: rec}, torch.zeros(4, dtype=torch.bool)).item() == 0.0  # nothing to balance
     # sigmoid-style scores are normalised per token: 2 * uniform scores behave as uniform
     assert balance_loss(
         {0: RouterRecord(uniform.topk_ids, uniform.probs * 2, uniform.removed_mass)}
@@ -211,7 +211,9 @@ def test_model_aux_loss_is_off_and_balance_loss_enters_the_loss(tiny_olmoe_dir, 
     batch = trainer.data_collator([data[1][i] for i in range(2)])
     trainer.model.train()
     with_aux = trainer.compute_loss(trainer.model, dict(batch))
-    aux = balance_loss(collect_routing(trainer.model), batch["attention_mask"].flatten().bool())
+    # with a budget the balance loss includes the device-load term (the trainer's expert -> device map)
+    mask = batch["attention_mask"].flatten().bool()
+    aux = balance_loss(collect_routing(trainer.model), mask, trainer.occult.expert_device, cfg.devices)
     trainer.args.balance_loss_coef = 0.0
     without = trainer.compute_loss(trainer.model, dict(batch))
     torch.testing.assert_close(with_aux - without, 0.5 * aux, rtol=1e-5, atol=1e-6)
@@ -225,7 +227,9 @@ def test_balance_loss_is_not_scaled_by_world_size(tiny_olmoe_dir, data, tmp_path
     items = (batch["labels"][:, 1:] != -100).sum()
     trainer.model.train()
     single = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=items)
-    aux = balance_loss(collect_routing(trainer.model), batch["attention_mask"].flatten().bool())
+    # with a budget the balance loss includes the device-load term (the trainer's expert -> device map)
+    mask = batch["attention_mask"].flatten().bool()
+    aux = balance_loss(collect_routing(trainer.model), mask, trainer.occult.expert_device, cfg.devices)
     monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
     double = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=items)
     lm = single - 0.5 * aux

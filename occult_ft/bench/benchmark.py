@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..layout import ExpertLayout
 from ..metrics import contiguous_expert_device, device_counts, devices_per_token, expert_node
 from .costmodel import (
     CLUSTER_PRESETS,
@@ -62,6 +63,7 @@ from .workload import (
     mean_comm_complexity,
     pruned_name,
     routing_variants,
+    token_capacity,
     two_stage_name,
 )
 
@@ -73,7 +75,8 @@ TARGETS = {"occult_dedup": 1.5, pruned_name(2): 2.5}
 
 DEFINITIONS = {
     "kind": "dispatch family: capacity (DeepSpeed classic, a dense [E, C, H] buffer), per_expert (one row per "
-    "(token, expert)) or dedup (one row per (token, device))",
+    "(token, expert)), dedup (one row per (token, device)) or dedup_capacity (dedup with capacity-bounded "
+    "buffers: ceil(T / D) rows to every process, padded, nothing dropped, no host synchronisation)",
     "max_devices_per_token": "pruning budget M of a de-duplicated backend (collaboration pruning to M devices per "
     "token); None when the backend does not prune",
     "rows": "rows sent by the dispatch all-to-alls over all processes and measured layers (the combine sends "
@@ -91,15 +94,16 @@ DEFINITIONS = {
     "intra_node_rows": "(nodes > 1) dispatch rows between two devices of one node (two-stage: its fan-out stage)",
     "stage2_rows": "two-stage only: rows of the intra-node fan-out stage (rows counts the inter-node stage)",
     "node_comm_complexity": "mean distinct nodes per token (N_T): the two-stage exchange's rows per token",
+    "load_imbalance": "device load imbalance: max / mean rows a device receives in one dispatch (for the "
+    "two-stage exchange, its fan-out to the expert devices), mean over the measured layers; the most loaded "
+    "device sets the layer's time",
 }
 
 
 def check_inputs(num_experts: int, top_k: int, tokens: int, settings: BenchSettings) -> None:
     """Raise a one-line ValueError when the benchmark cannot run on these sizes."""
     d = settings.devices
-    if num_experts % d:
-        divisors = [x for x in range(2, num_experts + 1) if num_experts % x == 0]
-        raise ValueError(f"devices={d} does not divide the {num_experts} experts; use one of {divisors}")
+    ExpertLayout(num_experts, d, settings.nodes)
     if tokens < d:
         raise ValueError(f"{tokens} tokens cannot be shared by {d} processes; use more tokens (at least {d})")
 
@@ -123,6 +127,12 @@ def _feasible_budgets(
         else:
             kept.append(m)
     return kept, notes
+
+
+def _load_imbalance(rows_DD: torch.Tensor) -> float:
+    """max / mean rows received per device in one dispatch (the devices that run the experts)."""
+    load_D = rows_DD.sum(dim=0).double()
+    return float(load_D.max() / load_D.mean()) if load_D.numel() and load_D.sum() > 0 else 0.0
 
 
 def _check_volumes(
@@ -169,6 +179,8 @@ def _cluster_rows(
     if kind == "capacity":
         capacity, _ = deepspeed_capacity(ids_TK, num_experts, devices, capacity_factor, settings.min_capacity)
         return capacity_rows_matrix(devices, num_experts, capacity)
+    if kind == "dedup_capacity":
+        return torch.full((devices, devices), token_capacity(ids_TK.shape[0], devices), dtype=torch.long)
     dev_E = contiguous_expert_device(num_experts, devices)
     if budget is not None:
         ids_TK = pruned_topk(scores_TE, ids_TK, dev_E, devices, min(budget, devices))
@@ -379,6 +391,7 @@ def run_benchmark(
                 "rows_per_token": float(rows_DD.sum()) / tokens,
                 "remote_rows": remote,
                 "dropped_routes": dropped,
+                "load_imbalance": _load_imbalance(stage2_DD if stage2_DD is not None else rows_DD),
             }
             if stage2_DD is not None:
                 row["stage2_rows"] = int(stage2_DD.sum())
@@ -413,6 +426,7 @@ def run_benchmark(
             "rows": rows,
             "remote_rows": sum(r["remote_rows"] for r in rows_l),
             "bytes": 2 * (rows + sum(r.get("stage2_rows", 0) for r in rows_l)) * workload.hidden * elem,
+            "load_imbalance": sum(r["load_imbalance"] for r in rows_l) / max(1, len(rows_l)),
         }
         if row["kind"] == "dedup":
             row["comm_complexity"] = row["rows_per_token"]

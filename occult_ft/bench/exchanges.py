@@ -14,18 +14,22 @@ part of `run()`.
                               `_sparse_decode`.
     deepspeed_classic_nodrop  the same with `drop_tokens=False`: C = largest expert load over all ranks
                               (DeepSpeed all-reduces it every forward; that all-reduce is in `run()`).
-    per_expert                one row per (token, expert), uneven `all_to_all_single` (what transformers'
-                              native EP, DeepSpeed AutoEP, Tutel and MegaBlocks send): counts exchange,
-                              rows out, rows back, weighted sum.
+    per_expert                one row per (token, expert) (what transformers' native EP, DeepSpeed AutoEP,
+                              Tutel and MegaBlocks send) through occult_ft's own exchange
+                              (`occult_ft.dispatch.PerExpertExchange`, the one `exchange: per_expert`
+                              trains with): count exchange, rows out, rows back, sum per token.
     hf_native_ep              transformers' `AllToAllEP` itself (`DistributedConfig(ep_implementation=
                               "all_to_all")`), called with an identity experts module.
-    occult_dedup[_pruneM]     occult_ft.dispatch: `compute_layout`, `dispatch`, `combine` (one row per
-                              (token, device)).
-    occult_two_stage[_pruneM] occult_ft.dispatch.two_stage (with --nodes N > 1): one row per (token, node)
-                              to the node's gateway, fanned out to the node's devices; combine in reverse.
+    occult_dedup[_pruneM]     `occult_ft.dispatch.FlatExchange`: dispatch + combine, one row per
+                              (token, device).
+    occult_dedup_capacity     the same with capacity-bounded buffers (C = ceil(T / D) rows to every
+                              process, padded; no count exchange, no host synchronisation).
+    occult_two_stage[_pruneM] `occult_ft.dispatch.TwoStageExchange` (with --nodes N > 1): one row per
+                              (token, node) to the node's gateway, fanned out to the node's devices;
+                              combine in reverse.
 
 Without an importable deepspeed (e.g. on a GPU machine without it), the two DeepSpeed rows fall back to
-`CapacityReplicaExchange`: the same [E, C, H] buffer and capacity formula, built here ("position" drop
+`CapacityReplicaRun`: the same [E, C, H] buffer and capacity formula, built here ("position" drop
 policy instead of "probs": the same number of dropped routes), moved by the same equal-split
 all-to-alls; its `implementation` says so.
 
@@ -46,9 +50,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dispatch import combine, compute_layout, dispatch, two_stage_combine, two_stage_dispatch
+from ..dispatch import Exchange, FlatExchange, PerExpertExchange, TwoStageExchange
+from ..layout import ExpertLayout
 
-__all__ = ["CollectiveClock", "Exchange", "build_exchange", "init_deepspeed_comm"]
+__all__ = ["CollectiveClock", "BackendRun", "build_exchange", "init_deepspeed_comm"]
 
 
 class CollectiveClock:
@@ -113,8 +118,8 @@ class CollectiveClock:
         self._saved.clear()
 
 
-class Exchange(ABC):
-    """One backend's forward dispatch + combine of one layer on this rank.
+class BackendRun(ABC):
+    """One backend's forward dispatch + combine of one layer on this rank (what the benchmark times).
 
     Attributes:
         name: backend name.
@@ -143,41 +148,6 @@ def _contiguous_splits(counts: torch.Tensor) -> list[int]:
     return [int(c) for c in counts.tolist()]
 
 
-class PerExpertExchange(Exchange):
-    """One row per (token, expert): sort routes by expert, exchange counts, rows out, rows back."""
-
-    name = "per_expert"
-    implementation = (
-        "occult_ft: one row per (token, expert), torch.distributed.all_to_all_single with uneven splits"
-    )
-
-    def __init__(self, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, group):
-        super().__init__()
-        self.hidden_TH, self.weights_TK, self.group = hidden_TH, weights_TK, group
-        self.num_devices = dist.get_world_size(group)
-        self.ids_N = topk_ids_TK.reshape(-1)
-        self.num_experts, self.top_k = num_experts, topk_ids_TK.shape[1]
-        counts_E = torch.bincount(self.ids_N, minlength=num_experts)
-        self.send_rows_D = _contiguous_splits(counts_E.view(self.num_devices, -1).sum(dim=1))
-
-    def run(self) -> torch.Tensor:
-        order_N = torch.argsort(self.ids_N, stable=True)
-        send_NH = self.hidden_TH[order_N // self.top_k]
-        counts_E = torch.bincount(self.ids_N, minlength=self.num_experts)
-        recv_counts_E = torch.empty_like(counts_E)
-        dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
-        send_D = _contiguous_splits(counts_E.view(self.num_devices, -1).sum(dim=1))
-        recv_D = _contiguous_splits(recv_counts_E.view(self.num_devices, -1).sum(dim=1))
-        recv_RH = send_NH.new_empty(sum(recv_D), send_NH.shape[1])
-        dist.all_to_all_single(recv_RH, send_NH, recv_D, send_D, group=self.group)
-        back_NH = torch.empty_like(send_NH)
-        dist.all_to_all_single(back_NH, recv_RH, send_D, recv_D, group=self.group)
-        out_NH = torch.empty_like(back_NH)
-        out_NH[order_N] = back_NH
-        out_TKH = out_NH.view(*self.weights_TK.shape, -1)
-        return (out_TKH.float() * self.weights_TK.unsqueeze(-1)).sum(dim=1).to(self.hidden_TH.dtype)
-
-
 class _IdentityExperts(nn.Module):
     """Stands in for a transformers experts module: P local experts that return their input."""
 
@@ -189,7 +159,7 @@ class _IdentityExperts(nn.Module):
         return hidden_states
 
 
-class HFNativeEPExchange(Exchange):
+class HFNativeEPRun(BackendRun):
     """transformers' `AllToAllEP` (native expert parallelism, `ep_implementation="all_to_all"`)."""
 
     name = "hf_native_ep"
@@ -213,7 +183,7 @@ class HFNativeEPExchange(Exchange):
         return self.impl(*self.args)
 
 
-class DeepSpeedClassicExchange(Exchange):
+class DeepSpeedClassicRun(BackendRun):
     """DeepSpeed's classic MoE dispatch: dense [E, C, H] buffer, equal-split all-to-all both ways."""
 
     def __init__(
@@ -280,7 +250,7 @@ class DeepSpeedClassicExchange(Exchange):
         )
 
 
-class CapacityReplicaExchange(Exchange):
+class CapacityReplicaRun(BackendRun):
     """DeepSpeed classic's exchange shape when deepspeed is not importable: the same [E, C, H] buffer
     (same capacity formula), built here, moved by two equal-split `all_to_all_single` calls."""
 
@@ -339,42 +309,25 @@ class CapacityReplicaExchange(Exchange):
         return (out_TKH * self.weights_TK.unsqueeze(-1)).sum(dim=1).to(self.hidden_TH.dtype)
 
 
-class DedupExchange(Exchange):
-    """occult_ft.dispatch: one row per (token, device), rows and weights out, one row per (token, device) back."""
+class OccultRun(BackendRun):
+    """One of occult_ft's own exchanges (`occult_ft.dispatch`): its dispatch + combine around identity
+    experts that apply the gate weights (so every backend returns sum_k w_k x)."""
 
-    implementation = "occult_ft.dispatch compute_layout + dispatch + combine (one row per (token, device))"
-
-    def __init__(self, name: str, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, group):
+    def __init__(self, name: str, exchange: Exchange, hidden_TH, topk_ids_TK, weights_TK):
         super().__init__()
-
-        self.name = name
+        self.name, self.exchange = name, exchange
+        self.implementation = {
+            "flat": "occult_ft.dispatch.FlatExchange: dispatch + combine (one row per (token, device))",
+            "per_expert": "occult_ft.dispatch.PerExpertExchange: dispatch + combine (one row per (token, expert))",
+            "two_stage": "occult_ft.dispatch.TwoStageExchange: dispatch + combine (one row per (token, node) "
+            "to the gateway of the sender's local index, then one per (token, device) inside the node)",
+        }[exchange.name]
         self.args = (hidden_TH, topk_ids_TK, weights_TK.to(hidden_TH.dtype))
-        self.num_experts, self.group = num_experts, group
-        self.rank, self.num_devices = dist.get_rank(group), dist.get_world_size(group)
-        layout = compute_layout(topk_ids_TK, weights_TK, num_experts, self.num_devices, self.rank)
-        self.send_rows_D = list(layout.send_splits)
-
-    def run(self) -> torch.Tensor:
-        hidden_TH, ids_TK, weights_TK = self.args
-        layout = compute_layout(ids_TK, weights_TK, self.num_experts, self.num_devices, self.rank)
-        recv_x_RH, _, received = dispatch(hidden_TH, layout, self.group)
-        return combine(recv_x_RH, received, self.group, out_dtype=hidden_TH.dtype)
-
-
-class TwoStageExchange(Exchange):
-    """occult_ft.dispatch.two_stage: one row per (token, node) across nodes, fanned out inside the node."""
-
-    implementation = (
-        "occult_ft.dispatch.two_stage: two_stage_dispatch + two_stage_combine (one row per (token, node) "
-        "to the gateway of the sender's local index, then one per (token, device) inside the node)"
-    )
-
-    def __init__(self, name: str, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, groups):
-        super().__init__()
-
-        self.name, self.groups, self.num_experts = name, groups, num_experts
-        self.args = (hidden_TH, topk_ids_TK, weights_TK.to(hidden_TH.dtype))
-        _, _, handle = two_stage_dispatch(*self.args, num_experts, groups)  # a trial run, for the volumes
+        _, _, handle = exchange.dispatch(*self.args)  # a trial run, for the volumes
+        if exchange.name != "two_stage":
+            self.send_rows_D = list(handle.layout.send_splits)
+            return
+        groups = exchange.groups
         world, local_size = groups.num_devices, groups.local_size
         self.send_rows_D = [0] * world
         for m, count in enumerate(handle.node_layout.send_splits):
@@ -384,8 +337,9 @@ class TwoStageExchange(Exchange):
             self.stage2_rows_D[groups.node * local_size + li] = count
 
     def run(self) -> torch.Tensor:
-        recv_x_VH, _, handle = two_stage_dispatch(*self.args, self.num_experts, self.groups)
-        return two_stage_combine(recv_x_VH, handle, out_dtype=self.args[0].dtype)
+        recv_x_RH, recv_w_RJ, handle = self.exchange.dispatch(*self.args)
+        out_RH = recv_x_RH * recv_w_RJ.sum(dim=-1, keepdim=True)  # identity experts, gate-weighted
+        return self.exchange.combine(out_RH, handle, out_dtype=self.args[0].dtype)
 
 
 def init_deepspeed_comm(backend: str) -> str | None:
@@ -413,28 +367,38 @@ def build_exchange(
     deepspeed_error: str | None = None,
     mesh=None,
     node_groups=None,
-) -> Exchange:
-    """The `Exchange` of backend `name` for this rank's tokens (see the module docstring); the two-stage
+    capacity: int | None = None,
+) -> BackendRun:
+    """The `BackendRun` of backend `name` for this rank's tokens (see the module docstring); the two-stage
     backends need `node_groups` (`occult_ft.dispatch.node_groups`)."""
     if name in ("deepspeed_classic", "deepspeed_classic_nodrop"):
         factor = capacity_factor if name == "deepspeed_classic" else None
         if deepspeed_error is None:
-            return DeepSpeedClassicExchange(
+            return DeepSpeedClassicRun(
                 hidden_TH, topk_ids_TK, weights_TK, num_experts, group, factor, min_capacity
             )
-        return CapacityReplicaExchange(
+        return CapacityReplicaRun(
             hidden_TH, topk_ids_TK, weights_TK, num_experts, group, factor, min_capacity, deepspeed_error
         )
+    num_devices = dist.get_world_size(group)
     if name == "per_expert":
-        return PerExpertExchange(hidden_TH, topk_ids_TK, weights_TK, num_experts, group)
+        exchange = PerExpertExchange(ExpertLayout(num_experts, num_devices), group)
+        return OccultRun(name, exchange, hidden_TH, topk_ids_TK, weights_TK)
     if name == "hf_native_ep":
         if mesh is None:
             raise RuntimeError("transformers native EP needs a device mesh")
-        return HFNativeEPExchange(hidden_TH, topk_ids_TK, weights_TK, num_experts, group, mesh)
+        return HFNativeEPRun(hidden_TH, topk_ids_TK, weights_TK, num_experts, group, mesh)
     if name.startswith("occult_two_stage"):
         if node_groups is None:
             raise RuntimeError("the two-stage exchange needs node groups (run with nodes > 1)")
-        return TwoStageExchange(name, hidden_TH, topk_ids_TK, weights_TK, num_experts, node_groups)
+        layout = ExpertLayout(num_experts, num_devices, node_groups.nodes)
+        return OccultRun(name, TwoStageExchange(layout, node_groups), hidden_TH, topk_ids_TK, weights_TK)
+    if name == "occult_dedup_capacity":
+        if capacity is None:
+            raise RuntimeError("the capacity-bounded exchange needs its capacity (rows per process)")
+        exchange = FlatExchange(ExpertLayout(num_experts, num_devices), group, capacity=capacity)
+        return OccultRun(name, exchange, hidden_TH, topk_ids_TK, weights_TK)
     if name.startswith("occult_dedup"):
-        return DedupExchange(name, hidden_TH, topk_ids_TK, weights_TK, num_experts, group)
+        exchange = FlatExchange(ExpertLayout(num_experts, num_devices), group)
+        return OccultRun(name, exchange, hidden_TH, topk_ids_TK, weights_TK)
     raise ValueError(f"unknown backend {name!r}")

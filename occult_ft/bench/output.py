@@ -25,8 +25,8 @@ def format_report(report: dict) -> str:
     lines = [head, ""]
     node_head = f" {'x-node/tok':>10} {'x-node MB':>9} {'in-node':>9}" if nodes > 1 else ""
     lines.append(
-        f"{'backend':<26} {'rows/tok':>8} {'rows':>10} {'remote':>10} {'MB':>9}{node_head} {'exch ms':>9} "
-        f"{'path ms':>9} {'vs best':>8}  notes"
+        f"{'backend':<26} {'rows/tok':>8} {'rows':>10} {'remote':>10} {'MB':>9}{node_head} {'imbal':>6} "
+        f"{'exch ms':>9} {'path ms':>9} {'vs best':>8}  notes"
     )
     mb = 1e6
     for b in r["backends"]:
@@ -45,7 +45,8 @@ def format_report(report: dict) -> str:
         )
         lines.append(
             f"{b['backend']:<26} {b['rows_per_token']:>8.3f} {b['rows']:>10} {b['remote_rows']:>10} "
-            f"{b['bytes'] / mb:>9.1f}{node_cols} {_num(b['exchange_ms'], '.2f', 9)} {_num(b['path_ms'], '.2f', 9)} "
+            f"{b['bytes'] / mb:>9.1f}{node_cols} {_num(b.get('load_imbalance'), '.2f', 6)} "
+            f"{_num(b['exchange_ms'], '.2f', 9)} {_num(b['path_ms'], '.2f', 9)} "
             f"{_num(speed, '.2f', 7)}{'x' if speed is not None else ' '}  {'; '.join(notes)}"
         )
     lines.append("")

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..dispatch import node_groups
+from ..layout import ExpertLayout
 from .exchanges import CollectiveClock, build_exchange, init_deepspeed_comm
 
 __all__ = ["DTYPES", "BenchSettings", "choose_transport", "run_exchanges"]
@@ -76,13 +77,7 @@ class BenchSettings:
             raise ValueError(
                 f"devices={self.devices!r}: the exchange needs at least 2 processes, e.g. --devices 4"
             )
-        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
-            raise ValueError(f"nodes={self.nodes!r} must be a positive integer, e.g. --nodes 2")
-        if self.devices % self.nodes:
-            divisors = [n for n in range(1, self.devices + 1) if self.devices % n == 0]
-            raise ValueError(
-                f"nodes={self.nodes} does not divide devices={self.devices}; use one of {divisors}"
-            )
+        ExpertLayout(self.devices, self.devices, self.nodes)  # N must divide D (no experts involved yet)
         if self.iters < 1 or self.warmup < 0:
             raise ValueError(f"iters={self.iters} must be >= 1 and warmup={self.warmup} >= 0")
         if self.dtype not in DTYPES:
@@ -178,6 +173,7 @@ def _measure(rank: int, world: int, spec: dict, device: torch.device, backend: s
                         deepspeed_error=ds_error,
                         mesh=mesh,
                         node_groups=groups,
+                        capacity=-(-int(layer[names[0]][0].shape[0]) // world),
                     )
                     exchanges[name].run()  # a trial run: failures surface here, on every process alike
             except Exception as exc:  # noqa: BLE001 - reported as "not measured, because ..."

@@ -39,6 +39,8 @@ __all__ = [
     "KINDS",
     "DEEPSPEED_MIN_CAPACITY",
     "TWO_STAGE",
+    "CAPACITY",
+    "token_capacity",
     "pruned_name",
     "two_stage_name",
     "LayerRouting",
@@ -55,7 +57,10 @@ PEERS = ("deepspeed_classic", "deepspeed_classic_nodrop", "per_expert", "hf_nati
 """Peers: DeepSpeed classic MoE (capacity factor, and drop-free), per-expert dispatch (one row per
 (token, expert): what transformers native EP, DeepSpeed AutoEP, Tutel and MegaBlocks send) and
 transformers' own `AllToAllEP`."""
-OURS = ("occult_dedup",)
+CAPACITY = "occult_dedup_capacity"
+"""The de-duplicated exchange with capacity-bounded receive buffers: C = ceil(T / D) rows to every process
+(the proven bound: a token goes at most once to a device), no count exchange, no host synchronisation."""
+OURS = ("occult_dedup", CAPACITY)
 BACKENDS = PEERS + OURS
 KINDS = {
     "deepspeed_classic": "capacity",
@@ -63,10 +68,12 @@ KINDS = {
     "per_expert": "per_expert",
     "hf_native_ep": "per_expert",
     "occult_dedup": "dedup",
+    CAPACITY: "dedup_capacity",
 }
 """Dispatch family of each backend in `BACKENDS`, the `kind` field of the report: `capacity` (a dense
 [E, C, H] buffer per process), `per_expert` (one row per (token, expert)) or `dedup` (one row per
-(token, device)). The pruned variants `pruned_name(M)` are `dedup` too, with budget M; the node-aware
+(token, device)); `dedup_capacity` is the same exchange with padded, capacity-bounded buffers (C rows to
+every process, like `capacity`, but no route dropped). The pruned variants `pruned_name(M)` are `dedup` too, with budget M; the node-aware
 exchange `two_stage_name(M)` is `two_stage` (one row per (token, node) across nodes, then per device)."""
 DEEPSPEED_MIN_CAPACITY = 4  # deepspeed.moe.layer.MoE(min_capacity=4), its default
 TWO_STAGE = "occult_two_stage"
@@ -345,8 +352,17 @@ def layer_volumes(
         factor = capacity_factor if backend == "deepspeed_classic" else None
         capacity, dropped = deepspeed_capacity(topk_ids_TK, num_experts, num_devices, factor, min_capacity)
         return capacity_rows_matrix(num_devices, num_experts, capacity), dropped
+    if backend == CAPACITY:
+        capacity = token_capacity(topk_ids_TK.shape[0], num_devices)
+        return torch.full((num_devices, num_devices), capacity, dtype=torch.long), 0
     dedup = backend.startswith("occult_dedup")
     return rows_matrix(topk_ids_TK, expert_device_E, num_devices, dedup=dedup), 0
+
+
+def token_capacity(num_tokens: int, num_devices: int) -> int:
+    """Rows per destination of the capacity-bounded exchange: the most tokens a process holds (T split
+    as `token_ranks` splits it), which no routing can overflow."""
+    return -(-num_tokens // num_devices)
 
 
 def mean_comm_complexity(topk_ids_TK: torch.Tensor, num_experts: int, num_devices: int) -> float:

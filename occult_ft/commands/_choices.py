@@ -40,6 +40,7 @@ BENCH_BACKENDS = (
     "per_expert",
     "hf_native_ep",
     "occult_dedup",
+    "occult_dedup_capacity",
 )
 BENCH_DTYPES = ("bfloat16", "float16", "float32")
 CLUSTER_PRESETS = ("8xH100-nvlink", "4xA6000-pcie", "2x8-ib", "4x8-ib")

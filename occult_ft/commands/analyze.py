@@ -81,6 +81,12 @@ def format_report(report) -> str:
         f"{'all':>5} {sum(m.tokens for m in report.layers):>8} {report.comm_complexity:>8.3f} {report.intra_share:>7.3f}"
         f" {report.top_k:>7} {report.comm_complexity:>10.3f} {report.load_imbalance:>6.2f}  {report.devices_histogram}"
     )
+    if getattr(report, "mean_load_imbalance", None) is not None and report.layers:
+        worst = max(report.layers, key=lambda m: m.load_imbalance)
+        lines.append(
+            f"device load imbalance (max/mean rows per device): mean over layers {report.mean_load_imbalance:.3f}, "
+            f"worst layer {worst.layer} {worst.load_imbalance:.3f}"
+        )
     if getattr(report, "node_comm_complexity", None) is not None:
         per_layer = ", ".join(f"{m.layer}: {m.node_comm_complexity:.3f}" for m in report.layers)
         lines.append(

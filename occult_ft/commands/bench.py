@@ -12,6 +12,12 @@ inside the node) is measured too, and rows and bytes are reported inside and acr
 (after --placement, if given), or from a synthetic layer. A cost model then predicts the exchange on
 named cluster shapes (--cluster, repeatable; presets or NAME:devices_per_node=8,nodes=2,intra=450,
 inter=50,latency=10). Prints a table, or with --json one JSON object.
+
+`occult-ft bench --train --devices D [--experts 64 --top-k 8 --hidden 512 --num-layers 2 --tokens 2048]`
+measures whole training steps instead (forward, backward, optimizer) of data parallel (HF Trainer),
+occult_ft's expert parallelism (no budget, budgets 2 and 1, per-expert rows through its own exchange),
+transformers' native EP and DeepSpeed MoE on one OLMoE-shaped model, side by side: the short version of
+benchmarks/train_step.py (`occult_ft.bench.step`), 1 round of 3 steps by default.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from ._common import (
     standalone,
 )
 
-__all__ = ["add_parser", "run", "build_workload"]
+__all__ = ["add_parser", "run", "run_train", "build_workload"]
 
 
 def _positive_float(text: str) -> float:
@@ -74,8 +80,15 @@ def add_parser(sub):
     )
     p.add_argument("--experts", type=positive_int, default=64, help="--synthetic: experts E")
     p.add_argument("--top-k", type=positive_int, default=8, help="--synthetic: experts per token K")
-    p.add_argument("--tokens", type=positive_int, default=8192, help="--synthetic: tokens T (all processes)")
-    p.add_argument("--num-layers", type=positive_int, default=1, help="--synthetic: MoE layers")
+    p.add_argument(
+        "--tokens",
+        type=positive_int,
+        default=None,
+        help="--synthetic: tokens T (8192); --train: per step (2048)",
+    )
+    p.add_argument(
+        "--num-layers", type=positive_int, default=None, help="--synthetic: MoE layers (1); --train: 2"
+    )
     p.add_argument(
         "--devices", type=positive_int, required=True, help="processes = expert-parallel size D (>= 2)"
     )
@@ -101,7 +114,10 @@ def add_parser(sub):
     )
     p.add_argument("--dtype", default="bfloat16", choices=BENCH_DTYPES, help="dtype of the exchanged rows")
     p.add_argument(
-        "--iters", type=positive_int, default=5, help="timed iterations per backend and layer (median)"
+        "--iters",
+        type=positive_int,
+        default=None,
+        help="timed iterations per backend and layer (median; 5), or --train: timed steps (3)",
     )
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
     p.add_argument(
@@ -111,7 +127,9 @@ def add_parser(sub):
         "--backends",
         default=None,
         help=f"comma-separated subset to measure: {', '.join(BENCH_BACKENDS)}, occult_dedup_pruneM "
-        "(with --nodes > 1: occult_two_stage, occult_two_stage_pruneM)",
+        "(with --nodes > 1: occult_two_stage, occult_two_stage_pruneM); with --train the contenders: "
+        "data_parallel, occult_ep[_budgetM][_per_expert][_chunksN][_capacity][_two_stage], hf_native_ep, "
+        "deepspeed_moe",
     )
     p.add_argument(
         "--cluster",
@@ -122,6 +140,15 @@ def add_parser(sub):
     )
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are present")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing and the hidden rows")
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="measure whole training steps of every contender (occult_ft.bench.step) instead of the exchange",
+    )
+    p.add_argument("--rounds", type=positive_int, default=1, help="--train: rounds over all contenders")
+    p.add_argument(
+        "--barrier", action="store_true", help="--train: barrier before each exchange (waiting vs transfer)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, help="also write a bar chart to this PNG")
     p.set_defaults(func=run)
@@ -137,9 +164,10 @@ def build_workload(args, settings):
             raise ValueError(
                 "--synthetic takes no MODEL, --data or --placement; drop them or drop --synthetic"
             )
-        check_inputs(args.experts, args.top_k, args.tokens, settings)
+        tokens = args.tokens or 8192
+        check_inputs(args.experts, args.top_k, tokens, settings)
         return synthetic_workload(
-            args.experts, args.top_k, args.tokens, args.hidden or 2048, args.num_layers, args.seed
+            args.experts, args.top_k, tokens, args.hidden or 2048, args.num_layers or 1, args.seed
         )
     if args.model is None:
         raise ValueError("give MODEL --data DATA, or --synthetic for a model-free OLMoE-shaped layer")
@@ -171,6 +199,43 @@ def build_workload(args, settings):
     )
 
 
+def run_train(args) -> int:
+    """`--train`: the train-step benchmark with the command's flags (a short run by default)."""
+    from ..bench.step import DEFAULT_CONTENDERS, StepSettings, format_step_report, run_train_step
+
+    if args.model is not None or args.data is not None or args.placement is not None:
+        raise ValueError("--train builds its own OLMoE-shaped model; drop MODEL, --data and --placement")
+    settings = StepSettings(
+        hidden=args.hidden or 512,
+        layers=args.num_layers or 2,
+        experts=args.experts,
+        top_k=args.top_k,
+        seq_len=args.seq_len,
+        tokens_per_step=args.tokens or 2048,
+        devices=args.devices,
+        nodes=args.nodes,
+        steps=args.iters or 3,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        barrier=args.barrier,
+        device="cpu" if args.cpu else "auto",
+        seed=args.seed,
+    )
+    contenders = (
+        [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else DEFAULT_CONTENDERS
+    )
+    report = run_train_step(
+        settings, contenders, tuple(args.cluster or ("4x8-ib",)), progress=lambda m: print(m, file=sys.stderr)
+    )
+    if args.plot:
+        from ..plots import plot_train_step
+
+        plot_train_step(report, args.plot)
+        print(f"wrote the figure to {args.plot}", file=sys.stderr)
+    print(json.dumps(report) if args.json else format_step_report(report))
+    return 0
+
+
 def run(args) -> int:
     quiet_deepspeed_accelerator()
     from ..bench import DEFAULT_BUDGETS, BenchSettings, format_report, run_benchmark
@@ -179,10 +244,12 @@ def run(args) -> int:
 
     if args.plot is not None:
         check_output_path(args.plot, what="--plot")
+    if args.train:
+        return run_train(args)
     settings = BenchSettings(
         devices=args.devices,
         nodes=args.nodes,
-        iters=args.iters,
+        iters=args.iters or 5,
         warmup=args.warmup,
         dtype=args.dtype,
         capacity_factor=args.capacity_factor,

@@ -67,6 +67,8 @@ FIELD_GROUPS = {
         "devices",
         "nodes",
         "exchange",
+        "exchange_chunks",
+        "exchange_capacity",
         "placement",
         "placement_algorithm",
         "profile_tokens",

@@ -30,7 +30,15 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_size_and_rank", "exchange_counts", "exchange_rows", "all_to_all_rows"]
+__all__ = [
+    "group_size_and_rank",
+    "exchange_counts",
+    "exchange_meta",
+    "exchange_rows",
+    "all_to_all_rows",
+    "PendingRows",
+    "start_exchange",
+]
 
 
 def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -52,6 +60,91 @@ def exchange_counts(send_counts_D: torch.Tensor, group: dist.ProcessGroup | None
     return tuple(int(c) for c in recv_D.tolist())
 
 
+def exchange_meta(meta_DC: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Equal-split all-to-all of a (D, C) int64 tensor: row j goes to rank j, and row j of the result
+    came from rank j. Device tensors in and out: the caller reads what it needs in one `.tolist()`."""
+    world, _ = group_size_and_rank(group)
+    if world == 1:
+        return meta_DC
+    if meta_DC.shape[0] != world:
+        raise ValueError(f"count metadata has {meta_DC.shape[0]} rows for a group of {world} ranks")
+    recv_DC = torch.empty_like(meta_DC)
+    dist.all_to_all_single(recv_DC, meta_DC.contiguous(), group=group)
+    return recv_DC
+
+
+def _split_kwargs(send_splits: Sequence[int], recv_splits: Sequence[int]) -> dict:
+    """Split sizes for `all_to_all_single`; none when every block has the same size (the capacity-bounded
+    exchange): the backend then runs its plain all-to-all instead of the uneven variant."""
+    sizes = set(send_splits) | set(recv_splits)
+    if len(sizes) == 1:
+        return {}
+    return {"output_split_sizes": list(recv_splits), "input_split_sizes": list(send_splits)}
+
+
+def _packed(
+    tensors: Sequence[torch.Tensor], num_send: int
+) -> list[tuple[list[int], list[int], torch.Tensor]]:
+    """Per dtype: (member indices, column widths, (S, C) send buffer of the members side by side)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.shape[0] != num_send:
+            raise ValueError(
+                f"tensor of shape {tuple(t.shape)} has {t.shape[0]} rows; the splits send {num_send}"
+            )
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out = []
+    for members in by_dtype.values():
+        cols = [tensors[i].reshape(num_send, math.prod(tensors[i].shape[1:])) for i in members]
+        send_SC = torch.cat(cols, dim=1).contiguous() if len(cols) > 1 else cols[0].contiguous()
+        out.append((members, [c.shape[1] for c in cols], send_SC))
+    return out
+
+
+class PendingRows:
+    """An exchange of row blocks in flight (`start_exchange`); `wait()` returns the received tensors."""
+
+    def __init__(self, works, parts, shapes, num_recv: int, count: int):
+        self._works, self._parts, self._shapes = works, parts, shapes
+        self._num_recv, self._count = num_recv, count
+
+    def wait(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * self._count
+        for work, (members, widths, recv_RC) in zip(self._works, self._parts):
+            if work is not None:
+                work.wait()
+            for i, piece in zip(members, recv_RC.split(widths, dim=1)):
+                out[i] = piece.reshape(self._num_recv, *self._shapes[i])
+        return out  # type: ignore[return-value]
+
+
+def start_exchange(
+    tensors: Sequence[torch.Tensor],
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int],
+    group: dist.ProcessGroup | None,
+) -> PendingRows:
+    """`exchange_rows` issued asynchronously (`async_op=True`; no autograd): the collectives run on the
+    process group's own worker (gloo) or stream (NCCL) while the caller computes; `wait()` joins them.
+    Collectives on one group complete in the order they were issued."""
+    world, _ = group_size_and_rank(group)
+    num_send, num_recv = sum(send_splits), sum(recv_splits)
+    shapes = [tuple(t.shape[1:]) for t in tensors]
+    if world == 1:
+        parts = [(members, widths, send_SC) for members, widths, send_SC in _packed(tensors, num_send)]
+        return PendingRows([None] * len(parts), parts, shapes, num_recv, len(tensors))
+    works, parts = [], []
+    for members, widths, send_SC in _packed(tensors, num_send):
+        recv_RC = send_SC.new_empty(num_recv, sum(widths))
+        works.append(
+            dist.all_to_all_single(
+                recv_RC, send_SC, **_split_kwargs(send_splits, recv_splits), group=group, async_op=True
+            )
+        )
+        parts.append((members, widths, recv_RC))
+    return PendingRows(works, parts, shapes, num_recv, len(tensors))
+
+
 def exchange_rows(
     tensors: Sequence[torch.Tensor],
     send_splits: Sequence[int],
@@ -67,27 +160,10 @@ def exchange_rows(
     if world == 1:
         return list(tensors)
     num_send, num_recv = sum(send_splits), sum(recv_splits)
-    for t in tensors:
-        if t.shape[0] != num_send:
-            raise ValueError(
-                f"tensor of shape {tuple(t.shape)} has {t.shape[0]} rows; the splits send {num_send}"
-            )
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for members in by_dtype.values():
-        cols = [tensors[i].reshape(num_send, math.prod(tensors[i].shape[1:])) for i in members]
-        widths = [c.shape[1] for c in cols]
-        send_SC = torch.cat(cols, dim=1).contiguous() if len(cols) > 1 else cols[0].contiguous()
+    for members, widths, send_SC in _packed(tensors, num_send):
         recv_RC = send_SC.new_empty(num_recv, sum(widths))
-        dist.all_to_all_single(
-            recv_RC,
-            send_SC,
-            output_split_sizes=list(recv_splits),
-            input_split_sizes=list(send_splits),
-            group=group,
-        )
+        dist.all_to_all_single(recv_RC, send_SC, **_split_kwargs(send_splits, recv_splits), group=group)
         for i, piece in zip(members, recv_RC.split(widths, dim=1)):
             out[i] = piece.contiguous().reshape(num_recv, *tensors[i].shape[1:])
     return out  # type: ignore[return-value]

@@ -3,10 +3,14 @@
 transformers 5.x routes every fused experts module through `ALL_EXPERTS_FUNCTIONS`
 (`@use_experts_implementation`); the kernel is chosen by `config._experts_implementation`, set with
 `model.set_experts_implementation(name)`. We register `occult_ep_experts_forward` under
-`EXPERTS_IMPLEMENTATION = "occult_ep"`: it runs `dedup_moe_forward`, i.e. the de-duplicated
-all-to-all in which **a token is sent once per device however many of its experts live there**; with
-`shard_experts(model, group, nodes=N)`, N > 1, the two-stage exchange (`two_stage.py`: a token crosses
-the network once per node, then fans out inside the node), with the same results.
+`EXPERTS_IMPLEMENTATION = "occult_ep"`: it runs `moe_forward` through the exchange its `ExpertShard`
+record names (`exchange_for`): by default the de-duplicated all-to-all in which **a token is sent once
+per device however many of its experts live there** (`FlatExchange`, also in its capacity-bounded mode);
+`exchange="per_expert"` sends one row per (token, expert) instead (`PerExpertExchange`, for side-by-side
+measurement); `exchange="two_stage"` with `nodes=N` > 1 the two-stage exchange (`two_stage.py`: a token
+crosses the network once per node, then fans out inside the node); `chunks` > 1 pipelines the layer's
+tokens in chunks so that the exchange overlaps the local experts (`pipeline.py`). Results are the same
+in every case. `configure_exchange(model, ...)` changes these settings on a sharded model.
 
 `shard_experts(model, group)` turns a replicated model into an expert-parallel one: in every MoE
 layer (`occult_ft.models.find_moe_layers`) the fused expert tensors (`arch.expert_params`, dim 0 =
@@ -31,20 +35,26 @@ Shape legend: E experts of a layer, D devices (expert-parallel size), P = E / D 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..layout import ExpertLayout
 from ..models import base_experts, experts_state_key, find_moe_layers, unwrap_model
-from .alltoall import dedup_moe_forward
 from .comm import group_size_and_rank
-from .two_stage import node_groups, two_stage_moe_forward
+from .exchange import Exchange, FlatExchange, PerExpertExchange, moe_forward
+from .pipeline import pipelined_moe_forward
+from .two_stage import TwoStageExchange, node_groups
 
 __all__ = [
     "EXPERTS_IMPLEMENTATION",
+    "EXCHANGES",
     "ExpertShard",
+    "check_exchange_settings",
+    "exchange_for",
+    "configure_exchange",
     "occult_ep_experts_forward",
     "register_experts_implementation",
     "shard_experts",
@@ -55,6 +65,8 @@ __all__ = [
 ]
 
 EXPERTS_IMPLEMENTATION = "occult_ep"
+EXCHANGES = ("flat", "two_stage", "per_expert")
+"""Token exchanges the kernel can run (`ExpertShard.exchange`)."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +82,11 @@ class ExpertShard:
         param_names: the sharded fused tensors (dim 0 = expert).
         previous_implementation: `config._experts_implementation` before sharding (restored by
             `gather_experts`).
-        nodes: N; above 1 the kernel runs the two-stage exchange over N nodes of D / N ranks.
+        nodes: N nodes of D / N consecutive ranks (the layout; the two-stage exchange crosses them).
+        exchange: one of `EXCHANGES` ("flat" by default; "two_stage" when built with nodes > 1).
+        chunks: token chunks the layer pipelines (1: no pipelining; flat and per_expert only).
+        capacity: None (exact, one host synchronisation per layer) or rows per destination of the
+            flat exchange's capacity-bounded mode (no synchronisation; see `FlatExchange`).
     """
 
     group: dist.ProcessGroup | None
@@ -81,6 +97,51 @@ class ExpertShard:
     param_names: tuple[str, ...]
     previous_implementation: str | None
     nodes: int = 1
+    exchange: str = ""
+    chunks: int = 1
+    capacity: int | None = None
+
+    def __post_init__(self):
+        if not self.exchange:
+            object.__setattr__(self, "exchange", "two_stage" if self.nodes > 1 else "flat")
+        check_exchange_settings(self.exchange, self.nodes, self.chunks, self.capacity)
+
+    @property
+    def layout(self) -> ExpertLayout:
+        return ExpertLayout(self.num_experts, self.num_devices, self.nodes)
+
+
+def check_exchange_settings(exchange: str, nodes: int, chunks: int, capacity: int | None) -> None:
+    """One-line ValueErrors for settings the kernel cannot run."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange={exchange!r} is unknown; use one of {', '.join(EXCHANGES)}")
+    if exchange == "two_stage" and nodes < 2:
+        raise ValueError(f"exchange='two_stage' needs nodes > 1 (got nodes={nodes}); use exchange='flat'")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"exchange_chunks={chunks!r} must be a positive integer (1 = no pipelining)")
+    if chunks > 1 and exchange == "two_stage":
+        raise ValueError(
+            "exchange_chunks > 1 pipelines the flat and per_expert exchanges; use 1 with two_stage"
+        )
+    if capacity is not None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"exchange_capacity={capacity!r} must be a positive number of rows, or None")
+        if exchange != "flat":
+            raise ValueError(
+                f"exchange_capacity bounds the flat exchange's receive buffers; exchange={exchange!r} is exact only"
+            )
+        if chunks > 1:
+            raise ValueError("exchange_capacity needs no host synchronisation to hide: use exchange_chunks=1")
+
+
+def exchange_for(shard: ExpertShard) -> Exchange:
+    """The `Exchange` a shard record names (built per call: it is a few attribute reads)."""
+    layout = shard.layout
+    if shard.exchange == "two_stage":
+        return TwoStageExchange(layout, node_groups(shard.nodes, shard.group))
+    if shard.exchange == "per_expert":
+        return PerExpertExchange(ExpertLayout(shard.num_experts, shard.num_devices), shard.group)
+    return FlatExchange(ExpertLayout(shard.num_experts, shard.num_devices), shard.group, shard.capacity)
 
 
 def occult_ep_experts_forward(
@@ -96,19 +157,10 @@ def occult_ep_experts_forward(
             f"{type(self).__name__} uses experts_implementation={EXPERTS_IMPLEMENTATION!r} but holds all its "
             "experts; call occult_ft.dispatch.shard_experts(model, group) first"
         )
-    if shard.nodes > 1:
-        return two_stage_moe_forward(
-            hidden_states,
-            top_k_index,
-            top_k_weights,
-            self,
-            shard.group,
-            nodes=shard.nodes,
-            num_experts=shard.num_experts,
-        )
-    return dedup_moe_forward(
-        hidden_states, top_k_index, top_k_weights, self, shard.group, num_experts=shard.num_experts
-    )
+    exchange = exchange_for(shard)
+    if shard.chunks > 1:
+        return pipelined_moe_forward(hidden_states, top_k_index, top_k_weights, self, exchange, shard.chunks)
+    return moe_forward(hidden_states, top_k_index, top_k_weights, self, exchange)
 
 
 def register_experts_implementation() -> None:
@@ -135,7 +187,8 @@ def shard_experts_module(
         param_names: its tensors indexed by expert along dim 0 (`MoEArch.expert_params`).
         group: the expert-parallel process group (None: default group; without torch.distributed, D = 1).
         previous_implementation: recorded on the returned `ExpertShard` for `gather_experts`.
-        nodes: N nodes of D / N consecutive ranks; above 1 the kernel uses the two-stage exchange.
+        nodes: N nodes of D / N consecutive ranks; above 1 the kernel uses the two-stage exchange (change
+            it with `configure_exchange`).
 
     Returns:
         the `ExpertShard` record, also stored as `experts.occult_shard`.
@@ -147,19 +200,10 @@ def shard_experts_module(
     if getattr(experts, "occult_shard", None) is not None:
         raise ValueError(f"{type(experts).__name__} is already sharded; shard_experts runs once per model")
     num_devices, rank = group_size_and_rank(group)
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or num_devices % nodes:
-        divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
-        raise ValueError(
-            f"nodes={nodes!r} does not divide the expert-parallel size {num_devices}; use one of {divisors}"
-        )
     names = tuple(param_names)
     num_experts = int(getattr(experts, names[0]).shape[0])
-    if num_experts % num_devices:
-        raise ValueError(
-            f"num_experts={num_experts} is not divisible by the expert-parallel size {num_devices}; "
-            f"use a group whose size divides {num_experts}"
-        )
-    per_device = num_experts // num_devices
+    layout = ExpertLayout(num_experts, num_devices, nodes)  # D divides E, N divides D
+    per_device = layout.experts_per_device
     for name in names:
         full = getattr(experts, name)
         if full.shape[0] != num_experts:
@@ -173,7 +217,14 @@ def shard_experts_module(
         shard.occult_expert_shard = True
         setattr(experts, name, shard)
     record = ExpertShard(
-        group, rank, num_devices, num_experts, per_device, names, previous_implementation, nodes
+        group,
+        rank,
+        num_devices,
+        num_experts,
+        layout.experts_per_device,
+        names,
+        previous_implementation,
+        nodes,
     )
     experts.occult_shard = record
     experts.num_experts = per_device  # the module now holds P experts; stock kernels would see P
@@ -211,6 +262,41 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, node
     if nodes > 1:
         node_groups(nodes, group)  # every rank builds the sub-groups now, not inside a forward
     base.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    return model
+
+
+def configure_exchange(
+    model: nn.Module,
+    exchange: str | None = None,
+    chunks: int | None = None,
+    capacity: int | None | str = "keep",
+) -> nn.Module:
+    """Change the exchange settings of every sharded layer of `model` (call on every rank alike).
+
+    Args:
+        exchange: one of `EXCHANGES` (None: keep). "two_stage" builds the node sub-groups now (a
+            collective over the whole world) and needs the model sharded with nodes > 1.
+        chunks: token chunks to pipeline (None: keep).
+        capacity: rows per destination of the capacity-bounded flat exchange, None for exact
+            (default "keep").
+
+    Raises:
+        ValueError: for a model that is not sharded or settings the kernel cannot run.
+    """
+    layers = list(_sharded_layers(unwrap_model(model)))
+    if not layers:
+        raise ValueError("the model has no sharded experts; call shard_experts(model, group) first")
+    for layer, shard in layers:
+        updated = replace(
+            shard,
+            exchange=shard.exchange if exchange is None else exchange,
+            chunks=shard.chunks if chunks is None else chunks,
+            capacity=shard.capacity if capacity == "keep" else capacity,
+        )
+        base_experts(layer.experts).occult_shard = updated
+    first = layers[0][1]
+    if exchange == "two_stage":
+        node_groups(first.nodes, first.group)
     return model
 
 

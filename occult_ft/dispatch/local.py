@@ -9,14 +9,15 @@ experts live there" read from the receiving side.
 
 Grouped computation: the (row, slot) pairs are sorted by local expert (stable, sentinels last), the
 rows gathered into one (N, H) buffer in that order, and each projection is one grouped matmul over
-contiguous per-expert blocks. Backends:
+contiguous per-expert blocks; the weighted outputs are summed per row (`_sum_slots`). Backends:
     "grouped_mm"  torch.nn.functional.grouped_mm (CPU fp32/bf16 needs 16-byte aligned strides;
                   CUDA needs bf16 and sm80+), one kernel per projection;
     "loop"        one torch.mm per *active* expert on its block (any device/dtype, exact);
     "auto"        grouped_mm where its constraints hold, else loop.
 Both give the same result as `reference_moe` to float rounding (tested at 1e-5 in fp32). The
-weighted pair outputs are put back in (row, slot) order and summed over slots with a reshape + sum
-(deterministic, unlike index_add on CUDA), as transformers' kernels do.
+weighted pair outputs are summed per row with one index_add on CPU (only the N live pairs move); on
+CUDA they are put back in (row, slot) order and summed over slots with a reshape + sum (deterministic,
+unlike index_add there), as transformers' kernels do.
 
 Every output stays attached to the autograd graph of the inputs and of all expert parameters even
 when no row reaches any expert (zero-size ops), so a device that receives nothing still runs the same
@@ -29,6 +30,8 @@ Shape legend:
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -54,8 +57,9 @@ def _aligned(t: torch.Tensor) -> bool:
     return all((st * size) % 16 == 0 for st, n in zip(t.stride(), t.shape) if st != 1 and n > 1)
 
 
-def _grouped_mm_usable(x_NI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
-    if not hasattr(F, "grouped_mm") or x_NI.dtype != w_EIO.dtype or x_NI.shape[0] == 0:
+def _grouped_mm_supported(w_EIO: torch.Tensor) -> bool:
+    """grouped_mm runs on these weights (torch, device, dtype, alignment), whatever the rows."""
+    if not hasattr(F, "grouped_mm"):
         return False
     if w_EIO.device.type == "cpu":
         ok_dtype = w_EIO.dtype in (torch.float32, torch.bfloat16)
@@ -63,28 +67,44 @@ def _grouped_mm_usable(x_NI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
         ok_dtype = w_EIO.dtype == torch.bfloat16 and torch.cuda.get_device_capability(w_EIO.device) >= (8, 0)
     else:
         return False
-    return ok_dtype and _aligned(x_NI) and _aligned(w_EIO)
+    return ok_dtype and _aligned(w_EIO)
+
+
+def _grouped_mm_usable(x_NI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
+    if x_NI.dtype != w_EIO.dtype or x_NI.shape[0] == 0:
+        return False
+    return _grouped_mm_supported(w_EIO) and _aligned(x_NI)
 
 
 def grouped_linear(
     x_NI: torch.Tensor,
     w_EIO: torch.Tensor,
-    counts: list[int],
+    counts: Sequence[int] | None,
     bias_NO: torch.Tensor | None = None,
     backend: str = "auto",
+    offs_E: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[n] = x[n] @ w[e(n)] (+ bias_NO[n]) for rows sorted into contiguous per-expert blocks.
 
     Args:
         x_NI: (N, I) rows, the first counts[0] for expert 0, the next counts[1] for expert 1, ...
         w_EIO: (E, I, O) weights (any strides).
-        counts: E Python ints summing to N.
+        counts: E Python ints summing to N; or None with `offs_E`.
         bias_NO: optional (N, O) per-row bias (already gathered per row's expert).
         backend: one of `BACKENDS`.
+        offs_E: (E,) int32 block ends on the device instead of `counts` (grouped_mm only, no host
+            synchronisation): rows from offs_E[-1] on belong to no expert and come back undefined, so
+            the caller masks them (`local_experts_forward` does).
 
     Returns:
         (N, O), attached to the graph of x_NI and w_EIO even when N == 0.
     """
+    if offs_E is not None:
+        return (
+            F.grouped_mm(x_NI, w_EIO, offs=offs_E)
+            if bias_NO is None
+            else (F.grouped_mm(x_NI, w_EIO, offs=offs_E) + bias_NO)
+        )
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "grouped_mm" and not hasattr(F, "grouped_mm"):
@@ -93,7 +113,9 @@ def grouped_linear(
         )
     use_grouped = backend == "grouped_mm" or (backend == "auto" and _grouped_mm_usable(x_NI, w_EIO))
     if use_grouped and x_NI.shape[0] > 0:
-        offs_E = torch.tensor(counts, device=x_NI.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        # host ints -> device without a blocking copy (a blocking one waits for the queued kernels)
+        offs_E = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        offs_E = offs_E.to(x_NI.device, non_blocking=True)
         y_NO = F.grouped_mm(x_NI, w_EIO, offs=offs_E)
     else:
         pieces, start = [], 0
@@ -112,6 +134,7 @@ def local_experts_forward(
     weights_RK: torch.Tensor,
     experts: nn.Module,
     backend: str = "auto",
+    counts: Sequence[int] | str | None = None,
 ) -> torch.Tensor:
     """out[r] = sum over slots k with local_ids_RK[r, k] != -1 of weights_RK[r, k] * expert_k(x_RH[r]).
 
@@ -122,6 +145,13 @@ def local_experts_forward(
         experts: a transformers fused experts module holding P experts (any layout of
             `reference.expert_weights`; its `_apply_gate`, biases and post-norm are honoured).
         backend: "auto", "grouped_mm" or "loop" (see the module docstring).
+        counts: the live (row, slot) pairs per local expert:
+            None: counted here, with a range check of the ids (one host synchronisation);
+            P Python ints: given by the exchange (it learnt them in its count exchange; no sync);
+            "device": never read on the host (the capacity-bounded exchange): grouped_mm runs on
+            device block offsets over every (row, slot) pair and the pairs beyond the live ones are
+            masked; where grouped_mm cannot run (see `BACKENDS`), the counts are read after all (one
+            host synchronisation).
 
     Returns:
         (R, H) in x_RH.dtype, summed over slots in the promoted dtype of expert outputs and weights.
@@ -132,20 +162,31 @@ def local_experts_forward(
             f"shapes disagree: rows {tuple(x_RH.shape)}, local_ids {tuple(local_ids_RK.shape)}, "
             f"weights {tuple(weights_RK.shape)}; expected (R, H), (R, K), (R, K)"
         )
+    if isinstance(counts, str) and counts != "device":
+        raise ValueError(f"counts={counts!r}: give None, P integers or 'device'")
     w = expert_weights(experts)
     num_local = int(w["up_EIO"].shape[0])
     ids_N = local_ids_RK.reshape(-1).long()
-    # Sort (row, slot) pairs by expert; the sentinel sorts last as key P and is cut off. Out-of-range
-    # ids are counted in one extra bin (P + 1), so the per-expert counts and the range check come
-    # back to the host together: the one host synchronisation of the layer.
-    bad_N = (ids_N >= num_local) | (ids_N < LOCAL_SENTINEL)
+    # Sort (row, slot) pairs by expert; the sentinel sorts last as key P and is cut off.
     key_N = torch.where(ids_N == LOCAL_SENTINEL, num_local, ids_N)
-    key_N = torch.where(bad_N, num_local + 1, key_N)
-    counts_all = torch.bincount(key_N, minlength=num_local + 2).tolist()
-    if counts_all[num_local + 1]:
-        bad = ids_N[bad_N].unique()[:8].tolist()
-        raise ValueError(f"local expert ids {bad} are outside [0, {num_local}) and not the sentinel -1")
-    counts = counts_all[:num_local]
+    if counts == "device" and backend != "loop":
+        row_bytes = [w[n].shape[i] * w[n].element_size() for n in ("up_EIO", "down_EIO") for i in (1, 2)]
+        usable = all(_grouped_mm_supported(w[n]) for n in ("up_EIO", "down_EIO"))
+        if ids_N.numel() and usable and all(b % 16 == 0 for b in row_bytes):
+            return _device_counted(x_RH, key_N, weights_RK, experts, w, num_local, top_k)
+    if counts is None or counts == "device":
+        # Out-of-range ids are counted in one extra bin (P + 1), so the per-expert counts and the range
+        # check come back to the host together: one host synchronisation.
+        bad_N = (ids_N >= num_local) | (ids_N < LOCAL_SENTINEL)
+        key_N = torch.where(bad_N, num_local + 1, key_N)
+        counts_all = torch.bincount(key_N, minlength=num_local + 2).tolist()
+        if counts_all[num_local + 1]:
+            bad = ids_N[bad_N].unique()[:8].tolist()
+            raise ValueError(f"local expert ids {bad} are outside [0, {num_local}) and not the sentinel -1")
+        counts = counts_all[:num_local]
+    elif len(counts) != num_local:
+        raise ValueError(f"counts has {len(counts)} entries for {num_local} local experts")
+    counts = [int(c) for c in counts]
     key_sorted, pair_order = torch.sort(key_N, stable=True)
     active = sum(counts)
     pair_g, expert_g = pair_order[:active], key_sorted[:active]
@@ -159,10 +200,47 @@ def local_experts_forward(
     if getattr(experts, "has_post_expert_norm", False):
         y_g = experts.post_expert_norm(y_g)
     weighted_g = y_g * weights_RK.reshape(-1)[pair_g].unsqueeze(-1)
+    return _sum_slots(weighted_g, pair_g, num_rows, top_k).to(x_RH.dtype)
 
-    # Back to (row, slot) order; sentinel slots stay zero; then sum the slots of each row.
-    pairs_NH = weighted_g.new_zeros(num_rows * top_k, weighted_g.shape[-1]).index_copy(0, pair_g, weighted_g)
-    return pairs_NH.view(num_rows, top_k, pairs_NH.shape[-1]).sum(dim=1).to(x_RH.dtype)
+
+def _sum_slots(weighted_NH: torch.Tensor, pair_N: torch.Tensor, num_rows: int, top_k: int) -> torch.Tensor:
+    """(R, H): the weighted outputs of each row's (row, slot) pairs summed per row.
+
+    On CPU one index_add into (R, H) (deterministic there); elsewhere the pairs go back to (row, slot)
+    order in an (R * K, H) buffer, sentinel slots zero, summed over K with a reshape (deterministic,
+    unlike index_add on CUDA), as transformers' kernels do."""
+    if weighted_NH.device.type == "cpu":
+        out_RH = weighted_NH.new_zeros(num_rows, weighted_NH.shape[-1])
+        return out_RH.index_add(0, torch.div(pair_N, top_k, rounding_mode="floor"), weighted_NH)
+    pairs_NH = weighted_NH.new_zeros(num_rows * top_k, weighted_NH.shape[-1]).index_copy(
+        0, pair_N, weighted_NH
+    )
+    return pairs_NH.view(num_rows, top_k, pairs_NH.shape[-1]).sum(dim=1)
+
+
+def _device_counted(x_RH, key_N, weights_RK, experts, w, num_local: int, top_k: int) -> torch.Tensor:
+    """`local_experts_forward` without host counts: grouped_mm over all (row, slot) pairs sorted by
+    expert, block ends on the device; pairs past the live ones (sentinels, pads) are masked to zero
+    before and after every grouped product, so undefined rows never reach a value or a gradient."""
+    num_rows = x_RH.shape[0]
+    key_sorted, pair_order = torch.sort(key_N, stable=True)
+    live_N = (key_sorted < num_local).unsqueeze(-1)
+    # counts by scatter_add: bincount's output size depends on the data, which a GPU reads on the host
+    per_expert = torch.zeros(num_local + 1, dtype=torch.long, device=key_N.device)
+    per_expert = per_expert.scatter_add_(0, key_N, torch.ones_like(key_N))[:num_local]
+    offs_E = per_expert.cumsum(0).to(torch.int32)
+    expert_g = key_sorted.clamp_max(num_local - 1)
+    dtype = w["up_EIO"].dtype
+    x_g = torch.where(live_N, x_RH[pair_order // top_k].to(dtype), 0.0)
+    up_bias = w["up_bias_EO"][expert_g] if w["up_bias_EO"] is not None else None
+    up_g = torch.where(live_N, grouped_linear(x_g, w["up_EIO"], None, up_bias, offs_E=offs_E), 0.0)
+    mid_g = torch.where(live_N, expert_activation(experts, up_g), 0.0)
+    down_bias = w["down_bias_EO"][expert_g] if w["down_bias_EO"] is not None else None
+    y_g = torch.where(live_N, grouped_linear(mid_g, w["down_EIO"], None, down_bias, offs_E=offs_E), 0.0)
+    if getattr(experts, "has_post_expert_norm", False):
+        y_g = torch.where(live_N, experts.post_expert_norm(y_g), 0.0)
+    weighted_g = y_g * weights_RK.reshape(-1)[pair_order].unsqueeze(-1)
+    return _sum_slots(weighted_g, pair_order, num_rows, top_k).to(x_RH.dtype)
 
 
 def local_moe_forward(

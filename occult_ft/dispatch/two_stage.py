@@ -23,7 +23,12 @@ Rows over the inter-node stage per token = N_T, the distinct nodes of its expert
 re-associated (over devices inside a node, then over nodes), so results equal the flat exchange and the
 unsharded layer to float rounding, outputs and all gradients; gradients flow through both stages by the
 reverse exchanges of `comm.all_to_all_rows`. Every rank of the EP group must call the layer, also
-without tokens. Collectives per layer: forward 2 x (counts + rows) + 2 combines, backward 4.
+without tokens. Collectives per layer: forward 1 (an all-gather of every rank's counts: rows per node,
+rows per device, pairs per expert, from which each rank works out both stages' splits and its expert
+counts) + 2 x rows + 2 combines, backward 4; one host synchronisation (the counts' `.tolist()`).
+
+`TwoStageExchange` has the dispatch / combine contract of `exchange.Exchange`; `two_stage_moe_forward`
+is `moe_forward` through it.
 
 `node_groups` builds (once, cached) the sub-groups from the EP group with `torch.distributed.new_group`;
 that is a collective over the *whole* world (every rank creates every sub-group of every EP group, in
@@ -44,16 +49,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .alltoall import ReceivedRows, combine, dispatch
+from ..layout import ExpertLayout
 from .comm import group_size_and_rank
-from .layout import LOCAL_SENTINEL, DispatchLayout, compute_layout
-from .local import local_experts_forward, num_local_experts
+from .exchange import Exchange, ReceivedRows, check_hidden, moe_forward, return_rows, send_rows
+from .layout import DispatchLayout, dedup_plan, layout_from_plan, raise_bad_ids
+from .local import num_local_experts
 
 __all__ = [
     "NodeGroups",
     "node_groups",
     "fanout_layout",
     "TwoStageHandle",
+    "TwoStageExchange",
     "two_stage_dispatch",
     "two_stage_combine",
     "two_stage_moe_forward",
@@ -90,14 +97,6 @@ class NodeGroups:
 _GROUP_CACHE: dict[tuple[int, int], tuple[object, object, NodeGroups]] = {}
 
 
-def _check_nodes(nodes: int, num_devices: int) -> None:
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or num_devices % nodes:
-        divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
-        raise ValueError(
-            f"nodes={nodes!r} does not divide the {num_devices} expert-parallel ranks; use one of {divisors}"
-        )
-
-
 def node_groups(nodes: int, group: dist.ProcessGroup | None = None) -> NodeGroups:
     """The `NodeGroups` of this rank for `nodes` nodes over the EP `group` (cached per group and N).
 
@@ -108,7 +107,7 @@ def node_groups(nodes: int, group: dist.ProcessGroup | None = None) -> NodeGroup
         ValueError: when N does not divide the group's size.
     """
     num_devices, rank = group_size_and_rank(group)
-    _check_nodes(nodes, num_devices)
+    ExpertLayout(num_devices, num_devices, nodes)  # N must divide D (E plays no part here)
     world_pg = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     key = (id(group), nodes)
     cached = _GROUP_CACHE.get(key)
@@ -149,7 +148,8 @@ def fanout_layout(
 
     Like `compute_layout`, for rows whose slots hold node-local expert ids in [0, L * P) or
     `LOCAL_SENTINEL` (-1, an expert on another node, weight 0): **a row is sent once per device of the
-    node however many of its experts live there**; sentinel slots reach no device.
+    node however many of its experts live there**; sentinel slots reach no device. One host read (the
+    counts); inside a layer `TwoStageExchange` folds it into its count exchange.
 
     Args:
         local_ids_RK: (R, K) int64 node-local expert ids or -1 (every row has at least one id).
@@ -159,43 +159,17 @@ def fanout_layout(
     Returns:
         A `DispatchLayout` over the R rows (num_tokens = R, num_experts = L * P, num_devices = L).
     """
-    num_rows, top_k = local_ids_RK.shape
-    ids_RK = local_ids_RK.long()
-    valid_RK = ids_RK != LOCAL_SENTINEL
-    # Sentinel slots point at a spare column L that is cut off below.
-    device_RK = torch.where(valid_RK, ids_RK // experts_per_device, num_devices)
-    present_RD = torch.zeros(num_rows, num_devices + 1, dtype=torch.bool, device=ids_RK.device)
-    present_RD.scatter_(1, device_RK, True)
-    present_RD = present_RD[:, :num_devices]
-    pairs_U2 = present_RD.t().nonzero()  # device-major, rows ascending
-    send_device_U, send_row_U = pairs_U2[:, 0], pairs_U2[:, 1]
-    send_counts_D = present_RD.sum(dim=0)
-    local_UK = device_RK[send_row_U] == send_device_U[:, None]
-    send_local_ids_UK = torch.where(
-        local_UK, ids_RK[send_row_U] - send_device_U[:, None] * experts_per_device, LOCAL_SENTINEL
-    )
-    gathered_UK = weights_RK[send_row_U]
-    send_splits = tuple(int(c) for c in send_counts_D.tolist())
-    return DispatchLayout(
-        num_tokens=num_rows,
-        top_k=top_k,
-        num_experts=experts_per_device * num_devices,
-        num_devices=num_devices,
-        rank=rank,
-        experts_per_device=experts_per_device,
-        send_token_idx_S=send_row_U,
-        send_device_S=send_device_U,
-        send_counts_D=send_counts_D,
-        send_splits=send_splits,
-        send_local_ids_SK=send_local_ids_UK,
-        send_weights_SK=torch.where(local_UK, gathered_UK, torch.zeros_like(gathered_UK)),
-        rows_sent=sum(send_splits),
-    )
+    layout = ExpertLayout(experts_per_device * num_devices, num_devices)
+    plan = dedup_plan(local_ids_RK, weights_RK, layout, rank, sentinel_in=True)
+    counts = plan.meta_DC[:, [0, -1]].tolist()
+    if counts[0][1]:
+        raise_bad_ids(local_ids_RK, layout.num_experts, sentinel_in=True)
+    return layout_from_plan(plan, tuple(int(c[0]) for c in counts))
 
 
 @dataclass(frozen=True, eq=False)
 class TwoStageHandle:
-    """Immutable handle of one two-stage dispatch, consumed by `two_stage_combine` (and backward).
+    """Immutable handle of one two-stage dispatch, consumed by the combine (and backward).
 
     Attributes:
         node_layout: stage 1 layout (the N nodes as devices): rows_sent = sum of N_T over this rank's
@@ -213,9 +187,22 @@ class TwoStageHandle:
     groups: NodeGroups
 
     @property
+    def recv_local_ids_RJ(self) -> torch.Tensor:
+        """(V, K) local expert ids of the rows this rank's experts receive."""
+        return self.device_received.recv_local_ids_RK
+
+    @property
+    def expert_counts(self):
+        return self.device_received.expert_counts
+
+    @property
     def node_rows(self) -> int:
         """Stage-1 rows this rank sends (its own node's included) = sum over its tokens of N_T."""
         return self.node_layout.rows_sent
+
+    @property
+    def rows_sent(self) -> int:
+        return self.node_rows
 
     @property
     def cross_node_rows(self) -> int:
@@ -228,6 +215,101 @@ class TwoStageHandle:
         return self.device_layout.rows_sent - self.device_layout.rows_kept_local
 
 
+class TwoStageExchange(Exchange):
+    """Once per (token, node) across nodes to the gateway of the sender's local index, then once per
+    (token, device) inside the node; combine in reverse (see the module docstring).
+
+    Args:
+        layout: E experts on D = N x L ranks (`ExpertLayout(E, D, N)`).
+        groups: this rank's `NodeGroups` for N (`node_groups(N, ep_group)`).
+    """
+
+    name = "two_stage"
+
+    def __init__(self, layout: ExpertLayout, groups: NodeGroups):
+        if groups.nodes != layout.num_nodes or groups.num_devices != layout.num_devices:
+            raise ValueError(
+                f"node groups of {groups.nodes} x {groups.local_size} ranks do not match the layout's "
+                f"{layout.num_nodes} nodes of {layout.devices_per_node} devices"
+            )
+        self.layout, self.groups, self.group = layout, groups, groups.ep_group
+        self.rank = groups.node * groups.local_size + groups.local_rank
+        self.fanout = layout.node_local()
+
+    def dispatch(self, hidden_TH, topk_ids_TK, weights_TK):
+        check_hidden(hidden_TH, topk_ids_TK)
+        groups, layout, me = self.groups, self.layout, self.groups.local_rank
+        plan1 = dedup_plan(topk_ids_TK, weights_TK, layout.nodes_view(), groups.node)
+        sends1, recvs1, sends2, recvs2, counts = self._counts(plan1)  # the layer's one host read
+        node_layout = layout_from_plan(plan1, sends1)
+        node_x_RH, node_w_RK, node_ids_RK = send_rows(hidden_TH, node_layout, recvs1, groups.inter_group)
+        node_received = ReceivedRows(node_layout, recvs1, node_ids_RK)
+        plan2 = dedup_plan(node_ids_RK, node_w_RK, self.fanout, me, sentinel_in=True)
+        device_layout = layout_from_plan(plan2, sends2)
+        recv_x_VH, recv_w_VK, recv_ids_VK = send_rows(node_x_RH, device_layout, recvs2, groups.intra_group)
+        device_received = ReceivedRows(device_layout, recvs2, recv_ids_VK, counts)
+        handle = TwoStageHandle(node_layout, node_received, device_layout, device_received, groups)
+        return recv_x_VH, recv_w_VK, handle
+
+    def _counts(self, plan1):
+        """Every split of both stages and this rank's expert counts, from one all-gather of each rank's
+        (rows per node, rows per device, pairs per expert, bad ids) and one `.tolist()`.
+
+        Rank s = (node n_s, local index l_s) sends node_rows_s[m] rows to gateway (m, l_s); gateway
+        (m, l) fans each row out to the devices of node m its token reaches, so it sends device (m, l')
+        the sum over senders s with l_s = l of dev_rows_s[(m, l')]; a device's experts receive every
+        (token, slot) that selects them, from whichever rank."""
+        layout, groups = self.layout, self.groups
+        n, l_size, e, d = layout.num_nodes, layout.devices_per_node, layout.num_experts, layout.num_devices
+        ids_TK = plan1.topk_ids_TK.long()
+        valid_TK = (ids_TK >= 0) & (ids_TK < e)
+        dev_TK = torch.where(valid_TK, ids_TK, 0) // layout.experts_per_device
+        dev_TK = torch.where(valid_TK, dev_TK, d)
+        reached_TD = torch.zeros(ids_TK.shape[0], d + 1, dtype=torch.bool, device=ids_TK.device)
+        reached_TD.scatter_(1, dev_TK, True)
+        mine = torch.cat(
+            [
+                plan1.meta_DC[:, 0],  # rows to each node (N)
+                reached_TD[:, :d].sum(dim=0),  # rows reaching each device (D)
+                plan1.meta_DC[:, 1:-1].reshape(-1),  # (token, slot) pairs per expert (E, node-major)
+                plan1.meta_DC[:1, -1],  # ids outside [0, E)
+            ]
+        ).long()
+        table = _all_gather_rows(mine, groups.ep_group, d).tolist()  # (D ranks, N + D + E + 1)
+        bad = [s for s, row in enumerate(table) if row[-1]]
+        if bad:
+            if table[self.rank][-1]:
+                raise_bad_ids(ids_TK, e)
+            raise ValueError(
+                f"ranks {bad} routed tokens to expert ids outside [0, num_experts={e}); see their error"
+            )
+        node, me = groups.node, groups.local_rank
+        rank_of = [[m * l_size + li for li in range(l_size)] for m in range(n)]  # rank of (node m, local li)
+        sends1 = tuple(table[self.rank][m] for m in range(n))
+        recvs1 = tuple(table[rank_of[m][me]][node] for m in range(n))
+        senders = [rank_of[m][me] for m in range(n)]  # the ranks this gateway serves
+        sends2 = tuple(sum(table[s][n + rank_of[node][li]] for s in senders) for li in range(l_size))
+        recvs2 = tuple(sum(table[rank_of[m][li]][n + self.rank] for m in range(n)) for li in range(l_size))
+        p = layout.experts_per_device
+        first = n + d + self.rank * p
+        counts = tuple(sum(row[first + j] for row in table) for j in range(p))
+        return sends1, recvs1, sends2, recvs2, counts
+
+    def combine(self, out_RH, handle, out_dtype=None):
+        dtype = out_dtype or out_RH.dtype
+        node_RH = return_rows(out_RH, handle.device_received, self.groups.intra_group, dtype)
+        return return_rows(node_RH, handle.node_received, self.groups.inter_group, dtype)
+
+
+def _all_gather_rows(row_C: torch.Tensor, group: dist.ProcessGroup | None, world: int) -> torch.Tensor:
+    """(world, C): every rank's `row_C`, in group rank order (no collective for one rank)."""
+    if world == 1:
+        return row_C.unsqueeze(0)
+    pieces = [torch.empty_like(row_C) for _ in range(world)]
+    dist.all_gather(pieces, row_C.contiguous(), group=group)
+    return torch.stack(pieces)
+
+
 def two_stage_dispatch(
     hidden_TH: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -235,29 +317,9 @@ def two_stage_dispatch(
     num_experts: int,
     groups: NodeGroups,
 ) -> tuple[torch.Tensor, torch.Tensor, TwoStageHandle]:
-    """Stages 1 and 2: bring each (token, device) row to the device hosting the token's experts there.
-
-    Args:
-        hidden_TH: (T, H); topk_ids_TK: (T, K) global expert ids in [0, E); weights_TK: (T, K).
-        num_experts: E, divisible by D.
-        groups: from `node_groups`.
-
-    Returns:
-        recv_x_VH: (V, H) rows for this rank's experts; recv_weights_VK: (V, K), 0 at sentinel slots;
-        the `TwoStageHandle` (its `device_received.recv_local_ids_RK` holds the (V, K) local ids).
-    """
-    node_layout = compute_layout(topk_ids_TK, weights_TK, num_experts, groups.nodes, groups.node)
-    node_x_RH, node_w_RK, node_received = dispatch(hidden_TH, node_layout, groups.inter_group)
-    device_layout = fanout_layout(
-        node_received.recv_local_ids_RK,
-        node_w_RK,
-        num_experts // groups.num_devices,
-        groups.local_size,
-        groups.local_rank,
-    )
-    recv_x_VH, recv_w_VK, device_received = dispatch(node_x_RH, device_layout, groups.intra_group)
-    handle = TwoStageHandle(node_layout, node_received, device_layout, device_received, groups)
-    return recv_x_VH, recv_w_VK, handle
+    """`TwoStageExchange.dispatch` for E = `num_experts` experts over `groups` (D = N x L ranks)."""
+    layout = ExpertLayout(num_experts, groups.num_devices, groups.nodes)
+    return TwoStageExchange(layout, groups).dispatch(hidden_TH, topk_ids_TK, weights_TK)
 
 
 def two_stage_combine(
@@ -266,8 +328,8 @@ def two_stage_combine(
     """Stage 2 back (sum over the node's devices at the gateway, one row per (token, node)), then
     stage 1 back (sum over nodes at home). Returns (T, H) in `out_dtype` (default out_VH's)."""
     dtype = out_dtype or out_VH.dtype
-    node_RH = combine(out_VH, handle.device_received, handle.groups.intra_group, out_dtype=dtype)
-    return combine(node_RH, handle.node_received, handle.groups.inter_group, out_dtype=dtype)
+    node_RH = return_rows(out_VH, handle.device_received, handle.groups.intra_group, dtype)
+    return return_rows(node_RH, handle.node_received, handle.groups.inter_group, dtype)
 
 
 def two_stage_moe_forward(
@@ -280,8 +342,7 @@ def two_stage_moe_forward(
     nodes: int,
     num_experts: int | None = None,
     backend: str = "auto",
-    return_handle: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, TwoStageHandle]:
+) -> torch.Tensor:
     """One expert-parallel MoE layer with the two-stage exchange (same contract as `dedup_moe_forward`).
 
     Args:
@@ -292,13 +353,11 @@ def two_stage_moe_forward(
         nodes: N, dividing D; consecutive ranks share a node.
         num_experts: E, to cross-check against P * D.
         backend: grouped matmul backend of the local compute.
-        return_handle: also return the `TwoStageHandle` (node_rows, cross_node_rows, ...).
 
     Returns:
-        (T, H) in hidden_TH.dtype, equal to the flat exchange and the unsharded layer.
+        (T, H) in hidden_TH.dtype, equal to the flat exchange and the unsharded layer. The rows it sent
+        are in `TwoStageExchange.dispatch`'s handle.
     """
-    if hidden_TH.dim() != 2:
-        raise ValueError(f"hidden_TH must be (T, H), got shape {tuple(hidden_TH.shape)}")
     num_devices, _ = group_size_and_rank(group)
     per_device = num_local_experts(local_experts_module)
     if num_experts is not None and num_experts != per_device * num_devices:
@@ -306,12 +365,6 @@ def two_stage_moe_forward(
             f"num_experts={num_experts} but the module holds {per_device} experts on each of "
             f"{num_devices} devices ({per_device * num_devices}); shard with shard_experts(model, group)"
         )
-    groups = node_groups(nodes, group)
-    recv_x_VH, recv_w_VK, handle = two_stage_dispatch(
-        hidden_TH, topk_ids_TK, weights_TK, per_device * num_devices, groups
-    )
-    out_VH = local_experts_forward(
-        recv_x_VH, handle.device_received.recv_local_ids_RK, recv_w_VK, local_experts_module, backend
-    )
-    out_TH = two_stage_combine(out_VH, handle, out_dtype=hidden_TH.dtype)
-    return (out_TH, handle) if return_handle else out_TH
+    layout = ExpertLayout(per_device * num_devices, num_devices, nodes)
+    exchange = TwoStageExchange(layout, node_groups(nodes, group))
+    return moe_forward(hidden_TH, topk_ids_TK, weights_TK, local_experts_module, exchange, backend)

@@ -18,6 +18,7 @@ Users pick an expert placement and a `max_devices_per_token` budget by looking a
     plot_gain_kept              the task study's gain kept and exact match against comm_complexity
     plot_bench                  rows per token and exchange time per backend of an `occult-ft bench` report
     plot_cost_model             predicted exchange time and speed-up against the budget, per cluster shape
+    plot_train_step             tokens/s and per-phase breakdown of a train-step benchmark report
 
 Every function draws data it is given (reports, profiles, logs, predictions); none loads or runs a model.
 Each returns the `matplotlib.figure.Figure` and, given `path`, also writes it as PNG. Figures are built
@@ -30,13 +31,13 @@ the optional `plot` extra (`pip install "occult-ft[plot]"`).
     routing.py     plot_report, comm_complexity_figure, plot_devices_histogram
     placement.py   plot_coactivation, plot_placement_comparison, plot_placement
     training.py    plot_training_curves, plot_quality_tradeoff, plot_gain_kept
-    bench.py       plot_bench, plot_cost_model
+    bench.py       plot_bench, plot_cost_model, plot_train_step
 
 Shape legend: T tokens, K experts per token (top-k), E experts, D devices, M = max_devices_per_token.
 """
 
 from .base import DPI
-from .bench import plot_bench, plot_cost_model
+from .bench import plot_bench, plot_cost_model, plot_train_step
 from .placement import plot_coactivation, plot_placement, plot_placement_comparison
 from .routing import comm_complexity_figure, plot_devices_histogram, plot_report
 from .training import plot_gain_kept, plot_quality_tradeoff, plot_training_curves
@@ -54,4 +55,5 @@ __all__ = [
     "plot_gain_kept",
     "plot_bench",
     "plot_cost_model",
+    "plot_train_step",
 ]

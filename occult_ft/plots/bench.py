@@ -2,6 +2,7 @@
 
     plot_bench        rows per token and exchange time per backend of an `occult-ft bench` report
     plot_cost_model   predicted exchange time and speed-up against the budget, per cluster shape
+    plot_train_step   tokens/s and the per-phase breakdown of a train-step benchmark report
 
 Both read what each backend is from the report's fields (`kind`, `max_devices_per_token`), never from
 its name.
@@ -19,13 +20,13 @@ from .base import CYCLE, OURS, PEER, finish, new_figure
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["plot_bench", "plot_cost_model"]
+__all__ = ["plot_bench", "plot_cost_model", "plot_train_step"]
 
 
 def _is_ours(backend: Mapping[str, Any]) -> bool:
     """De-duplicated dispatch (`kind` "dedup"), or, in a report without kinds, a backend marked `peer: false`."""
     if "kind" in backend:
-        return backend["kind"] in ("dedup", "two_stage")
+        return backend["kind"] in ("dedup", "two_stage", "dedup_capacity")
     return backend.get("peer") is False
 
 
@@ -263,6 +264,73 @@ def plot_cost_model(
     ax_ms.set_title("predicted all-to-all time")
     ax_speed.set_ylabel("speed-up over per-expert dispatch")
     ax_speed.set_title("predicted speed-up")
+    if title:
+        fig.suptitle(title)
+    return finish(fig, path)
+
+
+_PHASES = (
+    ("attention_dense", "attention + dense"),
+    ("router", "router"),
+    ("exchange_fwd_wait", "exchange fwd: waiting"),
+    ("exchange_fwd", "exchange fwd"),
+    ("local_experts_fwd", "local experts fwd"),
+    ("exchange_bwd_wait", "exchange bwd: waiting"),
+    ("exchange_bwd", "exchange bwd"),
+    ("backward_rest", "backward + rest"),
+    ("optimizer", "optimizer"),
+)
+
+
+def plot_train_step(
+    step_result: Mapping[str, Any], path: str | os.PathLike | None = None, *, title: str | None = None
+) -> Figure:
+    """Tokens/s (median, bars; [25th, 75th] percentile, whiskers) and the per-phase breakdown of one
+    train-step benchmark report (`occult_ft.bench.step.run_train_step`, `benchmarks/train_step.py --json`).
+
+    Args:
+        step_result: the report: its `contenders` list holds `contender`, `measured`, `ours` (drawn as
+            ours when true), `tokens_per_s`, `spread_s`, `phases_ms`, and the report `tokens_per_step`.
+        path: also write the figure to this PNG.
+        title: figure title (default: the model shape).
+
+    Returns:
+        The Figure (two axes: tokens/s, ms per step by phase).
+    """
+    rows = [r for r in step_result.get("contenders") or [] if r.get("measured")]
+    if not rows:
+        raise ValueError("train-step result has no measured contenders; pass the report of run_train_step")
+    tokens = float(step_result["tokens_per_step"])
+    fig, (ax_tps, ax_ph) = new_figure(ncols=2, size=(13.0, 5.0))
+    xs = list(range(len(rows)))
+    colors = [OURS if r.get("ours") else PEER for r in rows]
+    tps = [float(r["tokens_per_s"]) for r in rows]
+    low = [tps[i] - tokens / r["spread_s"][1] for i, r in enumerate(rows)]
+    high = [tokens / r["spread_s"][0] - tps[i] for i, r in enumerate(rows)]
+    ax_tps.bar(xs, tps, color=colors, yerr=[low, high], capsize=3)
+    for x, v in zip(xs, tps):
+        ax_tps.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+    ax_tps.set_ylabel("tokens / s (median step)")
+    ax_tps.set_title("throughput")
+    bottom = [0.0] * len(rows)
+    for i, (key, label) in enumerate(_PHASES):
+        values = [max(0.0, float(r["phases_ms"].get(key, 0.0))) for r in rows]
+        if not any(values):
+            continue
+        ax_ph.bar(xs, values, bottom=bottom, color=CYCLE[i % len(CYCLE)], label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax_ph.set_ylabel("ms per step (mean over ranks)")
+    ax_ph.set_title("where the step goes")
+    ax_ph.legend(fontsize=7)
+    for ax in (ax_tps, ax_ph):
+        ax.set_xticks(xs)
+        ax.set_xticklabels([r["contender"] for r in rows], rotation=35, ha="right", fontsize=8)
+    if title is None and "settings" in step_result:
+        s = step_result["settings"]
+        title = (
+            f"train step: hidden {s['hidden']}, {s['layers']} layers, {s['experts']} experts top-{s['top_k']}, "
+            f"{step_result['tokens_per_step']} tokens/step, {s['devices']} processes"
+        )
     if title:
         fig.suptitle(title)
     return finish(fig, path)

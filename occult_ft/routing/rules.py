@@ -4,7 +4,12 @@
 admits devices by walking each other token's selected top-k (`walk_admitted_devices`, with an optional
 node budget), then re-selects (`score`, `device_max`) or replaces by similarity (`similarity`);
 `device_topk_sum` ranks devices (and nodes) by their top-n score sums for every token. The rules and
-their reasons are described in `occult_ft.routing`. `check_pruning_settings` is the one validation of
+their reasons are described in `occult_ft.routing`.
+
+No function here reads a device value on the host (no `.any()`, `.item()`, `nonzero()` or boolean-mask
+indexing): every token runs every step of a walk (fixed K iterations, finished tokens masked), and the
+result is selected per token with `torch.where`, so the pruned router adds no host synchronisation to
+a forward (a GPU keeps queueing kernels) and its results are the same bits as an early-exit loop's. `check_pruning_settings` is the one validation of
 the pruning settings, shared by `PruningConfig` and `OccultConfig`.
 
 Shape legend: T tokens, E experts, K top-k, D devices, N nodes.
@@ -178,6 +183,33 @@ def walk_admitted_devices(
     `max_nodes` nodes are. It stops when min(max_devices, max_nodes * D / N) devices are admitted, which
     for a device budget alone happens inside the top-k of any token that does not fit.
     """
+    return _admit(
+        scores_TE,
+        topk_ids_TK,
+        expert_device_E,
+        num_devices,
+        max_devices,
+        num_nodes,
+        max_nodes,
+        selectable_TE,
+        True,
+    )
+
+
+def _admit(
+    scores_TE: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    num_devices: int,
+    max_devices: int | None,
+    num_nodes: int,
+    max_nodes: int | None,
+    selectable_TE: torch.Tensor | None,
+    beyond_topk: bool,
+) -> torch.Tensor:
+    """`walk_admitted_devices`; `beyond_topk=False` skips the walk past the top-k, which admits nothing
+    for a token that does not fit a device budget alone (its top-k already reaches the cap) and so cannot
+    change what `limit_topk` or `replace_by_similarity` return for such a budget."""
     t = scores_TE.shape[0]
     dev_of_E = expert_device_E.to(scores_TE.device)
     per_node = num_devices // num_nodes
@@ -193,29 +225,32 @@ def walk_admitted_devices(
     by_score_TK = ids_TK.gather(1, scores_TE.gather(1, ids_TK).argsort(dim=1, descending=True))
     rows = torch.arange(t, device=scores_TE.device)
     _walk(dev_of_E[by_score_TK], rows, state, cap, per_node, mn)
-    open_R = rows[state[2] < cap]  # a node budget can leave room after the top-k: walk on
-    if open_R.numel():
-        rank_RE = torch.ones(open_R.numel(), scores_TE.shape[1], dtype=torch.long, device=scores_TE.device)
+    if (
+        beyond_topk and t
+    ):  # a node budget can leave room after the top-k: walk on (full rows at cap admit nothing)
+        rank_TE = torch.ones(t, scores_TE.shape[1], dtype=torch.long, device=scores_TE.device)
         if selectable_TE is not None:
-            rank_RE = rank_RE + selectable_TE[open_R].long()
-        rank_RE.scatter_(1, ids_TK[open_R], 3)  # selected (3) > selectable (2) > the rest (1)
-        _walk(dev_of_E[_order_desc(rank_RE, scores_TE[open_R])], open_R, state, cap, per_node, mn)
+            rank_TE = rank_TE + selectable_TE.long()
+        rank_TE.scatter_(1, ids_TK, 3)  # selected (3) > selectable (2) > the rest (1)
+        _walk(dev_of_E[_order_desc(rank_TE, scores_TE)], rows, state, cap, per_node, mn)
     return state[0]
 
 
 def _walk(walk_RJ: torch.Tensor, rows_R: torch.Tensor, state, cap: int, per_node: int, mn: int) -> None:
-    """Admit the devices `walk_RJ` visits (row r of token rows_R[r]) into `state`, in place."""
+    """Admit the devices `walk_RJ` visits (row r of token rows_R[r]) into `state`, in place.
+
+    Every column is visited (no early exit: that would read the device); a token at the cap admits
+    nothing more, so the result is that of a walk that stops there."""
     device_mask_TD, node_mask_TN, n_dev_T, n_node_T = state
     for j in range(walk_RJ.shape[1]):
         open_R = n_dev_T[rows_R] < cap
-        if not open_R.any():
-            break
         d_R = walk_RJ[:, j]
         node_R = d_R // per_node
         node_in_R = node_mask_TN[rows_R, node_R]
         ok_R = open_R & ~device_mask_TD[rows_R, d_R] & (node_in_R | (n_node_T[rows_R] < mn))
-        device_mask_TD[rows_R[ok_R], d_R[ok_R]] = True
-        node_mask_TN[rows_R[ok_R], node_R[ok_R]] = True
+        # rows_R holds each token once: the (token, device) pairs are distinct, so the writes are exact
+        device_mask_TD.index_put_((rows_R, d_R), device_mask_TD[rows_R, d_R] | ok_R)
+        node_mask_TN.index_put_((rows_R, node_R), node_in_R | ok_R)
         n_dev_T[rows_R] += ok_R
         n_node_T[rows_R] += ok_R & ~node_in_R
 
@@ -231,11 +266,10 @@ def _top_admitted(
     allowed_TE = _admitted_expert_mask(device_mask_TD, expert_device_E)
     preferred_TE = allowed_TE if selectable_TE is None else allowed_TE & selectable_TE
     ids_TK = scores_TE.masked_fill(~preferred_TE, float("-inf")).topk(top_k, dim=-1).indices
-    short = (preferred_TE.sum(dim=1) < top_k).nonzero().squeeze(1)  # fill up with the other admitted
-    if short.numel():
-        rank_RE = allowed_TE[short].long() + preferred_TE[short].long()
-        ids_TK[short] = _order_desc(rank_RE, scores_TE[short])[:, :top_k]
-    return ids_TK
+    # tokens with fewer than k preferred experts fill up with the other admitted ones
+    short_T = preferred_TE.sum(dim=1) < top_k
+    rank_TE = allowed_TE.long() + preferred_TE.long()
+    return torch.where(short_T[:, None], _order_desc(rank_TE, scores_TE)[:, :top_k], ids_TK)
 
 
 def _replace_outside(
@@ -253,22 +287,19 @@ def _replace_outside(
     slot_scores = scores_TE.gather(1, topk_ids_TK)
     ids_TK = topk_ids_TK.gather(1, slot_scores.argsort(dim=1, descending=True)).clone()
     ok_TK = allowed_TE.gather(1, ids_TK)
-    taken_TE = torch.zeros_like(allowed_TE)
+    taken_TE = torch.zeros(allowed_TE.shape, dtype=torch.long, device=ids_TK.device)
+    taken_TE = taken_TE.scatter_add_(1, ids_TK, ok_TK.long()) > 0
     rows = torch.arange(n_tok, device=ids_TK.device)
-    taken_TE[rows.unsqueeze(1).expand_as(ids_TK)[ok_TK], ids_TK[ok_TK]] = True
     sim = similarity_EE.to(scores_TE.device, torch.float32)
-    for j in range(k):
-        bad = ~ok_TK[:, j]
-        if not bad.any():
-            continue
-        t = rows[bad]
-        row_sim = sim[ids_TK[t, j]]
-        first = row_sim.masked_fill(~preferred_TE[t] | taken_TE[t], float("-inf"))
-        other = row_sim.masked_fill(~allowed_TE[t] | taken_TE[t], float("-inf"))
-        has_first = (preferred_TE[t] & ~taken_TE[t]).any(dim=-1)
-        new = torch.where(has_first, first.argmax(dim=-1), other.argmax(dim=-1))
-        ids_TK[t, j] = new
-        taken_TE[t, new] = True
+    for j in range(k):  # every token, every slot; only slots outside the admitted devices change
+        bad_T = ~ok_TK[:, j]
+        row_sim = sim[ids_TK[:, j]]
+        first = row_sim.masked_fill(~preferred_TE | taken_TE, float("-inf"))
+        other = row_sim.masked_fill(~allowed_TE | taken_TE, float("-inf"))
+        has_first = (preferred_TE & ~taken_TE).any(dim=-1)
+        new_T = torch.where(has_first, first.argmax(dim=-1), other.argmax(dim=-1))
+        ids_TK[:, j] = torch.where(bad_T, new_T, ids_TK[:, j])
+        taken_TE.index_put_((rows, new_T), taken_TE[rows, new_T] | bad_T)
     return ids_TK
 
 
@@ -288,8 +319,8 @@ def replace_by_similarity(
     admitted, not yet selected expert (one the router could select, when `selectable_TE` is given and
     such an expert is left).
     """
-    device_mask_TD = walk_admitted_devices(
-        scores_TE, topk_ids_TK, expert_device_E, num_devices, max_devices, selectable_TE=selectable_TE
+    device_mask_TD = _admit(
+        scores_TE, topk_ids_TK, expert_device_E, num_devices, max_devices, 1, None, selectable_TE, False
     )
     return _replace_outside(
         scores_TE, topk_ids_TK, device_mask_TD, expert_device_E, similarity_EE, selectable_TE
@@ -366,24 +397,26 @@ def limit_topk(
             "criterion='similarity' needs an expert similarity table; profile the model first "
             "(occult-ft profile) or choose criterion='score'"
         )
-    out_TK = ids_TK.clone()
-    need = (
-        (~fits_budget(ids_TK, dev_of_E, num_devices, max_devices, num_nodes, max_nodes)).nonzero().squeeze(1)
-    )
-    if need.numel() == 0:
-        return out_TK
-    scores, ids = scores_TE[need], ids_TK[need]
+    # every token is pruned (no host read to pick the ones over budget); those that fit keep their own
+    fits_T = fits_budget(ids_TK, dev_of_E, num_devices, max_devices, num_nodes, max_nodes)
     selectable = (
         None
         if selectable_TE is None
-        else selectable_TE[need] | torch.zeros_like(selectable_TE[need]).scatter_(1, ids, True)
+        else selectable_TE | torch.zeros_like(selectable_TE).scatter_(1, ids_TK, True)
     )  # the router's own choice is selectable whatever the mask says
-    device_mask_TD = walk_admitted_devices(
-        scores, ids, dev_of_E, num_devices, max_devices, num_nodes, max_nodes, selectable
+    device_mask_TD = _admit(
+        scores_TE,
+        ids_TK,
+        dev_of_E,
+        num_devices,
+        max_devices,
+        num_nodes,
+        max_nodes,
+        selectable,
+        max_nodes is not None,
     )
     if criterion == "similarity":
-        new = _replace_outside(scores, ids, device_mask_TD, dev_of_E, similarity_EE, selectable)
+        new = _replace_outside(scores_TE, ids_TK, device_mask_TD, dev_of_E, similarity_EE, selectable)
     else:
-        new = _top_admitted(scores, device_mask_TD, dev_of_E, k, selectable)
-    out_TK[need] = new
-    return out_TK
+        new = _top_admitted(scores_TE, device_mask_TD, dev_of_E, k, selectable)
+    return torch.where(fits_T[:, None], ids_TK, new)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ..configs import load_model_config
+from ..dispatch import EXCHANGES, check_exchange_settings
 from ..fileio import check_output_path
 from ..integrations.deepspeed import check_deepspeed_config
 from ..models.registry import config_num_experts
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 TRAIN_MODES = ("full", "moe", "lora")
+DEFAULT_EXCHANGE_CHUNKS = 1
+"""Default `exchange_chunks`: measured with benchmarks/layer_overlap.py (see docs/readme-parts/perf.md)."""
 PLACEMENT_MODES = ("auto", "sequential")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -193,9 +196,27 @@ class OccultConfig(TrainingArguments):
         default="flat",
         metadata={
             "help": "Expert-parallel token exchange: 'flat' (one de-duplicated all-to-all, a token sent once "
-            "per device) or 'two_stage' (a token crosses nodes once per node, then fans out inside the "
-            "node; needs nodes > 1, same results).",
-            "choices": ["flat", "two_stage"],
+            "per device), 'two_stage' (a token crosses nodes once per node, then fans out inside the "
+            "node; needs nodes > 1) or 'per_expert' (one row per (token, expert), as transformers' native "
+            "EP and DeepSpeed send: to measure what de-duplication buys). Same results.",
+            "choices": list(EXCHANGES),
+        },
+    )
+    exchange_chunks: int = field(
+        default=DEFAULT_EXCHANGE_CHUNKS,
+        metadata={
+            "help": "Chunks each MoE layer's tokens are pipelined in (flat and per_expert exchanges): while "
+            "one chunk runs its experts the next is dispatched and the previous combined, forward and "
+            "backward (same results). 1 turns it off."
+        },
+    )
+    exchange_capacity: str | None = field(
+        default=None,
+        metadata={
+            "help": "Capacity-bounded receive buffers for the flat exchange (no host synchronisation per "
+            "layer; every rank sends D x C rows, padded): C rows per device, or 'auto' = the most tokens a "
+            "rank routes in one forward (max(per_device_train_batch_size, per_device_eval_batch_size) x "
+            "seq_len), the bound no routing can overflow. Unset: exact buffers (one host sync per layer)."
         },
     )
     placement: str = field(
@@ -357,12 +378,27 @@ class OccultConfig(TrainingArguments):
             raise ValueError(
                 f"seq_len={self.seq_len} is too short; use at least 2 tokens (typically 128-4096)"
             )
-        if self.exchange not in ("flat", "two_stage"):
-            raise ValueError(f"exchange={self.exchange!r} is unknown; use 'flat' or 'two_stage'")
+        if self.exchange not in EXCHANGES:
+            raise _choice_error("exchange", self.exchange, EXCHANGES)
         if self.exchange == "two_stage" and self.nodes < 2:
             raise ValueError(
                 f"exchange='two_stage' needs nodes > 1 (got nodes={self.nodes}); set --nodes N or use exchange='flat'"
             )
+        capacity = self.exchange_capacity
+        if isinstance(capacity, str) and capacity.strip().isdigit():
+            self.exchange_capacity = capacity = int(capacity)
+        if (
+            capacity is not None
+            and capacity != "auto"
+            and (isinstance(capacity, bool) or not isinstance(capacity, int))
+        ):
+            raise ValueError(
+                f"exchange_capacity={capacity!r} must be a number of rows per device or 'auto'; leave it unset "
+                "for exact receive buffers"
+            )
+        check_exchange_settings(
+            self.exchange, self.nodes, self.exchange_chunks, 1 if capacity == "auto" else capacity
+        )
         if self.train_mode not in TRAIN_MODES:
             raise _choice_error("train_mode", self.train_mode, TRAIN_MODES)
         if self.model_dtype not in MODEL_DTYPES:
@@ -414,6 +450,13 @@ class OccultConfig(TrainingArguments):
                     f"expert_parallel_size={ep} does not divide the world size {world}; launch a multiple of {ep} "
                     f"processes or set --expert_parallel_size to a divisor of {world}"
                 )
+
+    def exchange_capacity_rows(self) -> int | None:
+        """Rows per device of the capacity-bounded exchange (`exchange_capacity`), None for exact buffers."""
+        if self.exchange_capacity == "auto":
+            batch = max(self.per_device_train_batch_size, self.per_device_eval_batch_size)
+            return batch * self.seq_len
+        return self.exchange_capacity
 
     def _force_non_reentrant_checkpointing(self) -> None:
         """The balance loss needs router probabilities attached to the graph inside checkpointed layers:

@@ -4,7 +4,8 @@ With W processes and `expert_parallel_size` D (W % D == 0) the ranks form
 
 * expert-parallel (EP) groups of consecutive ranks [g*D, (g+1)*D): each EP group holds one copy of
   the experts, rank g*D + p holding the contiguous block p of E/D experts per layer, and exchanges
-  tokens with the de-duplicated all-to-all ("occult_ep");
+  tokens with the de-duplicated all-to-all ("occult_ep"; `exchange`, `exchange_chunks` and
+  `exchange_capacity` choose the exchange, its pipelining and its capacity-bounded mode);
 * expert-data-parallel (EDP) groups of the ranks at the same position p of every EP group
   (p, p + D, p + 2D, ...): the W/D replicas of one expert shard.
 
@@ -62,7 +63,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dispatch import expert_shard_parameters, gather_experts_state_dict, shard_experts
+from ..dispatch import configure_exchange, expert_shard_parameters, gather_experts_state_dict, shard_experts
 from ..integrations.deepspeed import (
     attach_moe_marker,
     check_deepspeed_config,
@@ -242,10 +243,11 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
     factors = [p for layer in layers for w in expert_lora_wrappers(layer.experts) for p in _lora_factors(w)]
     if factors and not read_sharded:  # one initialisation everywhere, as DDP makes it for replicated LoRA
         _broadcast_from_rank0(factors)
+    exchange = getattr(args, "exchange", "flat")
     if not read_sharded:
-        shard_experts(
-            base, groups.ep_group, nodes=args.nodes if getattr(args, "exchange", "flat") == "two_stage" else 1
-        )
+        shard_experts(base, groups.ep_group, nodes=args.nodes if exchange == "two_stage" else 1)
+    capacity = args.exchange_capacity_rows() if hasattr(args, "exchange_capacity_rows") else None
+    configure_exchange(base, exchange, getattr(args, "exchange_chunks", 1), capacity)
     for layer in layers:
         if read_sharded:  # LoRA was applied to the local experts: its factors are already this block's
             adopt_local_expert_lora(layer.experts)

@@ -5,7 +5,7 @@ router logits, so it balances the routing the model *would* use without pruning.
 balances the routing it actually uses, with the model's own formula and scale (Switch Transformer
 style, pooled over the MoE layers exactly as transformers pools them):
 
-    balance = E * sum_e f_e * P_e
+    expert_term = E * sum_e f_e * P_e
 
 where f_e is the share of tokens whose used selection (`topk_ids_TK`, after pruning) contains expert e
 (sum_e f_e = K; no gradient) and P_e is the mean router probability of e (the gradient path), both
@@ -15,7 +15,23 @@ unpruned routing of a softmax router it equals `load_balancing_loss_func`. For r
 not sum to one (DeepSeek-V3's sigmoid), each token's scores are normalised first. Padding tokens are
 skipped (transformers weights them by the attention mask, the same thing).
 
-Shape legend: T tokens, E experts, K experts per token.
+**With a budget the loss acts on device load.** Under expert parallelism the most loaded device sets a
+layer's time, and its load is the rows it receives: the tokens that reach it (de-duplicated dispatch),
+not the (token, expert) pairs. Pruning concentrates tokens on fewer devices, so balancing experts alone
+lets devices drift apart. Given each layer's expert -> device map (`expert_device`), the loss becomes
+
+    device_term = (D / C) * sum_d g_d * Q_d
+    balance     = (expert_term + K * device_term) / 2
+
+with g_d the share of rows that reach device d (sum_d g_d = C, the mean devices per token, no
+gradient), Q_d the mean router probability mass on device d's experts (the gradient path, sum_d Q_d
+= 1). Uniform load gives device_term = 1, so `balance` is still K at uniform routing and the
+coefficient keeps its meaning; all load on one device gives device_term = D. Without `expert_device`
+(no budget) `balance` is the expert term alone, i.e. transformers' loss.
+
+No value is read on the host: masks weight the rows instead of selecting them.
+
+Shape legend: T tokens, E experts, K experts per token, D devices.
 """
 
 from __future__ import annotations
@@ -26,11 +42,20 @@ import torch
 
 from ..routing import RouterRecord
 
-__all__ = ["balance_loss", "balance_loss_factor"]
+__all__ = ["balance_loss", "balance_loss_factor", "device_balance_term"]
+
+
+def _weights(mask_T: torch.Tensor | None, tokens: int, device) -> torch.Tensor:
+    if mask_T is not None and mask_T.numel() == tokens:
+        return mask_T.to(device=device, dtype=torch.float32)
+    return torch.ones(tokens, device=device, dtype=torch.float32)
 
 
 def balance_loss(
-    records: Mapping[int, RouterRecord], mask_T: torch.Tensor | None = None
+    records: Mapping[int, RouterRecord],
+    mask_T: torch.Tensor | None = None,
+    expert_device: Mapping[int, torch.Tensor] | None = None,
+    num_devices: int | None = None,
 ) -> torch.Tensor | None:
     """Pruning-aware Switch balance loss over the layers in `records`, on transformers' scale.
 
@@ -38,42 +63,84 @@ def balance_loss(
         records: layer index -> `RouterRecord` with `probs` (T, E) attached to the graph and the
             `topk_ids` (T, K) actually used; every layer must route to the same E experts.
         mask_T: optional (T,) bool, True for real tokens (the flattened attention mask).
+        expert_device: layer index -> (E,) device of each expert; given (with a budget), the loss also
+            balances device load (see the module docstring).
+        num_devices: D, needed with `expert_device`.
 
     Returns:
         A scalar fp32 tensor (K for uniform routing, at most E), or None when no record carries
-        probabilities (recording without graph) or every token is masked.
+        probabilities (recording without graph). With every token masked it is 0 (no gradient).
     """
-    counts_E = probs_E = None
-    rows = 0
+    if expert_device is not None and not num_devices:
+        raise ValueError("balance_loss(expert_device=...) needs num_devices")
+    counts_E = probs_E = rows = None
+    top_k = 0
+    device_parts = []
     for index in sorted(records):
         rec = records[index]
         if rec.probs is None:
             continue
         probs_TE, ids_TK = rec.probs, rec.topk_ids
-        if mask_T is not None and mask_T.numel() == probs_TE.shape[0]:
-            keep = mask_T.to(probs_TE.device)
-            probs_TE, ids_TK = probs_TE[keep], ids_TK[keep.to(ids_TK.device)]
         tokens, num_experts = probs_TE.shape
+        keep_T = _weights(mask_T, tokens, probs_TE.device)
         if counts_E is None:
             counts_E = torch.zeros(num_experts, device=probs_TE.device, dtype=torch.float32)
             probs_E = torch.zeros(num_experts, device=probs_TE.device, dtype=torch.float32)
+            rows = torch.zeros((), device=probs_TE.device, dtype=torch.float32)
         elif num_experts != counts_E.numel():
             raise ValueError(
                 f"MoE layer {index} routes to {num_experts} experts, earlier layers to {counts_E.numel()}; "
                 "the balance loss pools layers of one expert count"
             )
+        top_k = ids_TK.shape[1]
         if tokens == 0:
             continue
         p_TE = probs_TE.float()
         p_TE = p_TE / p_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-        counts_E = counts_E.scatter_add(
-            0, ids_TK.reshape(-1).to(p_TE.device), torch.ones(ids_TK.numel(), device=p_TE.device)
-        )
-        probs_E = probs_E + p_TE.sum(dim=0)
-        rows += tokens
-    if rows == 0:
+        ids_TK = ids_TK.to(p_TE.device)
+        slot_w_N = keep_T[:, None].expand_as(ids_TK).reshape(-1)
+        counts_E = counts_E.scatter_add(0, ids_TK.reshape(-1), slot_w_N)
+        probs_E = probs_E + (p_TE * keep_T[:, None]).sum(dim=0)
+        rows = rows + keep_T.sum()
+        if expert_device is not None:
+            device_parts.append(device_balance_term(p_TE, ids_TK, expert_device[index], num_devices, keep_T))
+    if counts_E is None:
         return None
-    return counts_E.numel() * ((counts_E / rows) * (probs_E / rows)).sum()
+    denom = rows.clamp_min(1.0)  # every token masked: counts are 0, so the loss is 0
+    expert_term = counts_E.numel() * ((counts_E / denom) * (probs_E / denom)).sum()
+    if not device_parts:
+        return expert_term
+    g_D = sum(part[0] for part in device_parts)
+    q_D = sum(part[1] for part in device_parts)
+    reach = g_D.sum().clamp_min(1e-20)  # rows over all layers = C * rows
+    device_term = num_devices * ((g_D / reach) * (q_D / denom)).sum()
+    return 0.5 * (expert_term + top_k * device_term)
+
+
+def device_balance_term(
+    p_TE: torch.Tensor,
+    ids_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    num_devices: int,
+    keep_T: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's device-load statistics: (rows reaching each device (D,), no gradient; summed router
+    probability mass on each device's experts (D,), the gradient path), masked rows weighted 0.
+
+    Args:
+        p_TE: (T, E) router probabilities (rows summing to 1). ids_TK: (T, K) the selection used.
+        expert_device_E: (E,) device of each expert. keep_T: (T,) weights of the rows (default 1).
+    """
+    dev_E = expert_device_E.to(p_TE.device).long()
+    t = p_TE.shape[0]
+    keep_T = torch.ones(t, device=p_TE.device) if keep_T is None else keep_T
+    reached_TD = torch.zeros(t, num_devices, dtype=torch.bool, device=p_TE.device)
+    reached_TD.scatter_(1, dev_E[ids_TK], True)
+    g_D = (reached_TD.float() * keep_T[:, None]).sum(dim=0).detach()
+    mass_TD = torch.zeros(t, num_devices, device=p_TE.device, dtype=p_TE.dtype)
+    mass_TD = mass_TD.index_add(1, dev_E, p_TE)
+    q_D = (mass_TD * keep_T[:, None]).sum(dim=0)
+    return g_D, q_D
 
 
 def balance_loss_factor(loss_is_scaled_for_ga: bool, accumulation_steps: int) -> float:

@@ -79,28 +79,32 @@ class RoutingMeter:
         """
         for index, rec in records.items():
             ids_TK, removed_T = rec.topk_ids, rec.removed_mass
-            if mask_T is not None and mask_T.numel() == ids_TK.shape[0]:
-                keep = mask_T.to(ids_TK.device)
-                ids_TK, removed_T = ids_TK[keep], removed_T[keep]
             tokens, k = ids_TK.shape
             if tokens == 0:
                 continue
             self._ensure(ids_TK.device)
+            # masked tokens are weighted 0, not selected: boolean indexing would read the mask on the host
+            if mask_T is not None and mask_T.numel() == tokens:
+                keep_T = mask_T.to(ids_TK.device).double()
+            else:
+                keep_T = torch.ones(tokens, dtype=torch.float64, device=ids_TK.device)
             counts_TD = device_counts(
                 ids_TK, expert_device[index].to(ids_TK.device), self.num_devices
             ).double()
-            reached_TD = counts_TD > 0
+            reached_TD = (counts_TD > 0).double() * keep_T[:, None]
             per_token_T = reached_TD.sum(dim=1)
-            load_D = reached_TD.sum(dim=0).double()
+            load_D = reached_TD.sum(dim=0)
+            real = keep_T.sum()
+            seen = (real > 0).double()
             s = self._sums
             s[_COMM] += per_token_T.sum()
-            s[_TOKENS] += tokens
-            s[_INTRA] += (counts_TD * (counts_TD - 1) / 2).sum()
-            s[_PAIRS] += tokens * k * (k - 1) / 2
-            s[_REMOVED] += removed_T.double().sum()
-            s[_IMB] += load_D.max() / load_D.mean().clamp_min(1e-12)
-            s[_IMB_N] += 1
-            self._max = torch.maximum(self._max, per_token_T.max().double())
+            s[_TOKENS] += real
+            s[_INTRA] += ((counts_TD * (counts_TD - 1) / 2) * keep_T[:, None]).sum()
+            s[_PAIRS] += real * (k * (k - 1) / 2)
+            s[_REMOVED] += (removed_T.double() * keep_T).sum()
+            s[_IMB] += seen * load_D.max() / load_D.mean().clamp_min(1e-12)
+            s[_IMB_N] += seen
+            self._max = torch.maximum(self._max, per_token_T.max())
 
     @torch.no_grad()
     def add_balance_loss(self, value: torch.Tensor) -> None:

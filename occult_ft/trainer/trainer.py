@@ -120,8 +120,10 @@ class OccultTrainer(Trainer):
             raise ValueError("OccultTrainer needs a model (a transformers MoE model or a model path)")
         check_before_loading(args)
         if isinstance(model, str):
-            flat = getattr(args, "exchange", "flat") == "flat"
-            if args.expert_parallel_size > 1 and flat and can_load_sharded(model):
+            one_stage = (
+                getattr(args, "exchange", "flat") != "two_stage"
+            )  # two-stage shards with its node groups
+            if args.expert_parallel_size > 1 and one_stage and can_load_sharded(model):
                 # each rank reads only its own expert block from the safetensors files
                 model, tokenizer = load_sharded_training_model(model, args, placement)
             else:
@@ -194,7 +196,11 @@ class OccultTrainer(Trainer):
         if mask is not None:
             meter.add_padding(mask)
         if training and self.args.balance_loss_coef > 0:
-            aux = balance_loss(records, mask_T)
+            # with a budget the loss also balances device load (the rows each device receives)
+            budget = self.occult.pruning.active
+            aux = balance_loss(
+                records, mask_T, self.occult.expert_device if budget else None, self.args.devices
+            )
             if aux is not None:
                 meter.add_balance_loss(aux)
                 accumulation = (

@@ -1,0 +1,591 @@
+"""The train-step benchmark: whole training steps (forward, backward, optimizer) of the tools users
+choose between, on the same model, data and global batch, side by side.
+
+`run_train_step(settings)` saves one OLMoE-shaped model (seeded; `norm_topk_prob=True`, the gate
+convention every contender shares, DeepSpeed's included) and the token rows of every step, then, in
+`rounds` rounds whose order rotates (round r starts r places later and odd rounds run backwards),
+launches each contender on D processes (`torchrun`, `occult_ft.bench.step_worker`) for `warmup + steps`
+steps. Per contender it reports:
+
+    tokens_per_s       global tokens per step / median step time (a step ends when its slowest rank does)
+    step_s / spread    median and [25th, 75th] percentile of the timed steps of all rounds
+    vs_best_other      tokens_per_s / that of the fastest contender that is not occult_ft's de-duplicated EP
+    phases_ms          per step, mean over ranks: attention_dense (forward outside the MoE blocks), router,
+                       exchange_fwd (+ _wait), local_experts_fwd (MoE blocks minus router and exchange),
+                       backward_rest (the step minus forward and optimizer: backward, clipping, data),
+                       exchange_bwd (+ _wait), other_collectives, optimizer
+    peak_mb            peak memory per rank (CPU: what training added to the process's peak RSS, the
+                       interpreter, torch and transformers excluded; CUDA: max allocated)
+    losses / loss_vs_dp the global mean loss per step, and its largest difference from data parallel
+    syncs_per_layer    host synchronisations inside one MoE block forward (`HostSyncCounter`)
+
+Waiting and transfer are told apart only with `barrier=True` (a barrier before each exchange
+collective: the barrier is the waiting, the collective after it the transfer), a diagnostic run whose
+step times include the barriers. Collectives that torch runs from C++ (DDP's gradient all-reduce, the
+autograd backward of functional collectives used by transformers' EP) are not seen by the clock: they
+stay inside backward_rest.
+
+`cost_model` predicts, from the routing of the same model on the first step's tokens, the exchange of
+the same step (forward and backward) on a cluster shape (default 4 x 8 GPUs on InfiniBand, `4x8-ib`),
+for the same global batch and for the same tokens per device (that routing repeated); only the
+exchange is predicted.
+
+Shape legend: D processes (= expert-parallel size), E experts, K top-k, T tokens per step, S sequence
+length, B sequences per rank and step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..layout import ExpertLayout
+from ..models import find_moe_layers
+from .costmodel import (
+    get_cluster,
+    predict_exchange_ms,
+    predict_two_stage_exchange_ms,
+    pruned_topk,
+    rows_matrix,
+    two_stage_rows,
+)
+from .step_worker import KINDS
+
+__all__ = [
+    "StepSettings",
+    "DEFAULT_CONTENDERS",
+    "SHAPES",
+    "contender_spec",
+    "run_train_step",
+    "format_step_report",
+]
+
+SHAPES = {
+    "olmoe32": dict(experts=32, top_k=4),
+    "olmoe64": dict(experts=64, top_k=8),
+}
+"""The issue's two model shapes (hidden 512, 8 layers): 32 experts top-4 and 64 experts top-8."""
+
+DEFAULT_CONTENDERS = (
+    "data_parallel",
+    "occult_ep",
+    "occult_ep_budget2",
+    "occult_ep_budget1",
+    "occult_ep_per_expert",
+    "hf_native_ep",
+    "deepspeed_moe",
+)
+_OCCULT = re.compile(r"^occult_ep((?:_per_expert|_two_stage|_budget\d+|_chunks\d+|_capacity)*)$")
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The model, the step and the measurement.
+
+    Args:
+        hidden / layers / experts / top_k / expert_width / heads / vocab: the OLMoE-shaped model.
+        seq_len: S. tokens_per_step: global tokens per step (T = D x B x S).
+        devices: D processes (expert-parallel size of the EP contenders, replicas of data parallel).
+        nodes: N nodes the D processes are read as (the two-stage contender crosses them).
+        steps / warmup / rounds: timed steps, untimed steps first, rounds of all contenders.
+        learning_rate: AdamW, constant. dtype: float32 (CPU) or bfloat16 (CUDA).
+        device: "cpu", "cuda" or "auto" (CUDA with one GPU per process when present).
+        barrier: the diagnostic mode (waiting vs transfer; see the module docstring).
+        count_syncs: also count host synchronisations per MoE layer (one extra forward).
+        threads: torch threads per process. seed: model and data. timeout_s: per launch.
+    """
+
+    hidden: int = 512
+    layers: int = 8
+    experts: int = 64
+    top_k: int = 8
+    expert_width: int = 256
+    heads: int = 8
+    vocab: int = 8192
+    seq_len: int = 256
+    tokens_per_step: int = 2048
+    devices: int = 4
+    nodes: int = 1
+    steps: int = 5
+    warmup: int = 2
+    rounds: int = 2
+    learning_rate: float = 1e-4
+    dtype: str = "float32"
+    device: str = "auto"
+    barrier: bool = False
+    count_syncs: bool = True
+    threads: int = 1
+    seed: int = 0
+    timeout_s: float = 3600.0
+
+    def __post_init__(self):
+        for name in ("hidden", "layers", "experts", "top_k", "expert_width", "heads", "vocab", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.devices < 2:
+            raise ValueError(f"devices={self.devices} must be at least 2 (processes of the step)")
+        ExpertLayout(self.experts, self.devices, self.nodes)
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}; choose top_k <= experts")
+        if self.hidden % self.heads:
+            raise ValueError(f"heads={self.heads} must divide hidden={self.hidden}")
+        per_step = self.devices * self.seq_len
+        if self.tokens_per_step % per_step:
+            raise ValueError(
+                f"tokens_per_step={self.tokens_per_step} must be a multiple of devices x seq_len = {per_step} "
+                "(every rank trains whole sequences)"
+            )
+        if self.steps < 1 or self.warmup < 0 or self.rounds < 1:
+            raise ValueError(
+                f"steps={self.steps}, warmup={self.warmup}, rounds={self.rounds}: need >= 1, >= 0, >= 1"
+            )
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r}: use float32 or bfloat16")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: use auto, cpu or cuda")
+
+    @property
+    def batch_per_rank(self) -> int:
+        return self.tokens_per_step // (self.devices * self.seq_len)
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return (
+                "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= self.devices else "cpu"
+            )
+        return self.device
+
+
+def contender_spec(name: str, settings: StepSettings) -> dict:
+    """What contender `name` runs: data_parallel, hf_native_ep, deepspeed_moe, or
+    occult_ep[_per_expert|_two_stage][_budget{M}][_chunks{n}][_capacity] (occult_ft's expert parallelism
+    with that exchange, device budget M, n pipelined chunks, capacity-bounded buffers)."""
+    if name in KINDS and name != "occult_ep":
+        return {"name": name, "kind": name, "ours": False}
+    match = _OCCULT.match(name)
+    if not match:
+        raise ValueError(
+            f"unknown contender {name!r}; choose from {', '.join(DEFAULT_CONTENDERS)} or "
+            "occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_capacity]"
+        )
+    parts = match.group(1)
+    spec = {"name": name, "kind": "occult_ep", "exchange": "flat"}
+    if "_per_expert" in parts:
+        spec["exchange"] = "per_expert"
+    if "_two_stage" in parts:
+        if settings.nodes < 2:
+            raise ValueError(f"{name} needs nodes > 1 (got nodes={settings.nodes}); pass --nodes 2")
+        spec["exchange"] = "two_stage"
+    budget = re.search(r"_budget(\d+)", parts)
+    if budget:
+        m = int(budget.group(1))
+        per_device = settings.experts // settings.devices
+        if not 1 <= m <= settings.devices or m * per_device < settings.top_k:
+            raise ValueError(
+                f"{name}: a budget of {m} devices holds {m * per_device} experts < top_k={settings.top_k} "
+                f"or exceeds devices={settings.devices}"
+            )
+        spec["max_devices_per_token"] = m
+    chunks = re.search(r"_chunks(\d+)", parts)
+    if chunks:
+        spec["chunks"] = int(chunks.group(1))
+    if "_capacity" in parts:
+        spec["capacity"] = "auto"
+    spec["ours"] = spec["exchange"] != "per_expert"
+    return spec
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _save_model_and_data(settings: StepSettings, tmp: str) -> tuple[str, str, object]:
+    from transformers import AutoModelForCausalLM, OlmoeConfig
+
+    config = OlmoeConfig(
+        vocab_size=settings.vocab,
+        hidden_size=settings.hidden,
+        intermediate_size=settings.expert_width,
+        num_hidden_layers=settings.layers,
+        num_attention_heads=settings.heads,
+        num_key_value_heads=settings.heads,
+        num_experts=settings.experts,
+        num_experts_per_tok=settings.top_k,
+        norm_topk_prob=True,
+        max_position_embeddings=max(4096, settings.seq_len),
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    torch.manual_seed(settings.seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model_dir = os.path.join(tmp, "model")
+    model.save_pretrained(model_dir)
+    rows = settings.tokens_per_step // settings.seq_len * (settings.warmup + settings.steps)
+    gen = torch.Generator().manual_seed(settings.seed + 1)
+    data = torch.randint(2, settings.vocab, (rows, settings.seq_len), generator=gen)
+    data_path = os.path.join(tmp, "data.pt")
+    torch.save(data, data_path)
+    return model_dir, data_path, model
+
+
+def _launch(settings: StepSettings, contender: dict, model_dir: str, data_path: str, tmp: str) -> dict:
+    """One contender on D processes; returns the per-rank results, or {"error": why}."""
+    out = tempfile.mkdtemp(prefix=f"{contender['name']}-", dir=tmp)
+    spec = {
+        **asdict(settings),
+        "device": settings.resolved_device(),
+        "contender": contender,
+        "model_dir": model_dir,
+        "data": data_path,
+        "out": out,
+        "result": os.path.join(out, "result.json"),
+        "batch_per_rank": settings.batch_per_rank,
+        "num_layers": settings.layers,
+    }
+    spec_path = os.path.join(out, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(settings.threads),
+        "MKL_NUM_THREADS": str(settings.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(settings.devices)]
+    cmd += [
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "occult_ft.bench.step_worker",
+    ]
+    log = os.path.join(out, "log.txt")
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run(
+                [*cmd, spec_path], env=env, stdout=f, stderr=subprocess.STDOUT, timeout=settings.timeout_s
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {settings.timeout_s:.0f} s (log {log})"}
+    if proc.returncode != 0 or not os.path.isfile(spec["result"]):
+        with open(log, errors="replace") as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+        errors = [
+            ln for ln in lines if re.match(r"^[\w.]*(Error|Exception): ", ln) and "ChildFailed" not in ln
+        ]
+        last = errors[-1] if errors else (lines[-1] if lines else "no output")
+        return {"error": f"{last[:400]} (log {log})"}
+    with open(spec["result"]) as f:
+        return {"ranks": json.load(f)}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _summarise(name: str, runs: list[dict], settings: StepSettings) -> dict:
+    """One contender's rounds -> step times, phases, memory, losses, syncs."""
+    warm = settings.warmup
+    steps_s, phases = [], []
+    for run in runs:
+        ranks = run["ranks"]
+        n = min(len(r["records"]) for r in ranks)
+        for i in range(warm, n):
+            steps_s.append(max(r["records"][i]["seconds"] for r in ranks))
+            for r in ranks:
+                rec = r["records"][i]
+                p = rec["phases"]
+                fwd, moe = p.get("forward", 0.0), p.get("moe_block", 0.0)
+                ex_f, wait_f = p.get("exchange_fwd", 0.0), p.get("exchange_fwd_wait", 0.0)
+                opt = p.get("optimizer", 0.0)
+                phases.append(
+                    {
+                        "attention_dense": fwd - moe,
+                        "router": p.get("router", 0.0),
+                        "exchange_fwd": ex_f,
+                        "exchange_fwd_wait": wait_f,
+                        "local_experts_fwd": moe - p.get("router", 0.0) - ex_f - wait_f,
+                        "backward_rest": rec["seconds"] - fwd - opt,
+                        "exchange_bwd": p.get("exchange_bwd", 0.0),
+                        "exchange_bwd_wait": p.get("exchange_bwd_wait", 0.0),
+                        "other_collectives": p.get("other_collectives", 0.0),
+                        "optimizer": opt,
+                    }
+                )
+    median = statistics.median(steps_s)
+    first = runs[0]["ranks"]
+    return {
+        "contender": name,
+        "rounds": len(runs),
+        "step_s": median,
+        "spread_s": [_percentile(steps_s, 0.25), _percentile(steps_s, 0.75)],
+        "step_s_runs": [round(s, 4) for s in steps_s],
+        "tokens_per_s": settings.tokens_per_step / median,
+        "phases_ms": {k: 1000.0 * statistics.fmean(p[k] for p in phases) for k in phases[0]}
+        if phases
+        else {},
+        "peak_mb": max(r["peak_mb"] for r in first),
+        "peak_mb_per_rank": [round(r["peak_mb"], 1) for r in first],
+        "losses": first[0]["losses"],
+        "syncs_per_layer": first[0]["syncs"],
+    }
+
+
+def run_train_step(
+    settings: StepSettings, contenders=None, clusters=("4x8-ib",), progress=None, workdir: str | None = None
+) -> dict:
+    """Measure `contenders` (default `DEFAULT_CONTENDERS`) and return the report (module docstring).
+
+    Args:
+        settings: the model, step and measurement.
+        contenders: names (see `contender_spec`).
+        clusters: cost-model cluster shapes for the predicted exchange of the same step.
+        progress: optional callable(str) told about each launch.
+        workdir: keep the model, data and every launch's log there (default: a temporary directory,
+            removed at the end).
+    """
+    names = list(contenders or DEFAULT_CONTENDERS)
+    specs = {n: contender_spec(n, settings) for n in names}
+    for cluster in clusters:
+        get_cluster(cluster)
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    errors: dict[str, str] = {}
+    tmp = tempfile.mkdtemp(prefix="occult-step-") if workdir is None else workdir
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        model_dir, data_path, model = _save_model_and_data(settings, tmp)
+        routing = _routing(model, settings)
+        del model
+        for r in range(settings.rounds):
+            shift = r % len(names)
+            order = names[shift:] + names[:shift]
+            if r % 2:
+                order.reverse()
+            for name in order:
+                if name in errors:
+                    continue
+                if progress:
+                    progress(f"round {r + 1}/{settings.rounds}: {name}")
+                got = _launch(settings, specs[name], model_dir, data_path, tmp)
+                if "error" in got:
+                    errors[name] = got["error"]
+                else:
+                    results[name].append(got)
+    finally:
+        if workdir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    rows = []
+    for name in names:
+        if name in errors or not results[name]:
+            rows.append({"contender": name, "measured": False, "reason": errors.get(name, "no run")})
+            continue
+        rows.append({**_summarise(name, results[name], settings), "measured": True})
+    for row in rows:
+        row.update({k: v for k, v in specs[row["contender"]].items() if k not in ("name",)})
+    _compare(rows)
+    return {
+        "settings": asdict(settings),
+        "device": settings.resolved_device(),
+        "tokens_per_step": settings.tokens_per_step,
+        "contenders": rows,
+        "cost_model": _cost_model(routing, settings, clusters),
+        "notes": _notes(settings),
+    }
+
+
+def _compare(rows: list[dict]) -> None:
+    measured = [r for r in rows if r["measured"]]
+    others = [r for r in measured if not r["ours"]]
+    best_other = max(others, key=lambda r: r["tokens_per_s"], default=None)
+    dp = next((r for r in measured if r["contender"] == "data_parallel"), None)
+    for row in measured:
+        row["vs_best_other"] = row["tokens_per_s"] / best_other["tokens_per_s"] if best_other else None
+        row["best_other"] = best_other["contender"] if best_other else None
+        if dp is not None:
+            row["peak_vs_dp"] = row["peak_mb"] / dp["peak_mb"] if dp["peak_mb"] else None
+            pairs = list(zip(row["losses"], dp["losses"]))
+            row["loss_vs_dp"] = {
+                "first_step": abs(pairs[0][0] - pairs[0][1]) if pairs else None,
+                "max": max((abs(a - b) for a, b in pairs), default=None),
+            }
+
+
+@torch.no_grad()
+def _routing(model, settings: StepSettings) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(scores_TE, topk_ids_TK) of every MoE layer of the saved model on the first step's tokens (the
+    cost model's routing; `_cost_model` repeats it for more tokens)."""
+    layers = find_moe_layers(model)
+    rows = settings.tokens_per_step // settings.seq_len
+    gen = torch.Generator().manual_seed(settings.seed + 1)  # the data's generator: its first step's rows
+    ids = torch.randint(2, settings.vocab, (rows, settings.seq_len), generator=gen)
+    captured: dict[int, list] = {layer.index: [] for layer in layers}
+    handles = []
+    for layer in layers:
+
+        def hook(module, args, output, index=layer.index, arch=layer.arch):
+            logits_TE, _, ids_TK = output
+            captured[index].append((arch.selection_scores(module, logits_TE).float(), ids_TK.long()))
+
+        handles.append(layer.router.register_forward_hook(hook))
+    try:
+        model.eval()
+        for start in range(0, ids.shape[0], 8):
+            model(input_ids=ids[start : start + 8])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [
+        (torch.cat([c[0] for c in captured[i]]), torch.cat([c[1] for c in captured[i]]))
+        for i in sorted(captured)
+    ]
+
+
+def _repeat(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first `rows` rows of `x` repeated as often as needed (the step's routing standing in for more
+    tokens of the same data)."""
+    reps = -(-rows // x.shape[0])
+    return x.repeat(reps, *([1] * (x.dim() - 1)))[:rows]
+
+
+def _cost_model(routing, settings: StepSettings, clusters) -> dict:
+    """Predicted exchange of one training step (forward dispatch + combine, and the same again in
+    backward, over all MoE layers) on each cluster, for the same global batch and for the same tokens
+    per device as measured here (the step's routing repeated, spread over the cluster's devices)."""
+    bytes_per_row = settings.hidden * (2 if settings.dtype == "bfloat16" else 4)
+    out = {"bytes_per_row": bytes_per_row, "clusters": []}
+    for name in clusters:
+        shape = get_cluster(name)
+        d = shape.num_devices
+        entry = {**shape.to_dict(), "num_devices": d}
+        if settings.experts % d:
+            entry["skipped"] = f"{d} devices do not divide the {settings.experts} experts"
+            out["clusters"].append(entry)
+            continue
+        per_device = settings.experts // d
+        dev_E = torch.arange(settings.experts) // per_device
+        variants = {"per_expert": None, "dedup": None}
+        for m in (1, 2, 4, 8):
+            if m < d and m * per_device >= settings.top_k:
+                variants[f"dedup_budget{m}"] = m
+        for label, tokens in (
+            ("same_global_batch", settings.tokens_per_step),
+            ("same_tokens_per_device", settings.tokens_per_step // settings.devices * d),
+        ):
+            preds = {}
+            for kind, budget in variants.items():
+                total = 0.0
+                for scores, ids in routing:
+                    ids_t, scores_t = _repeat(ids, tokens), _repeat(scores, tokens)
+                    if budget is not None:
+                        ids_t = pruned_topk(scores_t, ids_t, dev_E, d, budget)
+                    rows_DD = rows_matrix(ids_t, dev_E, d, dedup=kind != "per_expert")
+                    total += 2 * predict_exchange_ms(rows_DD, bytes_per_row, shape)  # forward + backward
+                preds[kind] = total
+            if shape.nodes > 1:
+                total = 0.0
+                for _, ids in routing:
+                    s1, s2 = two_stage_rows(_repeat(ids, tokens), dev_E, d, shape.nodes)
+                    total += 2 * predict_two_stage_exchange_ms(s1, s2, bytes_per_row, shape)
+                preds["two_stage"] = total
+            entry[label] = {"tokens": tokens, "exchange_ms_per_step": preds}
+        out["clusters"].append(entry)
+    return out
+
+
+def _notes(settings: StepSettings) -> list[str]:
+    notes = [
+        "model: OLMoE-shaped, norm_topk_prob=True (the gate convention of every contender, DeepSpeed's "
+        "included); aux/balance losses off everywhere so the losses compare",
+        "occult_ep contenders: OccultTrainer, placement sequential, criterion score, train_mode full",
+        "deepspeed_moe: deepspeed.moe.layer.MoE(ep_size=D, drop_tokens=False) per MoE block, same weights, "
+        "DeepSpeed engine with ZeRO 0",
+        "hf_native_ep: DistributedConfig(fsdp_size=D, ep_size=D, ep_implementation='all_to_all') + Trainer",
+        "collectives run from C++ (DDP's all-reduce, backward of functional collectives) are inside backward_rest",
+    ]
+    if settings.resolved_device() == "cpu":
+        notes.append(
+            "one host's loopback over gloo is not a network: transfer is memory copies, waiting dominates; "
+            "see the cost model for a cluster"
+        )
+    if settings.barrier:
+        notes.append("diagnostic mode: a barrier before each exchange collective (step times include them)")
+    return notes
+
+
+def format_step_report(report: dict) -> str:
+    """The report as text: the step table, the phase breakdown, the cost model, notes."""
+    s = report["settings"]
+    lines = [
+        f"train step: OLMoE-shaped hidden {s['hidden']}, {s['layers']} layers, {s['experts']} experts top-{s['top_k']}, "
+        f"seq {s['seq_len']}, {report['tokens_per_step']} tokens/step on {s['devices']} processes ({report['device']}), "
+        f"{s['rounds']} rounds x {s['steps']} steps after {s['warmup']} warm-up",
+        "",
+        f"{'contender':<28} {'tokens/s':>9} {'step s':>8} {'spread':>15} {'vs best':>8} {'peak MB':>9} "
+        f"{'vs DP':>6} {'loss diff':>10} {'syncs/layer':>11}",
+    ]
+    for r in report["contenders"]:
+        if not r["measured"]:
+            lines.append(f"{r['contender']:<28} not measured: {r['reason']}")
+            continue
+        spread = f"[{r['spread_s'][0]:.2f}, {r['spread_s'][1]:.2f}]"
+        vs = f"{r['vs_best_other']:.2f}x" if r.get("vs_best_other") else "-"
+        peak_vs = f"{r['peak_vs_dp']:.2f}" if r.get("peak_vs_dp") else "-"
+        loss = r.get("loss_vs_dp", {}).get("max")
+        syncs = r.get("syncs_per_layer")
+        lines.append(
+            f"{r['contender']:<28} {r['tokens_per_s']:>9.0f} {r['step_s']:>8.3f} {spread:>15} {vs:>8} "
+            f"{r['peak_mb']:>9.0f} {peak_vs:>6} {loss if loss is None else format(loss, '.1e'):>10} "
+            f"{'-' if syncs is None else format(syncs, '.2f'):>11}"
+        )
+    keys = [
+        "attention_dense",
+        "router",
+        "exchange_fwd_wait",
+        "exchange_fwd",
+        "local_experts_fwd",
+        "backward_rest",
+        "exchange_bwd_wait",
+        "exchange_bwd",
+        "other_collectives",
+        "optimizer",
+    ]
+    lines += ["", "phases, ms per step (mean over ranks): " + ", ".join(keys)]
+    for r in report["contenders"]:
+        if r["measured"]:
+            lines.append(
+                f"{r['contender']:<28} " + " ".join(f"{r['phases_ms'].get(k, 0.0):>8.1f}" for k in keys)
+            )
+    for c in report["cost_model"]["clusters"]:
+        lines.append("")
+        if "skipped" in c:
+            lines.append(f"cost model {c['name']}: skipped, {c['skipped']}")
+            continue
+        for label in ("same_global_batch", "same_tokens_per_device"):
+            p = c[label]
+            lines.append(
+                f"cost model {c['name']} ({c['nodes']}x{c['devices_per_node']}), {label} ({p['tokens']} tokens): "
+                "predicted exchange ms per step (fwd + bwd): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in p["exchange_ms_per_step"].items())
+            )
+    lines.append("")
+    lines += [f"note: {n}" for n in report["notes"]]
+    return "\n".join(lines)

@@ -1,0 +1,473 @@
+"""One contender of the train-step benchmark, inside one of its D processes (launched by torchrun).
+
+`python -m torch.distributed.run --nproc_per_node D -m occult_ft.bench.step_worker SPEC.json`: every
+process loads the same saved model (`spec["model_dir"]`), feeds the same rows as every other contender
+(step s, rank r: rows (s * B + j) * D + r of the data, j < B: what Trainer's sequential distributed
+sampler gives), trains `warmup + steps` steps the way the contender's users would, and records per
+step: its wall time, the global mean loss, and the phase clock (`PhaseClock`); at the end its peak
+memory and the host synchronisations of one forward. Rank 0 writes everything, for all ranks, to
+`spec["result"]`.
+
+Contenders (`KINDS`):
+    data_parallel   transformers `Trainer`, the whole model on every rank (DDP), stock experts kernel
+    occult_ep       `OccultTrainer`, expert_parallel_size D ("occult_ep" kernel), exchange/budget/chunks
+                    from the contender's settings (flat, per_expert, two_stage; budgets 1, 2)
+    hf_native_ep    transformers `Trainer` on a model loaded with `DistributedConfig(fsdp_size=D, ep_size=D,
+                    ep_implementation="all_to_all")` (FSDP2 + transformers' own expert parallelism)
+    deepspeed_moe   every MoE block replaced by `deepspeed.moe.layer.MoE(ep_size=D, k=K, drop_tokens=False)`
+                    holding the same expert and router weights, trained by the DeepSpeed engine (ZeRO 0)
+
+The phase clock times, per step and rank: the model's forward, each attention, router and MoE block
+forward (forward hooks), every collective Python calls (all-to-all and friends, forward and backward
+told apart by the grad mode; with `barrier` a barrier before each one, timed as waiting), and the
+optimizer step (global optimizer hooks). On CUDA it synchronises around what it times.
+
+Shape legend: D processes (= expert-parallel size), B sequences per rank and step, S sequence length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ..layout import ExpertLayout
+from ..trainer import OccultConfig, OccultTrainer
+from .syncs import HostSyncCounter
+
+__all__ = ["KINDS", "PhaseClock", "main"]
+
+KINDS = ("data_parallel", "occult_ep", "hf_native_ep", "deepspeed_moe")
+_COLLECTIVES = (
+    "all_to_all_single",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "barrier",
+)
+_EXCHANGE = ("all_to_all_single", "all_to_all_single_autograd")
+
+
+def _now(cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+class PhaseClock:
+    """Per-step phase times of one rank (see the module docstring); `snapshot()` returns and resets them.
+
+    Keys (seconds): forward, attention, router, moe_block, exchange_fwd, exchange_fwd_wait, exchange_bwd,
+    exchange_bwd_wait, other_collectives, optimizer. `exchange_*_wait` is the barrier before each
+    exchange collective (only with `barrier=True`); `exchange_*` is the collective itself after it.
+    """
+
+    def __init__(self, model: nn.Module, barrier: bool = False, cuda: bool = False):
+        self.barrier, self.cuda = barrier, cuda
+        self.times: dict[str, float] = defaultdict(float)
+        self._saved: list[tuple[object, str, object]] = []
+        self._handles = []
+        self._inside = 0
+        self._open: dict[int, float] = {}
+        for name, module in model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "self_attn":
+                self._time_module(module, "attention")
+            elif leaf in ("gate", "router") and ".mlp" in name:
+                self._time_module(module, "router")
+            elif leaf == "mlp":
+                self._time_module(module, "moe_block")
+        self._time_module(model, "forward")
+        self._patch_collectives()
+        self._optimizer_hooks = (
+            register_optimizer_step_pre_hook(self._opt_pre),
+            register_optimizer_step_post_hook(self._opt_post),
+        )
+
+    # ---- modules and the optimizer ----
+    def _time_module(self, module: nn.Module, key: str) -> None:
+        def pre(mod, args, kwargs=None):
+            self._open[id(mod)] = _now(self.cuda)
+
+        def post(mod, args, output):
+            start = self._open.pop(id(mod), None)
+            if start is not None:
+                self.times[key] += _now(self.cuda) - start
+
+        self._handles.append(module.register_forward_pre_hook(pre))
+        self._handles.append(module.register_forward_hook(post))
+
+    def _opt_pre(self, optimizer, args, kwargs):
+        self._open[id(optimizer)] = _now(self.cuda)
+
+    def _opt_post(self, optimizer, args, kwargs):
+        start = self._open.pop(id(optimizer), None)
+        if start is not None:
+            self.times["optimizer"] += _now(self.cuda) - start
+
+    # ---- collectives ----
+    def _patch_collectives(self) -> None:
+        owners = [dist]
+        try:
+            import transformers.distributed.expert_parallel as hf_ep
+
+            owners.append(hf_ep)
+        except ImportError:
+            pass
+        for owner in owners:
+            for name in (*_COLLECTIVES, "all_to_all_single_autograd"):
+                fn = getattr(owner, name, None)
+                if fn is not None and callable(fn):
+                    self._saved.append((owner, name, fn))
+                    setattr(owner, name, self._timed(fn, name))
+
+    def _timed(self, fn, name: str):
+        clock = self
+
+        def wrapper(*args, **kwargs):
+            if clock._inside:
+                return fn(*args, **kwargs)
+            clock._inside += 1
+            try:
+                exchange = name in _EXCHANGE
+                phase = "fwd" if torch.is_grad_enabled() else "bwd"
+                if exchange and clock.barrier and not kwargs.get("async_op"):
+                    start = _now(clock.cuda)
+                    group = kwargs.get("group")
+                    group = group if isinstance(group, dist.ProcessGroup) else None
+                    dist.barrier(group=group)
+                    clock.times[f"exchange_{phase}_wait"] += _now(clock.cuda) - start
+                key = f"exchange_{phase}" if exchange else "other_collectives"
+                start = _now(clock.cuda)
+                out = fn(*args, **kwargs)
+                if name == "all_to_all_single_autograd":
+                    out = torch.ops._c10d_functional.wait_tensor(out)
+                if kwargs.get("async_op") and out is not None:
+                    clock.times[key] += _now(clock.cuda) - start  # the issue; the rest is timed at wait()
+                    return _TimedWork(out, clock, key)
+                clock.times[key] += _now(clock.cuda) - start
+                return out
+            finally:
+                clock._inside -= 1
+
+        return wrapper
+
+    def snapshot(self) -> dict[str, float]:
+        out = dict(self.times)
+        self.times.clear()
+        self._open.clear()
+        return out
+
+    def close(self) -> None:
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        self._saved.clear()
+        for handle in self._handles:
+            handle.remove()
+        for handle in self._optimizer_hooks:
+            handle.remove()
+
+
+class _TimedWork:
+    """An async collective's work handle: its issue and its `wait()` count, the overlapped time between
+    them does not (what a pipelined exchange costs on the critical path)."""
+
+    def __init__(self, work, clock: PhaseClock, key: str):
+        self._work, self._clock, self._key = work, clock, key
+
+    def wait(self, *args, **kwargs):
+        begin = _now(self._clock.cuda)
+        out = self._work.wait(*args, **kwargs)
+        self._clock.times[self._key] += _now(self._clock.cuda) - begin
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+# ---- data -------------------------------------------------------------------------------------------
+def step_rows(spec: dict, step: int, rank: int, world: int) -> torch.Tensor:
+    """(B, S) token ids rank `rank` trains on at `step` (Trainer's sequential distributed order)."""
+    data = torch.load(spec["data"], weights_only=True)
+    b = spec["batch_per_rank"]
+    index = [(step * b + j) * world + rank for j in range(b)]
+    return data[index]
+
+
+def _dataset(spec: dict):
+    from datasets import Dataset
+
+    data = torch.load(spec["data"], weights_only=True)
+    rows = data.tolist()
+    return Dataset.from_dict(
+        {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows], "labels": rows}
+    )
+
+
+def _training_arguments(spec: dict, out: str, cls=None, **extra):
+    from transformers import TrainingArguments
+
+    cls = cls or TrainingArguments
+    cuda = spec["device"] == "cuda"
+    return cls(
+        output_dir=out,
+        per_device_train_batch_size=spec["batch_per_rank"],
+        max_steps=spec["warmup"] + spec["steps"],
+        logging_steps=1,
+        learning_rate=spec["learning_rate"],
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        max_grad_norm=1.0,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=not cuda,
+        seed=0,
+        train_sampling_strategy="sequential",
+        dataloader_drop_last=True,
+        bf16=spec["dtype"] == "bfloat16" and cuda,
+        **extra,
+    )
+
+
+class _StepTimer:
+    """TrainerCallback collecting step times and phase snapshots (imported lazily with transformers)."""
+
+    @staticmethod
+    def make(clock: PhaseClock, cuda: bool, records: list):
+        from transformers import TrainerCallback
+
+        class StepTimer(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                clock.snapshot()
+                self.start = _now(cuda)
+
+            def on_step_end(self, args, state, control, **kwargs):
+                records.append({"seconds": _now(cuda) - self.start, "phases": clock.snapshot()})
+
+        return StepTimer()
+
+
+def _train_with_trainer(trainer, clock, spec, records) -> list[float]:
+    trainer.add_callback(_StepTimer.make(clock, spec["device"] == "cuda", records))
+    trainer.train()
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+# ---- contenders -------------------------------------------------------------------------------------
+def run_data_parallel(spec: dict, rank: int, world: int, records: list) -> tuple[nn.Module, list[float]]:
+    from transformers import AutoModelForCausalLM, Trainer
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    clock = PhaseClock(model, spec["barrier"], spec["device"] == "cuda")
+    trainer = Trainer(model=model, args=_training_arguments(spec, spec["out"]), train_dataset=_dataset(spec))
+    losses = _train_with_trainer(trainer, clock, spec, records)
+    clock.close()
+    return model, losses
+
+
+def run_occult_ep(spec: dict, rank: int, world: int, records: list) -> tuple[nn.Module, list[float]]:
+    c = spec["contender"]
+    args = _training_arguments(
+        spec,
+        spec["out"],
+        cls=OccultConfig,
+        seq_len=spec["seq_len"],
+        devices=world,
+        nodes=spec["nodes"],
+        expert_parallel_size=world,
+        placement="sequential",
+        max_devices_per_token=c.get("max_devices_per_token"),
+        criterion="score",
+        balance_loss_coef=0.0,
+        train_mode="full",
+        model_dtype="float32",
+        exchange=c.get("exchange", "flat"),
+        exchange_chunks=c.get("chunks", 1),
+        exchange_capacity=c.get("capacity"),
+        profile_tokens=spec["seq_len"],
+    )
+    trainer = OccultTrainer(spec["model_dir"], args=args, train_dataset=_dataset(spec))
+    clock = PhaseClock(_unwrapped(trainer.model), spec["barrier"], spec["device"] == "cuda")
+    losses = _train_with_trainer(trainer, clock, spec, records)
+    clock.close()
+    return trainer.model, losses
+
+
+def run_hf_native_ep(spec: dict, rank: int, world: int, records: list) -> tuple[nn.Module, list[float]]:
+    from transformers import AutoModelForCausalLM, Trainer
+    from transformers.distributed import DistributedConfig
+
+    config = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model_dir"], distributed_config=config, dtype=torch.float32
+    )
+    clock = PhaseClock(model, spec["barrier"], spec["device"] == "cuda")
+    trainer = Trainer(model=model, args=_training_arguments(spec, spec["out"]), train_dataset=_dataset(spec))
+    losses = _train_with_trainer(trainer, clock, spec, records)
+    clock.close()
+    return model, losses
+
+
+class _SwiGLUExpert(nn.Module):
+    """One OLMoE expert as an nn.Module for DeepSpeed's `MoE`: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * inner, bias=False)
+        self.down = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(nn.functional.silu(gate) * up)
+
+
+class _DeepSpeedBlock(nn.Module):
+    """An OLMoE MoE block as DeepSpeed's classic MoE layer, with the block's router and expert weights."""
+
+    def __init__(self, block: nn.Module, config, world: int, rank: int):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        e, k, h = config.num_experts, config.num_experts_per_tok, config.hidden_size
+        inner = config.intermediate_size
+        # drop-less, no random token selection, no sampled 2nd expert (top-2): the model's own routing
+        self.moe = MoE(
+            h, _SwiGLUExpert(h, inner), e, ep_size=world, k=k, drop_tokens=False, use_rts=False,
+            top2_2nd_expert_sampling=False,
+        )  # fmt: skip
+        per = ExpertLayout(e, world).experts_per_device
+        with torch.no_grad():
+            self.moe.deepspeed_moe.gate.wg.weight.copy_(block.gate.weight)
+            for i, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+                expert.gate_up.weight.copy_(block.experts.gate_up_proj[rank * per + i])
+                expert.down.weight.copy_(block.experts.down_proj[rank * per + i])
+        self.gate = self.moe.deepspeed_moe.gate  # timed as the router
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        out, _, _ = self.moe(hidden_states.reshape(b * s, h))
+        return out.reshape(b, s, h)
+
+
+def run_deepspeed_moe(spec: dict, rank: int, world: int, records: list) -> tuple[nn.Module, list[float]]:
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from transformers import AutoModelForCausalLM
+
+    deepspeed.init_distributed(dist_backend="nccl" if spec["device"] == "cuda" else "gloo")
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    for layer in model.model.layers:
+        layer.mlp = _DeepSpeedBlock(layer.mlp, model.config, world, rank)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": [p for p in model.parameters() if p.requires_grad], "name": "all"}
+    )
+    optimizer = torch.optim.AdamW(groups, lr=spec["learning_rate"])
+    ds_config = {
+        "train_micro_batch_size_per_gpu": spec["batch_per_rank"],
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**9,
+    }
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    cuda = spec["device"] == "cuda"
+    clock = PhaseClock(model, spec["barrier"], cuda)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    losses = []
+    for step in range(spec["warmup"] + spec["steps"]):
+        ids = step_rows(spec, step, rank, world).to(device)
+        clock.snapshot()
+        start = _now(cuda)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        records.append({"seconds": _now(cuda) - start, "phases": clock.snapshot()})
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    clock.close()
+    return engine.module, losses
+
+
+RUNNERS = {
+    "data_parallel": run_data_parallel,
+    "occult_ep": run_occult_ep,
+    "hf_native_ep": run_hf_native_ep,
+    "deepspeed_moe": run_deepspeed_moe,
+}
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    for _ in range(4):
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
+    return model
+
+
+def _syncs_per_layer(model: nn.Module, spec: dict, rank: int, world: int) -> float:
+    """Host synchronisations inside the MoE blocks (router, exchange, experts) of one training forward,
+    per MoE layer."""
+    device = next(model.parameters()).device
+    ids = step_rows(spec, 0, rank, world).to(device)
+    counter = HostSyncCounter(keep_sites=False)
+    counter.enabled = False
+    handles = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "mlp":
+            handles.append(module.register_forward_pre_hook(lambda *a: setattr(counter, "enabled", True)))
+            handles.append(module.register_forward_hook(lambda *a: setattr(counter, "enabled", False)))
+    try:
+        with counter:
+            model(input_ids=ids, labels=ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counter.count / spec["num_layers"]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    torch.set_num_threads(spec["threads"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if spec["device"] == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    spec["out"] = os.path.join(spec["out"], f"rank{rank}")
+    import transformers  # noqa: F401 - its import is part of the baseline, not of the contender
+
+    base_rss = _peak_rss_mb()
+    records: list[dict] = []
+    model, losses = RUNNERS[spec["contender"]["kind"]](spec, rank, world, records)
+    syncs = _syncs_per_layer(_unwrapped(model), spec, rank, world) if spec["count_syncs"] else None
+    if spec["device"] == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:  # what training added to the process's peak RSS (torch, transformers and Python excluded)
+        peak = _peak_rss_mb() - base_rss
+    mine = {"records": records, "losses": losses, "peak_mb": peak, "base_rss_mb": base_rss, "syncs": syncs}
+    gathered: list[dict | None] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        with open(spec["result"], "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

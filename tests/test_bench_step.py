@@ -1,0 +1,222 @@
+"""The train-step benchmark (`occult_ft.bench.step`, benchmarks/train_step.py, `occult-ft bench --train`):
+contender names, settings checks, the aggregation worked by hand, the cost model of the step, the text
+and the figure, and one real run of every contender on 2 gloo processes on a tiny model (no timing is
+asserted: the run must finish, and occult_ft's and transformers' expert parallelism must reproduce data
+parallel's losses).
+
+Shape legend: D processes, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from occult_ft.bench.costmodel import get_cluster, predict_exchange_ms, rows_matrix
+from occult_ft.bench.step import (
+    StepSettings,
+    _compare,
+    _cost_model,
+    _summarise,
+    contender_spec,
+    format_step_report,
+    run_train_step,
+)
+from occult_ft.cli import main
+
+TINY = dict(
+    hidden=32,
+    layers=2,
+    experts=8,
+    top_k=2,
+    expert_width=16,
+    heads=2,
+    vocab=128,
+    seq_len=16,
+    tokens_per_step=64,
+)
+
+
+def test_contender_names_say_what_runs():
+    s = StepSettings(**TINY, devices=2)
+    assert contender_spec("occult_ep", s) == {
+        "name": "occult_ep",
+        "kind": "occult_ep",
+        "exchange": "flat",
+        "ours": True,
+    }
+    spec = contender_spec("occult_ep_per_expert_budget1_chunks2", s)
+    assert (spec["exchange"], spec["max_devices_per_token"], spec["chunks"], spec["ours"]) == (
+        "per_expert",
+        1,
+        2,
+        False,
+    )
+    assert contender_spec("occult_ep_capacity", s)["capacity"] == "auto"
+    assert contender_spec("deepspeed_moe", s) == {
+        "name": "deepspeed_moe",
+        "kind": "deepspeed_moe",
+        "ours": False,
+    }
+    with pytest.raises(ValueError, match="unknown contender 'tutel'"):
+        contender_spec("tutel", s)
+    with pytest.raises(ValueError, match="needs nodes > 1"):
+        contender_spec("occult_ep_two_stage", s)
+    # 8 experts on 4 devices: 2 per device; a budget of 1 device holds 2 experts, enough for top-2 only
+    with pytest.raises(ValueError, match="a budget of 1 devices holds 2 experts < top_k=4"):
+        contender_spec("occult_ep_budget1", StepSettings(**{**TINY, "top_k": 4}, devices=4))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(devices=3), "devices=3 must divide the 8 experts"),
+        (dict(tokens_per_step=48), "tokens_per_step=48 must be a multiple of devices x seq_len = 32"),
+        (dict(heads=3), "heads=3 must divide hidden=32"),
+        (dict(top_k=9), "top_k=9 exceeds experts=8"),
+        (dict(devices=1), "devices=1 must be at least 2"),
+    ],
+)
+def test_settings_errors_are_one_line(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        StepSettings(**{**TINY, "devices": 2, **overrides})
+
+
+def _run(seconds_by_rank, phases, losses, peak=100.0):
+    """A fake launch: per rank, per step records."""
+    ranks = []
+    for r, seconds in enumerate(seconds_by_rank):
+        records = [{"seconds": s, "phases": phases} for s in seconds]
+        ranks.append({"records": records, "losses": losses, "peak_mb": peak + r, "syncs": 1.0})
+    return {"ranks": ranks}
+
+
+def test_summary_takes_the_slowest_rank_per_step_and_the_median_over_rounds():
+    s = StepSettings(**TINY, devices=2, warmup=1, steps=2)
+    phases = {"forward": 0.4, "moe_block": 0.25, "router": 0.05, "exchange_fwd": 0.1, "optimizer": 0.1}
+    # round 1: steps (warm-up 9.0), 1.0, 2.0 on rank 0 and 1.5, 1.0 on rank 1 -> slowest 1.5, 2.0
+    # round 2: 3.0, 1.0 / 1.0, 1.2 -> 3.0, 1.2; median of [1.5, 2.0, 3.0, 1.2] = 1.75
+    runs = [
+        _run([[9.0, 1.0, 2.0], [9.0, 1.5, 1.0]], phases, [5.0, 4.0, 3.0]),
+        _run([[9.0, 3.0, 1.0], [9.0, 1.0, 1.2]], phases, [5.0, 4.0, 3.0]),
+    ]
+    row = _summarise("occult_ep", runs, s)
+    assert row["step_s"] == pytest.approx(1.75) and row["tokens_per_s"] == pytest.approx(64 / 1.75)
+    assert row["step_s_runs"] == [1.5, 2.0, 3.0, 1.2]
+    p = row["phases_ms"]
+    assert p["attention_dense"] == pytest.approx(150.0)  # forward 400 - MoE blocks 250
+    assert p["local_experts_fwd"] == pytest.approx(100.0)  # 250 - router 50 - exchange 100
+    # backward + rest = step - forward - optimizer, mean over the 8 (rank, step) records
+    mean_step = (1.0 + 2.0 + 1.5 + 1.0 + 3.0 + 1.0 + 1.0 + 1.2) / 8
+    assert p["backward_rest"] == pytest.approx(1000.0 * (mean_step - 0.5))
+    assert row["peak_mb"] == 101.0  # the larger of the ranks
+
+
+def test_comparison_with_the_best_other_contender_and_data_parallel():
+    rows = [
+        {
+            "contender": "data_parallel",
+            "measured": True,
+            "ours": False,
+            "tokens_per_s": 100.0,
+            "peak_mb": 200.0,
+            "losses": [5.0, 4.0],
+        },
+        {
+            "contender": "deepspeed_moe",
+            "measured": True,
+            "ours": False,
+            "tokens_per_s": 120.0,
+            "peak_mb": 100.0,
+            "losses": [5.0, 4.1],
+        },
+        {
+            "contender": "occult_ep",
+            "measured": True,
+            "ours": True,
+            "tokens_per_s": 150.0,
+            "peak_mb": 50.0,
+            "losses": [5.0, 4.0],
+        },
+        {"contender": "hf_native_ep", "measured": False, "ours": False, "reason": "x"},
+    ]
+    _compare(rows)
+    assert rows[2]["vs_best_other"] == pytest.approx(1.25) and rows[2]["best_other"] == "deepspeed_moe"
+    assert rows[2]["peak_vs_dp"] == pytest.approx(0.25)
+    assert rows[1]["loss_vs_dp"]["max"] == pytest.approx(0.1) and rows[1]["loss_vs_dp"]["first_step"] == 0.0
+
+
+def test_cost_model_prices_the_step_from_the_routing():
+    s = StepSettings(**{**TINY, "experts": 32, "top_k": 4}, devices=2)
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.softmax(torch.randn(64 * 16, 32, generator=gen), -1)
+    routing = [(scores, scores.topk(4, -1).indices)] * 2  # two layers
+    shape = get_cluster("4x8-ib")
+    out = _cost_model(routing, s, ["4x8-ib"])["clusters"][0]
+    got = out["same_global_batch"]["exchange_ms_per_step"]
+    dev_E = torch.arange(32)  # 32 experts on 32 devices: one each
+    for kind, dedup in (("per_expert", False), ("dedup", True)):
+        rows = rows_matrix(routing[0][1][:64], dev_E, 32, dedup=dedup)
+        # two layers, forward and backward each
+        assert got[kind] == pytest.approx(2 * 2 * predict_exchange_ms(rows, 4 * 32, shape))
+    assert got["dedup"] <= got["per_expert"] and "two_stage" in got
+    # 1 expert per device holds no top-4 under a budget below 4 devices: only budgets 4 and 8 are priced
+    assert {k for k in got if "budget" in k} == {"dedup_budget4", "dedup_budget8"}
+    assert out["same_tokens_per_device"]["tokens"] == 64 * 16  # 32 devices x 32 tokens each
+
+
+def test_the_report_reads_as_a_table_and_draws(tmp_path):
+    s = StepSettings(**TINY, devices=2, warmup=0, steps=1)
+    phases = {"forward": 0.4, "moe_block": 0.2, "optimizer": 0.1}
+    rows = [
+        {
+            **_summarise("data_parallel", [_run([[1.0], [1.0]], phases, [5.0])], s),
+            "measured": True,
+            "ours": False,
+        },
+        {**_summarise("occult_ep", [_run([[0.5], [0.5]], phases, [5.0])], s), "measured": True, "ours": True},
+        {"contender": "hf_native_ep", "measured": False, "reason": "ImportError: no", "ours": False},
+    ]
+    _compare(rows)
+    report = {
+        "settings": vars(s) | {"hidden": 32},
+        "device": "cpu",
+        "tokens_per_step": 64,
+        "contenders": rows,
+        "cost_model": {"clusters": [{"name": "4x8-ib", "skipped": "too small"}]},
+        "notes": ["a note"],
+    }
+    text = format_step_report(report)
+    assert "occult_ep" in text and "2.00x" in text and "not measured: ImportError: no" in text
+    from occult_ft.plots import plot_train_step
+
+    plot_train_step(report, tmp_path / "step.png")
+    assert (tmp_path / "step.png").stat().st_size > 0
+
+
+def test_cli_train_refuses_a_model():
+    assert main(["bench", "--train", "some/model", "--devices", "2"]) == 2
+
+
+@pytest.mark.slow
+def test_every_contender_trains_and_ep_reproduces_data_parallel(tmp_path):
+    s = StepSettings(**TINY, devices=2, warmup=0, steps=2, rounds=1, device="cpu")
+    names = [
+        "data_parallel",
+        "occult_ep",
+        "occult_ep_per_expert",
+        "occult_ep_chunks2",
+        "hf_native_ep",
+        "deepspeed_moe",
+    ]
+    report = run_train_step(s, names, clusters=(), workdir=str(tmp_path))
+    rows = {r["contender"]: r for r in report["contenders"]}
+    failed = {n: r["reason"] for n, r in rows.items() if not r["measured"]}
+    assert not failed, failed
+    # same weights, data and gate convention: every expert-parallel contender trains data parallel's steps
+    for name in ("occult_ep", "occult_ep_per_expert", "occult_ep_chunks2", "hf_native_ep", "deepspeed_moe"):
+        got, want = rows[name]["losses"], rows["data_parallel"]["losses"]
+        assert rows[name]["loss_vs_dp"]["max"] < 1e-5, (name, got, want)
+    assert rows["occult_ep"]["syncs_per_layer"] == 1.0  # the count exchange, nothing else
+    for row in rows.values():
+        assert len(row["step_s_runs"]) == 2 and row["tokens_per_s"] > 0 and row["peak_mb"] > 0

@@ -1,0 +1,98 @@
+"""The exchange settings of a training run: `exchange` (flat, two_stage, per_expert), `exchange_chunks`
+(pipelined chunks) and `exchange_capacity` (capacity-bounded receive buffers), checked as config
+fields and, on 2 gloo processes under torchrun, as training runs that must reproduce the single-process
+run step for step (losses and gradient norms within 1e-3, the harness of tests/test_expert_parallel.py).
+
+Shape legend: W processes, D expert-parallel size.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+try:
+    from .test_expert_parallel import (
+        check_trajectory,
+        launch,
+        run_config,
+        single_process_references,
+        torchrun,
+    )
+except ImportError:  # tests/ is not a package: pytest put it on sys.path
+    from test_expert_parallel import check_trajectory, launch, run_config, single_process_references, torchrun
+
+
+# ---- the config fields ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(exchange="per-expert"), "exchange='per-expert' is unknown (did you mean 'per_expert'?)"),
+        (dict(exchange="two_stage"), "exchange='two_stage' needs nodes > 1"),
+        (dict(exchange_chunks=0), "exchange_chunks=0 must be a positive integer"),
+        (dict(exchange="two_stage", nodes=2, exchange_chunks=2), "use 1 with two_stage"),
+        (dict(exchange="per_expert", exchange_capacity="auto"), "exchange='per_expert' is exact only"),
+        (
+            dict(exchange_capacity="lots"),
+            "exchange_capacity='lots' must be a number of rows per device or 'auto'",
+        ),
+        (dict(exchange_capacity=0), "exchange_capacity=0 must be a positive number of rows"),
+        (dict(exchange_capacity=64, exchange_chunks=2), "use exchange_chunks=1"),
+    ],
+)
+def test_exchange_settings_the_kernel_cannot_run_are_one_line_errors(tmp_path, overrides, message):
+    with pytest.raises(ValueError) as err:
+        run_config(str(tmp_path), 1, **overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_auto_capacity_is_the_most_tokens_a_rank_routes(tmp_path):
+    cfg = run_config(
+        str(tmp_path),
+        1,
+        exchange_capacity="auto",
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=6,
+    )
+    assert cfg.exchange_capacity_rows() == 6 * cfg.seq_len  # the eval batch is the larger one
+    assert run_config(str(tmp_path), 1, exchange_capacity="96").exchange_capacity_rows() == 96
+    assert run_config(str(tmp_path), 1).exchange_capacity_rows() is None
+
+
+# ---- training runs ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference(tiny_olmoe_dir, tmp_path_factory):
+    return single_process_references(tiny_olmoe_dir, tmp_path_factory.mktemp("single"), devices=(2,))
+
+
+@pytest.fixture(scope="module")
+def exchanges_world2(tiny_olmoe_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("exchanges")
+    ep = dict(expert_parallel_size=2)
+    cases = [
+        dict(name="per_expert-plain", overrides=dict(ep, exchange="per_expert")),
+        dict(name="per_expert-pruned", overrides=dict(ep, exchange="per_expert", max_devices_per_token=1)),
+        dict(name="chunks-plain", overrides=dict(ep, exchange_chunks=3)),
+        dict(
+            name="chunks-pruned",
+            overrides=dict(ep, exchange="per_expert", exchange_chunks=2, max_devices_per_token=1),
+        ),
+        dict(name="capacity-plain", overrides=dict(ep, exchange_capacity="auto")),
+        dict(name="capacity-pruned", overrides=dict(ep, exchange_capacity="auto", max_devices_per_token=1)),
+    ]
+    return launch(
+        torchrun(2), dict(model=tiny_olmoe_dir, out=str(tmp), world=2, cases=cases), tmp, timeout=600
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exchange", ["per_expert", "chunks", "capacity"])
+@pytest.mark.parametrize("pruning", ["plain", "pruned"])
+def test_every_exchange_trains_like_the_single_process_run(exchanges_world2, reference, exchange, pruning):
+    name = f"{exchange}-{pruning}"
+    result = exchanges_world2[name]
+    check_trajectory(result, reference[(pruning, 2)], name)
+    kind, chunks, capacity = result["exchange"]  # what the kernel of the trained model ran
+    assert kind == ("per_expert" if exchange == "per_expert" or name == "chunks-pruned" else "flat")
+    assert chunks == {"chunks-plain": 3, "chunks-pruned": 2}.get(name, 1)
+    # auto: max(per-device train batch 4, eval batch 8 (the default)) x seq_len 16 tokens per rank
+    assert capacity == (8 * 16 if exchange == "capacity" else None)
