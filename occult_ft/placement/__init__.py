@@ -26,6 +26,7 @@ from .file import PLACEMENT_FORMAT, PLACEMENT_VERSION, Placement
 from .layer import compute_placement, place_layer, sequential_placement, solve_layer
 from .partition import scipy_available
 from .permute import permute_experts
+from .pruned import PRUNING_CRITERIA
 from .search import SEARCH_CELLS, SEARCH_RESTARTS
 from .solver import SOLVER_TIME_LIMIT
 
@@ -35,6 +36,7 @@ __all__ = [
     "DEFAULT_LOAD_IMBALANCE",
     "PLACEMENT_FORMAT",
     "PLACEMENT_VERSION",
+    "PRUNING_CRITERIA",
     "SEARCH_CELLS",
     "SEARCH_RESTARTS",
     "SOLVER_TIME_LIMIT",

@@ -75,6 +75,8 @@ class TokenSets:
     X: np.ndarray
     w: np.ndarray
     _Xf: np.ndarray | None = field(default=None, repr=False)
+    _ids: np.ndarray | None = field(default=None, repr=False)
+    _rows_of: list | None = field(default=None, repr=False)
 
     @classmethod
     def from_incidence(cls, x_TE) -> TokenSets:
@@ -102,6 +104,22 @@ class TokenSets:
         return self.X.shape[1]
 
     @property
+    def ids(self) -> np.ndarray:
+        """(U, k) int64 experts of each set, padded with m (sets hold at most k experts)."""
+        if self._ids is None:
+            k = int(self.X.sum(axis=1).max(initial=0))
+            order = np.argsort(~self.X, axis=1, kind="stable")[:, :k]
+            self._ids = np.where(np.take_along_axis(self.X, order, axis=1), order, self.X.shape[1])
+        return self._ids
+
+    @property
+    def rows_of(self) -> list[np.ndarray]:
+        """Per expert, the sets holding it."""
+        if self._rows_of is None:
+            self._rows_of = [np.flatnonzero(self.X[:, e]) for e in range(self.X.shape[1])]
+        return self._rows_of
+
+    @property
     def Xf(self) -> np.ndarray:
         if self._Xf is None:
             self._Xf = self.X.astype(np.float32)
@@ -110,6 +128,9 @@ class TokenSets:
     def cover(self, G: np.ndarray) -> np.ndarray:
         """(k,) float64 cost of each group of G (k, m) bool: tokens meeting the group."""
         G = np.atleast_2d(G)
+        if G.shape[0] <= 4:  # a few groups: through the sets' expert lists
+            padded = np.concatenate([G, np.zeros((G.shape[0], 1), bool)], axis=1)
+            return np.array([float(self.w @ row[self.ids].any(axis=1)) for row in padded])
         out = np.empty(G.shape[0])
         step = max(1, (1 << 24) // max(1, self.X.shape[0]))
         for lo in range(0, G.shape[0], step):
@@ -159,28 +180,68 @@ class PartitionResult:
 
 # ---- pricing -------------------------------------------------------------------------------------------
 def _local_descent(sets: TokenSets, g: np.ndarray, pi: np.ndarray, alpha: float, cap: float) -> np.ndarray:
-    """Best-improvement swaps (one expert out, one in) on alpha c(g) - pi(g), keeping c(g) <= cap."""
-    X, Xf, w = sets.X, sets.Xf, sets.w
+    """Best-improvement swaps (one expert out, one in) on alpha c(g) - pi(g), keeping c(g) <= cap.
+
+    With n_U = members of g in each set: removing e loses the sets where e is the only member, adding f
+    gains the sets g misses that hold f, and a swap keeps covered the sets holding both e and f as their
+    only members. Each step is a few bincounts over the sets' expert lists (`TokenSets.ids`)."""
+    m = sets.num_experts
+    ids_UK, w, rows_of = sets.ids, sets.w, sets.rows_of
     g = g.copy()
     cost = float(sets.cover(g)[0])
-    for _ in range(4 * X.shape[1]):
-        n_U = Xf @ g.astype(np.float32)
-        w0, w1 = w * (n_U == 0), w * (n_U == 1)
-        ins, outs = np.flatnonzero(g), np.flatnonzero(~g)
-        if len(outs) == 0:
-            break
-        gain, loss = w0 @ Xf[:, outs], w1 @ Xf[:, ins]
-        # tokens holding both the leaving and the entering expert and no other member stay covered
-        corr = (Xf[:, ins] * w1[:, None].astype(np.float32)).T @ Xf[:, outs]
-        dc = -loss[:, None] + gain[None, :] + corr
-        drc = alpha * dc - (pi[outs][None, :] - pi[ins][:, None])
+    n_U = np.concatenate([g, [False]])[ids_UK].sum(axis=1)
+
+    def tally(rows: np.ndarray) -> np.ndarray:  # (m,) tokens of the sets `rows` per expert
+        ids = ids_UK[rows]
+        return np.bincount(ids.ravel(), weights=np.repeat(w[rows], ids.shape[1]), minlength=m + 1)[:m]
+
+    for _ in range(2 * int(g.sum()) + 4):
+        gain, alone = tally(np.flatnonzero(n_U == 0)), n_U == 1
+        ins = np.flatnonzero(g)
+        dc = np.empty((len(ins), m))
+        for r, e in enumerate(ins):
+            mine = rows_of[e][alone[rows_of[e]]]  # sets where e is g's only member
+            dc[r] = gain - w[mine].sum() + tally(mine)
+        drc = alpha * dc - (pi[None, :] - pi[ins][:, None])
+        drc[:, g] = np.inf
         drc[cost + dc > cap + 1e-9] = np.inf
         i, j = np.unravel_index(int(np.argmin(drc)), drc.shape)
         if not drc[i, j] < -1e-9:
             break
-        g[ins[i]], g[outs[j]] = False, True
+        g[ins[i]], g[j] = False, True
+        n_U[rows_of[j]] += 1
+        n_U[rows_of[ins[i]]] -= 1
         cost += float(dc[i, j])
     return g
+
+
+def _greedy_groups(sets: TokenSets, pi: np.ndarray, alpha: float, size: int, cap: float) -> list[np.ndarray]:
+    """One group per seed expert, grown by the expert of least alpha * (marginal cost) - pi (within cap):
+    the pricing starts that follow the duals wherever they are large."""
+    m, ids_UK, w = sets.num_experts, sets.ids, sets.w
+    out = []
+    for seed in range(m):
+        g = np.zeros(m, bool)
+        g[seed] = True
+        covered = np.zeros(len(w), bool)
+        covered[sets.rows_of[seed]] = True
+        cost = float(w[covered].sum())
+        for _ in range(size - 1):
+            rows = np.flatnonzero(~covered)
+            gain = np.bincount(
+                ids_UK[rows].ravel(), weights=np.repeat(w[rows], ids_UK.shape[1]), minlength=m + 1
+            )[:m]
+            score = alpha * gain - pi
+            score[g | (cost + gain > cap + 1e-9)] = np.inf
+            f = int(np.argmin(score))
+            if not np.isfinite(score[f]):
+                break
+            g[f] = True
+            covered[sets.rows_of[f]] = True
+            cost += float(gain[f])
+        if g.sum() == size:
+            out.append(g)
+    return out
 
 
 def price(
@@ -291,10 +352,13 @@ def price(
 class _Pool:
     """The generated columns: G (k, m) bool and their costs, without duplicates."""
 
-    def __init__(self, m: int):
+    def __init__(self, m: int, sets: TokenSets | None = None):
         self.G = np.zeros((0, m), bool)
         self.cost = np.zeros(0)
         self.keys: set[bytes] = set()
+        # artificial costs: twice each expert's fair share of the tokens (a token's 1 split over its experts)
+        share = np.ones(m) if sets is None else (sets.w / np.maximum(sets.X.sum(axis=1), 1)) @ sets.X
+        self.art = 2.0 * np.maximum(share, 1.0)
 
     def add(self, sets: TokenSets, groups: list[np.ndarray]) -> int:
         new = []
@@ -309,16 +373,20 @@ class _Pool:
         return len(new)
 
 
-def _solve_lp(G: np.ndarray, cost: np.ndarray):
-    """LP relaxation of the partition over the columns G, with a dear artificial per expert (so it is
-    always feasible): (value, x, pi) or None."""
+def _solve_lp(G: np.ndarray, cost: np.ndarray, art: np.ndarray):
+    """LP relaxation of the partition over the columns G plus an artificial per expert of cost `art[e]`
+    (always feasible): (value, x, pi) or None.
+
+    The artificials cap the duals (pi_e <= art[e]): the set-partitioning LP is highly degenerate and, from
+    a few columns, HiGHS returns duals as large as the artificial cost, which no pricing can follow. A
+    cheap artificial only relaxes the LP further, so the bound stays valid; `_column_generation` raises
+    the cost of any artificial the LP still uses, so a converged LP uses none and is the real LP."""
     from scipy.optimize import linprog
     from scipy.sparse import coo_array, hstack, identity
 
     k, m = G.shape
-    big = 2.0 * float(cost.max() if k else 1.0) * m + 1.0  # an artificial is dearer than any partition
     A_eq = hstack([coo_array(G.T.astype(np.float64)), identity(m, format="coo")]).tocsr()
-    c = np.concatenate([cost, np.full(m, big)])
+    c = np.concatenate([cost, art])
     res = linprog(c, A_eq=A_eq, b_eq=np.ones(m), bounds=(0, None), method="highs")
     if res.status != 0:
         return None
@@ -391,9 +459,10 @@ def _random_group(rng: np.random.Generator, m: int, size: int) -> np.ndarray:
 
 @dataclass
 class _LP:
-    """A priced LP within a cap: value, x over `pool.G[inside]`, duals pi, the lower bound `lb_rc` of the
-    least reduced cost, `bound` = value + n min(0, lb_rc) (proven when `converged`: pricing finished),
-    and whether artificials were needed (no partition within the cap among the columns)."""
+    """A priced LP within a cap: value, x over `pool.G[inside]`, the duals pi of its best Lagrangian bound
+    with the lower bound `lb_rc` of their least reduced cost, `bound` = sum(pi) + n min(0, lb_rc) (a proven
+    bound of every partition within the cap), whether the LP value was proven (`converged`: the bound
+    meets it), and whether artificials were needed (no partition within the cap among the columns)."""
 
     value: float
     x: np.ndarray
@@ -405,43 +474,84 @@ class _LP:
     bound: float = -np.inf
 
 
+def _heuristic_columns(
+    sets: TokenSets, pool: _Pool, inside, x, pi_price, pi_lp, size, cap
+) -> list[np.ndarray]:
+    """Columns priced negative against the LP duals `pi_lp`, searched at the duals `pi_price`: descents
+    from the basis columns and from the best greedy groups."""
+    basis = np.flatnonzero(x > 1e-9)
+    starts = [pool.G[inside[i]] for i in basis[np.argsort(-x[basis])][:8]]
+    greedy = _greedy_groups(sets, pi_price, 1.0, size, cap)
+    rc = np.array([sets.cover(g)[0] - pi_price[g].sum() for g in greedy])
+    starts += [greedy[i] for i in np.argsort(rc)[:8]]
+    found = [_local_descent(sets, g, pi_price, 1.0, cap) for g in starts]
+    return [g for g in found if sets.cover(g)[0] - pi_lp[g].sum() < -_EPS]
+
+
 def _column_generation(
     sets: TokenSets, num_groups: int, pool: _Pool, cap: float, rng, deadline: float
 ) -> _LP | None:
-    """LP over the pool columns within `cap`, priced until no column has a negative reduced cost (or the
-    deadline). None when no column fits the cap."""
+    """LP over the pool columns within `cap`, priced until its value is proven (or the deadline). None
+    when no column fits the cap.
+
+    Pricing is stabilised (Wentges smoothing): columns are searched at duals between the best
+    Lagrangian centre and the LP's. For any duals pi, sum_e pi_e + n min_g rc_g(pi) bounds every
+    partition from below (a partition covers each expert once); exact pricing (`price`) gives min rc, so
+    each exact pricing gives a bound, the best one is the centre, and the LP is solved once the bound
+    meets its value. The set-partitioning LP is highly degenerate, and the LP's own duals alone leave a
+    long tail of columns that do not move it.
+    """
     m = sets.num_experts
     size = m // num_groups
-    lb_rc = -np.inf
-    while True:
+    center, center_lb_rc, best = None, -np.inf, -np.inf
+    alpha, rounds = 0.5, 0
+    lp = None
+    while time.perf_counter() < deadline:
         inside = np.flatnonzero(pool.cost <= cap + 1e-9)
         if len(inside) == 0:
             pool.add(sets, [_random_group(rng, m, size) for _ in range(8 * num_groups)])
             inside = np.flatnonzero(pool.cost <= cap + 1e-9)
         if len(inside) == 0:
             return None
-        res = _solve_lp(pool.G[inside], pool.cost[inside])
+        res = _solve_lp(pool.G[inside], pool.cost[inside], pool.art)
         if res is None:
             return None
         value, x, pi = res
-        artificial = bool(np.any(pool.G[inside].T.astype(np.float64) @ x < 1 - 1e-6))
-        lp = _LP(value, x, inside, pi, lb_rc, False, artificial)
-        if time.perf_counter() > deadline:
+        short = pool.G[inside].T.astype(np.float64) @ x < 1 - 1e-6  # experts left to an artificial
+        lp = _LP(value, x, inside, pi, -np.inf, False, bool(short.any()))
+        if short.any():
+            pool.art[short] *= 4.0  # the artificial is still in use: let its dual rise
+            pool.add(sets, _heuristic_columns(sets, pool, inside, x, pi, pi, size, cap))
+            continue
+        tol = max(1e-6, 1e-6 * value)
+        if value - best < tol:
+            lp.converged = True
             break
-        basis = np.flatnonzero(x > 1e-9)
-        starts = [pool.G[inside[i]] for i in basis[np.argsort(-x[basis])][:12]]
-        starts += [g for g in (_random_group(rng, m, size) for _ in range(3)) if sets.cover(g)[0] <= cap]
-        found = [_local_descent(sets, g, pi, 1.0, cap) for g in starts]
-        negative = [g for g in found if sets.cover(g)[0] - pi[g].sum() < -_EPS]
-        if negative and pool.add(sets, negative):
+        rounds += 1
+        smooth = pi if center is None else alpha * center + (1.0 - alpha) * pi
+        added = pool.add(sets, _heuristic_columns(sets, pool, inside, x, smooth, pi, size, cap))
+        if added and rounds % 8:
             continue
-        tol = 1e-5 * max(1.0, value) / num_groups
-        best_rc, groups, lb_rc, complete = price(sets, pi, 1.0, size, cap, -tol, deadline=deadline)
-        if groups and best_rc < -_EPS and pool.add(sets, groups):
+        # exact pricing at the smoothed duals: a bound, the centre, and a column if one prices negative
+        budget = min(deadline, time.perf_counter() + 5.0)
+        best_rc, groups, lb_rc, complete = price(
+            sets, smooth, 1.0, size, cap, -tol / num_groups, deadline=budget
+        )
+        bound = float(smooth.sum()) + num_groups * min(0.0, lb_rc)
+        if bound > best:
+            best, center, center_lb_rc = bound, smooth.copy(), lb_rc
+        useful = [g for g in groups if sets.cover(g)[0] - pi[g].sum() < -_EPS]
+        if useful and pool.add(sets, useful):
             continue
-        lp.lb_rc, lp.converged = lb_rc, complete
-        break
-    lp.bound = lp.value + num_groups * min(0.0, lp.lb_rc)
+        if not added:  # nothing prices negative at the LP duals from the smoothed ones: price at the LP's
+            if alpha == 0.0 and complete:
+                best, center, center_lb_rc = max(best, bound), smooth.copy(), lb_rc
+                lp.converged = True
+                break
+            alpha = 0.0
+    if lp is not None and center is not None:
+        lp.pi, lp.lb_rc = center, center_lb_rc
+        lp.bound = best
     return lp
 
 
@@ -472,7 +582,7 @@ def _dive(
         removed = np.ones(m, bool)
         removed[rest] = False
         within = ~pool.G[:, removed].any(axis=1)  # the top pool's columns among the experts left
-        cur_pool = _Pool(len(rest))
+        cur_pool = _Pool(len(rest), cur_sets)
         cur_pool.add(cur_sets, list(pool.G[within][:, rest]))
         if level < num_groups - 2:
             lp = _column_generation(cur_sets, num_groups - level - 1, cur_pool, cap, rng, deadline)
@@ -565,7 +675,7 @@ def solve_partition(
             return PartitionResult(_to_groups(state["G"]), best, best, True, "optimal")
         return PartitionResult(_to_groups(state["G"]), best, lower, False, status)
 
-    pool = _Pool(m)
+    pool = _Pool(m, sets)
     if state["G"] is not None:
         pool.add(sets, list(state["G"]))
     rng = np.random.default_rng(seed)
@@ -574,7 +684,7 @@ def solve_partition(
         return _column_generation(sets, num_groups, pool, cap(z), rng, deadline)
 
     def learn(lp: _LP | None) -> None:
-        if lp is not None and lp.converged:
+        if lp is not None and np.isfinite(lp.bound):
             state["lower"] = max(state["lower"], lp.bound)
 
     def milp_over_pool() -> bool:
@@ -601,7 +711,7 @@ def solve_partition(
         while hi - lo > max(1.0, 1e-4 * hi) and not closed() and time.perf_counter() < reserve:
             mid = 0.5 * (lo + hi)
             got = lp_at(mid)
-            if got is None or not got.converged:
+            if got is None or not np.isfinite(got.bound):
                 break
             if got.bound >= mid:
                 lo = state["lower"] = max(state["lower"], mid)
@@ -610,17 +720,19 @@ def solve_partition(
                 offer(_dive(sets, num_groups, got, pool, cap(mid), rng, reserve))
         top = lp_at(upper())
         learn(top)
-    if closed() or top is None or not top.converged or time.perf_counter() > deadline - 1.0:
+    if closed() or top is None or not np.isfinite(top.lb_rc) or time.perf_counter() > deadline - 1.0:
         return done("time limit")
     # reduced-cost fixing: a column of a better partition has rc <= best - z_LP - (n - 1) min(0, lb_rc)
-    delta = state["best"] - top.value - (num_groups - 1) * min(0.0, top.lb_rc)
+    delta = state["best"] - float(top.pi.sum()) - (num_groups - 1) * min(0.0, top.lb_rc)
     _, enumerated, _, complete = price(
         sets, top.pi, 1.0, size, cap(upper()), delta, collect=True, deadline=deadline
     )
     if not complete:
         milp_over_pool()
         return done("gap (too many columns to enumerate)" if time.perf_counter() < deadline else "time limit")
-    G = np.vstack([np.array(enumerated).reshape(-1, m), state["G"]])
+    G = np.array(enumerated).reshape(-1, m)
+    if state["G"] is not None:
+        G = np.vstack([G, state["G"]])
     cost = sets.cover(G)
     chosen, val, dual, proven = _solve_milp(G, cost, bound, state["lower"], deadline - time.perf_counter())
     if chosen is not None:

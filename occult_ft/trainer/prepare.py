@@ -197,7 +197,7 @@ def prepare_model(
         (model, setup): the model to train (a `PeftModel` for `train_mode="lora"`) and its `OccultSetup`.
     """
     from ..integrations.peft import apply_lora, is_peft_model
-    from ..placement import compute_placement
+    from ..placement import PRUNING_CRITERIA, compute_placement
 
     base = unwrap_model(model)
     layers = find_moe_layers(base)
@@ -249,8 +249,19 @@ def prepare_model(
             placement = placement_from_block(ckpt_block, base)
         elif placement is None and args.placement == "auto":
             profile = _profile(base, train_dataset, collate, args, name or "model")
+            budget = {}  # place for the pruned routing when the pruning's devices follow from the profile
+            if args.max_devices_per_token is not None and args.max_nodes_per_token is None:
+                if args.criterion in PRUNING_CRITERIA:
+                    budget = dict(max_devices_per_token=args.max_devices_per_token, criterion=args.criterion)
             placement = _broadcast(
-                compute_placement(profile, args.devices, args.nodes, args.placement_algorithm)
+                compute_placement(
+                    profile,
+                    args.devices,
+                    args.nodes,
+                    args.placement_algorithm,
+                    max_load_imbalance=args.max_load_imbalance,
+                    **budget,
+                )
             )
         placement = resolve_placement(
             placement if placement is not None else args.placement, base, args.devices
