@@ -9,7 +9,7 @@ popularity). All algorithms keep the same load bound: max(1.25, occult's imbalan
 DeepSeek-V3 width: 256 experts x 60 layers on 8 devices, top-8, search and solver on each layer (total time,
 and whether solver was ever worse).
 
-    python benchmarks/placement_gap.py [--profile p.safetensors] [--time-limit 60] [--threads 2]
+    python benchmarks/placement_gap.py [--profile p.safetensors] [--time-limit 30] [--threads 2]
         [--json placement_gap.json] [--width] [--skip-embedded] [--skip-synthetic]
 
 Without --profile the embedded model is profiled first (`occult-ft profile embedded --data embedded`,
@@ -29,7 +29,7 @@ from placement_time import synthetic_profile  # benchmarks/placement_time.py, th
 
 from occult_ft.fileio import atomic_write_text
 from occult_ft.metrics import comm_complexity, expert_device_from_groups, load_imbalance
-from occult_ft.placement import place_layer, scipy_available, solve_layer
+from occult_ft.placement import SOLVER_TIME_LIMIT, place_layer, scipy_available, solve_layer
 
 __all__ = ["gap_rows", "synthetic_layers"]
 
@@ -126,7 +126,7 @@ def format_rows(title: str, rows: list[dict]) -> str:
                     fmt(r["search (old)"], ".3f"),
                     fmt(r["new"], ".3f"),
                     fmt(r["bound"], ".3f"),
-                    fmt(None if r["gap"] is None else 100 * r["gap"], ".2f") + "%",
+                    fmt(None if r["gap"] is None else max(0.0, 100 * r["gap"]), ".2f") + "%",
                     f"{r['load imbalance']:.3f} (<= {r['load bound']:.3f})",
                     f"{r['seconds']:.1f}" + (" optimal" if r["optimal"] else ""),
                 ]
@@ -167,7 +167,12 @@ def main() -> None:
     ap.add_argument(
         "--devices", type=int, nargs="+", default=[4, 8], help="device counts for the embedded model"
     )
-    ap.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per layer")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=SOLVER_TIME_LIMIT,
+        help="solver seconds per layer (default: the solver's)",
+    )
     ap.add_argument("--max-load-imbalance", type=float, default=None, help="default: max(1.25, occult's)")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per synthetic layer")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")

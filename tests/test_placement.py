@@ -968,3 +968,17 @@ def test_place_command_prints_and_stores_the_figures(tmp_path, capsys):
         assert f"{f['comm_complexity']:7.3f}" in text and f"{f['lower_bound']:7.3f}" in text
     assert main(args + ["--max-load-imbalance", "0.9"]) == 2
     assert "max_load_imbalance=0.9 must be a number >= 1" in capsys.readouterr().err
+
+
+def test_the_figure_table_reads_stored_figures_and_says_when_there_are_none():
+    from occult_ft.commands.place import format_figures
+
+    assert "no per-layer figures" in format_figures(sequential_placement(8, 2, [0, 1]))
+    placement = compute_placement(tiny_profile(tokens=1024), 4, num_nodes=2, time_limit=5.0, holdout=0.5)
+    table = format_figures(placement)
+    for layer in (1, 3):
+        f = placement.figures(layer)
+        assert f["node_lower_bound"] <= f["node_complexity"] + 1e-12
+        assert f["lower_bound"] <= f["comm_complexity"] + 1e-12
+        row = next(line for line in table.splitlines() if line.split()[0] == str(layer))
+        assert f"{f['comm_complexity']:.3f}" in row and f"{f['held_out']['comm_complexity']:.3f}" in row

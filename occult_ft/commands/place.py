@@ -47,7 +47,7 @@ def add_parser(sub):
         "budget it bounds the pruned routing",
     )
     p.add_argument(
-        "--time-limit", type=float, default=None, help="seconds per layer for the solver (default 60)"
+        "--time-limit", type=float, default=None, help="seconds per layer for the solver (default 30)"
     )
     p.add_argument(
         "--max-devices-per-token",
@@ -103,7 +103,7 @@ def format_figures(placement) -> str:
         line = (
             f"{layer:>5} {_num(f.get('comm_complexity_sequential'), '6.3f')} {_num(f.get('comm_complexity'), '7.3f')}"
             f" {_num(f.get('load_imbalance'), '6.2f')} {_num(f.get('load_bound'), '6.2f')}"
-            f" {_num(f.get('lower_bound'), '7.3f')} {_num(None if f.get('gap') is None else 100 * f['gap'], '6.2f')}%"
+            f" {_num(f.get('lower_bound'), '7.3f')} {_num(None if f.get('gap') is None else max(0.0, 100 * f['gap']), '6.2f')}%"
             f" {_num(held.get('comm_complexity'), '7.3f')} {_num(held.get('load_imbalance'), '7.2f')}"
             f" {_num(f.get('seconds'), '6.1f')}"
         )

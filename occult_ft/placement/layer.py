@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 HOLDOUT_BLOCK = 256  # profiled tokens come sequence by sequence: held-out tokens are taken in blocks
-BOUND_TIME_LIMIT = 10.0  # seconds per layer for the lower bound of an algorithm that computes none
+BOUND_TIME_LIMIT = 3.0  # seconds per layer for the lower bound of an algorithm that computes none
 
 
 def place_layer(
@@ -78,7 +78,7 @@ def place_layer(
             algorithm optimises, a number >= 1 is a strict bound on max/mean rows per device) and the
             algorithm's own options (`PLACEMENT_ALGORITHMS[algorithm].options`); any other is a
             `PlacementError`. sequential, occult and greedy_pairs take none. `solver` takes `time_limit`
-            (seconds per layer, default 60) and `seed`. `search` takes `seed` (default 0, of the random
+            (seconds per layer, default 30) and `seed`. `search` takes `seed` (default 0, of the random
             restarts: same seed, same result), `restarts` (default 4), `max_swaps` per descent (default 2E)
             and `max_search_tokens` (default 2**21 / E: swaps are evaluated on a seeded subset of that many
             tokens; 8192 at 256 experts).

@@ -358,6 +358,7 @@ class _Pool:
         self.keys: set[bytes] = set()
         # artificial costs: twice each expert's fair share of the tokens (a token's 1 split over its experts)
         share = np.ones(m) if sets is None else (sets.w / np.maximum(sets.X.sum(axis=1), 1)) @ sets.X
+        self.share = np.maximum(share, 1e-9)
         self.art = 2.0 * np.maximum(share, 1.0)
 
     def add(self, sets: TokenSets, groups: list[np.ndarray]) -> int:
@@ -528,7 +529,14 @@ def _column_generation(
             lp.converged = True
             break
         rounds += 1
-        smooth = pi if center is None else alpha * center + (1.0 - alpha) * pi
+        if center is None:  # start the centre at the LP's own cost split: each column's cost over its
+            # experts in proportion to their fair share (degenerate LP duals are far from any good ones)
+            used = pool.G[inside] * x[:, None]
+            weight = used * pool.share[None, :]
+            center = (
+                (weight / np.maximum(weight.sum(axis=1, keepdims=True), 1e-30)) * pool.cost[inside][:, None]
+            ).sum(axis=0)
+        smooth = alpha * center + (1.0 - alpha) * pi
         added = pool.add(sets, _heuristic_columns(sets, pool, inside, x, smooth, pi, size, cap))
         if added and rounds % 8:
             continue
@@ -690,7 +698,7 @@ def solve_partition(
     def milp_over_pool() -> bool:
         inside = pool.cost <= cap(upper()) + 1e-9
         chosen, _, dual, proven = _solve_milp(
-            pool.G[inside], pool.cost[inside], bound, state["lower"], deadline - time.perf_counter()
+            pool.G[inside], pool.cost[inside], bound, state["lower"], 0.9 * (deadline - time.perf_counter())
         )
         if chosen is not None:
             offer(pool.G[inside][chosen])
@@ -734,7 +742,9 @@ def solve_partition(
     if state["G"] is not None:
         G = np.vstack([G, state["G"]])
     cost = sets.cover(G)
-    chosen, val, dual, proven = _solve_milp(G, cost, bound, state["lower"], deadline - time.perf_counter())
+    chosen, val, dual, proven = _solve_milp(
+        G, cost, bound, state["lower"], 0.9 * (deadline - time.perf_counter())
+    )
     if chosen is not None:
         offer(G[chosen])
     # every better partition is among the enumerated columns: the MILP's bound there bounds the problem

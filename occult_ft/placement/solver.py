@@ -9,8 +9,9 @@ Per layer, within `time_limit` seconds:
   3. when the layer fits the exact model (E <= `EXACT_MAX_EXPERTS` and E/D <= `EXACT_MAX_GROUP`): column
      generation, the dive, the MILP and reduced-cost fixing of `solve_partition`, which also gives the
      lower bound; pair moves again on what is left of the time when optimality is not proven.
-  Larger layers (DeepSeek-V3: 256 experts) keep the pair moves until a sweep finds nothing or the time
-  is up, and report the trivial bound (each token reaches at least ceil(k / (E/D)) devices).
+  Larger layers (DeepSeek-V3: 256 experts) keep the pair moves until a sweep finds nothing or
+  `LARGE_LAYER_SHARE` of the time is up, and report the trivial bound (each token reaches at least
+  ceil(k / (E/D)) devices).
 
 The load bound is `max_load_imbalance` (max/mean rows per device, `metrics.load_imbalance`): None keeps
 max(1.25, occult's imbalance), a number is kept strictly. Without scipy, `solver` runs `search` and says
@@ -57,15 +58,20 @@ from .search import search, search_hierarchical
 __all__ = [
     "EXACT_MAX_EXPERTS",
     "EXACT_MAX_GROUP",
+    "LARGE_LAYER_SHARE",
     "SOLVER_TIME_LIMIT",
     "check_solver_options",
     "solver",
     "solver_hierarchical",
 ]
 
-SOLVER_TIME_LIMIT = 60.0  # seconds per layer
+SOLVER_TIME_LIMIT = (
+    30.0  # seconds per layer (the harder layers of a 32-expert model prove optimal in 10-60 s)
+)
 EXACT_MAX_EXPERTS = 128  # the exact model's pricing enumerates groups of these many experts at most
 EXACT_MAX_GROUP = 16
+LARGE_LAYER_SHARE = 0.25  # of time_limit for the pair moves of a layer too large for the exact model:
+# DeepSeek-V3 width, 60 layers at the default 30 s (7.5 s each, plus search), stays under 10 minutes
 _warned = {"scipy": False}
 
 
@@ -124,17 +130,18 @@ def solver(
     except PlacementError:  # a strict bound search cannot reach: the exact model may still find one
         start = None
     dev = None if start is None else expert_device_from_groups(start, num_experts).numpy()
-    if dev is not None:
-        dev = improve_pairs(
-            sets, dev, num_devices, bound=bound, deadline=started + 0.2 * time_limit, seed=seed
-        )
     per = num_experts // num_devices
-    if num_experts > EXACT_MAX_EXPERTS or per > EXACT_MAX_GROUP:
+    large = num_experts > EXACT_MAX_EXPERTS or per > EXACT_MAX_GROUP
+    if dev is not None:
+        share = LARGE_LAYER_SHARE if large else 0.2
+        dev = improve_pairs(
+            sets, dev, num_devices, bound=bound, deadline=started + share * time_limit, seed=seed
+        )
+    if large:
         if dev is None:
             raise PlacementError(
                 f"no placement found within max_load_imbalance={beta}; raise max_load_imbalance"
             )
-        dev = improve_pairs(sets, dev, num_devices, bound=bound, deadline=deadline, seed=seed + 1)
         return LayerResult(
             _groups_of(dev, num_devices),
             sets.trivial_bound(per),
@@ -143,7 +150,12 @@ def solver(
         )
     starts = [] if dev is None else [_groups_of(dev, num_devices)]
     res = solve_partition(
-        sets, num_devices, starts, bound=bound, seconds=max(1.0, deadline - time.perf_counter()), seed=seed
+        sets,
+        num_devices,
+        starts,
+        bound=bound,
+        seconds=max(1.0, 0.9 * (deadline - time.perf_counter())),
+        seed=seed,
     )
     if not res.groups:
         raise PlacementError(
