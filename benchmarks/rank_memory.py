@@ -75,8 +75,8 @@ def worker(mode: str, directory: str, out: str) -> None:
 
     from occult_ft.trainer import OccultConfig
     from occult_ft.trainer.expert_parallel import expert_parallel_groups, setup_expert_parallel
+    from occult_ft.trainer.loading import load_training_model
     from occult_ft.trainer.sharded_load import load_sharded_training_model
-    from occult_ft.trainer.trainer import load_training_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -15,7 +15,8 @@ import argparse
 import statistics
 import tempfile
 
-from occult_ft.demo import DemoSettings, _finetune, _prepare
+from occult_ft.studies.demo import _finetune, _prepare
+from occult_ft.studies.finetune import DemoSettings
 
 
 def main():

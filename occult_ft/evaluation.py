@@ -12,12 +12,28 @@ import math
 import os
 from typing import Any
 
-__all__ = ["load_data", "data_batches", "evaluate_model", "format_results", "measure_checkpoint"]
+from .checkpoint import describe_checkpoint
+from .checkpoint.load import from_pretrained, load_tokenizer
+from .data import DataError, load_text_dataset, make_batches
+from .metrics import contiguous_expert_device, random_placement_comm_complexity, routing_report
+from .models import find_moe_layers, unwrap_model
+from .plots import comm_complexity_figure
+from .profiling import profile_model
+from .routing import PruningConfig, apply_pruning, pruned_routers, set_recording
+
+__all__ = [
+    "FIGURE_NAME",
+    "load_data",
+    "data_batches",
+    "evaluate_model",
+    "format_results",
+    "measure_checkpoint",
+    "make_comm_complexity_figure",
+]
 
 
 def load_data(data: str):
     """The raw dataset behind a --data value (checked before any model is loaded)."""
-    from .data import load_text_dataset
 
     if data == "embedded":
         return load_text_dataset("embedded", split="eval")
@@ -31,7 +47,6 @@ def data_batches(
     `attention_mask` and `labels` (`occult_ft.data.make_batches`); enough rows for `max_tokens` real
     (unpadded) tokens. `response_only=False` keeps instruction prompts in the labels (and keeps rows
     whose prompt fills `seq_len`): for routing statistics every token counts."""
-    from .data import DataError, make_batches
 
     if tokenizer is None:
         raise DataError("the model has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
@@ -50,10 +65,6 @@ def evaluate_model(model, batches, num_devices: int | None = None, max_tokens: i
     """
     import torch
     import torch.nn.functional as F
-
-    from .metrics import random_placement_comm_complexity, routing_report
-    from .models import find_moe_layers, unwrap_model
-    from .routing import PruningConfig, apply_pruning, pruned_routers, set_recording
 
     routers = pruned_routers(model)
     pruning = routers[0][1].occult_config if routers else None
@@ -160,8 +171,8 @@ def measure_checkpoint(
     The checkpoint (written by `save_pruned`, the trainer or `occult-ft prune`) is loaded with
     `occult_ft.from_pretrained`, its placement and pruned routing active, and run over `max_tokens`
     tokens of `data`. Its experts are stored placed, so device d holds experts [d*E/D, (d+1)*E/D).
-    The report's `extra` carries `model` (the folder name), `max_devices_per_token` and `criterion`
-    (None when unpruned), which `occult_ft.plots.plot_report` puts in the title and reference lines:
+    The report's `extra` carries `model` (the folder name), `max_devices_per_token`,
+    `max_nodes_per_token` and `criterion` (None when unpruned), which `occult_ft.plots.plot_report` puts in the title and reference lines:
 
         report = measure_checkpoint("out")
         comm_complexity_figure(report, "out/comm_complexity.png")
@@ -176,10 +187,6 @@ def measure_checkpoint(
     Raises:
         ValueError: the directory is missing, or neither it nor `devices` gives D.
     """
-    from .checkpoint import describe_checkpoint, from_pretrained, load_tokenizer
-    from .metrics import contiguous_expert_device, routing_report
-    from .models import find_moe_layers
-    from .profiling import profile_model
 
     path = os.fspath(checkpoint_dir)
     if not os.path.isdir(path):
@@ -190,7 +197,7 @@ def measure_checkpoint(
         raise ValueError(f"devices={devices!r} must be a positive int (the expert-parallel size)")
     summary = describe_checkpoint(path)
     block = summary.block
-    devices = devices or block.get("num_devices")
+    devices = devices or (block.num_devices if block is not None else None)
     if not devices:
         raise ValueError(
             f"checkpoint {path!r} records no num_devices; pass devices=D (the expert-parallel size)"
@@ -203,8 +210,25 @@ def measure_checkpoint(
     report = routing_report(
         profile.topk_ids(), contiguous_expert_device(num_experts, int(devices)), int(devices), num_experts
     )
-    budget = block.get("max_devices_per_token")
+    pruning = block.pruning if summary.pruned else None
     report.extra["model"] = os.path.basename(os.path.abspath(path))
-    report.extra["max_devices_per_token"] = budget
-    report.extra["criterion"] = block.get("criterion", "score") if budget else None
+    report.extra["max_devices_per_token"] = pruning.max_devices_per_token if pruning else None
+    report.extra["max_nodes_per_token"] = pruning.max_nodes_per_token if pruning else None
+    report.extra["criterion"] = pruning.criterion if pruning else None
     return report
+
+
+FIGURE_NAME = "comm_complexity.png"
+"""File name of the comm_complexity figure a model card shows."""
+
+
+def make_comm_complexity_figure(
+    checkpoint_dir: str | os.PathLike, data: Any = "embedded", max_tokens: int = 2048
+) -> str:
+    """Measure the checkpoint's routing on `data` (`evaluation.measure_checkpoint`) and write its
+    comm_complexity figure into the directory (`comm_complexity.png`), for the card; returns the PNG's path."""
+
+    report = measure_checkpoint(checkpoint_dir, data=data, max_tokens=max_tokens)
+    path = os.path.join(os.fspath(checkpoint_dir), FIGURE_NAME)
+    comm_complexity_figure(report, path)
+    return path

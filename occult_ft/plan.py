@@ -38,6 +38,8 @@ import torch
 from torch import nn
 
 from .configs import as_config, load_model_config, shipped_config_path
+from .integrations.deepspeed import read_deepspeed_config
+from .integrations.peft import lora_targets
 from .models.registry import find_moe_layers
 
 __all__ = [
@@ -114,8 +116,6 @@ def _linear_outs(module: nn.Module, skip=()) -> tuple[int, int]:
 def count_params(model_config) -> ModelCounts:
     """Count the parameters of `model_config`'s model, built on the meta device (no memory, exact)."""
     from transformers import AutoModelForCausalLM
-
-    from .integrations.peft import lora_targets
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
@@ -218,8 +218,6 @@ def _setup(args, model_config, gpus: int, gpu_memory_gb: float) -> Setup:
     mixed = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
     stage, buckets = None, (0, 0)
     if getattr(args, "deepspeed", None):
-        from .integrations.deepspeed import read_deepspeed_config
-
         zero = read_deepspeed_config(args.deepspeed).get("zero_optimization") or {}
         stage = int(zero.get("stage", 0)) if str(zero.get("stage", 0)).isdigit() else 0
         buckets = tuple(
@@ -365,12 +363,19 @@ def _plan(c: ModelCounts, s: Setup) -> Plan:
     )
 
 
-def _suggestions(c: ModelCounts, s: Setup, plan: Plan) -> list[str]:
-    """Concrete changes that bring the run under the GPU's memory, each with its planned total."""
-    out = []
+def _suggestions(c: ModelCounts, s: Setup, plan: Plan) -> tuple[list[str], list[str]]:
+    """Concrete changes that bring the run under the GPU's memory, each with its planned total, and
+    notes on the usual changes left out because they would need more memory, not less."""
+    out, left_out = [], []
 
-    def option(text: str, **change):
+    def option(text: str, why_not: str = "", **change):
         p = _plan(c, dataclasses.replace(s, **change))
+        if p.per_gpu_gb >= plan.per_gpu_gb:  # makes it worse: say why instead of suggesting it
+            left_out.append(
+                f"not suggested: {text} ({p.per_gpu_gb:.1f} GB per GPU, not less than {plan.per_gpu_gb:.1f} GB"
+                + (f": {why_not})" if why_not else ")")
+            )
+            return
         verdict = "fits" if p.fits else "still too big"
         out.append(f"{text}: {p.per_gpu_gb:.1f} GB per GPU ({verdict})")
 
@@ -379,6 +384,10 @@ def _suggestions(c: ModelCounts, s: Setup, plan: Plan) -> list[str]:
     if s.zero_stage is None or s.zero_stage < 2:
         option(
             "DeepSpeed ZeRO-2 (--deepspeed with zero_optimization.stage 2)",
+            f"DeepSpeed keeps fp32 master weights and optimizer states, and partitions the expert ones only "
+            f"over the expert-data-parallel group, of {max(s.gpus // s.ep, 1)} GPU"
+            + ("s" if s.gpus // s.ep > 1 else "")
+            + " here",
             zero_stage=2,
             buckets=(int(5e8), int(5e8)),
         )
@@ -390,7 +399,7 @@ def _suggestions(c: ModelCounts, s: Setup, plan: Plan) -> list[str]:
     if s.zero_stage is not None and s.zero_stage >= 1:
         option(f"{2 * s.gpus} GPUs (more data-parallel ranks share the ZeRO partitions)", gpus=2 * s.gpus)
     if not s.checkpointing:
-        option("gradient_checkpointing: true", checkpointing=True)
+        option("activation_checkpointing: true", checkpointing=True)
     smallest = _smallest_fitting(c, s)
     if smallest is not None:
         out.append(smallest)
@@ -402,7 +411,7 @@ def _suggestions(c: ModelCounts, s: Setup, plan: Plan) -> list[str]:
                 f"per_device_train_batch_size {batch} with gradient_accumulation_steps {accum}", batch=batch
             )
             break
-    return out
+    return out, left_out
 
 
 def _smallest_fitting(c: ModelCounts, s: Setup) -> str | None:
@@ -421,7 +430,8 @@ def _smallest_fitting(c: ModelCounts, s: Setup) -> str | None:
                     if p.fits:
                         zero = "no DeepSpeed" if stage is None else f"DeepSpeed ZeRO-{stage}"
                         return (
-                            f"smallest setup that fits: {gpus} GPUs, train_mode {mode}, expert_parallel_size {ep}, "
+                            f"smallest setup that fits: {gpus} GPU{'s' if gpus > 1 else ''}, train_mode {mode}, "
+                            f"expert_parallel_size {ep}, "
                             f"{zero}, gradient checkpointing: {p.per_gpu_gb:.1f} GB per GPU"
                         )
     return None
@@ -464,5 +474,6 @@ def plan_for_config(occult_config, model_config, gpus: int, gpu_memory_gb: float
     setup = _setup(occult_config, model_config, gpus, gpu_memory_gb)
     plan = _plan(counts, setup)
     if not plan.fits:
-        plan = dataclasses.replace(plan, suggestions=tuple(_suggestions(counts, setup, plan)))
+        suggestions, left_out = _suggestions(counts, setup, plan)
+        plan = dataclasses.replace(plan, suggestions=tuple(suggestions), notes=(*plan.notes, *left_out))
     return plan

@@ -13,6 +13,18 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+#: Timeouts in tests are safety nets against a hang, never speed checks: each is a base figure (a few
+#: times what the run takes alone on 2 quiet cores) times this factor, so that a loaded machine (CI
+#: sharing its cores, several suites at once) makes a test slower, not red. Set it lower to find hangs
+#: sooner on a quiet machine.
+TIMEOUT_SCALE = float(os.environ.get("OCCULT_FT_TEST_TIMEOUT_SCALE", "6"))
+
+
+def safety_timeout(seconds: float) -> float:
+    """`seconds` (the base figure) times `TIMEOUT_SCALE`: the timeout a test gives a subprocess."""
+    return seconds * TIMEOUT_SCALE
+
+
 SAMPLE_TEXT = """It was the best of times, it was the worst of times, it was the age of wisdom.
 def add(a, b):
     \"\"\"Return the sum of a and b.\"\"\"

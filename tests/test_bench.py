@@ -22,9 +22,9 @@ from occult_ft.bench import (
     routing_variants,
     synthetic_workload,
 )
+from occult_ft.bench.costmodel import rows_matrix, split_rows, token_ranks
 from occult_ft.bench.exchanges import CollectiveClock, build_exchange
 from occult_ft.cli import main
-from occult_ft.costmodel import rows_matrix, split_rows, token_ranks
 from occult_ft.metrics import contiguous_expert_device, device_counts, devices_per_token, expert_node
 
 # DeepSpeed JIT-compiles a small op at its first distributed init; keep it in the repository's cache.

@@ -132,6 +132,8 @@ def test_analyze_json_reports_overall_and_per_layer(pipeline, capsys):
             "--json",
             "--max-devices-per-token",
             1,
+            "--criterion",
+            "score",
             "--seq-len",
             32,
             "--max-tokens",
@@ -225,11 +227,33 @@ def bad_cases(p, bad):
         (["prune", m, "--placement", bad / "wrong.json", "--out", bad / "o"], "wrong.json"),
         (["prune", m, "--placement", bad / "absent.json", "--out", bad / "o"], "absent.json"),
         (
-            ["prune", m, "--placement", place, "--max-devices-per-token", 0, "--out", bad / "o"],
+            [
+                "prune",
+                m,
+                "--placement",
+                place,
+                "--max-devices-per-token",
+                0,
+                "--criterion",
+                "score",
+                "--out",
+                bad / "o",
+            ],
             "max_devices_per_token=0",
         ),
         (
-            ["prune", m, "--placement", place, "--max-devices-per-token", 5, "--out", bad / "o"],
+            [
+                "prune",
+                m,
+                "--placement",
+                place,
+                "--max-devices-per-token",
+                5,
+                "--criterion",
+                "score",
+                "--out",
+                bad / "o",
+            ],
             "max_devices_per_token=5",
         ),
         (
@@ -245,7 +269,7 @@ def bad_cases(p, bad):
                 "--out",
                 bad / "o",
             ],
-            "criterion='vibes'",
+            "invalid choice: 'vibes'",
         ),
         (
             [
@@ -266,14 +290,29 @@ def bad_cases(p, bad):
     ]
 
 
+def error_line(err: str) -> str:
+    """The one error line of a failed command: the last line of stderr, after any progress bars of the
+    phases that ran first (nothing else: no traceback, no warning)."""
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    assert lines and "Traceback" not in err and "Warning" not in err, err
+    # progress bars, phase lines (`occult-ft X: placing ... ...`) and notes come before it
+    assert all(
+        "%|" in line or (line.startswith("occult-ft ") and ": error:" not in line) for line in lines[:-1]
+    ), err
+    assert lines[-1].startswith("occult-ft ") and ": error:" in lines[-1], err
+    return lines[-1]
+
+
 def test_every_bad_input_gives_one_clear_line(pipeline, bad_files, capsys):
     for argv, needle in bad_cases(pipeline, bad_files):
         capsys.readouterr()
-        code = run_cli(*argv)
+        try:
+            code = run_cli(*argv)
+        except SystemExit as exc:  # argparse's own checks (choices, types)
+            code = exc.code
         err = capsys.readouterr().err.strip()
         assert code != 0, argv
-        assert "Traceback" not in err and len(err.splitlines()) == 1, (argv, err)
-        assert needle in err, (argv, err)
+        assert needle in error_line(err), (argv, err)
 
 
 def test_unsupported_model_type_is_one_line(tmp_path, capsys, tiny_tokenizer, text_file):
@@ -291,7 +330,7 @@ def test_unsupported_model_type_is_one_line(tmp_path, capsys, tiny_tokenizer, te
     tiny_tokenizer.save_pretrained(tmp_path / "llama")
     code = run_cli("profile", tmp_path / "llama", "--data", text_file, "--out", tmp_path / "p")
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "model_type 'llama' is not supported" in err and len(err.splitlines()) == 1
+    assert code == 2 and "model_type 'llama' is not supported" in error_line(err)
 
 
 def test_placement_for_another_model_is_rejected(pipeline, tmp_path, capsys, tiny_tokenizer):
@@ -334,6 +373,8 @@ def test_analyze_reports_a_pruned_checkpoints_own_routing(pipeline, capsys):
             pipeline["placement"],
             "--max-devices-per-token",
             1,
+            "--criterion",
+            "score",
             "--out",
             out,
         )
@@ -392,9 +433,7 @@ def test_a_profile_of_another_model_is_rejected(pipeline, tmp_path, capsys, tiny
         tmp_path / "o",
     )
     err = capsys.readouterr().err.strip()
-    assert (
-        code == 2 and "profile was made for 16 experts, the model has 8" in err and len(err.splitlines()) == 1
-    )
+    assert code == 2 and "profile was made for 16 experts, the model has 8" in error_line(err)
 
 
 def test_routing_commands_read_instruction_data_whatever_the_prompt_length(pipeline, tmp_path, capsys):
@@ -427,7 +466,7 @@ def test_missing_tokenizer_and_unwritable_output_are_named(pipeline, tmp_path, c
         run_cli("place", pipeline["profile"], "--devices", 4, "--out", tmp_path / "nowhere" / "p.json") == 2
     )
     err = capsys.readouterr().err
-    assert "does not exist; create it first" in err and len(err.strip().splitlines()) == 1
+    assert "does not exist; create it first" in error_line(err)
 
 
 # ---- writes that lose nothing (each reproduced by a hostile tester) --------------------------------------
@@ -572,7 +611,7 @@ def test_a_missing_extra_is_one_line_before_any_model_loads(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_the_wheel_ships_the_recipes(tmp_path):
+def test_the_wheel_ships_the_recipes_and_the_card_template_without_warnings(tmp_path):
     import shutil
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -582,7 +621,7 @@ def test_the_wheel_ships_the_recipes(tmp_path):
         shutil.copy(os.path.join(root, name), src / name)
     for name in ("occult_ft", "recipes"):
         shutil.copytree(os.path.join(root, name), src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run(
+    build = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -591,13 +630,18 @@ def test_the_wheel_ships_the_recipes(tmp_path):
             str(src),
             "--no-deps",
             "--no-build-isolation",
-            "-q",
+            "-v",
             "-w",
             str(tmp_path),
         ],
         check=True,
         capture_output=True,
+        text=True,
     )
+    # setuptools' warnings (a license table, data folders missing from `packages`) are the user's noise
+    assert "Warning" not in build.stdout + build.stderr, [
+        line for line in (build.stdout + build.stderr).splitlines() if "Warning" in line
+    ]
     import zipfile
 
     (wheel,) = tmp_path.glob("*.whl")
@@ -606,7 +650,7 @@ def test_the_wheel_ships_the_recipes(tmp_path):
         f"occult_ft/recipes/{n}" for n in os.listdir(os.path.join(root, "recipes")) if n.endswith(".yaml")
     }
     assert "occult_ft/recipes/tiny.yaml" in shipped and shipped <= names
-    assert "occult_ft/data/tokenize.py" in names
+    assert "occult_ft/data/tokenize.py" in names and "occult_ft/templates/model_card.md" in names
 
 
 def test_node_budget_through_prune_analyze_and_the_checkpoint(tmp_path, tiny_olmoe_dir, text_file, capsys):

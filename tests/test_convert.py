@@ -1,4 +1,4 @@
-"""DeepSeek-MoE -> qwen2_moe conversion (`occult_ft.convert`, `occult-ft convert`).
+"""DeepSeek-MoE -> qwen2_moe conversion (`occult_ft.checkpoint.convert`, `occult-ft convert`).
 
 The oracle is a plain-torch reference of the ORIGINAL DeepSeek-MoE architecture (the Hub's remote
 `modeling_deepseek.py`, written out here independently) under the original weight names: random
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.nn import functional as F
 
-from occult_ft.convert import ConversionError, convert_config, convert_deepseek_moe, maybe_convert
+from occult_ft.checkpoint.convert import ConversionError, convert_config, convert_deepseek_moe, maybe_convert
 
 
 # ---- reference: the original architecture -----------------------------------------------------------
@@ -314,7 +314,7 @@ def test_unsupported_options_are_refused():
 
 
 def test_maybe_convert_converts_once_into_the_cache(tmp_path, monkeypatch):
-    from occult_ft.checkpoint import load_model_and_tokenizer
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
 
     monkeypatch.setenv("OCCULT_FT_CACHE", str(tmp_path / "cache"))
     cfg = deepseek_config(num_hidden_layers=2)

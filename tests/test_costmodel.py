@@ -1,11 +1,11 @@
-"""occult_ft.costmodel: hand-worked all-to-all times, row matrices, presets and speed-up predictions."""
+"""occult_ft.bench.costmodel: hand-worked all-to-all times, row matrices, presets and speed-up predictions."""
 
 import math
 
 import pytest
 import torch
 
-from occult_ft.costmodel import (
+from occult_ft.bench.costmodel import (
     CLUSTER_PRESETS,
     ClusterShape,
     capacity_rows_matrix,

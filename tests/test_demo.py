@@ -6,7 +6,8 @@ import os
 import pytest
 
 from occult_ft.cli import main
-from occult_ft.demo import DemoSettings, run_demo
+from occult_ft.studies.demo import run_demo
+from occult_ft.studies.finetune import DemoSettings
 
 
 @pytest.mark.slow
@@ -38,7 +39,7 @@ def test_demo_runs_the_whole_pipeline(tmp_path):
 
 def test_embedded_model_has_structured_routing():
     """Random weights would give comm_complexity near the random expectation; the shipped model must not."""
-    from occult_ft.checkpoint import load_model_and_tokenizer
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
     from occult_ft.evaluation import data_batches
     from occult_ft.metrics import random_placement_comm_complexity, routing_report
     from occult_ft.placement import compute_placement
@@ -56,3 +57,35 @@ def test_embedded_model_has_structured_routing():
 def test_demo_rejects_bad_flags(capsys):
     assert main(["demo", "--max-devices-per-token", "9"]) == 2
     assert "max_devices_per_token=9" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_demo_command_shows_a_bar_or_a_line_for_every_phase(tmp_path, capsys):
+    """Profiling, placing, evaluating and fine-tuning each show a progress bar on stderr; the phase lines
+    and the summary table go to stdout. The command's defaults are DemoSettings' own."""
+    import argparse
+
+    from occult_ft.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    defaults = vars(sub.choices["demo"].parse_args([]))
+    for name, value in vars(DemoSettings()).items():
+        if name not in ("progress",):
+            assert defaults[name] == value, name
+    argv = [
+        "demo",
+        "--output-dir",
+        str(tmp_path / "d"),
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+    ]
+    assert main([*argv, "--eval-tokens", "512", "--profile-tokens", "1024"]) == 0
+    out, err = capsys.readouterr()
+    for bar in ("profiling", "placing", "evaluating", "4/4"):  # 4/4: the trainer's bar over the steps
+        assert bar in err, bar
+    assert all(f"[{i}/5]" in out for i in range(1, 6)) and "reloaded checkpoint" in out

@@ -4,7 +4,7 @@ Single-process tests check `fanout_layout` on a worked example. The multi-proces
 processes as 2 nodes x 2 devices (ranks 0, 1 on node 0; ranks 2, 3 on node 1) with 8 experts (P = 2,
 node 0 holds experts 0-3, node 1 experts 4-7): the two-stage layer must equal the flat exchange and
 the single-process oracle in outputs and gradients (fp32, 1e-5), and the rows it sends must be the
-ones the pure simulator `occult_ft.costmodel.two_stage_rows` predicts, with exactly sum over tokens of
+ones the pure simulator `occult_ft.bench.costmodel.two_stage_rows` predicts, with exactly sum over tokens of
 N_T rows on the inter-node stage. Two cases also run on 8 processes as 2 nodes x 4 devices (P = 1).
 
 Shape legend: T tokens, K experts per token, H hidden size, E experts, D ranks, N nodes, L = D / N.
@@ -104,8 +104,14 @@ def _routing(routing: str, token_rank: list[int], top_k: int, world: int, gen: t
 def _case(rank: int, world: int, case: dict) -> list[str]:
     import torch.distributed as dist
 
-    from occult_ft.costmodel import split_rows, two_stage_rows
-    from occult_ft.dispatch import dedup_moe_forward, experts_module_fn, reference_moe, shard_experts_module
+    from occult_ft.bench.costmodel import split_rows, two_stage_rows
+    from occult_ft.dispatch import (
+        dedup_moe_forward,
+        experts_module_fn,
+        reference_moe,
+        shard_experts_module,
+        two_stage_moe_forward,
+    )
     from occult_ft.metrics import contiguous_expert_device, nodes_per_token
     from occult_ft.models import get_arch
 
@@ -133,9 +139,10 @@ def _case(rank: int, world: int, case: dict) -> list[str]:
         local.zero_grad(set_to_none=True)
         shard_experts_module(local, names)
         x, w = x_all[mine].clone().requires_grad_(), w_all[mine].clone().requires_grad_()
-        out, handle = dedup_moe_forward(
-            x, ids_all[mine], w, local, return_layout=True, nodes=NODES if mode == "two_stage" else 1
-        )
+        if mode == "flat":
+            out, handle = dedup_moe_forward(x, ids_all[mine], w, local, return_layout=True)
+        else:
+            out, handle = two_stage_moe_forward(x, ids_all[mine], w, local, nodes=NODES, return_handle=True)
         (out * g_all[mine]).sum().backward()
         grads = {}
         for name in names:

@@ -18,7 +18,8 @@ then checks its own case. This file is also the worker: `torchrun ... test_exper
 Cases per launch (D = expert_parallel_size, M = max_devices_per_token):
     W=2, `accelerate launch`: D=2 (evaluated, saved); D=2 with M=1; D=2 with 2 accumulated
         micro-batches; resume (4 steps + checkpoint, then 4 more from it); W % D error (D=4)
-    W=4, torchrun: D=4; D=4 with M=1; D=2 (two replicas of each shard); D=2 with M=1
+    W=4, torchrun: D=4; D=4 with M=1; D=2 (two replicas of each shard); D=2 with M=1; devices=4 on
+        expert-parallel groups of 2 (with and without M=1)
     W=2, torchrun: `occult-ft train recipe.yaml --expert_parallel_size 2`
     LoRA (train_mode="lora", r=2; the expert LoRA factors shard with the experts), against single-process
     LoRA: W=2 `accelerate launch`, D=2: plain (saved adapter), M=1, resume (4 steps + checkpoint, then 4
@@ -35,6 +36,7 @@ import traceback
 
 import pytest
 import torch
+from conftest import safety_timeout
 
 try:
     from .dist_utils import free_port
@@ -203,7 +205,7 @@ def launch(launcher: list[str], spec: dict, tmp_path, timeout: float = 300.0) ->
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=safety_timeout(timeout),
     )
     if proc.returncode != 0 and (tmp_path / "results.json").exists():  # rank 0 recorded why it stopped
         failed = {
@@ -359,6 +361,11 @@ def world4(tiny_olmoe_dir, tmp_path_factory):
         for d in (4, 2)
         for name, overrides in PRUNING.items()
     ]
+    # placed and budgeted for 4 devices, trained on expert-parallel groups of 2 processes
+    cases += [
+        dict(name=f"{name}-ep2-d4", overrides=dict(expert_parallel_size=2, devices=4, **overrides))
+        for name, overrides in PRUNING.items()
+    ]
     return launch(torchrun(4), dict(model=tiny_olmoe_dir, out=str(tmp), world=4, cases=cases), tmp)
 
 
@@ -381,6 +388,16 @@ def test_four_processes_reproduce_the_single_process_run(world4, reference, name
     # rank 0: EP = consecutive ranks, EDP = rank 0 of every EP group
     assert result["groups"]["ep"] == list(range(size)) and result["groups"]["edp"] == list(range(0, 4, size))
     assert result["shard_rows"] == 8 // size
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["plain", "pruned"])
+def test_a_layout_of_4_devices_trains_on_groups_of_2_processes(world4, reference, name):
+    """devices=4 (placement and budget) with expert_parallel_size=2: each process holds two devices'
+    experts; the run equals the single-process run placed and pruned for 4 devices."""
+    result = world4[f"{name}-ep2-d4"]
+    check_trajectory(result, reference[(name, 4)], f"W=4 EP=2 D=4 {name}")
+    assert result["groups"]["ep"] == [0, 1] and result["shard_rows"] == 4
 
 
 @pytest.mark.slow
@@ -470,7 +487,7 @@ def test_cli_train_with_expert_parallel_size_under_torchrun(tiny_olmoe_dir, text
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=safety_timeout(300),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = [e for e in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in e]
@@ -633,7 +650,7 @@ def test_combinations_the_config_refuses_fail_before_the_model_is_loaded(tmp_pat
     from types import SimpleNamespace
 
     from occult_ft.trainer.config import check_before_loading
-    from occult_ft.trainer.trainer import load_training_model
+    from occult_ft.trainer.loading import load_training_model
 
     zero3 = {"zero_optimization": {"stage": 3}}
     args = SimpleNamespace(

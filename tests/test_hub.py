@@ -28,6 +28,50 @@ def _offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture
+def endpoint_up(monkeypatch):
+    """HF_ENDPOINT pointing at a local HTTP server that answers (what `check_endpoint` asks for)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    yield os.environ["HF_ENDPOINT"]
+    server.shutdown()
+
+
+@pytest.fixture
+def endpoint_down(monkeypatch):
+    """HF_ENDPOINT pointing at a local port nothing listens on (connection refused at once)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    return os.environ["HF_ENDPOINT"]
+
+
+def tree(path) -> dict[str, bytes]:
+    """Every file under `path` with its content: a push, a dry run or a failed push must leave it equal."""
+    out = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = f.read()
+    return out
+
+
 class FakeHubApi:
     """Records create_repo / upload_folder and the files upload_folder would send (README included)."""
 
@@ -215,8 +259,8 @@ def test_adapter_card(adapter_dir):
     assert card.data.base_model == "allenai/OLMoE-1B-7B-0924"
     assert {"lora", "peft", "occult"} <= set(card.data.tags)
     text = card.text
-    # the adapter and the placement are read from local files: the snippet downloads the repo first
-    assert 'occult_ft.from_pretrained(snapshot_download("me/olmoe-lora"))' in text
+    # occult_ft.from_pretrained downloads the repo itself (the adapter and the placement are local files)
+    assert 'occult_ft.from_pretrained("me/olmoe-lora")' in text and "snapshot_download" not in text
     assert "| placement algorithm | occult |" in text and "| max_devices_per_token (M) | 1 |" in text
     assert "| r | 8 |" in text and "| lora_alpha | 16 |" in text
     assert "permutes them with the placement" in text
@@ -308,7 +352,7 @@ def test_push_adapter_dir(adapter_dir):
     assert api.create_calls[0]["private"] is False
 
 
-def test_push_through_patched_hfapi_methods(placed_dir, tmp_path, monkeypatch):
+def test_push_through_patched_hfapi_methods(placed_dir, tmp_path, monkeypatch, endpoint_up):
     """The default path builds a real HfApi; only its two network methods are replaced."""
     from huggingface_hub import HfApi
 
@@ -325,10 +369,11 @@ def test_push_through_patched_hfapi_methods(placed_dir, tmp_path, monkeypatch):
 def test_bad_repo_id_fails_before_anything_is_written(placed_dir, tmp_path, repo_id):
     path = _copy_checkpoint(placed_dir, tmp_path / "ckpt")
     api = FakeHubApi()
+    before = tree(path)
     with pytest.raises(ValueError, match="repo id") as err:
         hub.push_checkpoint(path, repo_id, api=api)
     assert "\n" not in str(err.value)
-    assert not api.create_calls and not os.path.exists(os.path.join(path, "README.md"))
+    assert not api.create_calls and tree(path) == before
 
 
 def test_push_of_a_non_checkpoint_uploads_nothing(tmp_path):
@@ -369,15 +414,17 @@ def test_push_after_training_from_a_directory_defaults_repo_to_its_name(placed_d
 
 
 # ---- the command --------------------------------------------------------------------------------
-def test_cli_dry_run_writes_card_and_lists_files(placed_dir, tmp_path, capsys):
+def test_cli_dry_run_lists_files_and_prints_the_card_writing_nothing(placed_dir, tmp_path, capsys):
     path = _copy_checkpoint(placed_dir, tmp_path / "ckpt")
+    before = tree(path)
     assert cli_main(["push", path, "--repo-id", "me/olmoe-placed", "--dry-run", "--no-figure"]) == 0
     out = capsys.readouterr().out
-    assert "would upload" in out and "README.md" in out and "config.json" in out
-    assert os.path.isfile(os.path.join(path, "README.md"))
+    assert "would upload" in out and "  README.md" in out and "  config.json" in out
+    assert 'occult_ft.from_pretrained("me/olmoe-placed")' in out  # the card itself
+    assert tree(path) == before
 
 
-def test_cli_push_uses_the_hub_api(placed_dir, tmp_path, monkeypatch, capsys):
+def test_cli_push_uses_the_hub_api(placed_dir, tmp_path, monkeypatch, capsys, endpoint_up):
     from huggingface_hub import HfApi
 
     fake = FakeHubApi()
@@ -405,16 +452,30 @@ def test_cli_push_embeds_the_measured_comm_complexity_figure(tiny_olmoe_dir, tmp
                 "4",
                 "--max-devices-per-token",
                 "1",
+                "--criterion",
+                "score",
                 "--out",
                 str(out),
             ]
         )
         == 0
     )
+    before = tree(out)
     assert cli_main(["push", str(out), "--repo-id", "me/p", "--dry-run"]) == 0
-    assert os.path.getsize(out / hub.FIGURE_NAME) > 1000
-    assert hub.FIGURE_NAME in (out / "README.md").read_text()
-    assert hub.FIGURE_NAME in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"  {hub.FIGURE_NAME}" in printed and f"![occult_ft figure]({hub.FIGURE_NAME})" in printed
+    assert tree(out) == before  # the figure and the card went into the staged copy only
+    staged = {}
+    real_upload = FakeHubApi.upload_folder
+
+    def upload(self, **kw):
+        staged.update(tree(kw["folder_path"]))
+        return real_upload(self, **kw)
+
+    api = FakeHubApi()
+    api.upload_folder = upload.__get__(api)
+    hub.push_checkpoint(str(out), "me/p", figure=hub.card_figure(str(out), tmp_path), api=api)
+    assert len(staged[hub.FIGURE_NAME]) > 1000 and tree(out) == before
 
 
 @pytest.mark.parametrize(
@@ -448,7 +509,7 @@ def test_a_users_readme_survives_push_failed_or_not(pruned_dir, tmp_path):
         def create_repo(self, *args, **kwargs):
             raise OSError("cannot reach the Hub")
 
-    with pytest.raises(OSError):
+    with pytest.raises(hub.HubPushError, match="creating the repo me/x at .* failed: cannot reach the Hub"):
         hub.push_checkpoint(path, "me/x", api=Unreachable())
     assert open(readme).read() == "my own notes"
     api = FakeHubApi()
@@ -456,3 +517,58 @@ def test_a_users_readme_survives_push_failed_or_not(pruned_dir, tmp_path):
     assert open(readme).read() == "my own notes"  # the card goes to the Hub, not into the folder
     assert api.upload_calls[0]["readme"].startswith("---\n")
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the staging folder is gone
+
+
+def test_a_push_to_an_unreachable_endpoint_fails_first_naming_it_and_writes_nothing(
+    pruned_dir, tmp_path, capsys, monkeypatch, endpoint_down
+):
+    """The endpoint is checked before the figure is measured (which takes a model load and a routing
+    pass): the error names it and the step, and the folder is unchanged."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    path = _copy_checkpoint(pruned_dir, tmp_path / "ckpt")
+    before = tree(path)
+    assert cli_main(["push", path, "--repo-id", "me/x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("occult-ft push: error: reaching the Hub:") and endpoint_down in err, err
+    assert "\n" not in err and "measuring" not in err  # one line, and no figure was measured
+    assert tree(path) == before
+    with pytest.raises(hub.HubPushError, match=f"the Hub at {endpoint_down} cannot be reached"):
+        hub.push_checkpoint(path, "me/x")
+    assert tree(path) == before
+
+
+def test_an_upload_that_fails_names_the_step_and_the_endpoint(pruned_dir, tmp_path):
+    class Refused(FakeHubApi):
+        endpoint = "https://hub.example"
+
+        def upload_folder(self, **kwargs):
+            raise ConnectionError("[Errno 111] Connection refused")
+
+    path = _copy_checkpoint(pruned_dir, tmp_path / "ckpt")
+    before = tree(path)
+    with pytest.raises(hub.HubPushError) as err:
+        hub.push_checkpoint(path, "me/x", api=Refused())
+    message = str(err.value)
+    assert message.startswith(f"uploading {path} to me/x at https://hub.example failed: [Errno 111]")
+    assert "\n" not in message and tree(path) == before
+
+
+def test_an_adapter_pushed_names_a_local_base_by_its_folder_name(adapter_dir, tmp_path):
+    base = tmp_path / "models" / "my-olmoe"
+    base.mkdir(parents=True)
+    config = json.loads(open(os.path.join(adapter_dir, "adapter_config.json")).read())
+    config["base_model_name_or_path"] = str(base)
+    with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    staged = {}
+
+    class Recording(FakeHubApi):
+        def upload_folder(self, **kw):
+            staged.update(tree(kw["folder_path"]))
+            return super().upload_folder(**kw)
+
+    hub.push_checkpoint(adapter_dir, "me/lora", api=Recording())
+    pushed = json.loads(staged["adapter_config.json"])
+    assert pushed["base_model_name_or_path"] == "my-olmoe"
+    assert str(tmp_path) not in staged["README.md"].decode()
+    assert json.loads(open(os.path.join(adapter_dir, "adapter_config.json")).read()) == config

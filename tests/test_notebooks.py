@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import safety_timeout
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-CELL_TIMEOUT_S = 300  # the slowest cell (a short fine-tune) takes well under a minute on 2 CPU cores
+# a safety net: the slowest cell (a short fine-tune) takes well under a minute on 2 quiet CPU cores
+CELL_TIMEOUT_S = safety_timeout(300)
 KERNEL = "python3"
 
 

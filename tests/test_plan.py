@@ -155,8 +155,14 @@ def test_a_run_that_does_not_fit_gets_concrete_suggestions(capsys):
     assert main([*argv, "--devices", "4", "--gpus", "2", "--gpu-memory", "80"]) == 1
     text = capsys.readouterr().out
     assert "DOES NOT FIT" in text
-    for hint in ("train_mode: lora", "ZeRO-2", "expert_parallel_size 2", "per_device_train_batch_size"):
+    for hint in ("train_mode: lora", "expert_parallel_size 2", "per_device_train_batch_size"):
         assert hint in text, hint
+    # every suggestion lowers the total; ZeRO-2 would raise it here, and the plan says why
+    total = float(text.split("total per GPU")[1].split("GB")[0])
+    suggested = [line for line in text.splitlines() if line.startswith("    - ") and " GB per GPU" in line]
+    assert suggested and all(float(line.split(": ")[-1].split(" GB")[0]) < total for line in suggested)
+    assert "note: not suggested: DeepSpeed ZeRO-2" in text and "fp32 master weights" in text
+    assert "expert-data-parallel group, of 2 GPUs here" in text
 
 
 def test_deepseek_moe_plans_its_qwen2_moe_conversion():

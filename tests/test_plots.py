@@ -103,6 +103,24 @@ def test_plot_coactivation_draws_into_given_axes(tmp_path):
     assert_png(tmp_path / "pair.png")
 
 
+def test_every_coactivation_heatmap_has_a_colour_bar():
+    """`occult-ft place --plot` draws two heatmaps; each gets its colour bar (its own scale)."""
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft.models import tiny_config
+    from occult_ft.placement import compute_placement
+    from occult_ft.profiling import profile_model
+
+    fig = plots.plot_coactivation(torch.ones(8, 8), contiguous_expert_device(8, 2))
+    assert len(fig.axes) == 2 and "tokens selecting both" in fig.axes[1].get_ylabel()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("olmoe"))
+    prof = profile_model(model, [{"input_ids": torch.randint(0, 128, (4, 32))}], progress=False)
+    fig = plots.plot_placement(prof, {"search": compute_placement(prof, 4)})
+    colour_bars = [ax for ax in fig.axes if "tokens selecting both" in ax.get_ylabel()]
+    assert len(colour_bars) == 2
+
+
 def test_plot_coactivation_rejects_a_mapping_of_the_wrong_size():
     with pytest.raises(ValueError, match="3 entries"):
         plots.plot_coactivation(torch.ones(4, 4), [0, 0, 1])
@@ -309,6 +327,8 @@ def test_bench_figures_read_the_budget_from_the_field_not_the_name(tmp_path):
     assert line.get_xdata().tolist() == [2, 8] and line.get_ydata().tolist() == [0.2, 0.4]
     (speed,) = [ln for ln in fig.axes[1].get_lines() if ln.get_marker() == "o"]
     assert speed.get_ydata().tolist() == [0.8 / 0.2, 0.8 / 0.4]  # the peer (0.8 ms) over each point
+    # the speed-ups are written once, in the legend: labels at the points overlap between clusters
+    assert not fig.axes[1].texts and "M=2: 4.00x, M=8: 2.00x" in speed.get_label()
 
 
 def test_plot_cost_model_rejects_entries_without_a_kind():
@@ -323,7 +343,7 @@ def test_plot_bench_rejects_a_report_without_backends():
 
 
 def test_plot_cost_model_from_predict_speedup(tmp_path):
-    from occult_ft.costmodel import CLUSTER_PRESETS, predict_speedup
+    from occult_ft.bench.costmodel import CLUSTER_PRESETS, predict_speedup
 
     gen = torch.Generator().manual_seed(0)
     scores = torch.softmax(torch.randn(64, 32, generator=gen), dim=-1)
@@ -388,7 +408,8 @@ def test_plots_import_no_model_loading_code():
 
 
 def test_comm_complexity_figure_from_checkpoint_feeds_the_model_card(tmp_path, tiny_olmoe_dir, text_file):
-    from occult_ft.checkpoint import from_pretrained, save_pruned
+    from occult_ft.checkpoint import save_pruned
+    from occult_ft.checkpoint.load import from_pretrained
     from occult_ft.evaluation import measure_checkpoint
     from occult_ft.hub import build_model_card
     from occult_ft.routing import PruningConfig
@@ -405,7 +426,12 @@ def test_comm_complexity_figure_from_checkpoint_feeds_the_model_card(tmp_path, t
     )
     png = out / "comm_complexity.png"
     report = measure_checkpoint(str(out), data=text_file, max_tokens=128, seq_len=32)
-    assert report.extra == {"model": "ckpt", "max_devices_per_token": 1, "criterion": "score"}
+    assert report.extra == {
+        "model": "ckpt",
+        "max_devices_per_token": 1,
+        "max_nodes_per_token": None,
+        "criterion": "score",
+    }
     # the budget holds: every measured token reaches exactly one of the 2 devices
     assert report.devices_histogram[0] == 0 and report.devices_histogram[2] == 0
     assert report.devices_histogram[1] == sum(m.tokens for m in report.layers) > 0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import build_tokenizer, save_tiny_model
+from conftest import build_tokenizer, safety_timeout, save_tiny_model
 
 try:
     from .dist_utils import free_port
@@ -86,7 +86,9 @@ def test_recipe_runs_as_written_at_tiny_width(name, tmp_path):
         "OCCULT_FT_CACHE": str(tmp_path / "cache"),
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=safety_timeout(600)
+    )
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert proc.returncode == 0, "\n".join(errors)[-3000:] or proc.stderr[-3000:]
     assert "saved the pruned model" in proc.stdout
@@ -95,9 +97,9 @@ def test_recipe_runs_as_written_at_tiny_width(name, tmp_path):
     from occult_ft.checkpoint import read_block
 
     block = read_block(str(out))
-    assert block["max_devices_per_token"] == recipe["max_devices_per_token"]
-    assert block["criterion"] == recipe["criterion"] and block["num_devices"] == recipe["devices"]
-    assert block["train_mode"] == recipe["train_mode"]
+    assert block.pruning.max_devices_per_token == recipe["max_devices_per_token"]
+    assert block.pruning.criterion == recipe["criterion"] and block.num_devices == recipe["devices"]
+    assert block.extra["train_mode"] == recipe["train_mode"]
     adapter = (out / "adapter_config.json").is_file()
     assert adapter == (recipe["train_mode"] == "lora")
     reloaded = occult_ft.from_pretrained(str(out))

@@ -1,4 +1,4 @@
-"""Remote code in pruned checkpoints (`occult_ft.remote_code`): stock transformers with
+"""Remote code in pruned checkpoints (`occult_ft.checkpoint.remote_code`): stock transformers with
 `trust_remote_code=True`, on a Python that cannot import occult_ft, routes exactly like
 `occult_ft.from_pretrained`; without it, the stock class loads as before.
 
@@ -17,19 +17,26 @@ import sys
 
 import pytest
 import torch
+from conftest import safety_timeout
 from transformers import AutoModelForCausalLM
 
 from occult_ft import hub
 from occult_ft.apply import apply_occult
 from occult_ft.checkpoint import (
     SIMILARITY_FILE,
+    OccultBlock,
     describe_checkpoint,
-    from_pretrained,
     occult_config_fields,
     save_pruned,
 )
+from occult_ft.checkpoint.load import from_pretrained
+from occult_ft.checkpoint.remote_code import (
+    REMOTE_CODE_FILE,
+    remote_auto_map,
+    remote_class_name,
+    remote_code_source,
+)
 from occult_ft.models import find_moe_layers, supported_model_types, tiny_config
-from occult_ft.remote_code import REMOTE_CODE_FILE, remote_auto_map, remote_class_name, remote_code_source
 from occult_ft.routing import PruningConfig
 
 TYPES = ["olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
@@ -137,7 +144,12 @@ def run(tmp_path_factory):
     )
     cmd = [sys.executable, "-I", "-S", "-c", _SCRIPT, json.dumps(site.getsitepackages()), str(results)]
     proc = subprocess.run(
-        [*cmd, json.dumps(dirs)], cwd=root, env=env, capture_output=True, text=True, timeout=600
+        [*cmd, json.dumps(dirs)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=safety_timeout(600),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(dirs=dirs, ref=ref, unpruned=unpruned, got=torch.load(results), stderr=proc.stderr)
@@ -213,9 +225,9 @@ def test_no_remote_code_without_an_active_non_native_budget(tmp_path, model_type
 def test_occult_config_fields_restores_auto_map_and_drops_a_stale_entry():
     config = tiny_config("olmoe")
     config.auto_map = {**remote_auto_map("olmoe"), "AutoTokenizer": "mine.Tok"}
-    with occult_config_fields(config, {"version": 1}, None):  # nothing to route: our entry goes
+    with occult_config_fields(config, OccultBlock()):  # nothing to route: our entry goes
         assert config.auto_map == {"AutoTokenizer": "mine.Tok"}
-    with occult_config_fields(config, {"version": 1}, PruningConfig(2, 1), save_dir="/nonexistent"):
+    with occult_config_fields(config, OccultBlock.build(PruningConfig(2, 1)), save_dir="/nonexistent"):
         assert config.auto_map == {**remote_auto_map("olmoe"), "AutoTokenizer": "mine.Tok"}
     assert config.auto_map == {**remote_auto_map("olmoe"), "AutoTokenizer": "mine.Tok"}
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from conftest import build_tokenizer, save_tiny_model
+from conftest import build_tokenizer, safety_timeout, save_tiny_model
 from dist_utils import free_port
 
 from occult_ft.models import find_moe_layers, supported_model_types
@@ -63,7 +63,7 @@ def placement_for(model) -> Placement:
 def reference_state(path: str, placement, dtype=torch.float32) -> tuple[dict, dict]:
     """(state dict, non-persistent buffers) of the whole model, loaded normally and placed."""
     from occult_ft.apply import apply_occult
-    from occult_ft.checkpoint import load_model_and_tokenizer
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer(path, dtype=dtype)
     if placement is not None:
@@ -244,7 +244,7 @@ def run_trainer(model: str, placement: str, tmp_path) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
          "--master_port", str(free_port()), os.path.abspath(__file__), str(spec)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env, capture_output=True, text=True, timeout=safety_timeout(300),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -278,7 +278,8 @@ def test_occult_trainer_under_expert_parallelism_reads_only_its_block(model_dirs
 @pytest.mark.slow
 def test_a_placed_pruned_checkpoint_is_read_in_its_stored_order_with_its_budget(model_dirs, tmp_path):
     from occult_ft.apply import apply_occult
-    from occult_ft.checkpoint import load_model_and_tokenizer, save_pruned
+    from occult_ft.checkpoint import save_pruned
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
     from occult_ft.routing import PruningConfig
 
     path = model_dirs("olmoe")

@@ -1,4 +1,4 @@
-"""The task quality study (`occult_ft.task_study`, `occult-ft study --task dates`): its statistics by hand,
+"""The task quality study (`occult_ft.studies.task_study`, `occult-ft study --task dates`): its statistics by hand,
 and the whole study through the CLI on a tiny setting."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from occult_ft.cli import main
-from occult_ft.task_study import format_task_table, merge_results, paired_difference, summarize_runs
+from occult_ft.studies.task_study import format_task_table, merge_results, paired_difference, summarize_runs
 
 
 def test_paired_difference_by_hand():

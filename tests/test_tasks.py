@@ -1,4 +1,4 @@
-"""Study tasks (`occult_ft.tasks`): deterministic rows with checkable answers, and exact match by teacher
+"""Study tasks (`occult_ft.studies.tasks`): deterministic rows with checkable answers, and exact match by teacher
 forcing, checked by hand and against `model.generate` on the embedded model (pruned routing)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import datetime
 import pytest
 import torch
 
-from occult_ft.tasks import TASKS, exact_match, exact_match_counts, make_task_rows, task_split
+from occult_ft.studies.tasks import TASKS, exact_match, exact_match_counts, make_task_rows, task_split
 
 
 def test_date_rows_are_deterministic_distinct_and_correct():
@@ -71,7 +71,7 @@ def test_exact_match_counts_by_hand():
 def test_exact_match_is_greedy_decoding_under_pruned_routing():
     """Label each prompt with the model's own greedy continuation (model.generate): exact match is 1;
     change one answer token: that row no longer matches."""
-    from occult_ft.checkpoint import load_model_and_tokenizer
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
     from occult_ft.data import format_prompt
     from occult_ft.routing import PruningConfig, apply_pruning
 

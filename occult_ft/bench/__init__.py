@@ -11,7 +11,7 @@ and the time of its forward exchange (dispatch + combine):
     occult_dedup_prune{M}        the same after collaboration pruning to M devices per token
     occult_two_stage[_prune{M}]  (--nodes N > 1) one row per (token, node) across nodes, fanned out inside
 
-and predicts, with `occult_ft.costmodel`, the exchange time on named cluster shapes.
+and predicts, with `occult_ft.bench.costmodel`, the exchange time on named cluster shapes.
 
     workload.py    routings to replay (model or synthetic), pruned variants, volumes implied by a routing
     exchanges.py   each backend's dispatch + combine on one rank; CollectiveClock

@@ -4,7 +4,7 @@ Steps: check the inputs (one-line `ValueError`s), give each of the D processes a
 tokens, derive the pruned routings, measure every backend (`runner.run_exchanges`), check that the
 rows each process sent are exactly the volumes the routing implies (`workload.layer_volumes`; for
 de-duplicated dispatch that is sum over tokens of C_T), then aggregate per backend, predict the
-exchange on named cluster shapes (`occult_ft.costmodel`) and state whether the targets were reached.
+exchange on named cluster shapes (`occult_ft.bench.costmodel`) and state whether the targets were reached.
 
 With `settings.nodes` N > 1 the D processes are read as N nodes of D/N consecutive processes: the
 two-stage exchange (`occult_two_stage`, and after each pruning budget) is measured too, every backend's
@@ -37,7 +37,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..costmodel import (
+from ..metrics import contiguous_expert_device, device_counts, devices_per_token, expert_node
+from .costmodel import (
     CLUSTER_PRESETS,
     capacity_rows_matrix,
     get_cluster,
@@ -49,7 +50,6 @@ from ..costmodel import (
     token_ranks,
     two_stage_rows,
 )
-from ..metrics import contiguous_expert_device, device_counts, devices_per_token, expert_node
 from .runner import BenchSettings, run_exchanges
 from .workload import (
     BACKENDS,

@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..dispatch import combine, compute_layout, dispatch, two_stage_combine, two_stage_dispatch
+
 __all__ = ["CollectiveClock", "Exchange", "build_exchange", "init_deepspeed_comm"]
 
 
@@ -344,7 +346,6 @@ class DedupExchange(Exchange):
 
     def __init__(self, name: str, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, group):
         super().__init__()
-        from ..dispatch import compute_layout
 
         self.name = name
         self.args = (hidden_TH, topk_ids_TK, weights_TK.to(hidden_TH.dtype))
@@ -354,8 +355,6 @@ class DedupExchange(Exchange):
         self.send_rows_D = list(layout.send_splits)
 
     def run(self) -> torch.Tensor:
-        from ..dispatch import combine, compute_layout, dispatch
-
         hidden_TH, ids_TK, weights_TK = self.args
         layout = compute_layout(ids_TK, weights_TK, self.num_experts, self.num_devices, self.rank)
         recv_x_RH, _, received = dispatch(hidden_TH, layout, self.group)
@@ -372,7 +371,6 @@ class TwoStageExchange(Exchange):
 
     def __init__(self, name: str, hidden_TH, topk_ids_TK, weights_TK, num_experts: int, groups):
         super().__init__()
-        from ..dispatch import two_stage_dispatch
 
         self.name, self.groups, self.num_experts = name, groups, num_experts
         self.args = (hidden_TH, topk_ids_TK, weights_TK.to(hidden_TH.dtype))
@@ -386,8 +384,6 @@ class TwoStageExchange(Exchange):
             self.stage2_rows_D[groups.node * local_size + li] = count
 
     def run(self) -> torch.Tensor:
-        from ..dispatch import two_stage_combine, two_stage_dispatch
-
         recv_x_VH, _, handle = two_stage_dispatch(*self.args, self.num_experts, self.groups)
         return two_stage_combine(recv_x_VH, handle, out_dtype=self.args[0].dtype)
 

@@ -34,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..dispatch import node_groups
 from .exchanges import CollectiveClock, build_exchange, init_deepspeed_comm
 
 __all__ = ["DTYPES", "BenchSettings", "choose_transport", "run_exchanges"]
@@ -150,8 +151,6 @@ def _measure(rank: int, world: int, spec: dict, device: torch.device, backend: s
     settings = spec["settings"]
     groups = None
     if settings.get("nodes", 1) > 1:
-        from ..dispatch import node_groups
-
         groups = node_groups(settings["nodes"], group)
     layers_out = []
     clock = CollectiveClock()

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..costmodel import capacity_rows_matrix, pruned_topk, rows_matrix, token_ranks, two_stage_rows
 from ..metrics import contiguous_expert_device, devices_per_token
+from ..models.registry import find_moe_layers, unwrap_model
+from .costmodel import capacity_rows_matrix, pruned_topk, rows_matrix, token_ranks, two_stage_rows
 
 __all__ = [
     "PEERS",
@@ -213,7 +214,6 @@ def model_workload(
         layer_indices: MoE layers (decoder layer indices) to keep (default: all).
         placement: name of the placement applied (for the report).
     """
-    from ..models.registry import find_moe_layers, unwrap_model
 
     layers = find_moe_layers(model)
     by_index = {layer.index: layer for layer in layers}

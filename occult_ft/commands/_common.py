@@ -1,13 +1,30 @@
-"""Pieces shared by several subcommands: loading a model with its data as batches."""
+"""Pieces shared by several subcommands: model and data arguments, loading data as batches, phase
+lines, and the one behaviour for Hub ids that cannot be reached.
+
+Nothing here imports torch or the Hub libraries at module level: parsers are built from it, and
+`occult-ft --help` must answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 
-__all__ = ["standalone", "load_data", "data_batches", "add_model_data_args", "positive_int"]
-
-from ..evaluation import data_batches, load_data  # noqa: E402  (re-exported for the commands)
+__all__ = [
+    "standalone",
+    "load_data",
+    "data_batches",
+    "add_model_data_args",
+    "positive_int",
+    "phase",
+    "note",
+    "note_data_ran_out",
+    "is_hub_id",
+    "check_hub_sources",
+    "quiet_deepspeed_accelerator",
+]
 
 
 def positive_int(text: str) -> int:
@@ -20,24 +37,170 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_model_data_args(p: argparse.ArgumentParser, data_required: bool = True) -> None:
+def add_model_data_args(
+    p: argparse.ArgumentParser,
+    data_required: bool = True,
+    embedded_split: str = "eval",
+    max_tokens: int = 65536,
+) -> None:
+    """MODEL, --data, --split, --max-tokens, --seq-len, --batch-size.
+
+    Args:
+        embedded_split: the split `--data embedded` reads unless --split says otherwise (profile: train,
+            so that placement is not fitted on the evaluation text; analyze, eval, bench: eval).
+    """
     p.add_argument("model", help="local model directory or Hub model id (with its tokenizer)")
     p.add_argument(
         "--data",
         required=data_required,
         help="a .txt file, a .jsonl/.json file (text field, Alpaca instruction/input/output, prompt/completion "
-        "or chat messages), a saved dataset directory, or a Hub dataset id; 'embedded' = the shipped eval text",
+        "or chat messages), a saved dataset directory, or a Hub dataset id; 'embedded' = the shipped corpus",
     )
-    p.add_argument("--max-tokens", type=positive_int, default=65536, help="stop after this many tokens")
+    p.add_argument(
+        "--split",
+        default=None,
+        help="split of --data: for 'embedded' one of train, eval, instructions; for a saved dataset or Hub id "
+        f"its split name; a single file has none (default: {embedded_split} for 'embedded', else train)",
+    )
+    p.set_defaults(embedded_split=embedded_split)
+    p.add_argument("--max-tokens", type=positive_int, default=max_tokens, help="stop after this many tokens")
     p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence")
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
+
+
+def load_data(data: str, split: str | None = None, embedded_split: str = "eval"):
+    """The raw dataset behind a --data value and its --split (checked before any model is loaded)."""
+    from ..data import load_text_dataset
+
+    if data == "embedded":
+        return load_text_dataset("embedded", split=split or embedded_split)
+    return load_text_dataset(data, split=split)
+
+
+def data_batches(
+    tokenizer, data, seq_len: int, batch_size: int, max_tokens: int | None = None, response_only: bool = True
+) -> list[dict]:
+    """`occult_ft.evaluation.data_batches` (imported when called)."""
+    from ..evaluation import data_batches as batches
+
+    return batches(tokenizer, data, seq_len, batch_size, max_tokens, response_only)
+
+
+def phase(command: str, text: str) -> None:
+    """`occult-ft COMMAND: TEXT ...` on stderr: what a command does next, for phases that take more than
+    a few seconds and have no progress bar of their own (stdout stays the command's result)."""
+    print(f"occult-ft {command}: {text} ...", file=sys.stderr, flush=True)
+
+
+def note(command: str, text: str) -> None:
+    """`occult-ft COMMAND: note: TEXT` on stderr: something the result depends on that the user may not
+    expect (the data ran out, settings taken from a run, the Hub read from its cache)."""
+    print(f"occult-ft {command}: note: {text}", file=sys.stderr, flush=True)
+
+
+def note_data_ran_out(command: str, data: str, got: int, asked: int) -> None:
+    """Say so when --data held fewer tokens than --max-tokens asked for: the results cover fewer tokens."""
+    if got < asked:
+        note(
+            command,
+            f"--data {data} ran out after {got:,} of the {asked:,} tokens --max-tokens asked for; the result "
+            f"covers {got:,} tokens (pass more data, or --max-tokens {got} to silence this)",
+        )
+
+
+def quiet_deepspeed_accelerator() -> None:
+    """Without a GPU, DeepSpeed warns at every start (it is imported by transformers' model loading) that
+    it fell back to its CPU accelerator; naming that accelerator is the same choice without the warning.
+    A machine with any accelerator is left to DeepSpeed's own detection. Imports torch: call it where a
+    command starts its real work."""
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.accelerator.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+# ---- Hub ids -------------------------------------------------------------------------------------
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".yaml", ".yml", ".safetensors", ".bin", ".csv", ".parquet")
+
+
+def is_hub_id(name) -> bool:
+    """Whether `name` is read as a Hub repo id (`owner/name` or `name`): not 'embedded', not an existing
+    path, not a file name."""
+    return (
+        isinstance(name, str)
+        and name != "embedded"
+        and bool(_HUB_ID.match(name))
+        and not name.lower().endswith(_FILE_SUFFIXES)
+        and not os.path.exists(name)
+    )
+
+
+def check_hub_sources(command: str, models=(), datasets=()) -> None:
+    """One behaviour for every command when a Hub id is given and the Hub cannot be reached: one line at
+    once, naming the id, the endpoint and the reason, instead of a minute of retries. Ids found in the
+    Hub cache are then read from it (offline mode), with one note saying so.
+
+    Args:
+        command: the command's name, for the note.
+        models: --model values (local directories, 'embedded' and None are skipped).
+        datasets: --data / dataset values (local files and directories, 'embedded' and None are skipped).
+
+    Raises:
+        ValueError: a Hub id that is not in the cache while the Hub cannot be reached (or HF_HUB_OFFLINE
+            is set).
+    """
+    from ..hub_access import (
+        go_offline,
+        hub_cache,
+        hub_endpoint,
+        hub_unreachable,
+        is_cached,
+        offline_requested,
+    )
+
+    hub_models = [m for m in models if is_hub_id(m)]
+    hub_data = [d for d in datasets if is_hub_id(d)]
+    if not hub_models and not hub_data:
+        return
+    missing = [("model", m) for m in hub_models if not is_cached(m, "models")]
+    missing += [("dataset", d) for d in hub_data if not is_cached(d, "datasets")]
+    if offline_requested():
+        if missing:
+            what, name = missing[0]
+            raise ValueError(
+                f"{what} {name!r} is not a local {'directory' if what == 'model' else 'file or directory'} and "
+                f"not in the Hub cache {hub_cache()}, and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to "
+                f"download it, or pass a local {'model directory' if what == 'model' else 'data file'}"
+            )
+        return
+    reason = hub_unreachable()
+    if reason is None:
+        return
+    if missing:
+        what, name = missing[0]
+        local = (
+            "a local model directory"
+            if what == "model"
+            else "a local .txt / .jsonl / .json file or a save_to_disk directory"
+        )
+        raise ValueError(
+            f"{what} {name!r} is not a local path, so it is read from the Hub, but the Hub at {hub_endpoint()} "
+            f"cannot be reached ({reason}) and {name!r} is not in the cache {hub_cache()}; pass {local}"
+        )
+    go_offline()
+    note(
+        command,
+        f"the Hub at {hub_endpoint()} cannot be reached ({reason}); reading "
+        f"{', '.join(hub_models + hub_data)} from the cache {hub_cache()}",
+    )
 
 
 def standalone(module_name: str, add_parser, argv=None) -> int:
     """Run one command module on its own (`python -m occult_ft.commands.X`)."""
     from ..cli import OneLineErrorParser, run_command
 
-    parser = OneLineErrorParser(prog=f"occult-ft {module_name}")
+    parser = OneLineErrorParser(prog="occult-ft")
     sub = parser.add_subparsers(dest="command")
     add_parser(sub)
     args = parser.parse_args([module_name, *(sys.argv[1:] if argv is None else argv)])

@@ -14,14 +14,22 @@ from __future__ import annotations
 import json
 import sys
 
-from ._common import add_model_data_args, data_batches, load_data, positive_int, standalone
+from ._choices import CRITERIA, DEFAULT_CRITERION
+from ._common import (
+    add_model_data_args,
+    check_hub_sources,
+    data_batches,
+    load_data,
+    note_data_ran_out,
+    positive_int,
+    quiet_deepspeed_accelerator,
+    standalone,
+)
 
 __all__ = ["add_parser", "run", "format_report"]
 
 
 def add_parser(sub):
-    from ..routing import CRITERIA
-
     p = sub.add_parser(
         "analyze", help="communication metrics of a model's routing on data", description=__doc__
     )
@@ -39,10 +47,23 @@ def add_parser(sub):
         default=None,
         help="node budget: each token reaches experts on at most this many nodes (DeepSeek-V3's rule)",
     )
-    p.add_argument("--placement", default=None, help="placement JSON (default: the model's own expert order)")
-    p.add_argument("--max-devices-per-token", type=int, default=None, help="analyse with this pruning budget")
-    p.add_argument("--criterion", default="score", help=f"one of {', '.join(CRITERIA)}")
-    p.add_argument("--profile", default=None, help="profile (for --criterion similarity)")
+    p.add_argument("--placement", default=None, help="placement JSON; omitted: the model's own expert order")
+    p.add_argument(
+        "--max-devices-per-token",
+        type=int,
+        default=None,
+        help="analyse with this pruning budget; omitted: the model's own routing (a pruned checkpoint keeps its budget)",
+    )
+    p.add_argument(
+        "--criterion",
+        default=DEFAULT_CRITERION,
+        choices=CRITERIA,
+        metavar="CRITERION",
+        help=f"criterion of the budget: one of {', '.join(CRITERIA)} (similarity needs --profile)",
+    )
+    p.add_argument(
+        "--profile", default=None, help="the profile the placement came from (for --criterion similarity)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, help="also write the comm_complexity figure to this PNG")
     p.set_defaults(func=run)
@@ -78,15 +99,16 @@ def analyze_model(
     devices,
     placement=None,
     max_devices_per_token=None,
-    criterion="score",
+    criterion=DEFAULT_CRITERION,
     similarity=None,
     max_tokens=None,
     nodes=1,
     max_nodes_per_token=None,
+    progress: bool = False,
 ):
     """Routing report of `model` on `batches` (placement applied in memory first). A model whose routers
     already prune (a pruned checkpoint) keeps its budget unless `max_devices_per_token` is given.
-    With `nodes` > 1 the report also holds node_comm_complexity."""
+    With `nodes` > 1 the report also holds node_comm_complexity; `progress` shows a bar over the tokens."""
     from ..apply import apply_occult
     from ..metrics import contiguous_expert_device, random_placement_comm_complexity, routing_report
     from ..models import find_moe_layers
@@ -103,10 +125,11 @@ def analyze_model(
             devices, max_devices_per_token, criterion, "model", nodes, max_nodes_per_token
         )
         apply_occult(model, placement, pruning, similarity)
-    prof = profile_model(model, batches, max_tokens=max_tokens, progress=False)
+    prof = profile_model(model, batches, max_tokens=max_tokens, progress=progress)
     layers = find_moe_layers(model)
     e, k = layers[0].num_experts, layers[0].top_k
     report = routing_report(prof.topk_ids(), contiguous_expert_device(e, devices), devices, e, nodes=nodes)
+    report.extra["tokens"] = prof.num_tokens
     report.extra["random_placement_comm_complexity"] = round(
         random_placement_comm_complexity(e, k, devices), 4
     )
@@ -118,29 +141,38 @@ def analyze_model(
 
 
 def run(args) -> int:
-    from ..apply import profile_similarity, resolve_placement
-    from ..checkpoint import from_pretrained, load_tokenizer, model_block, resolve_model_path
-
     if args.devices % args.nodes:
         divisors = [n for n in range(1, args.devices + 1) if args.devices % n == 0]
         raise ValueError(
             f"--nodes {args.nodes} does not divide --devices {args.devices}; use one of {divisors}"
         )
-    data = load_data(args.data)
+    budget = args.max_devices_per_token is not None or args.max_nodes_per_token is not None
+    if budget and args.criterion == "similarity" and args.profile is None:
+        raise ValueError(
+            "--criterion similarity (the default) builds its tables from a profile: pass --profile PROFILE "
+            "(the one `occult-ft place` read), or --criterion score"
+        )
+    check_hub_sources("analyze", models=[args.model], datasets=[args.data])
+    data = load_data(args.data, args.split, args.embedded_split)
+
+    quiet_deepspeed_accelerator()
+    from ..apply import profile_similarity, resolve_placement
+    from ..checkpoint import model_block
+    from ..checkpoint.load import from_pretrained, load_tokenizer, resolve_model_path
+
     model = from_pretrained(args.model)  # a pruned checkpoint routes with its own budget
     tokenizer = load_tokenizer(resolve_model_path(args.model))
     block = model_block(model)
-    if block.get("placed"):
+    if block is not None and block.placed:
         if args.placement:
             raise ValueError(f"{args.model} is already placed (config.json occult block); drop --placement")
-        if block.get("num_devices") and int(block["num_devices"]) != args.devices:
+        if block.num_devices and block.num_devices != args.devices:
             raise ValueError(
-                f"--devices {args.devices} but {args.model} is placed for {block['num_devices']} devices; "
-                f"use --devices {block['num_devices']}"
+                f"--devices {args.devices} but {args.model} is placed for {block.num_devices} devices; "
+                f"use --devices {block.num_devices}"
             )
     placement = resolve_placement(args.placement, model, args.devices) if args.placement else None
     similarity = None
-    budget = args.max_devices_per_token is not None or args.max_nodes_per_token is not None
     if budget and args.criterion == "similarity":
         similarity = profile_similarity(args.profile, model)  # original order; apply_occult reorders
     batches = data_batches(
@@ -157,7 +189,9 @@ def run(args) -> int:
         args.max_tokens,
         nodes=args.nodes,
         max_nodes_per_token=args.max_nodes_per_token,
+        progress=True,
     )
+    note_data_ran_out("analyze", args.data, report.extra["tokens"], args.max_tokens)
     if args.plot:
         from ..plots import plot_report
 

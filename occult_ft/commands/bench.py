@@ -20,7 +20,16 @@ import argparse
 import json
 import sys
 
-from ._common import data_batches, load_data, positive_int, standalone
+from ._choices import BENCH_BACKENDS, BENCH_DTYPES, CLUSTER_PRESETS
+from ._common import (
+    check_hub_sources,
+    data_batches,
+    load_data,
+    phase,
+    positive_int,
+    quiet_deepspeed_accelerator,
+    standalone,
+)
 
 __all__ = ["add_parser", "run", "build_workload"]
 
@@ -43,14 +52,10 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_parser(sub):
-    from ..bench import BACKENDS, DTYPES
-    from ..costmodel import CLUSTER_PRESETS
-
     p = sub.add_parser(
         "bench",
         help="measure the all-to-all of DeepSpeed, HF native EP and occult_ft side by side",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "model", nargs="?", default=None, help="local model directory or Hub model id (with its tokenizer)"
@@ -94,7 +99,7 @@ def add_parser(sub):
         default=None,
         help="width of the exchanged rows (default: the model's hidden_size; 2048 with --synthetic)",
     )
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="dtype of the exchanged rows")
+    p.add_argument("--dtype", default="bfloat16", choices=BENCH_DTYPES, help="dtype of the exchanged rows")
     p.add_argument(
         "--iters", type=positive_int, default=5, help="timed iterations per backend and layer (median)"
     )
@@ -105,7 +110,7 @@ def add_parser(sub):
     p.add_argument(
         "--backends",
         default=None,
-        help=f"comma-separated subset to measure: {', '.join(BACKENDS)}, occult_dedup_pruneM "
+        help=f"comma-separated subset to measure: {', '.join(BENCH_BACKENDS)}, occult_dedup_pruneM "
         "(with --nodes > 1: occult_two_stage, occult_two_stage_pruneM)",
     )
     p.add_argument(
@@ -141,10 +146,12 @@ def build_workload(args, settings):
     if args.data is None:
         raise ValueError("MODEL needs --data DATA (a text/jsonl file, a dataset, or 'embedded')")
     from ..apply import apply_occult, resolve_placement
-    from ..checkpoint import load_model_and_tokenizer
+    from ..checkpoint.load import load_model_and_tokenizer
     from ..models import find_moe_layers
 
+    check_hub_sources("bench", models=[args.model], datasets=[args.data])
     data = load_data(args.data)
+    phase("bench", f"routing {args.model} over {args.max_tokens} tokens of {args.data}")
     model, tokenizer = load_model_and_tokenizer(args.model)
     first = find_moe_layers(model)[0]
     check_inputs(first.num_experts, first.top_k, args.max_tokens, settings)
@@ -165,8 +172,9 @@ def build_workload(args, settings):
 
 
 def run(args) -> int:
+    quiet_deepspeed_accelerator()
     from ..bench import DEFAULT_BUDGETS, BenchSettings, format_report, run_benchmark
-    from ..costmodel import get_cluster
+    from ..bench.costmodel import get_cluster
 
     settings = BenchSettings(
         devices=args.devices,
@@ -183,6 +191,11 @@ def run(args) -> int:
     workload = build_workload(args, settings)
     budgets = list(DEFAULT_BUDGETS) + ([args.max_devices_per_token] if args.max_devices_per_token else [])
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
+    phase(
+        "bench",
+        f"measuring the exchanges on {args.devices} processes ({'gloo, CPU' if args.cpu else 'GPUs if present'}): "
+        f"{args.warmup} + {args.iters} iterations per backend and layer",
+    )
     report = run_benchmark(workload, settings, budgets, backends, args.cluster)
     if args.plot:
         from ..plots import plot_bench

@@ -4,7 +4,7 @@
 
 MODEL is a local directory or a Hub id with `model_type: deepseek` (DeepSeek-MoE, which transformers
 only runs through remote code). The result loads with `AutoModelForCausalLM` and every occult_ft
-command; see `occult_ft.convert` for the mapping. Other commands convert such a model by themselves
+command; see `occult_ft.checkpoint.convert` for the mapping. Other commands convert such a model by themselves
 (once, into a cache directory), so converting by hand is only needed to keep or publish the result.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import standalone
+from ._common import check_hub_sources, quiet_deepspeed_accelerator, standalone
 
 __all__ = ["add_parser", "run", "main"]
 
@@ -22,7 +22,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "convert",
         help="convert a DeepSeek-MoE checkpoint (model_type deepseek) to the transformers-native qwen2_moe",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL", help="DeepSeek-MoE checkpoint: local directory or Hub model id")
     p.add_argument("--out", required=True, help="directory to write (must not be inside MODEL)")
@@ -32,7 +31,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..convert import convert_deepseek_moe
+    check_hub_sources("convert", models=[args.model])
+    quiet_deepspeed_accelerator()
+
+    from ..checkpoint.convert import convert_deepseek_moe
 
     out = convert_deepseek_moe(args.model, args.out, overwrite=args.overwrite)
     print(f"converted {args.model} (deepseek) to qwen2_moe in {out}")

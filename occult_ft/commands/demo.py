@@ -1,38 +1,71 @@
 """`occult-ft demo`: the whole pipeline on the embedded default model (profile, place, prune,
-fine-tune, evaluate, save) in a few minutes on a CPU, ending with a summary table."""
+fine-tune, evaluate, save, reload) on a CPU, ending with a summary table; every phase shows a progress
+bar. The longer comparison (standard fine-tuning, both criteria, budgets 1 and 2) is `occult-ft study`."""
 
 from __future__ import annotations
 
-from ._common import positive_int, standalone
+from ._choices import CRITERIA, DEFAULT_CRITERION
+from ._common import positive_int, quiet_deepspeed_accelerator, standalone
 
 __all__ = ["add_parser", "run", "add_settings_args", "settings_from_args"]
 
 
 def add_settings_args(p, output_dir: str, steps: int) -> None:
-    from ..routing import CRITERIA
-
+    """The run-size flags of `demo` and `study`; their defaults are `DemoSettings`' (tests/test_demo.py
+    checks that they agree: importing it here would import torch)."""
+    from_settings = {
+        "batch_size": 8,
+        "seq_len": 128,
+        "learning_rate": 1e-3,
+        "eval_tokens": 32768,
+        "profile_tokens": 32768,
+    }
+    p.add_argument("--output-dir", default=output_dir, help="where results and checkpoints go")
+    p.add_argument("--devices", type=positive_int, default=4, help="expert-parallel devices D")
+    p.add_argument("--steps", type=positive_int, default=steps, help="fine-tuning steps per run")
     p.add_argument(
-        "--output-dir", default=output_dir, help=f"where results and checkpoints go (default {output_dir})"
+        "--batch-size", type=positive_int, default=from_settings["batch_size"], help="sequences per step"
     )
-    p.add_argument("--devices", type=positive_int, default=4, help="expert-parallel devices D (default 4)")
     p.add_argument(
-        "--steps", type=positive_int, default=steps, help=f"fine-tuning steps per run (default {steps})"
+        "--seq-len", type=positive_int, default=from_settings["seq_len"], help="tokens per sequence"
     )
-    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence (default 128)")
     p.add_argument(
-        "--learning-rate", type=float, default=1e-3, help="fine-tuning learning rate (default 1e-3)"
+        "--learning-rate",
+        type=float,
+        default=from_settings["learning_rate"],
+        help="fine-tuning learning rate",
     )
-    p.add_argument("--eval-tokens", type=positive_int, default=32768, help="held-out tokens per evaluation")
-    p.add_argument("--profile-tokens", type=positive_int, default=32768, help="training tokens profiled")
     p.add_argument(
-        "--criterion", default="similarity", help=f"pruning criterion, one of {', '.join(CRITERIA)}"
+        "--eval-tokens",
+        type=positive_int,
+        default=from_settings["eval_tokens"],
+        help="held-out tokens per evaluation",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile-tokens",
+        type=positive_int,
+        default=from_settings["profile_tokens"],
+        help="training tokens profiled",
+    )
+    p.add_argument(
+        "--criterion",
+        default=DEFAULT_CRITERION,
+        choices=CRITERIA,
+        metavar="CRITERION",
+        help=f"pruning criterion, one of {', '.join(CRITERIA)}",
+    )
+    p.add_argument("--seed", type=int, default=0, help="training seed")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch CPU threads: the embedded model's matrices are too small to gain from more, and on a "
+        "machine whose cores are busy more threads cost many times the CPU time",
+    )
 
 
 def settings_from_args(args, **extra):
-    from ..demo import DemoSettings
+    from ..studies.finetune import DemoSettings
 
     return DemoSettings(
         output_dir=args.output_dir,
@@ -54,16 +87,19 @@ def add_parser(sub):
         "demo", help="run the whole pipeline on the embedded default model", description=__doc__
     )
     add_settings_args(p, "occult-demo", 150)
-    p.add_argument(
-        "--max-devices-per-token", type=positive_int, default=2, help="pruning budget M (default 2)"
-    )
+    p.add_argument("--max-devices-per-token", type=positive_int, default=2, help="pruning budget M")
     p.set_defaults(func=run)
     return p
 
 
 def run(args) -> int:
-    from ..demo import run_demo
+    quiet_deepspeed_accelerator()
+    import torch
+
     from ..routing import PruningConfig
+    from ..studies.demo import run_demo
+
+    torch.set_num_threads(args.threads)
 
     PruningConfig(args.devices, args.max_devices_per_token, args.criterion)  # fail fast on bad flags
     run_demo(settings_from_args(args, max_devices_per_token=args.max_devices_per_token))

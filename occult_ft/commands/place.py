@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from ._common import positive_int, standalone
+from ._choices import DEFAULT_ALGORITHM, PLACEMENT_ALGORITHMS
+from ._common import phase, positive_int, standalone
 
 __all__ = ["add_parser", "run", "format_figures"]
 
@@ -25,8 +26,6 @@ def _share(text: str) -> float:
 
 
 def add_parser(sub):
-    from ..placement import DEFAULT_ALGORITHM, PLACEMENT_ALGORITHMS
-
     p = sub.add_parser("place", help="assign experts to devices from a profile", description=__doc__)
     p.add_argument("profile", help="a profile written by `occult-ft profile`")
     p.add_argument("--devices", type=positive_int, required=True, help="expert-parallel size D")
@@ -36,6 +35,8 @@ def add_parser(sub):
     p.add_argument(
         "--algorithm",
         default=DEFAULT_ALGORITHM,
+        choices=PLACEMENT_ALGORITHMS,
+        metavar="ALGORITHM",
         help=f"one of {', '.join(PLACEMENT_ALGORITHMS)} (default {DEFAULT_ALGORITHM}: HiGHS via scipy, "
         "falls back to search without scipy)",
     )
@@ -136,13 +137,20 @@ def format_figures(placement) -> str:
 
 def run(args) -> int:
     from ..fileio import check_output_path
-    from ..placement import compute_placement
-    from ..profiling import Profile
 
     check_output_path(args.out, args.profile, what="--out")
     if args.plot:
         check_output_path(args.plot, args.profile, args.out, what="--plot")
+
+    from ..placement import compute_placement
+    from ..profiling import Profile
+
     prof = Profile.load(args.profile)
+    phase(
+        "place",
+        f"placing the {prof.num_experts} experts of {len(prof.layers)} layers on {args.devices} devices "
+        f"with {args.algorithm}",
+    )
     options = {} if args.time_limit is None else {"time_limit": args.time_limit}
     placement = compute_placement(
         prof,
@@ -162,18 +170,18 @@ def run(args) -> int:
     if args.plot:
         from ..plots import plot_placement
 
-        shown = {
-            name: compute_placement(
-                prof,
-                args.devices,
-                num_nodes=args.nodes,
-                algorithm=name,
-                holdout=args.holdout,
-                bound_time_limit=0,
-            )
-            for name in ("sequential", "occult")
-            if name != args.algorithm
-        }
+        shown = {}
+        for name in ("sequential", "occult"):
+            if name != args.algorithm:
+                phase("place", f"placing with {name} too, for the figure")
+                shown[name] = compute_placement(
+                    prof,
+                    args.devices,
+                    num_nodes=args.nodes,
+                    algorithm=name,
+                    holdout=args.holdout,
+                    bound_time_limit=0,
+                )
         shown[args.algorithm] = placement
         plot_placement(prof, shown, args.plot, chosen=args.algorithm)
         print(f"wrote the figure to {args.plot}", file=sys.stderr)

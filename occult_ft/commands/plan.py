@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import sys
 
-from ._common import standalone
+from ._common import check_hub_sources, standalone
 
 __all__ = ["add_parser", "run", "main", "format_plan"]
 
-_OWN = {"--gpus": int, "--gpu-memory": float, "--gpu_memory": float, "--config": str}
+_OWN = {"--gpus": int, "--gpu-memory": float, "--config": str}
 
 
 def add_parser(sub):
@@ -39,13 +39,23 @@ def add_parser(sub):
     return p
 
 
-def _take_own(argv: list[str]) -> tuple[dict, list[str]]:
-    """Split plan's own flags from the OccultConfig fields."""
+def _take_own(argv: list[str], fields: list[str] | None = None) -> tuple[dict, list[str]]:
+    """Split plan's own flags from the OccultConfig fields (`fields`: their names, to tell a misspelt own
+    flag such as `--gpu` from a field)."""
+    from ..cli import close_match
+
     own, rest, i = {"--json": False}, [], 0
+    flags = ["--json", "--gpus", "--gpu-memory", "--config"]
     while i < len(argv):
         token = argv[i]
         name, eq, value = token.partition("=")
-        if token == "--json":
+        name = name.replace("_", "-") if name.replace("_", "-") in flags else name
+        if fields is not None and name.startswith("--") and name not in flags:
+            field = name[2:].replace("-", "_")
+            hint = close_match(name.replace("_", "-"), flags)
+            if field not in fields and hint and not close_match(field, fields):
+                raise ValueError(f"unknown flag {name}; did you mean {hint}?")
+        if name == "--json":
             own["--json"] = True
         elif name in _OWN:
             if not eq:
@@ -64,12 +74,12 @@ def _take_own(argv: list[str]) -> tuple[dict, list[str]]:
 
 def _expert_parallel_size(rest: list[str]) -> int:
     """expert_parallel_size from the overrides or the recipe (before OccultConfig checks the world size)."""
-    from .train import _load_recipe, _parser, _split_recipe
+    from .train import config_parser, load_recipe, split_recipe
 
-    recipe, flags = _split_recipe(rest)
+    recipe, flags = split_recipe(rest)
     value = 1
     if recipe is not None:
-        value = _load_recipe(recipe, _parser()).get("expert_parallel_size", 1)
+        value = load_recipe(recipe, config_parser()).get("expert_parallel_size", 1)
     for i, token in enumerate(flags):
         name, eq, v = token.partition("=")
         if name.lstrip("-").replace("-", "_") == "expert_parallel_size":
@@ -125,7 +135,9 @@ def run(args) -> int:
     if any(token in ("-h", "--help") for token in argv):
         print(__doc__)
         return 0
-    own, rest = _take_own(argv)
+    from .train import config_parser, field_names
+
+    own, rest = _take_own(argv, field_names(config_parser()))
     ep = _expert_parallel_size(rest)
     gpus = own.get("--gpus", ep)
     if gpus < 1 or gpus % ep:
@@ -143,6 +155,14 @@ def run(args) -> int:
         config.expert_parallel_size = ep
     if config is None:
         return 0
+    if own.get("--config") is None:
+        from ..configs import shipped_config_path
+
+        if config.model_name_or_path and not shipped_config_path(config.model_name_or_path):
+            try:
+                check_hub_sources("plan", models=[config.model_name_or_path])
+            except ValueError as err:  # plan needs only the config: say how to give it
+                raise ValueError(f"{err}, or pass --config PATH/config.json") from None
     model_config = load_model_config(config.model_name_or_path, own.get("--config"))
     plan = plan_for_config(config, model_config, gpus=gpus, gpu_memory_gb=own.get("--gpu-memory", 80.0))
     if own["--json"]:

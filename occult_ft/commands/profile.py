@@ -1,8 +1,21 @@
-"""`occult-ft profile MODEL --data DATA --out PROFILE`: record per-layer routing statistics."""
+"""`occult-ft profile MODEL --data DATA --out PROFILE`: record per-layer routing statistics.
+
+The profile feeds `occult-ft place` and the similarity criterion of `occult-ft prune`. `--data embedded`
+reads the shipped training text here (the evaluation text stays held out for `eval` and `analyze`).
+"""
 
 from __future__ import annotations
 
-from ._common import add_model_data_args, data_batches, load_data, positive_int, standalone
+from ._common import (
+    add_model_data_args,
+    check_hub_sources,
+    data_batches,
+    load_data,
+    note_data_ran_out,
+    positive_int,
+    quiet_deepspeed_accelerator,
+    standalone,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -11,7 +24,7 @@ def add_parser(sub):
     p = sub.add_parser(
         "profile", help="run a model over data and record expert co-selection statistics", description=__doc__
     )
-    add_model_data_args(p)
+    add_model_data_args(p, embedded_split="train")
     p.add_argument("--out", required=True, help="where to write the profile (.safetensors)")
     p.add_argument(
         "--max-routing-tokens",
@@ -24,12 +37,16 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from ..checkpoint import load_model_and_tokenizer
     from ..fileio import check_output_path
-    from ..profiling import profile_model
 
     check_output_path(args.out, args.model, args.data, what="--out")
-    data = load_data(args.data)
+    check_hub_sources("profile", models=[args.model], datasets=[args.data])
+    data = load_data(args.data, args.split, args.embedded_split)
+
+    quiet_deepspeed_accelerator()
+    from ..checkpoint.load import load_model_and_tokenizer
+    from ..profiling import profile_model
+
     model, tokenizer = load_model_and_tokenizer(args.model)
     batches = data_batches(
         tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False
@@ -42,6 +59,7 @@ def run(args) -> int:
         max_routing_tokens=args.max_routing_tokens,
     )
     prof.save(args.out)
+    note_data_ran_out("profile", args.data, prof.num_tokens, args.max_tokens)
     print(
         f"profiled {prof.num_tokens} tokens over {len(prof.layers)} MoE layers "
         f"({prof.num_experts} experts, top-{prof.top_k}) -> {args.out}"

@@ -2,13 +2,14 @@
 pruning and pruned fine-tuning to 1 and 2 devices with the score and similarity criteria).
 
 `--task text` (default) measures the loss on held-out embedded text. `--task months` (see
-`occult_ft.tasks`) is an instruction task the base model never saw, where fine-tuning matters: response
+`occult_ft.studies.tasks`) is an instruction task the base model never saw, where fine-tuning matters: response
 loss and exact match on held-out rows, budgets 1-3, several seeds with their spread, and pruned runs
 distilled from the unpruned model (`--distill-coef`)."""
 
 from __future__ import annotations
 
-from ._common import positive_int, standalone
+from ._choices import TASK_INFO
+from ._common import positive_int, quiet_deepspeed_accelerator, standalone
 from .demo import add_settings_args, settings_from_args
 
 __all__ = ["add_parser", "run"]
@@ -29,33 +30,32 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_parser(sub):
-    from ..tasks import TASK_INFO, TASKS
-
     p = sub.add_parser(
         "study", help="quality study of pruned fine-tuning on the embedded model", description=__doc__
     )
     add_settings_args(p, "occult-study", 300)
-    # sizes default per task (text: 300 steps, batch 8 x 128, lr 1e-3; a task: occult_ft.task_study.TASK_SETTINGS)
+    # sizes default per task (text: _TEXT_SIZES; a task: occult_ft.studies.task_study.TASK_SETTINGS)
     p.set_defaults(steps=None, batch_size=None, seq_len=None, learning_rate=None, profile_tokens=None)
+    for action in p._actions:
+        if action.dest in _TEXT_SIZES:
+            action.help += f"; default: {_TEXT_SIZES[action.dest]:g} for text, the task's size for a task"
     tasks = "; ".join(f"{name}: {info}" for name, info in TASK_INFO.items())
     p.add_argument(
         "--task",
         default="text",
-        choices=("text", *TASKS),
-        help=f"text (default): held-out embedded text, one seed; {tasks}. With a task, --steps, --batch-size, "
-        "--seq-len, --learning-rate and --profile-tokens default to the task's sizes (150, 8, 48, 3e-3, 16384)",
+        choices=("text", *TASK_INFO),
+        help=f"text: held-out embedded text, one seed; {tasks}. With a task, --steps, --batch-size, "
+        "--seq-len, --learning-rate and --profile-tokens take the task's sizes (150, 8, 48, 3e-3, 16384)",
     )
+    p.add_argument("--seeds", type=_int_list, default=[0, 1, 2], help="a task's training seeds")
     p.add_argument(
-        "--seeds", type=_int_list, default=[0, 1, 2], help="a task's training seeds (default 0,1,2)"
-    )
-    p.add_argument(
-        "--budgets", type=_int_list, default=None, help="budgets M to study (default: text 2,1; a task 1,2,3)"
+        "--budgets", type=_int_list, default=None, help="budgets M to study; default: text 2,1, a task 1,2,3"
     )
     p.add_argument(
         "--distill-coef",
         type=float,
         default=1.0,
-        help="a task's distilled rows: OccultConfig.distill_coef (default 1.0; 0 leaves them out)",
+        help="a task's distilled rows: OccultConfig.distill_coef (0 leaves them out)",
     )
     p.add_argument(
         "--distill-budgets",
@@ -63,24 +63,25 @@ def add_parser(sub):
         default=None,
         help="budgets of the distilled rows (default: --budgets)",
     )
-    p.add_argument(
-        "--train-rows", type=positive_int, default=4000, help="a task's training rows (default 4000)"
-    )
+    p.add_argument("--train-rows", type=positive_int, default=4000, help="a task's training rows")
     p.add_argument(
         "--train-mode",
         default="full",
         choices=("full", "moe", "lora"),
-        help="a task's OccultConfig.train_mode (default full: attention must learn where the month digits are)",
+        help="a task's OccultConfig.train_mode (full: attention must learn where the month digits are)",
     )
-    p.add_argument("--eval-rows", type=positive_int, default=256, help="a task's held-out rows (default 256)")
+    p.add_argument("--eval-rows", type=positive_int, default=256, help="a task's held-out rows")
     p.set_defaults(func=run)
     return p
 
 
 def run(args) -> int:
-    from ..demo import run_quality_study
+    quiet_deepspeed_accelerator()
+    import torch
+
     from ..routing import PruningConfig
-    from ..task_study import TASK_SETTINGS
+    from ..studies.demo import run_quality_study
+    from ..studies.task_study import TASK_SETTINGS
 
     sizes = _TEXT_SIZES if args.task == "text" else TASK_SETTINGS
     for name in _TEXT_SIZES:
@@ -94,6 +95,7 @@ def run(args) -> int:
     if not args.distill_coef >= 0:
         raise ValueError(f"--distill-coef {args.distill_coef} must be >= 0 (0 leaves the distilled rows out)")
     settings = settings_from_args(args)
+    torch.set_num_threads(args.threads)
     if args.task == "text":
         run_quality_study(settings, budgets=budgets)
     else:

@@ -1,7 +1,8 @@
 """`occult-ft train [RECIPE] [--field value ...]`: Occult fine-tuning from a recipe and/or flags.
 
 Every `OccultConfig` field (the Occult fields and all of `transformers.TrainingArguments`) can be set in
-the YAML recipe and on the command line; command-line values win. `occult-ft train --help` lists them.
+the YAML recipe and on the command line (`--max_steps 200` or `--max-steps 200`); command-line values
+win. `occult-ft train --help` lists the Occult fields first, then the inherited ones.
 RECIPE is a YAML file or the name of a shipped recipe (`tiny`, `olmoe-1b-7b`, ...: the files of the
 repository's `recipes/`, installed with the package as `occult_ft/recipes/`).
 
@@ -25,11 +26,93 @@ import os
 import sys
 from pathlib import Path
 
-from ._common import standalone
+from ._common import check_hub_sources, quiet_deepspeed_accelerator, standalone
 
-__all__ = ["add_parser", "run", "parse_config", "main", "shipped_recipes", "find_recipe", "missing_extras"]
+__all__ = [
+    "add_parser",
+    "run",
+    "parse_config",
+    "config_parser",
+    "split_recipe",
+    "load_recipe",
+    "main",
+    "shipped_recipes",
+    "find_recipe",
+    "field_names",
+    "missing_extras",
+    "format_help",
+    "FIELD_GROUPS",
+]
 
 _RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
+
+#: `occult-ft train --help` shows these OccultConfig fields first, in these groups (a field of
+#: OccultConfig missing here is listed under "other Occult fields"; tests/test_cli.py keeps it empty)
+FIELD_GROUPS = {
+    "model and data": (
+        "model_name_or_path",
+        "model_dtype",
+        "dataset",
+        "dataset_split",
+        "text_field",
+        "eval_dataset",
+        "eval_dataset_split",
+        "streaming",
+        "seq_len",
+        "packing",
+        "response_only",
+    ),
+    "placement and pruning": (
+        "devices",
+        "nodes",
+        "exchange",
+        "placement",
+        "placement_algorithm",
+        "max_load_imbalance",
+        "profile_tokens",
+        "max_devices_per_token",
+        "max_nodes_per_token",
+        "criterion",
+        "gate_weights",
+        "balance_loss_coef",
+        "distill_coef",
+        "distill_temperature",
+    ),
+    "training": (
+        "train_mode",
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "expert_parallel_size",
+        "output_dir",
+        "learning_rate",
+        "bf16",
+        "logging_steps",
+    ),
+}
+
+# --report_to names -> the module each needs (transformers.integrations); checked before any model loads
+_REPORTERS = {
+    "tensorboard": ("tensorboard", "tensorboardX"),
+    "wandb": ("wandb",),
+    "mlflow": ("mlflow",),
+    "comet_ml": ("comet_ml",),
+    "clearml": ("clearml",),
+    "neptune": ("neptune",),
+    "dvclive": ("dvclive",),
+    "codecarbon": ("codecarbon",),
+    "swanlab": ("swanlab",),
+    "trackio": ("trackio",),
+    "dagshub": ("dagshub",),
+    "flyte": ("flytekit",),
+    "azure_ml": ("azureml",),
+}
+
+# deprecated TrainingArguments names -> current ones (a recipe may use either with any transformers >= 5.17)
+_ALIASES = {
+    "gradient_checkpointing": "activation_checkpointing",
+    "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs",
+}
 
 
 def add_parser(sub):
@@ -48,7 +131,8 @@ def add_parser(sub):
     return p
 
 
-def _parser():
+def config_parser():
+    """The `HfArgumentParser` of `OccultConfig` behind `occult-ft train` (errors raise ValueError)."""
     from transformers import HfArgumentParser
 
     from ..trainer import OccultConfig
@@ -57,15 +141,68 @@ def _parser():
         def error(self, message):  # one line through the CLI's error handling, not a usage dump
             raise ValueError(message)
 
+    from ..cli import HelpFormatter
+
     return _Parser(
         OccultConfig,
         prog="occult-ft train",
         allow_abbrev=False,
+        formatter_class=HelpFormatter,
         description="Fine-tune an MoE with Occult placement and collaboration pruning.",
     )
 
 
-def _field_names(parser) -> list[str]:
+def format_help(parser) -> str:
+    """`occult-ft train --help`: usage with the recipe, the Occult fields in `FIELD_GROUPS`, then the
+    fields inherited from `transformers.TrainingArguments`, every default shown once."""
+    import argparse
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from ..cli import HelpFormatter
+
+    display = argparse.ArgumentParser(
+        prog="occult-ft train",
+        usage="occult-ft train [RECIPE] [--field value ...]",
+        description=__doc__,
+        formatter_class=HelpFormatter,
+        add_help=False,
+    )
+    actions: dict[str, list] = {}
+    for action in parser._actions:
+        if action.dest != "help":
+            actions.setdefault(action.dest, []).append(action)
+    shown: set[str] = set()
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    own = [name for name in actions if name not in inherited]
+    groups = dict(FIELD_GROUPS)
+    others = tuple(name for name in own if not any(name in names for names in groups.values()))
+    if others:
+        groups["other Occult fields"] = others
+    for acts in actions.values():
+        for action in acts[1:]:
+            if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser's --no_<field>
+                action.help = f"sets {acts[0].option_strings[0]} to False"
+    for title, names in groups.items():
+        group = display.add_argument_group(f"Occult: {title}")
+        for name in names:
+            for action in actions.get(name, ()):
+                group._add_action(action)
+            shown.add(name)
+    group = display.add_argument_group(
+        "inherited from transformers.TrainingArguments",
+        "the Trainer's own settings (https://huggingface.co/docs/transformers/main_classes/trainer)",
+    )
+    for name, acts in actions.items():
+        if name not in shown:
+            for action in acts:
+                group._add_action(action)
+    return display.format_help()
+
+
+def field_names(parser) -> list[str]:
+    """The OccultConfig field names `parser` (`config_parser()`) knows, sorted."""
     return sorted({a.dest for a in parser._actions if a.dest not in ("help",)})
 
 
@@ -100,7 +237,7 @@ def find_recipe(token: str) -> str | None:
     return None
 
 
-def _split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
+def split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
     """The recipe (first positional, after any launcher-inserted --local_rank) and the rest."""
     rest = list(argv)
     for i, token in enumerate(rest):
@@ -111,7 +248,7 @@ def _split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
             if found is not None:
                 return found, rest[:i] + rest[i + 1 :]
             if token.lower().endswith(_RECIPE_SUFFIXES):
-                return token, rest[:i] + rest[i + 1 :]  # _load_recipe names the missing file
+                return token, rest[:i] + rest[i + 1 :]  # load_recipe names the missing file
             names = sorted(shipped_recipes())
             close = difflib.get_close_matches(token, names, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}? " if close else ""
@@ -123,7 +260,19 @@ def _split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
     return None, rest
 
 
-def _load_recipe(path: str, parser) -> dict:
+def _current_name(name: str, actions) -> str:
+    """The name this transformers release knows for a field that was renamed: the current one for a
+    deprecated name (no deprecation warning for a recipe that works either way), the old one on a release
+    before the rename."""
+    if name in _ALIASES and _ALIASES[name] in actions:
+        return _ALIASES[name]
+    old = next((k for k, v in _ALIASES.items() if v == name), None)
+    if old is not None and name not in actions and old in actions:
+        return old
+    return name
+
+
+def load_recipe(path: str, parser) -> dict:
     import yaml
 
     if not os.path.isfile(path):
@@ -141,10 +290,10 @@ def _load_recipe(path: str, parser) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"recipe {path!r} holds a {type(data).__name__}; expected a mapping of field: value")
     actions = {a.dest: a for a in parser._actions}
-    names = _field_names(parser)
+    names = field_names(parser)
     values = {}
     for key, value in data.items():
-        name = str(key).replace("-", "_")
+        name = _current_name(str(key).replace("-", "_"), actions)
         if name not in actions or name == "help":
             raise _unknown(name, names, f"in recipe {path!r}")
         convert = actions[name].type
@@ -165,14 +314,25 @@ def parse_config(argv: list[str]):
     Raises:
         ValueError: one line naming an unknown field (with the closest valid one) or a bad value.
     """
-    parser = _parser()
+    parser = config_parser()
     if any(token in ("-h", "--help") for token in argv):
-        parser.print_help()
+        print(format_help(parser))
         return None
-    parser.set_defaults(disable_tqdm=False)  # progress bars by default (the CLI quiets library logging)
-    recipe, rest = _split_recipe(argv)
+    import torch
+
+    # progress bars by default (the CLI quiets library logging); no pinned memory without an accelerator
+    # (the DataLoader warns on every CPU run otherwise)
+    parser.set_defaults(disable_tqdm=False, dataloader_pin_memory=torch.accelerator.is_available())
+    recipe, rest = split_recipe(argv)
     if recipe is not None:
-        parser.set_defaults(**_load_recipe(recipe, parser))
+        parser.set_defaults(**load_recipe(recipe, parser))
+    actions = {a.dest: a for a in parser._actions}
+    for i, token in enumerate(rest):
+        if token.startswith("--"):
+            flag, eq, value = token.partition("=")
+            name = flag[2:].replace("-", "_")
+            if _current_name(name, actions) != name:
+                rest[i] = f"--{_current_name(name, actions)}{eq}{value}"
     try:
         config, remaining = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
     except ImportError as err:  # TrainingArguments imports deepspeed itself when --deepspeed is set
@@ -186,7 +346,7 @@ def parse_config(argv: list[str]):
     if remaining:
         flag = next((t for t in remaining if t.startswith("-")), remaining[0])
         name = flag.lstrip("-").split("=", 1)[0].replace("-", "_")
-        raise _unknown(name, _field_names(parser), "on the command line")
+        raise _unknown(name, field_names(parser), "on the command line")
     return config
 
 
@@ -199,14 +359,23 @@ def missing_extras(config) -> list[str]:
         needs.append(("peft", "peft", "train_mode=lora"))
     if config.deepspeed:
         needs.append(("deepspeed", "deepspeed", "--deepspeed"))
-    return [
+    missing = [
         f"{why} needs {module}, which is not installed: pip install 'occult-ft[{extra}]'"
         for module, extra, why in needs
         if importlib.util.find_spec(module) is None
     ]
+    for name in config.report_to or ():
+        modules = _REPORTERS.get(name, ())
+        if modules and all(importlib.util.find_spec(m) is None for m in modules):
+            missing.append(
+                f"--report_to {name} needs {modules[0]}, which is not installed: pip install {modules[0]} "
+                "(or --report_to none)"
+            )
+    return missing
 
 
 def run(args) -> int:
+    quiet_deepspeed_accelerator()
     from ..trainer import train
 
     config = parse_config(list(args.argv))
@@ -215,11 +384,17 @@ def run(args) -> int:
     missing = missing_extras(config)
     if missing:
         raise ImportError("; ".join(missing))
+    check_hub_sources(
+        "train", models=[config.model_name_or_path], datasets=[config.dataset, config.eval_dataset]
+    )
     finished = False
     try:
         trainer, metrics = train(config)
         if trainer.is_world_process_zero():
-            print(f"saved the pruned model to {config.output_dir}")
+            what = "LoRA adapter" if config.train_mode == "lora" else "model"
+            print(
+                f"{what} in {config.output_dir} (occult_ft.from_pretrained({config.output_dir!r})); metrics:"
+            )
             for key in sorted(metrics):
                 value = metrics[key]
                 print(f"  {key}: {value:.4f}" if isinstance(value, float) else f"  {key}: {value}")

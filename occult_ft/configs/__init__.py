@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import os
 
+from ..checkpoint.convert import DEEPSEEK_MODEL_TYPE, convert_config
+from ..checkpoint.load import resolve_model_path
+
 __all__ = ["as_config", "load_model_config", "shipped_config_path"]
 
 _CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -20,8 +23,6 @@ def as_config(cfg):
     if not isinstance(cfg, dict):
         return cfg
     from transformers import AutoConfig
-
-    from ..convert import DEEPSEEK_MODEL_TYPE, convert_config
 
     d = dict(cfg)
     if d.get("model_type") == DEEPSEEK_MODEL_TYPE:
@@ -59,7 +60,6 @@ def load_model_config(model: str | None, config: str | None = None):
         return as_config(_read_json(config))
     if not model:
         raise ValueError("no model: set model_name_or_path in the recipe or pass --config PATH")
-    from ..checkpoint import resolve_model_path
 
     path = resolve_model_path(model)
     if os.path.isdir(path):

@@ -43,6 +43,7 @@ from .tokenize import (
     format_prompt,
     pack_examples,
     tokenize_dataset,
+    tokenize_for_training,
 )
 
 __all__ = [
@@ -66,5 +67,6 @@ __all__ = [
     "profile_batches",
     "real_token_mask",
     "tokenize_dataset",
+    "tokenize_for_training",
     "unpack_row",
 ]

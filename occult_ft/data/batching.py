@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from .loading import IGNORE_INDEX, DataError
+from .tokenize import tokenize_dataset
 
 __all__ = [
     "make_collator",
@@ -198,7 +199,6 @@ def make_batches(
     """Tokenised `dataset` (rows of `load_text_dataset`) as padded batches with labels, enough of them for
     `max_tokens` real (unpadded) tokens. `response_only=False` keeps prompts in the labels (and rows
     whose prompt fills `seq_len`): for routing statistics every token counts."""
-    from .tokenize import tokenize_dataset
 
     if tokenizer is None:
         raise DataError("the model has no tokenizer; save one beside the model (tokenizer.save_pretrained)")

@@ -29,6 +29,8 @@ from pathlib import Path
 
 from datasets import Dataset, DatasetDict, IterableDataset, load_from_disk
 
+from ..embedded import EMBEDDED_SPLITS, embedded_data_path
+
 __all__ = [
     "DataError",
     "EMBEDDED",
@@ -258,8 +260,6 @@ def load_text_dataset(
     """
     source_str = os.fspath(source)
     if source_str == EMBEDDED:
-        from occult_ft.embedded import EMBEDDED_SPLITS, embedded_data_path
-
         name = split or "train"
         if name not in EMBEDDED_SPLITS:
             raise DataError(

@@ -43,6 +43,7 @@ __all__ = [
     "format_prompt",
     "pack_examples",
     "tokenize_dataset",
+    "tokenize_for_training",
 ]
 
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -314,3 +315,25 @@ def tokenize_dataset(
             f"every prompt fills seq_len={seq_len} tokens, leaving no response to train on; raise seq_len"
         )
     return out
+
+
+def tokenize_for_training(dataset, tokenizer, args):
+    """Tokenize raw rows (any layout of `occult_ft.data.load_text_dataset`: text, instruction, prompt /
+    completion, messages; a `Dataset` or a streamed `IterableDataset`) as `args` (an `OccultConfig`) says
+    (`seq_len`, `packing`, `response_only`); tokenized data (an `input_ids` column) and non-`datasets` objects are
+    returned unchanged."""
+    from datasets import Dataset, IterableDataset
+
+    if not isinstance(dataset, (Dataset, IterableDataset)):
+        return dataset
+
+    if dataset_layout(dataset_columns(dataset)) == "tokenized":
+        return dataset
+    if tokenizer is None:
+        raise ValueError(
+            "the dataset holds raw text; pass processing_class=<tokenizer> so it can be tokenized"
+        )
+    with args.main_process_first(desc="tokenizing"):
+        return tokenize_dataset(
+            dataset, tokenizer, args.seq_len, packing=args.packing, response_only=args.response_only
+        )

@@ -149,7 +149,6 @@ def dedup_moe_forward(
     num_experts: int | None = None,
     backend: str = "auto",
     return_layout: bool = False,
-    nodes: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, DispatchLayout]:
     """One expert-parallel MoE layer with de-duplicated all-to-all.
 
@@ -163,29 +162,12 @@ def dedup_moe_forward(
             torch.distributed).
         num_experts: E, to cross-check against P * D (default: P * D).
         backend: grouped matmul backend of the local compute ("auto", "grouped_mm", "loop").
-        return_layout: also return the `DispatchLayout` (rows_sent, send_counts_D, ...); with
-            nodes > 1 the `TwoStageHandle` instead.
-        nodes: N > 1 selects the two-stage exchange over N nodes of D / N consecutive ranks (one row
-            per (token, node) crosses nodes; `two_stage.two_stage_moe_forward`); 1: the flat exchange.
+        return_layout: also return the `DispatchLayout` (rows_sent, send_counts_D, ...).
 
     Returns:
         out_TH: (T, H) in hidden_TH.dtype, equal to the unsharded layer on this rank's tokens;
         and the layout if `return_layout`.
     """
-    if nodes != 1:
-        from .two_stage import two_stage_moe_forward
-
-        return two_stage_moe_forward(
-            hidden_TH,
-            topk_ids_TK,
-            weights_TK,
-            local_experts_module,
-            group,
-            nodes=nodes,
-            num_experts=num_experts,
-            backend=backend,
-            return_handle=return_layout,
-        )
     if hidden_TH.dim() != 2:
         raise ValueError(f"hidden_TH must be (T, H), got shape {tuple(hidden_TH.shape)}")
     num_devices, rank = group_size_and_rank(group)

@@ -23,9 +23,8 @@ batch. Expert-shard parameters are new `nn.Parameter`s marked `param.occult_expe
 `gather_experts_state_dict` / `gather_experts` all-gather the shards back into the standard fused
 layout, so `save_pretrained` writes an ordinary HF checkpoint.
 
-A LoRA model (PEFT `target_parameters` on the fused tensors) wraps the experts module in `ParamWrapper`s
-(`experts.base_layer.base_layer` is the transformers module); `base_experts` finds the wrapped module,
-which is what gets sharded, and `experts_state_key` names its tensors in the unwrapped model's state dict.
+A LoRA model (PEFT `target_parameters` on the fused tensors) wraps the experts module in `ParamWrapper`s;
+`occult_ft.models.base_experts` finds the wrapped transformers module, which is what gets sharded.
 
 Shape legend: E experts of a layer, D devices (expert-parallel size), P = E / D experts per device.
 """
@@ -38,9 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models import find_moe_layers, unwrap_model
+from ..models import base_experts, experts_state_key, find_moe_layers, unwrap_model
 from .alltoall import dedup_moe_forward
 from .comm import group_size_and_rank
+from .two_stage import node_groups, two_stage_moe_forward
 
 __all__ = [
     "EXPERTS_IMPLEMENTATION",
@@ -50,8 +50,6 @@ __all__ = [
     "shard_experts",
     "shard_experts_module",
     "expert_shard_parameters",
-    "base_experts",
-    "experts_state_key",
     "gather_experts_state_dict",
     "gather_experts",
 ]
@@ -98,14 +96,18 @@ def occult_ep_experts_forward(
             f"{type(self).__name__} uses experts_implementation={EXPERTS_IMPLEMENTATION!r} but holds all its "
             "experts; call occult_ft.dispatch.shard_experts(model, group) first"
         )
+    if shard.nodes > 1:
+        return two_stage_moe_forward(
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            self,
+            shard.group,
+            nodes=shard.nodes,
+            num_experts=shard.num_experts,
+        )
     return dedup_moe_forward(
-        hidden_states,
-        top_k_index,
-        top_k_weights,
-        self,
-        shard.group,
-        num_experts=shard.num_experts,
-        nodes=shard.nodes,
+        hidden_states, top_k_index, top_k_weights, self, shard.group, num_experts=shard.num_experts
     )
 
 
@@ -178,22 +180,6 @@ def shard_experts_module(
     return record
 
 
-def base_experts(experts: nn.Module) -> nn.Module:
-    """The transformers experts module inside PEFT's `ParamWrapper`s (`experts` itself without LoRA)."""
-    while hasattr(experts, "parameter_name") and isinstance(getattr(experts, "base_layer", None), nn.Module):
-        experts = experts.base_layer
-    return experts
-
-
-def experts_state_key(layer, name: str) -> str:
-    """Key of the fused tensor `name` of an MoE layer in the unwrapped model's state dict, e.g.
-    `model.layers.0.mlp.experts.gate_up_proj`, or `...experts.base_layer.base_layer.gate_up_proj` under LoRA."""
-    path, module = f"{layer.name}.experts", layer.experts
-    while module is not base_experts(module):
-        path, module = f"{path}.base_layer", module.base_layer
-    return f"{path}.{name}"
-
-
 def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, nodes: int = 1) -> nn.Module:
     """Keep only this rank's contiguous block of experts in every MoE layer and switch to "occult_ep".
 
@@ -223,8 +209,6 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, node
         except ValueError as err:
             raise ValueError(f"{layer.name}.experts: {err}") from None
     if nodes > 1:
-        from .two_stage import node_groups
-
         node_groups(nodes, group)  # every rank builds the sub-groups now, not inside a forward
     base.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     return model
@@ -279,14 +263,12 @@ def gather_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
     """Undo `shard_experts` in place (collective): full expert tensors on every rank, previous kernel.
 
     Each layer gathers over the group recorded by `shard_experts` (`group` is used only where that was
-    None, i.e. the default group).
+    None, i.e. the default group). Expert LoRA factors sharded with the experts are not touched here:
+    gather them first with `occult_ft.integrations.peft.unshard_expert_lora`.
     """
     base = unwrap_model(model)
     previous = None
-    from ..integrations.peft import unshard_expert_lora
-
     for layer, shard in list(_sharded_layers(base)):
-        unshard_expert_lora(layer.experts, shard.group or group, shard.num_devices)
         experts = base_experts(layer.experts)
         for name in shard.param_names:
             part = getattr(experts, name)

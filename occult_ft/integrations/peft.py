@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..models import base_experts
 from ..models.registry import find_moe_layers, get_arch, unwrap_model
 
 __all__ = [
@@ -162,8 +163,6 @@ def seeded_lora_init(peft_model: nn.Module, seed: int) -> None:
     those experts. `lora_B` stays zero (PEFT's default), so the model is unchanged at start."""
     import zlib
 
-    from ..dispatch.experts_impl import base_experts
-
     for name, module in _peft_top(peft_model).named_modules():
         lora_a = getattr(module, "lora_A", None)
         if not isinstance(lora_a, nn.ModuleDict):
@@ -191,7 +190,6 @@ def adopt_local_expert_lora(experts: nn.Module) -> list[nn.Parameter]:
     factors already cover only this rank's experts) as shards of the full-E factors, like
     `shard_expert_lora` does after cutting: `occult_lora_shard = (E, start)`, factors marked as expert
     shards. Returns the factors."""
-    from ..dispatch.experts_impl import base_experts
 
     shard = base_experts(experts).occult_shard
     factors = []

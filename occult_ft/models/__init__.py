@@ -1,5 +1,7 @@
-"""Architecture adapters: the registry of supported HF MoE model types (see `registry.py`)."""
+"""Architecture knowledge: the registry of supported HF MoE model types (`registry.py`) and the fused
+experts module behind PEFT wrappers (`experts.py`)."""
 
+from .experts import base_experts, experts_state_key
 from .registry import (
     MoEArch,
     MoELayer,
@@ -13,6 +15,8 @@ from .registry import (
 )
 
 __all__ = [
+    "base_experts",
+    "experts_state_key",
     "MoEArch",
     "MoELayer",
     "UnsupportedModelError",

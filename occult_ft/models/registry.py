@@ -44,13 +44,13 @@ __all__ = [
 #: config fields that may carry a device budget natively (DeepSeek-V2/V3 group-limited routing)
 NATIVE_ROUTING_FIELDS = ("n_group", "topk_group", "topk_method")
 #: config fields that name the number of routed experts, by architecture
-_EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def config_num_experts(config) -> int | None:
     """Routed experts per layer from a config object or a `config.json` dict (None when absent)."""
     get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
-    return next((int(get(k)) for k in _EXPERT_COUNT_FIELDS if get(k)), None)
+    return next((int(get(k)) for k in EXPERT_COUNT_FIELDS if get(k)), None)
 
 
 class UnsupportedModelError(ValueError):
@@ -146,36 +146,50 @@ class MoEArch:
         return self.num_experts(router) // int(num_group) if active else 1
 
     # ---- native routing fields (how a budget is written in the model's own config) ----------------
-    def write_native_routing(
-        self, config, num_devices: int, max_devices_per_token: int | None, criterion: str
-    ) -> bool:
-        """Express device-limited routing in the model's own config where stock transformers can (in place).
+    def native_group_fields(self, num_experts: int | None, pruning) -> dict | None:
+        """The config fields with which stock transformers routes under `pruning` by itself, or None.
 
-        DeepSeek-V3 (`"topk_sum"`): `n_group=D`, `topk_group=M`; groups are ranked by the sum of their
-        top-2 scores, which is `device_topk_sum` (needs at least 2 experts per device). DeepSeek-V2
-        (`"max"`): `topk_method="group_limited_greedy"`, `n_group=D`, `topk_group=M`; groups are ranked
-        by their best score, which is `device_max`/`score`. Returns True when the fields were written.
+        Stock group-limited routing has one level of groups, so exactly one budget may be active:
+        - DeepSeek-V3 (`"topk_sum"`): groups ranked by the sum of their top-2 scores and the top-k taken
+          inside the kept groups, which is `device_topk_sum` (needs at least 2 experts per group): a
+          device budget M gives `n_group=D, topk_group=M`; a node budget alone gives
+          `n_group=N, topk_group=max_nodes_per_token`.
+        - DeepSeek-V2 (`"max"`): groups ranked by their best score, which is `device_max` / `score` for a
+          device budget: `topk_method="group_limited_greedy", n_group=D, topk_group=M`.
+
+        Args:
+            num_experts: E (from the config); pruning: a `PruningConfig` (duck-typed) or None.
         """
-        if max_devices_per_token is None or max_devices_per_token >= num_devices:
-            return False
-        per_device = (config_num_experts(config) or 0) // num_devices
-        m = int(max_devices_per_token)
-        if self.native_group_routing == "topk_sum" and criterion == "device_topk_sum" and per_device >= 2:
-            config.n_group, config.topk_group = num_devices, m
-            return True
-        if self.native_group_routing == "max" and criterion in ("device_max", "score"):
-            config.topk_method, config.n_group, config.topk_group = "group_limited_greedy", num_devices, m
-            return True
-        return False
+        if pruning is None or not pruning.active or self.native_group_routing is None:
+            return None
+        d, n = pruning.num_devices, pruning.num_nodes
+        device_on = pruning.max_devices_per_token is not None and pruning.max_devices_per_token < d
+        node_on = pruning.max_nodes_per_token is not None and pruning.max_nodes_per_token < n
+        if device_on == node_on:  # both or neither: one level of groups cannot express it
+            return None
+        groups, keep = (d, pruning.max_devices_per_token) if device_on else (n, pruning.max_nodes_per_token)
+        per_group = (num_experts or 0) // groups
+        if (
+            self.native_group_routing == "topk_sum"
+            and pruning.criterion == "device_topk_sum"
+            and per_group >= 2
+        ):
+            return {"n_group": groups, "topk_group": int(keep)}
+        if self.native_group_routing == "max" and device_on and pruning.criterion in ("device_max", "score"):
+            return {"topk_method": "group_limited_greedy", "n_group": d, "topk_group": int(keep)}
+        return None
 
-    def native_routing_matches(self, config: dict, num_devices, max_devices_per_token) -> bool:
-        """Whether a saved `config.json` (a dict) routes with budget M over D devices by itself."""
-        if self.native_group_routing is None or max_devices_per_token is None or num_devices is None:
-            return False
-        same = config.get("n_group") == num_devices and config.get("topk_group") == max_devices_per_token
-        if self.native_group_routing == "max":
-            same = same and config.get("topk_method") == "group_limited_greedy"
-        return same
+    def write_native_routing(self, config, pruning) -> bool:
+        """Write `native_group_fields` into `config` (in place); returns True when it did."""
+        fields = self.native_group_fields(config_num_experts(config), pruning)
+        for key, value in (fields or {}).items():
+            setattr(config, key, value)
+        return fields is not None
+
+    def native_routing_matches(self, config: dict, pruning) -> bool:
+        """Whether a saved `config.json` (a dict) routes with `pruning`'s budget by itself."""
+        fields = self.native_group_fields(config_num_experts(config), pruning)
+        return fields is not None and all(config.get(k) == v for k, v in fields.items())
 
     def num_experts(self, router: nn.Module) -> int:
         return int(router.num_experts)

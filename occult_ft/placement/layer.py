@@ -183,7 +183,8 @@ def _place_one(
             result.groups = refine_pruned(
                 ids_TK, result.groups, num_devices, budget[0], beta, deadline=time.perf_counter() + seconds
             )
-            result.lower_bound, result.optimal = None, False  # the bound was for the unpruned objective
+            # the bounds were for the unpruned objective
+            result.lower_bound, result.node_lower_bound, result.optimal = None, None, False
             result.note = "refined on the pruned routing (removed selections); bound: none under a budget"
         elif explicit is not None and pruned["load_imbalance"] > explicit * (1 + 1e-9):
             raise PlacementError(

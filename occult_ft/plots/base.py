@@ -12,31 +12,48 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..metrics import comm_complexity_lower_bound, random_placement_comm_complexity
+from ..metrics import RoutingReport, comm_complexity_lower_bound, random_placement_comm_complexity
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from ..metrics import RoutingReport
 
-__all__ = ["DPI"]
+# the shared pieces of every figure module (not re-exported by `occult_ft.plots`)
+__all__ = [
+    "DPI",
+    "OURS",
+    "PEER",
+    "RANDOM",
+    "BOUND",
+    "BUDGET",
+    "CYCLE",
+    "REF_STYLE",
+    "new_figure",
+    "target",
+    "finish",
+    "report_dict",
+    "references",
+    "hlines",
+    "as_list",
+    "mean_devices",
+]
 
 DPI = 110
 """Resolution of saved PNGs (a 12 x 4.5 inch figure is 1320 x 495 pixels, ~60-120 kB)."""
 
 # one colour per role, the same in every figure
-_OURS = "#2a7ab9"  # occult_ft's numbers (measured routing, de-duplicated dispatch)
-_PEER = "#8c8c8c"  # per-expert dispatch and other peers
-_RANDOM = "#d62728"  # random-placement expectation
-_BOUND = "#2ca02c"  # lower bound ceil(k*D/E)
-_BUDGET = "#9467bd"  # a pruning budget
+OURS = "#2a7ab9"  # occult_ft's numbers (measured routing, de-duplicated dispatch)
+PEER = "#8c8c8c"  # per-expert dispatch and other peers
+RANDOM = "#d62728"  # random-placement expectation
+BOUND = "#2ca02c"  # lower bound ceil(k*D/E)
+BUDGET = "#9467bd"  # a pruning budget
 # series colours: none of them is a reference-line colour above
-_CYCLE = ("#2a7ab9", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#bcbd22", "#1f3b73", "#f2b701")
+CYCLE = ("#2a7ab9", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#bcbd22", "#1f3b73", "#f2b701")
 
 
 # ---- plumbing ----------------------------------------------------------------------------------------
-def _new_figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (6.0, 4.5)):
+def new_figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (6.0, 4.5)):
     """(figure, list of axes) without pyplot; constrained layout keeps labels inside the canvas."""
     try:
         from matplotlib.figure import Figure
@@ -49,15 +66,15 @@ def _new_figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (6.0
     return fig, [ax for row in axes for ax in row]
 
 
-def _target(ax: Axes | None, size: tuple[float, float] = (6.0, 4.5)) -> tuple[Figure, Axes]:
+def target(ax: Axes | None, size: tuple[float, float] = (6.0, 4.5)) -> tuple[Figure, Axes]:
     """Draw into `ax` when given, else into a new one-axes figure."""
     if ax is not None:
         return ax.figure, ax
-    fig, (new_ax,) = _new_figure(size=size)
+    fig, (new_ax,) = new_figure(size=size)
     return fig, new_ax
 
 
-def _finish(fig: Figure, path: str | os.PathLike | None) -> Figure:
+def finish(fig: Figure, path: str | os.PathLike | None) -> Figure:
     if path is not None:
         path = os.fspath(path)
         if not path.lower().endswith(".png"):
@@ -69,7 +86,7 @@ def _finish(fig: Figure, path: str | os.PathLike | None) -> Figure:
     return fig
 
 
-def _report_dict(report: RoutingReport | Mapping[str, Any]) -> dict:
+def report_dict(report: RoutingReport | Mapping[str, Any]) -> dict:
     """A `RoutingReport`, or its `to_dict()` form (e.g. `occult-ft analyze --json` output), as a dict."""
     data = report.to_dict() if hasattr(report, "to_dict") else dict(report)
     missing = [
@@ -82,7 +99,7 @@ def _report_dict(report: RoutingReport | Mapping[str, Any]) -> dict:
     return data
 
 
-def _references(
+def references(
     num_experts: int, top_k: int, num_devices: int, extra: Mapping[str, Any] | None = None
 ) -> dict:
     """Reference comm_complexity values: k rows, random-placement expectation, lower bound (when defined)."""
@@ -100,25 +117,25 @@ def _references(
     return refs
 
 
-_REF_STYLE = {
-    "per-expert dispatch (k rows)": dict(color=_PEER, linestyle=":"),
-    "random placement, uniform routing": dict(color=_RANDOM, linestyle="--"),
-    "lower bound ceil(k*D/E)": dict(color=_BOUND, linestyle="-."),
+REF_STYLE = {
+    "per-expert dispatch (k rows)": dict(color=PEER, linestyle=":"),
+    "random placement, uniform routing": dict(color=RANDOM, linestyle="--"),
+    "lower bound ceil(k*D/E)": dict(color=BOUND, linestyle="-."),
 }
 
 
-def _hlines(ax: Axes, refs: Mapping[str, float]) -> None:
+def hlines(ax: Axes, refs: Mapping[str, float]) -> None:
     for label, value in refs.items():
-        style = _REF_STYLE.get(label, dict(color=_BUDGET, linestyle="--"))
+        style = REF_STYLE.get(label, dict(color=BUDGET, linestyle="--"))
         ax.axhline(value, linewidth=1.4, label=f"{label}: {value:.2f}", **style)
 
 
-def _as_list(values: Any) -> list:
+def as_list(values: Any) -> list:
     if isinstance(values, torch.Tensor):
         return values.tolist()
     return list(values)
 
 
-def _mean_devices(hist: Sequence[int]) -> float:
+def mean_devices(hist: Sequence[int]) -> float:
     total = sum(hist)
     return sum(c * n for c, n in enumerate(hist)) / total if total else 0.0

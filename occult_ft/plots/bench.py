@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .base import _CYCLE, _OURS, _PEER, _finish, _new_figure
+from .base import CYCLE, OURS, PEER, finish, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -64,8 +64,8 @@ def plot_bench(
         + (f" (M={b['max_devices_per_token']})" if b.get("max_devices_per_token") is not None else "")
         for b in backends
     ]
-    colors = [_OURS if _is_ours(b) else _PEER for b in backends]
-    fig, (ax_rows, ax_ms) = _new_figure(ncols=2, size=(12.0, 4.8))
+    colors = [OURS if _is_ours(b) else PEER for b in backends]
+    fig, (ax_rows, ax_ms) = new_figure(ncols=2, size=(12.0, 4.8))
     xs = list(range(len(backends)))
     rows = [float(b["rows_per_token"]) for b in backends]
     ax_rows.bar(xs, rows, color=colors)
@@ -74,7 +74,7 @@ def plot_bench(
     if bench_result.get("top_k"):
         ax_rows.axhline(
             float(bench_result["top_k"]),
-            color=_PEER,
+            color=PEER,
             linestyle=":",
             linewidth=1.2,
             label=f"k = {bench_result['top_k']}",
@@ -121,7 +121,7 @@ def plot_bench(
         )
     if title:
         fig.suptitle(title)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def _label_2_and_5(value: float, _position) -> str:
@@ -150,7 +150,6 @@ def _cost_series(predictions: Any) -> list[dict]:
     (capped at D) or, unpruned (M None), at M = D (a budget of D restricts nothing); the rest are peers
     (per-expert dispatch and the like), of which the fastest is the reference.
     """
-    from ..costmodel import get_cluster
 
     if isinstance(predictions, Mapping) and "cost_model" in predictions:
         predictions = predictions["cost_model"]
@@ -164,9 +163,14 @@ def _cost_series(predictions: Any) -> list[dict]:
             clusters.append((str(c["name"]), d, entries))
     elif isinstance(predictions, Mapping):
         for key, result in predictions.items():
-            shape = get_cluster(key)
             entries = [_entry(name, v, "exchange_ms") for name, v in result.items()]
-            clusters.append((shape.name, shape.num_devices, entries))
+            devices = {v.get("num_devices") for v in result.values() if isinstance(v, Mapping)}
+            if len(devices) != 1 or None in devices:
+                raise ValueError(
+                    f"cost-model result of {key!r} does not record its num_devices; build it with "
+                    "occult_ft.bench.costmodel.predict_speedup"
+                )
+            clusters.append((str(getattr(key, "name", key)), int(devices.pop()), entries))
     else:
         raise ValueError(
             "cost-model input must be {cluster: predict_speedup(...)} or a bench report / its cost_model"
@@ -213,9 +217,9 @@ def plot_cost_model(
     reference (1x) of the speed-up panel.
 
     Args:
-        predictions: either {cluster: `occult_ft.costmodel.predict_speedup(...)`} (cluster = a preset
-            name, a spec string or a `ClusterShape`; values map routing names to dicts with `kind`,
-            `max_devices_per_token` and `exchange_ms`), or a bench report / its `cost_model` dict
+        predictions: either {cluster: `occult_ft.bench.costmodel.predict_speedup(...)`} (cluster = a
+            name or a `ClusterShape`, the label; values map routing names to dicts with `kind`,
+            `max_devices_per_token`, `num_devices` and `exchange_ms`), or a bench report / its `cost_model` dict
             (`clusters` with `backends` of `backend`, `kind`, `max_devices_per_token`, `predicted_ms`).
             The budget is read from `max_devices_per_token`, never from a name.
         path: also write the figure to this PNG.
@@ -225,10 +229,10 @@ def plot_cost_model(
         The Figure (two axes: predicted ms, speed-up), M on a log2 axis.
     """
     series = _cost_series(predictions)
-    fig, (ax_ms, ax_speed) = _new_figure(ncols=2, size=(12.0, 4.6))
+    fig, (ax_ms, ax_speed) = new_figure(ncols=2, size=(12.0, 4.6 + 0.22 * len(series)))
     ticks: set[int] = set()
     for i, s in enumerate(series):
-        color = _CYCLE[i % len(_CYCLE)]
+        color = CYCLE[i % len(CYCLE)]
         ms_ = [m for m, _ in s["budgets"]]
         ticks.update(ms_)
         label = f"{s['name']} (D={s['devices']})"
@@ -236,19 +240,20 @@ def plot_cost_model(
         if s["peer_ms"] is not None:
             ax_ms.axhline(s["peer_ms"], color=color, linestyle=":", linewidth=1.2)
             speed = [s["peer_ms"] / v if v > 0 else math.inf for _, v in s["budgets"]]
-            ax_speed.plot(ms_, speed, marker="o", color=color, label=label)
-            for m, v in zip(ms_, speed):
-                ax_speed.annotate(
-                    f"{v:.2f}x", (m, v), textcoords="offset points", xytext=(3, 4), fontsize=7, color=color
-                )
-    ax_speed.axhline(1.0, color=_PEER, linestyle=":", linewidth=1.2, label="per-expert dispatch (1x)")
-    ax_ms.plot([], [], color=_PEER, linestyle=":", label="dotted: per-expert dispatch")
+            # the figures go into the legend, one line per cluster: labels at the points overlap as soon
+            # as two clusters predict similar speed-ups
+            shown = ", ".join(f"M={m}: {v:.2f}x" for m, v in zip(ms_, speed))
+            ax_speed.plot(ms_, speed, marker="o", color=color, label=f"{label}: {shown}")
+    ax_speed.axhline(1.0, color=PEER, linestyle=":", linewidth=1.2, label="per-expert dispatch (1x)")
+    ax_ms.plot([], [], color=PEER, linestyle=":", label="dotted: per-expert dispatch")
     for ax in (ax_ms, ax_speed):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(ticks))
         ax.set_xticklabels([str(t) for t in sorted(ticks)])
         ax.set_xlabel("max_devices_per_token M (M = D: de-duplication only)")
-        ax.legend(fontsize=8)
+    ax_ms.legend(fontsize=8)
+    # below the panel: one line per cluster with its speed-ups, clear of the curves
+    ax_speed.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     from matplotlib.ticker import FuncFormatter
 
     ax_ms.set_yscale("log")  # clusters differ by orders of magnitude (PCIe vs NVLink)
@@ -260,4 +265,4 @@ def plot_cost_model(
     ax_speed.set_title("predicted speed-up")
     if title:
         fig.suptitle(title)
-    return _finish(fig, path)
+    return finish(fig, path)

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .base import _CYCLE, _as_list, _finish, _hlines, _new_figure, _target
+from ..metrics import (
+    comm_complexity,
+    comm_complexity_lower_bound,
+    contiguous_expert_device,
+    expert_device_from_groups,
+    random_placement_comm_complexity,
+)
+from .base import CYCLE, as_list, finish, hlines, new_figure, target
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -25,9 +32,8 @@ __all__ = ["plot_coactivation", "plot_placement_comparison", "plot_placement"]
 
 def _expert_device(expert_device: Any, num_experts: int) -> list[int]:
     """(E,) device ids from a tensor / list of ids, or from `groups` (D lists of expert ids)."""
-    from ..metrics import expert_device_from_groups
 
-    values = _as_list(expert_device)
+    values = as_list(expert_device)
     if values and isinstance(values[0], (list, tuple)):
         values = expert_device_from_groups(values, num_experts).tolist()
     if len(values) != num_experts:
@@ -87,7 +93,7 @@ def plot_coactivation(
     import matplotlib
     from matplotlib.colors import PowerNorm
 
-    fig, ax = _target(ax, size=(6.0, 5.2))
+    fig, ax = target(ax, size=(6.0, 5.2))
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")  # the blank diagonal
     # square-root colour scale: a few hot pairs would otherwise leave every other cell dark
     top = float(np.nanmax(shown)) if e > 1 and np.isfinite(shown).any() else 0.0
@@ -115,7 +121,7 @@ def plot_coactivation(
     )
     if colorbar:
         fig.colorbar(image, ax=ax, shrink=0.8, label="tokens selecting both (square-root scale)")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_placement_comparison(
@@ -145,7 +151,7 @@ def plot_placement_comparison(
     """
     if not per_layer:
         raise ValueError("per_layer is empty; pass {algorithm: [comm_complexity per layer]}")
-    series = {name: [float(v) for v in _as_list(values)] for name, values in per_layer.items()}
+    series = {name: [float(v) for v in as_list(values)] for name, values in per_layer.items()}
     lengths = {name: len(v) for name, v in series.items()}
     if len(set(lengths.values())) != 1:
         raise ValueError(
@@ -155,12 +161,12 @@ def plot_placement_comparison(
     labels = [str(x) for x in (layers if layers is not None else range(n))]
     if len(labels) != n:
         raise ValueError(f"{len(labels)} layer labels for {n} values per algorithm")
-    fig, ax = _target(ax, size=(max(6.0, 0.55 * n * len(series) + 3), 4.5))
+    fig, ax = target(ax, size=(max(6.0, 0.55 * n * len(series) + 3), 4.5))
     width = 0.8 / len(series)
     for i, (name, values) in enumerate(series.items()):
         xs = [x - 0.4 + width * (i + 0.5) for x in range(n)]
         mean = sum(values) / n if n else 0.0
-        ax.bar(xs, values, width=width, color=_CYCLE[i % len(_CYCLE)], label=f"{name} (mean {mean:.3f})")
+        ax.bar(xs, values, width=width, color=CYCLE[i % len(CYCLE)], label=f"{name} (mean {mean:.3f})")
     refs = {}
     if top_k is not None:
         refs["per-expert dispatch (k rows)"] = float(top_k)
@@ -168,7 +174,7 @@ def plot_placement_comparison(
         refs["random placement, uniform routing"] = float(random_expectation)
     if lower_bound is not None:
         refs["lower bound ceil(k*D/E)"] = float(lower_bound)
-    _hlines(ax, refs)
+    hlines(ax, refs)
     ax.set_xticks(list(range(n)))
     ax.set_xticklabels(labels)
     ax.set_xlabel("MoE layer")
@@ -177,7 +183,7 @@ def plot_placement_comparison(
     ax.set_ylim(0, top * 1.3)
     ax.legend(fontsize=8, ncol=2, loc="upper right")
     ax.set_title(title or "comm_complexity per layer by placement")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_placement(
@@ -202,12 +208,6 @@ def plot_placement(
     Returns:
         The Figure.
     """
-    from ..metrics import (
-        comm_complexity,
-        comm_complexity_lower_bound,
-        contiguous_expert_device,
-        random_placement_comm_complexity,
-    )
 
     if not placements:
         raise ValueError("placements is empty; pass {name: Placement}")
@@ -224,7 +224,7 @@ def plot_placement(
         seq = [comm_complexity(ids[i], contiguous_expert_device(e, d), d) for i in layers]
         gains = [a - b for a, b in zip(seq, per_layer[chosen])]
         layer = layers[max(range(len(layers)), key=gains.__getitem__)]
-    fig, (ax_before, ax_after, ax_bars) = _new_figure(ncols=3, size=(17.0, 5.0))
+    fig, (ax_before, ax_after, ax_bars) = new_figure(ncols=3, size=(17.0, 5.0))
     co = profile.layers[layer].coactivation
     plot_coactivation(
         co, contiguous_expert_device(e, d), ax=ax_before, title=f"layer {layer}: experts in original order"
@@ -241,4 +241,4 @@ def plot_placement(
         ax=ax_bars,
         title=f"comm_complexity per layer, {d} devices",
     )
-    return _finish(fig, path)
+    return finish(fig, path)

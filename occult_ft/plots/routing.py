@@ -12,26 +12,26 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..metrics import RoutingReport
 from .base import (
-    _BUDGET,
-    _CYCLE,
-    _OURS,
-    _REF_STYLE,
-    _as_list,
-    _finish,
-    _hlines,
-    _mean_devices,
-    _new_figure,
-    _references,
-    _report_dict,
-    _target,
+    BUDGET,
+    CYCLE,
+    OURS,
+    REF_STYLE,
+    as_list,
+    finish,
+    hlines,
+    mean_devices,
+    new_figure,
+    references,
+    report_dict,
+    target,
 )
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from ..metrics import RoutingReport
 
 __all__ = ["plot_report", "comm_complexity_figure", "plot_devices_histogram"]
 
@@ -57,22 +57,22 @@ def plot_report(
     Returns:
         The Figure (two axes: per-layer bars, histogram).
     """
-    r = _report_dict(report)
+    r = report_dict(report)
     e, k, d = int(r["num_experts"]), int(r["top_k"]), int(r["num_devices"])
     extra = r.get("extra") or {}
-    refs = _references(e, k, d, extra)
+    refs = references(e, k, d, extra)
     budget = extra.get("max_devices_per_token")
     if budget is not None:
         refs[f"budget M={budget}"] = float(min(int(budget), k or int(budget), d))
-    fig, (ax_layers, ax_hist) = _new_figure(ncols=2, size=(12.0, 4.5))
+    fig, (ax_layers, ax_hist) = new_figure(ncols=2, size=(12.0, 4.5))
 
     layers = r["layers"]
     xs = list(range(len(layers)))
     values = [float(m["comm_complexity"]) for m in layers]
     ax_layers.bar(
-        xs, values, color=_OURS, width=0.7, label=f"measured (overall {float(r['comm_complexity']):.3f})"
+        xs, values, color=OURS, width=0.7, label=f"measured (overall {float(r['comm_complexity']):.3f})"
     )
-    _hlines(ax_layers, refs)
+    hlines(ax_layers, refs)
     ax_layers.set_xticks(xs)
     ax_layers.set_xticklabels([str(m["layer"]) for m in layers], fontsize=8 if len(layers) > 16 else 10)
     ax_layers.set_xlabel("MoE layer")
@@ -85,17 +85,15 @@ def plot_report(
     total = sum(hist)
     cs = list(range(0 if hist and hist[0] else 1, len(hist)))  # c = 0 only when some token reached none
     shares = [hist[c] / total if total else 0.0 for c in cs]
-    ax_hist.bar(cs, shares, color=_OURS, width=0.7)
-    ax_hist.axvline(
-        _mean_devices(hist), color="black", linewidth=1.2, label=f"mean {_mean_devices(hist):.2f}"
-    )
+    ax_hist.bar(cs, shares, color=OURS, width=0.7)
+    ax_hist.axvline(mean_devices(hist), color="black", linewidth=1.2, label=f"mean {mean_devices(hist):.2f}")
     for label, value in refs.items():
         if not label.startswith("per-expert"):
             ax_hist.axvline(
                 value,
                 linewidth=1.2,
                 label=f"{label}: {value:.2f}",
-                **_REF_STYLE.get(label, dict(color=_BUDGET, linestyle="--")),
+                **REF_STYLE.get(label, dict(color=BUDGET, linestyle="--")),
             )
     ax_hist.set_xticks(cs)
     ax_hist.set_xlabel("devices a token reaches")
@@ -105,7 +103,7 @@ def plot_report(
     ax_hist.legend(fontsize=8, loc="upper left")
 
     fig.suptitle(title if title is not None else _default_title(r))
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def _default_title(r: Mapping[str, Any]) -> str:
@@ -178,13 +176,13 @@ def plot_devices_histogram(
     series: dict[str, list[int]] = {}
     for label, hist in histograms.items():
         values = hist.devices_histogram if hasattr(hist, "devices_histogram") else hist
-        series[str(label)] = [int(v) for v in _as_list(values)]
+        series[str(label)] = [int(v) for v in as_list(values)]
     if not series:
         raise ValueError("no histograms given; pass {label: devices_histogram}")
     width_c = max(len(h) for h in series.values())
     first = 0 if any(h and h[0] for h in series.values()) else 1  # c = 0 only when some token reached none
     cs = list(range(first, width_c))
-    fig, ax = _target(ax, size=(max(6.0, 0.5 * len(cs) * len(series) + 3), 4.2))
+    fig, ax = target(ax, size=(max(6.0, 0.5 * len(cs) * len(series) + 3), 4.2))
     width = 0.8 / len(series)
     for i, (label, hist) in enumerate(series.items()):
         total = sum(hist)
@@ -194,8 +192,8 @@ def plot_devices_histogram(
             xs,
             shares,
             width=width,
-            color=_CYCLE[i % len(_CYCLE)],
-            label=f"{label} (mean {_mean_devices(hist):.2f})",
+            color=CYCLE[i % len(CYCLE)],
+            label=f"{label} (mean {mean_devices(hist):.2f})",
         )
     ax.set_xticks(cs)
     ax.set_xlabel("devices a token reaches")
@@ -204,4 +202,4 @@ def plot_devices_histogram(
     ax.set_ylim(0, tallest * 1.35)  # room for the legend above the bars
     ax.legend(fontsize=8)
     ax.set_title(title or "devices per token")
-    return _finish(fig, path)
+    return finish(fig, path)

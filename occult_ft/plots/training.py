@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .base import _BUDGET, _CYCLE, _OURS, _PEER, _finish, _new_figure
+from .base import BUDGET, CYCLE, OURS, PEER, finish, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -65,24 +65,24 @@ def plot_training_curves(
     if not any(train[0] or ev[0] for train, ev in found.values()):
         keys = sorted({k for entry in history for k in entry})
         raise ValueError(f"log_history has none of {list(metrics)}; its keys are {keys}")
-    fig, axes = _new_figure(ncols=len(metrics), size=(4.6 * len(metrics), 3.8))
+    fig, axes = new_figure(ncols=len(metrics), size=(4.6 * len(metrics), 3.8))
     for ax, metric in zip(axes, metrics):
         (steps, values), (eval_steps, eval_values) = found[metric]
         if steps:
             ax.plot(
                 steps,
                 values,
-                color=_OURS,
+                color=OURS,
                 marker="o" if len(steps) < 30 else None,
                 markersize=3,
                 label="train",
             )
         if eval_steps:
-            ax.plot(eval_steps, eval_values, color=_CYCLE[1], marker="s", markersize=4, label="eval")
+            ax.plot(eval_steps, eval_values, color=CYCLE[1], marker="s", markersize=4, label="eval")
         if metric == "comm_complexity" and max_devices_per_token is not None:
             ax.axhline(
                 max_devices_per_token,
-                color=_BUDGET,
+                color=BUDGET,
                 linestyle="--",
                 linewidth=1.2,
                 label=f"budget M={max_devices_per_token}",
@@ -96,7 +96,7 @@ def plot_training_curves(
         ax.set_title(metric)
     if title:
         fig.suptitle(title)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_quality_tradeoff(
@@ -141,12 +141,12 @@ def plot_quality_tradeoff(
     for r in pruned:
         by_criterion.setdefault(str(r["criterion"]), []).append(r)
     with_cc = any("comm_complexity" in r for r in pruned)
-    fig, axes = _new_figure(ncols=2 if with_cc else 1, size=(11.0 if with_cc else 6.0, 4.3))
+    fig, axes = new_figure(ncols=2 if with_cc else 1, size=(11.0 if with_cc else 6.0, 4.3))
     ax = axes[0]
     budgets = sorted({int(r["max_devices_per_token"]) for r in pruned})
     for i, (criterion, group) in enumerate(by_criterion.items()):
         group = sorted(group, key=lambda r: int(r["max_devices_per_token"]))
-        color = _CYCLE[i % len(_CYCLE)]
+        color = CYCLE[i % len(CYCLE)]
         ax.plot(
             [int(r["max_devices_per_token"]) for r in group],
             [float(r[metric]) for r in group],
@@ -174,7 +174,7 @@ def plot_quality_tradeoff(
                 )
     for a in axes:
         if baseline is not None:
-            a.axhline(baseline, color=_PEER, linestyle=":", linewidth=1.4, label=f"unpruned: {baseline:.3f}")
+            a.axhline(baseline, color=PEER, linestyle=":", linewidth=1.4, label=f"unpruned: {baseline:.3f}")
         a.set_ylabel(metric.replace("_", " "))
         a.legend(fontsize=8)
     ax.set_xticks(budgets)
@@ -185,7 +185,7 @@ def plot_quality_tradeoff(
         axes[1].set_title(f"{metric} against communication")
     if title:
         fig.suptitle(title)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_gain_kept(
@@ -201,7 +201,7 @@ def plot_gain_kept(
     the base model (0) are the reference points.
 
     Args:
-        summary: the `summary` rows of a study result (`occult_ft.task_study.summarize_runs`): dicts
+        summary: the `summary` rows of a study result (`occult_ft.studies.task_study.summarize_runs`): dicts
             with `setting`, `kind`, `budget`, `criterion`, `comm_complexity`, `gain_kept`(`_sd`) and
             `exact_match`(`_sd`).
         path: also write the figure to this PNG.
@@ -217,7 +217,7 @@ def plot_gain_kept(
         if r["kind"] in ("zero-shot", "pruned", "distilled"):
             label = {"zero-shot": "zero-shot", "pruned": "fine-tuned", "distilled": "distilled"}[r["kind"]]
             families.setdefault(f"{r.get('criterion')}, {label}", []).append(r)
-    fig, axes = _new_figure(ncols=2, size=(11.5, 4.4))
+    fig, axes = new_figure(ncols=2, size=(11.5, 4.4))
     for ax, key, ylabel in (
         (axes[0], "gain_kept", "share of standard fine-tuning's loss gain kept"),
         (axes[1], "exact_match", "exact match on held-out rows"),
@@ -231,13 +231,13 @@ def plot_gain_kept(
                 yerr=[float(r.get(f"{key}_sd", 0.0)) for r in group],
                 marker="o",
                 linestyle=style,
-                color=_CYCLE[i % len(_CYCLE)],
+                color=CYCLE[i % len(CYCLE)],
                 capsize=3,
                 label=label,
             )
         for r in rows:
             if r["kind"] in ("base", "standard"):
-                marker, color = ("*", _OURS) if r["kind"] == "standard" else ("s", _PEER)
+                marker, color = ("*", OURS) if r["kind"] == "standard" else ("s", PEER)
                 ax.errorbar(
                     [float(r["comm_complexity"])],
                     [float(r[key])],
@@ -252,9 +252,9 @@ def plot_gain_kept(
         ax.set_xlabel("comm_complexity (devices per token)")
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=7)
-    axes[0].axhline(1.0, color=_PEER, linestyle=":", linewidth=1.0)
+    axes[0].axhline(1.0, color=PEER, linestyle=":", linewidth=1.0)
     axes[0].set_title("gain kept against communication")
     axes[1].set_title("exact match against communication")
     if title:
         fig.suptitle(title)
-    return _finish(fig, path)
+    return finish(fig, path)

@@ -7,12 +7,14 @@ config = OccultConfig(model_name_or_path="embedded", dataset="embedded", devices
 trainer, metrics = train(config)        # out/ is a pruned checkpoint: occult_ft.from_pretrained("out")
 """
 
+from ..data import tokenize_for_training
 from .config import MODEL_DTYPES, PLACEMENT_MODES, TRAIN_MODES, OccultConfig
+from .loading import load_training_model
 from .losses import balance_loss, balance_loss_factor
 from .meter import METRIC_NAMES, RoutingMeter
 from .pipeline import load_run_dataset, train
 from .prepare import OccultSetup, prepare_model, set_train_mode
-from .trainer import OccultTrainer, load_training_model, tokenize_for_training
+from .trainer import OccultTrainer
 
 __all__ = [
     "MODEL_DTYPES",

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..routing import unpruned_routing
+
 __all__ = ["distillation_kl", "teacher_logits"]
 
 
@@ -51,7 +53,6 @@ def distillation_kl(
 def teacher_logits(model, inputs: dict) -> torch.Tensor:
     """(B, S, V) logits of `model` on `inputs` with the budget lifted on every pruned router; router
     records (metrics, balance loss) are left as the student's forward sets them."""
-    from ..routing import unpruned_routing
 
     batch = {k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")}
     with unpruned_routing(model):

@@ -63,7 +63,21 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch import expert_shard_parameters, gather_experts_state_dict, shard_experts
-from ..dispatch.experts_impl import base_experts, experts_state_key
+from ..integrations.deepspeed import (
+    attach_moe_marker,
+    check_deepspeed_config,
+    deepspeed_expert_groups,
+    mark_expert_parameters,
+)
+from ..integrations.peft import (
+    adopt_local_expert_lora,
+    expert_lora_wrappers,
+    gather_expert_lora,
+    is_peft_model,
+    shard_adapter_weights,
+    shard_expert_lora,
+)
+from ..models import base_experts, experts_state_key
 from ..models.registry import find_moe_layers, unwrap_model
 
 __all__ = [
@@ -175,7 +189,6 @@ def expert_parallel_groups(size: int, use_deepspeed: bool = False) -> ExpertPara
     check_expert_parallel_size(size, dist.get_world_size())
     if not use_deepspeed:
         return _torch_groups(size)
-    from ..integrations.deepspeed import deepspeed_expert_groups
 
     ep_group, ep_ranks, edp_group, edp_ranks = deepspeed_expert_groups(size)
     return ExpertParallelGroups(
@@ -210,7 +223,6 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
         ValueError: one line for a bad layout (D vs world size or experts) or a DeepSpeed config that
             cannot work (ZeRO-3, AutoEP).
     """
-    from ..integrations.peft import adopt_local_expert_lora, expert_lora_wrappers, shard_expert_lora
 
     size = int(args.expert_parallel_size)
     base = unwrap_model(model)
@@ -224,8 +236,6 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
     check_expert_parallel_size(size, world, layers[0].num_experts)
     use_deepspeed = bool(args.deepspeed)
     if use_deepspeed:
-        from ..integrations.deepspeed import check_deepspeed_config
-
         check_deepspeed_config(args.deepspeed, size, getattr(args, "max_grad_norm", None))
     groups = expert_parallel_groups(size, use_deepspeed=use_deepspeed)
     read_sharded = bool(expert_shard_parameters(base))  # `sharded_load` read only this rank's experts
@@ -249,8 +259,6 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
         top, [n for n, _ in shards]
     )
     if use_deepspeed:
-        from ..integrations.deepspeed import attach_moe_marker, mark_expert_parameters
-
         mark_expert_parameters((p for _, p in shards), size)
         attach_moe_marker(base, size, layers[0].num_experts)
     return groups
@@ -353,7 +361,6 @@ def gathered_state_dict(
     expert LoRA factors are gathered to the single-process layout; the frozen base expert shards are
     left as they are (the adapter file does not hold them).
     """
-    from ..integrations.peft import gather_expert_lora, is_peft_model
 
     if is_peft_model(model):
         top = _strip_wrappers(model)
@@ -453,8 +460,6 @@ def load_expert_lora_shards(model: nn.Module, checkpoint: str) -> None:
     """
     from peft.utils import load_peft_weights
 
-    from ..integrations.peft import shard_adapter_weights
-
     if not os.path.isfile(os.path.join(checkpoint, "adapter_config.json")):
         raise ValueError(
             f"checkpoint {checkpoint!r} has no adapter_config.json; it cannot restore the expert LoRA shards"
@@ -484,8 +489,6 @@ def load_sharded_adapter(model: nn.Module, checkpoint: str) -> None:
     file, the expert factors cut to this rank's block. For resuming without DeepSpeed, where Trainer's own
     `load_adapter` would refuse the full-E factors. Raises a one-line ValueError for a foreign adapter."""
     from peft.utils import load_peft_weights, set_peft_model_state_dict
-
-    from ..integrations.peft import shard_adapter_weights
 
     top = _strip_wrappers(model)
     weights = shard_adapter_weights(top, load_peft_weights(checkpoint, device="cpu"))

@@ -10,8 +10,11 @@ from __future__ import annotations
 import os
 import sys
 
+from ..data import load_text_dataset, tokenize_for_training
+from ..plan import check_fits_before_loading
 from .config import OccultConfig
-from .trainer import OccultTrainer, check_seq_len, load_training_model, tokenize_for_training
+from .loading import check_seq_len, load_training_model
+from .trainer import OccultTrainer
 
 __all__ = ["train", "load_run_dataset"]
 
@@ -22,7 +25,6 @@ def load_run_dataset(
     """Load `source` with `occult_ft.data.load_text_dataset` and tokenize it as `config` says.
 
     For `source="embedded"` the default split is `train` (or `eval` when `evaluation`)."""
-    from ..data import load_text_dataset
 
     if source == "embedded" and split is None:
         split = "eval" if evaluation else "train"
@@ -54,7 +56,6 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
             "dataset is required: a .txt/.jsonl/.json file, a saved dataset, a Hub id or 'embedded'"
         )
     say = _announcer(config)
-    from ..plan import check_fits_before_loading
 
     check_fits_before_loading(config)  # GPU runs: the memory plan, before any weight is downloaded
     say(f"loading the model {config.model_name_or_path!r}")
@@ -84,7 +85,9 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
         say("starting DeepSpeed (its first run on a machine builds CUDA ops, which can take minutes)")
     say("training")
     result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
-    say(f"saving the pruned model to {config.output_dir}")
+    pruned = config.max_devices_per_token is not None or config.max_nodes_per_token is not None
+    what = "LoRA adapter" if config.train_mode == "lora" else "pruned model" if pruned else "model"
+    say(f"saving the {what} to {config.output_dir}")
     trainer.save_model(config.output_dir)
     metrics = dict(result.metrics)
     if eval_dataset is not None:

@@ -37,8 +37,14 @@ import re
 import torch
 from torch import nn
 
+from ..apply import resolve_placement
+from ..checkpoint import read_block
+from ..checkpoint.load import load_tokenizer, local_model_dir, resolve_model_path, restore_occult
 from ..dispatch import EXPERTS_IMPLEMENTATION, ExpertShard
-from ..models.registry import find_moe_layers, get_arch, unwrap_model
+from ..fileio import read_json_object
+from ..models.registry import config_num_experts, find_moe_layers, get_arch, unwrap_model
+from ..placement import permute_experts
+from .expert_parallel import check_expert_parallel_size, expert_parallel_groups
 
 __all__ = [
     "SafetensorsReader",
@@ -133,7 +139,6 @@ class SafetensorsReader:
 def can_load_sharded(path: str) -> bool:
     """Whether `path` is a model directory (or cached Hub snapshot) of plain safetensors weights that
     the sharded loader reads: a LoRA adapter directory or a non-directory path is not."""
-    from ..checkpoint import resolve_model_path
 
     path = resolve_model_path(path)
     if not os.path.isdir(path):
@@ -313,11 +318,6 @@ def load_sharded_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..apply import resolve_placement
-    from ..checkpoint import local_model_dir
-    from ..placement import permute_experts
-    from .expert_parallel import check_expert_parallel_size
-
     if not 0 <= rank < size:
         raise ValueError(
             f"rank={rank} is outside the expert-parallel group of size {size}; use 0..{size - 1}"
@@ -381,7 +381,6 @@ def sharded_placement(model: nn.Module):
 def place_sharded(model: nn.Module, placement) -> None:
     """Re-read the expert block and router rows of a `load_sharded_model` model in `placement`'s order
     (nothing happens when it was read in that order already)."""
-    from ..apply import resolve_placement
 
     base = unwrap_model(model)
     path, current = base.occult_sharded_source
@@ -411,10 +410,6 @@ def load_sharded_training_model(path: str, args, placement=None):
     its stored order and gets its pruned routing back, as `occult_ft.from_pretrained` does.
     Collective on first use (builds the expert-parallel groups): call it on every rank.
     """
-    from ..checkpoint import load_tokenizer, local_model_dir, read_block, restore_occult
-    from ..fileio import read_json_object
-    from ..models.registry import config_num_experts
-    from .expert_parallel import check_expert_parallel_size, expert_parallel_groups
 
     path = local_model_dir(path)
     size, world = int(args.expert_parallel_size), int(args.world_size)
@@ -422,7 +417,8 @@ def load_sharded_training_model(path: str, args, placement=None):
         size, world, config_num_experts(read_json_object(os.path.join(path, "config.json")))
     )
     groups = expert_parallel_groups(size, use_deepspeed=bool(args.deepspeed))
-    if read_block(path).get("placed"):
+    stored = read_block(path)
+    if stored is not None and stored.placed:
         placement = None
     elif placement is None and args.placement != "auto":
         placement = args.placement

@@ -27,42 +27,43 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 
 import torch
 from torch import nn
 from transformers import Trainer
 from transformers.utils import logging
 
-from ..apply import permute_state_dict, placed_similarity
-from ..checkpoint import (
-    attach_occult_save,
-    occult_block,
-    occult_config_fields,
-    placement_from_block,
-    read_block,
-    read_similarity,
-    write_adapter_block,
-    write_similarity,
+from ..checkpoint import OccultBlock
+from ..checkpoint.card import last_eval_metrics, write_model_card
+from ..data import (
+    flat_packing,
+    make_collator,
+    pad_token_id,
+    tokenize_for_training,
 )
 from ..data.batching import real_token_mask
+from ..evaluation import make_comm_complexity_figure
+from ..integrations.deepspeed import split_moe_param_groups
 from ..models.registry import unwrap_model
-from ..routing import apply_pruning, pruned_routers
+from ..routing import pruned_routers
+from .checkpointing import (
+    adopt_checkpoint,
+    load_checkpoint_weights,
+    load_optimizer_shards,
+    restore_expert_shards,
+    run_block,
+    save_checkpoint,
+    save_optimizer_shards,
+)
 from .config import OccultConfig, check_before_loading
 from .distill import distillation_kl, teacher_logits
 from .expert_parallel import (
     ExpertParallelGroups,
     clip_expert_parallel_grad_norm,
-    gathered_state_dict,
-    load_expert_lora_shards,
-    load_expert_optimizer_state,
-    load_expert_shards,
-    load_sharded_adapter,
     reduce_expert_gradients,
-    save_expert_optimizer_state,
     setup_expert_parallel,
-    shard_state_dict,
 )
+from .loading import check_seq_len, load_training_model, may_move_to
 from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
 from .prepare import OccultSetup, prepare_model, resolve_checkpoint
@@ -70,83 +71,7 @@ from .sharded_load import can_load_sharded, load_sharded_training_model
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["OccultTrainer", "tokenize_for_training", "load_training_model", "check_seq_len"]
-
-
-def tokenize_for_training(dataset, tokenizer, args: OccultConfig):
-    """Tokenize raw rows (any layout of `occult_ft.data.load_text_dataset`: text, instruction, prompt /
-    completion, messages; a `Dataset` or a streamed `IterableDataset`) as `args` says (`seq_len`,
-    `packing`, `response_only`); tokenized data (an `input_ids` column) and non-`datasets` objects are
-    returned unchanged."""
-    from datasets import Dataset, IterableDataset
-
-    if not isinstance(dataset, (Dataset, IterableDataset)):
-        return dataset
-    from ..data import dataset_columns, dataset_layout, tokenize_dataset
-
-    if dataset_layout(dataset_columns(dataset)) == "tokenized":
-        return dataset
-    if tokenizer is None:
-        raise ValueError(
-            "the dataset holds raw text; pass processing_class=<tokenizer> so it can be tokenized"
-        )
-    with args.main_process_first(desc="tokenizing"):
-        return tokenize_dataset(
-            dataset, tokenizer, args.seq_len, packing=args.packing, response_only=args.response_only
-        )
-
-
-def check_seq_len(model, seq_len: int) -> None:
-    """Refuse a `seq_len` above the model's `max_position_embeddings` (its losses would be silently wrong)."""
-    config = getattr(unwrap_model(model), "config", None)
-    limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and seq_len > limit:
-        raise ValueError(
-            f"seq_len={seq_len} exceeds the model's max_position_embeddings={limit}; set seq_len <= {limit}"
-        )
-
-
-def load_training_model(path: str, args: OccultConfig):
-    """(model, tokenizer) for `path`: a model dir or Hub id, `embedded`, a pruned checkpoint (pruning
-    active) or an occult_ft LoRA adapter directory (loaded trainable)."""
-    from transformers import AutoTokenizer
-
-    from ..checkpoint import from_pretrained
-
-    if path == "embedded":
-        from ..embedded import embedded_model_path
-
-        path = embedded_model_path()
-    check_before_loading(args)
-    dtype = None if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
-    is_adapter = os.path.isfile(os.path.join(path, "adapter_config.json"))
-    if is_adapter and args.train_mode != "lora":
-        raise ValueError(
-            f"model_name_or_path={path!r} is a LoRA adapter; set train_mode='lora' to continue training it"
-        )
-    model = (
-        from_pretrained(path, dtype=dtype, is_trainable=True)
-        if is_adapter
-        else from_pretrained(path, dtype=dtype)
-    )
-    tokenizer = None
-    sources = [path] + ([unwrap_model(model).config._name_or_path] if is_adapter else [])
-    for source in sources:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-            break
-        except (OSError, ValueError, KeyError):
-            continue
-    return model, tokenizer
-
-
-def _may_move_to(args: OccultConfig, model: nn.Module) -> bool:
-    """Whether the model may go to `args.device` before Trainer does (to profile there)."""
-    if args.deepspeed or args.fsdp or getattr(model, "hf_device_map", None) or args.use_cpu:
-        return False
-    if not torch.cuda.is_available():
-        return False
-    return next(model.parameters()).device.type == "cpu"
+__all__ = ["OccultTrainer"]
 
 
 class OccultTrainer(Trainer):
@@ -207,12 +132,10 @@ class OccultTrainer(Trainer):
             eval_dataset = tokenize_for_training(eval_dataset, processing_class, args)
         check_seq_len(model, args.seq_len)
         if data_collator is None:
-            from ..data import flat_packing, make_collator, pad_token_id
-
             data_collator = make_collator(
                 pad_token_id=pad_token_id(processing_class, unwrap_model(model)), flatten=flat_packing(model)
             )
-        if _may_move_to(args, model):
+        if may_move_to(args, model):
             model = model.to(args.device)
         checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
         model, setup = prepare_model(model, args, train_dataset, data_collator, placement, checkpoint)
@@ -340,8 +263,6 @@ class OccultTrainer(Trainer):
         DeepSpeed's MoE param groups (`occult_ft.integrations.deepspeed.split_moe_param_groups`)."""
         optimizer = super().create_optimizer(*args, **kwargs)
         if self.expert_parallel is not None and self.is_deepspeed_enabled:
-            from ..integrations.deepspeed import split_moe_param_groups
-
             split_moe_param_groups(optimizer)
         return optimizer
 
@@ -383,40 +304,16 @@ class OccultTrainer(Trainer):
             output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 50.0))
         return output
 
-    # ---- saving -------------------------------------------------------------------------------
-    def occult_block(self, placed: bool) -> dict:
+    # ---- saving and resuming: the hooks of `occult_ft.trainer.checkpointing` --------------------
+    def occult_block(self, placed: bool) -> OccultBlock:
         """The `occult` block written with every checkpoint of this run."""
-        return occult_block(
-            self.occult.pruning,
-            self.occult.placement,
-            placed=placed,
-            num_nodes=self.args.nodes,
-            base_model=self.occult.base_model,
-            train_mode=self.args.train_mode,
-            balance_loss_coef=self.args.balance_loss_coef,
-            **self._measured_comm_complexity(),
-        )
-
-    def _measured_comm_complexity(self) -> dict:
-        """comm_complexity before (sequential placement, on the profile) and after (the latest logged
-        value of this run's routing, eval preferred), for the model card."""
-        out = {}
-        metrics = getattr(self.occult.placement, "metrics", None) or {}
-        if "comm_complexity_sequential" in metrics:
-            out["comm_complexity_before"] = metrics["comm_complexity_sequential"]
-        for key in ("eval_comm_complexity", "comm_complexity"):
-            found = [entry[key] for entry in self.state.log_history if key in entry]
-            if found:
-                out["comm_complexity_after"] = found[-1]
-                break
-        return out
+        return run_block(self, placed)
 
     def create_model_card(self, *args, **kwargs) -> None:
         """The Occult model card (placement, budget, measured comm_complexity and its figure, eval
         results, how to load) instead of Trainer's generic one; `push_to_hub` uploads it."""
         if not self.is_world_process_zero():
             return
-        from ..hub import last_eval_metrics, make_comm_complexity_figure, write_model_card
 
         output_dir = self.args.output_dir
         figure = None
@@ -445,7 +342,6 @@ class OccultTrainer(Trainer):
             self._occult_final_save = False
         if _internal_call or not self.is_world_process_zero():
             return
-        from ..hub import last_eval_metrics, write_model_card
 
         try:
             write_model_card(
@@ -456,141 +352,29 @@ class OccultTrainer(Trainer):
         except (OSError, ValueError) as exc:  # the weights are saved; a card must not fail the run
             logger.warning(f"saved the model without its model card: {exc}")
 
-    def _is_lora(self) -> bool:
-        from ..integrations.peft import is_peft_model
-
-        return is_peft_model(self.model)
-
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.expert_parallel is not None:
-            # every rank takes part in the gather; rank 0 then writes the standard HF layout
-            state_dict = gathered_state_dict(self.model, state_dict)
-            if not self.args.should_save:
-                return
-        similarity = self.occult.similarity
-        if self._is_lora():
-            block = self.occult_block(placed=self.occult.base_placed)
-            if getattr(self, "_occult_final_save", False) and self._adapter_unplaceable():
-                # the adapter a user takes away: in the base model's own expert order, so stock PEFT on
-                # the stock base computes the trained model (without the pruning); checkpoint-N folders
-                # keep the live (placed) order for exact resumption
-                placement = self.occult.placement
-                state_dict = state_dict if state_dict is not None else self.model.state_dict()
-                adapter = {k: v for k, v in state_dict.items() if "lora_" in k or ".modules_to_save." in k}
-                state_dict = {
-                    **state_dict,
-                    **permute_state_dict(self.model, adapter, placement, inverse=True),
-                }
-                similarity = placed_similarity(similarity, placement, inverse=True)
-                block["expert_order"] = "original"
-            super()._save(output_dir, state_dict=state_dict)
-            if self.args.should_save:
-                write_adapter_block(output_dir, block)
-        else:
-            base = unwrap_model(self.model)
-            block = self.occult_block(placed=True)
-            if "save_pretrained" in vars(base):
-                # loaded by occult_ft.from_pretrained: its own save hook must write this run's block,
-                # not the one it was loaded with (a changed budget would otherwise be saved as the old one)
-                attach_occult_save(base, block)
-            with occult_config_fields(base.config, block, self.occult.pruning, output_dir):
-                super()._save(output_dir, state_dict=state_dict)
-        if self.args.should_save:
-            write_similarity(output_dir, similarity)
-
-    def _adapter_unplaceable(self) -> bool:
-        """A LoRA adapter can be saved in the original expert order: the base on disk is not placed and
-        the placement is known."""
-        return not self.occult.base_placed and self.occult.placement is not None
-
-    # ---- resuming -----------------------------------------------------------------------------
-    def _adopt_checkpoint(self, checkpoint: str) -> None:
-        """Make the placement and similarity tables those of `checkpoint` (its weights follow them)."""
-        block, similarity = read_block(checkpoint), read_similarity(checkpoint)
-        theirs = placement_from_block(block, self.model)
-        ours = self.occult.placement
-        if theirs is not None and (ours is None or theirs.groups != ours.groups):
-            if self._is_lora():
-                raise ValueError(
-                    f"checkpoint {checkpoint!r} placed the experts differently from this trainer; LoRA adapters "
-                    "need the base placed like the checkpoint: set resume_from_checkpoint in the OccultConfig "
-                    "before building the OccultTrainer"
-                )
-            self.occult.placement = theirs
-        if similarity is not None:
-            apply_pruning(self.model, self.occult.pruning, similarity=similarity)
-            self.occult.similarity = similarity
-
-    def _load_full_checkpoint(self, path: str | None) -> bool:
-        """Load a full (non-LoRA) checkpoint's weights into the model through `from_pretrained`.
-
-        `save_pretrained` writes MoE experts in the per-expert Hub layout while the live model holds fused
-        tensors, so Trainer's raw `load_state_dict` would skip the experts; `from_pretrained` converts.
-        Returns False where Trainer's own loading applies (LoRA, DeepSpeed, FSDP, no config.json).
-        """
-        if not path or self._is_lora() or self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            return False
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            return False
-        base = unwrap_model(self.model)
-        loaded = type(base).from_pretrained(path, dtype=next(base.parameters()).dtype)
-        state = loaded.state_dict()
-        if self.expert_parallel is not None:
-            state = shard_state_dict(base, state)
-        result = base.load_state_dict(state, strict=False)
-        del loaded
-        if result.missing_keys or result.unexpected_keys:
-            raise ValueError(
-                f"checkpoint {path!r} does not fit this model (missing {result.missing_keys[:4]}, unexpected "
-                f"{result.unexpected_keys[:4]}); resume with the model it was trained from"
-            )
-        return True
-
-    def _load_sharded_adapter(self, path: str | None) -> bool:
-        """Load a LoRA checkpoint into an expert-parallel model without DeepSpeed (the adapter holds all E
-        experts' factors, each rank takes its own); False where Trainer's own loading applies."""
-        if not path or self.expert_parallel is None or not self._is_lora() or self.is_deepspeed_enabled:
-            return False
-        load_sharded_adapter(self.model, path)
-        return True
-
-    def _restore_expert_shards(self, path: str) -> None:
-        """After the DeepSpeed engine restored rank 0's shards everywhere: each rank takes its own."""
-        if self._is_lora():
-            load_expert_lora_shards(self.model, path)
-        else:
-            load_expert_shards(self.model, path)
+        save_checkpoint(self, output_dir, state_dict, final=getattr(self, "_occult_final_save", False))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        if model is None or model is self.model:
-            if self._load_full_checkpoint(resume_from_checkpoint):
-                return
-            if self._load_sharded_adapter(resume_from_checkpoint):
-                return
+        if (model is None or model is self.model) and load_checkpoint_weights(self, resume_from_checkpoint):
+            return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self._reduces_expert_gradients():
-            save_expert_optimizer_state(self.optimizer, self.expert_parallel, output_dir)
+        save_optimizer_shards(self, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None or self.expert_parallel is None:
-            return
-        if self.is_deepspeed_enabled:
-            self._restore_expert_shards(checkpoint)
-        else:
-            load_expert_optimizer_state(self.optimizer, self.expert_parallel, checkpoint)
+        load_optimizer_shards(self, checkpoint)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
-        if self._load_full_checkpoint(best) or self._load_sharded_adapter(best):
+        if load_checkpoint_weights(self, best):
             return
         super()._load_best_model()
         if self.expert_parallel is not None and self.is_deepspeed_enabled:
-            self._restore_expert_shards(best)
+            restore_expert_shards(self, best)
 
     def train(
         self,
@@ -606,7 +390,7 @@ class OccultTrainer(Trainer):
                 f"resume_from_checkpoint={resume_from_checkpoint!r}: no checkpoint-N directory in {self.args.output_dir!r}"
             )
         if checkpoint is not None:
-            self._adopt_checkpoint(checkpoint)
+            adopt_checkpoint(self, checkpoint)
         return super().train(
             resume_from_checkpoint=checkpoint,
             trial=trial,

@@ -30,6 +30,8 @@ import os
 import re
 import shutil
 
+from ..fileio import OutputPathError, atomic_directory, check_output_path
+
 __all__ = [
     "DEEPSEEK_MODEL_TYPE",
     "ConversionError",
@@ -328,8 +330,6 @@ def convert_deepseek_moe(model: str, out: str, overwrite: bool = False) -> str:
     """
     import torch
     from transformers import Qwen2MoeConfig
-
-    from .fileio import OutputPathError, atomic_directory, check_output_path
 
     src = _local_checkpoint(model)
     out = os.path.abspath(os.path.expanduser(out))

@@ -1,7 +1,7 @@
 """The quality study on a task where fine-tuning matters (`occult-ft study --task months`).
 
 On held-out embedded text, standard fine-tuning barely moves the loss, so "pruned fine-tuning keeps its
-quality" cannot fail there. This study uses a synthetic instruction task of `occult_ft.tasks` instead
+quality" cannot fail there. This study uses a synthetic instruction task of `occult_ft.studies.tasks` instead
 (the base model never saw instruction rows): response-only loss and exact match on held-out rows, for
 
     base model | standard fine-tuning | per budget M and criterion: zero-shot pruning, pruned
@@ -29,6 +29,16 @@ import statistics
 import time
 from dataclasses import asdict
 
+from ..apply import placed_copy
+from ..checkpoint.load import load_model_and_tokenizer
+from ..evaluation import data_batches, evaluate_model
+from ..fileio import atomic_write_text
+from ..placement import compute_placement
+from ..profiling import profile_model
+from ..routing import PruningConfig
+from .finetune import finetune_embedded
+from .tasks import exact_match, task_split
+
 __all__ = [
     "TASK_SETTINGS",
     "run_task_study",
@@ -52,13 +62,6 @@ TASK_SETTINGS = {
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def paired_difference(a: list[float], b: list[float]) -> dict:
     """Mean and sample sd of a[i] - b[i] and whether the mean is outside the paired-t 95% interval."""
     if len(a) != len(b) or not a:
@@ -80,15 +83,10 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 def _task_batches(tokenizer, rows, seq_len: int, batch_size: int = 64, response_only: bool = True):
     from datasets import Dataset
 
-    from .evaluation import data_batches
-
     return data_batches(tokenizer, Dataset.from_list(rows), seq_len, batch_size, response_only=response_only)
 
 
 def _measure(model, batches, devices: int) -> dict:
-    from .evaluation import evaluate_model
-    from .tasks import exact_match
-
     r = evaluate_model(model, batches, devices)
     out = {k: r[k] for k in ("loss", "comm_complexity", "removed_mass")}
     out["exact_match"] = exact_match(model, batches)
@@ -228,9 +226,9 @@ def run_task_study(
     """Run the task study (see the module docstring); writes `study_<task>_results.json` and returns it.
 
     Args:
-        settings: a `occult_ft.demo.DemoSettings` (devices, steps, batch_size, seq_len, learning_rate,
+        settings: a `occult_ft.studies.demo.DemoSettings` (devices, steps, batch_size, seq_len, learning_rate,
             profile_tokens, output_dir; `criterion` is the criterion of the distilled runs).
-        task: one of `occult_ft.tasks.TASKS`.
+        task: one of `occult_ft.studies.tasks.TASKS`.
         seeds: training seeds; every fine-tuning runs once per seed.
         budgets / criteria: the pruned settings (zero-shot and fine-tuned).
         distill_coef: `OccultConfig.distill_coef` of the distilled rows; 0 leaves them out.
@@ -240,13 +238,6 @@ def run_task_study(
             month digits; 100 such steps reached a response loss of 1.13 and no exact answer.
         train_rows / eval_rows: rows of the task for training and for the held-out measurement.
     """
-    from .apply import placed_copy
-    from .checkpoint import load_model_and_tokenizer
-    from .demo import _finetune
-    from .placement import compute_placement
-    from .profiling import profile_model
-    from .routing import PruningConfig
-    from .tasks import task_split
 
     s = settings
     seeds = list(dict.fromkeys(int(x) for x in seeds))
@@ -261,7 +252,7 @@ def run_task_study(
     os.makedirs(s.output_dir, exist_ok=True)
     train, held_out = task_split(task, train_rows, eval_rows)
     data_path = os.path.join(s.output_dir, f"{task}-train.jsonl")
-    _atomic_write(data_path, "".join(json.dumps(r) + "\n" for r in train))
+    atomic_write_text(data_path, "".join(json.dumps(r) + "\n" for r in train))
     model, tokenizer = load_model_and_tokenizer("embedded")
     model.eval()
     prof_batches = _task_batches(tokenizer, train, s.seq_len, 16, response_only=False)
@@ -339,7 +330,7 @@ def run_task_study(
     for done, seed in enumerate(seeds):
         for setting, kind, m, crit, coef in plan:
             run_dir = os.path.join(s.output_dir, "runs", f"{kind}-{m}-{crit}-seed{seed}")
-            trainer, run = _finetune(
+            trainer, run = finetune_embedded(
                 s,
                 placement_path,
                 run_dir,
@@ -362,7 +353,7 @@ def run_task_study(
             )
             del trainer
         out = result(seeds[: done + 1])  # written after every seed: a cut-short study keeps its seeds
-        _atomic_write(results_path, json.dumps(out, indent=1))
+        atomic_write_text(results_path, json.dumps(out, indent=1))
     say(
         f"\nQuality study, task {task!r}: {s.devices} devices, {s.steps} steps per fine-tuning, seeds {seeds}"
     )

@@ -9,7 +9,7 @@ the shipped corpus -> place its experts on D devices (sequential, the paper's gr
 `run_quality_study` (behind `occult-ft study`): on the same model and held-out text, eval loss and
 `comm_complexity` for the base model, standard (unpruned) fine-tuning, zero-shot pruning and pruned
 fine-tuning to 1 and 2 devices with the score and similarity criteria. With a task
-(`occult-ft study --task months`) it runs the multi-seed study of `occult_ft.task_study` instead.
+(`occult-ft study --task months`) it runs the multi-seed study of `occult_ft.studies.task_study` instead.
 """
 
 from __future__ import annotations
@@ -17,129 +17,56 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
+from tqdm.auto import tqdm
 
-from .apply import placed_copy
+from ..apply import placed_copy
+from ..checkpoint.load import from_pretrained, load_model_and_tokenizer
+from ..data import load_text_dataset
+from ..evaluation import data_batches, evaluate_model
+from ..metrics import random_placement_comm_complexity, routing_report
+from ..models import find_moe_layers
+from ..placement import compute_placement
+from ..profiling import profile_model
+from ..routing import PruningConfig
+from .finetune import DemoSettings, finetune_embedded
+from .task_study import run_task_study
 
-__all__ = ["DemoSettings", "run_demo", "run_quality_study", "format_rows"]
-
-
-@dataclass
-class DemoSettings:
-    """Sizes of the demo and study runs (defaults fit 2 CPU cores).
-
-    Args:
-        output_dir: where the profile, placement, checkpoints and results go.
-        devices: D, the expert-parallel layout the placement and budget refer to.
-        max_devices_per_token: the demo's budget M.
-        criterion: the demo's pruning criterion.
-        steps: fine-tuning steps per run; batch_size, seq_len: per step.
-        learning_rate: fine-tuning learning rate (MoE blocks only, as in the paper).
-        profile_tokens: training tokens profiled for placement and similarity tables.
-        eval_tokens: held-out tokens evaluated per model.
-        seed: training seed.
-    """
-
-    output_dir: str = "occult-demo"
-    devices: int = 4
-    max_devices_per_token: int = 2
-    criterion: str = "similarity"
-    steps: int = 150
-    batch_size: int = 8
-    seq_len: int = 128
-    learning_rate: float = 1e-3
-    profile_tokens: int = 32768
-    eval_tokens: int = 32768
-    seed: int = 0
+__all__ = ["run_demo", "run_quality_study", "format_rows"]
 
 
 def _eval_batches(tokenizer, s: DemoSettings):
-    from .evaluation import data_batches
-
     return data_batches(tokenizer, "embedded", s.seq_len, 16, s.eval_tokens)
 
 
-def _evaluate(model, batches, devices: int) -> dict:
-    from .evaluation import evaluate_model
-
-    r = evaluate_model(model, batches, devices)
+def _evaluate(model, batches, devices: int, progress: bool = True) -> dict:
+    r = evaluate_model(model, tqdm(batches, desc="evaluating", unit="batch", disable=not progress), devices)
     return {
         k: r[k]
         for k in ("loss", "perplexity", "comm_complexity", "intra_share", "removed_mass", "load_imbalance")
     }
 
 
-def _finetune(
-    s: DemoSettings,
-    placement_path: str,
-    out: str,
-    budget: int | None,
-    criterion: str,
-    dataset: str = "embedded",
-    seed: int | None = None,
-    **extra,
-):
-    """One fine-tuning of the embedded model on `dataset` (extra: more `OccultConfig` fields)."""
-    from .trainer import OccultConfig, train
-
-    config = OccultConfig(
-        output_dir=out,
-        model_name_or_path="embedded",
-        dataset=dataset,
-        seq_len=s.seq_len,
-        devices=s.devices,
-        placement=placement_path,
-        max_devices_per_token=budget,
-        criterion=criterion,
-        profile_tokens=s.profile_tokens,
-        train_mode=extra.pop("train_mode", "moe"),
-        max_steps=s.steps,
-        per_device_train_batch_size=s.batch_size,
-        learning_rate=s.learning_rate,
-        lr_scheduler_type="cosine",
-        warmup_steps=max(1, s.steps // 20),
-        logging_steps=max(1, s.steps // 10),
-        save_strategy="no",
-        report_to=[],
-        seed=s.seed if seed is None else seed,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        **extra,
-    )
-    t = time.perf_counter()
-    trainer, metrics = train(config)
-    seconds = time.perf_counter() - t
-    tokens = s.steps * s.batch_size * s.seq_len
-    return trainer, {
-        "train_seconds": seconds,
-        "train_tokens_per_second": tokens / seconds,
-        "log_history": trainer.state.log_history,
-    }
-
-
 def _prepare(s: DemoSettings):
     """Base model, eval batches, profile and the three placements (saved under output_dir)."""
-    from .checkpoint import load_model_and_tokenizer
-    from .evaluation import data_batches
-    from .placement import compute_placement
-    from .profiling import profile_model
 
     os.makedirs(s.output_dir, exist_ok=True)
     torch.manual_seed(s.seed)
     model, tokenizer = load_model_and_tokenizer("embedded")
     model.eval()
-    from .data import load_text_dataset
 
     train_text = load_text_dataset("embedded", split="train")
     prof_batches = data_batches(tokenizer, train_text, s.seq_len, 16, s.profile_tokens)
     profile = profile_model(
-        model, prof_batches, model_name="embedded", max_tokens=s.profile_tokens, progress=False
+        model, prof_batches, model_name="embedded", max_tokens=s.profile_tokens, progress=s.progress
     )
     profile.save(os.path.join(s.output_dir, "profile.safetensors"))
     placements = {}
-    for algo in ("sequential", "occult", "search"):
+    for algo in tqdm(
+        ("sequential", "occult", "search"), desc="placing", unit="algorithm", disable=not s.progress
+    ):
         t = time.perf_counter()
         placements[algo] = compute_placement(profile, s.devices, algorithm=algo)
         placements[algo].metrics["seconds"] = time.perf_counter() - t
@@ -147,13 +74,10 @@ def _prepare(s: DemoSettings):
     return model, tokenizer, _eval_batches(tokenizer, s), profile, placements
 
 
-def _placement_rows(model, eval_batches, placements, devices: int) -> list[dict]:
+def _placement_rows(model, eval_batches, placements, devices: int, progress: bool = True) -> list[dict]:
     """comm_complexity of the base model's held-out routing under each placement (exact: a permutation)."""
-    from .metrics import random_placement_comm_complexity, routing_report
-    from .models import find_moe_layers
-    from .profiling import profile_model
 
-    routing = profile_model(model, eval_batches, progress=False).topk_ids()
+    routing = profile_model(model, eval_batches, progress=progress).topk_ids()
     layer = find_moe_layers(model)[0]
     e, k = layer.num_experts, layer.top_k
     rows = [
@@ -193,29 +117,29 @@ def format_rows(rows: list[dict], title: str) -> str:
 
 def run_demo(settings: DemoSettings | None = None, verbose: bool = True) -> dict:
     """Profile, place, prune, fine-tune, evaluate and save the embedded model; returns the results."""
-    from .checkpoint import from_pretrained
-    from .routing import PruningConfig
 
     s = settings or DemoSettings()
     start = time.perf_counter()
     say = print if verbose else (lambda *a, **k: None)
     say(f"[1/5] profiling the embedded OLMoE and placing its experts on {s.devices} devices")
     model, tokenizer, eval_batches, profile, placements = _prepare(s)
-    rows = _placement_rows(model, eval_batches, placements, s.devices)
+    rows = _placement_rows(model, eval_batches, placements, s.devices, s.progress)
     say("[2/5] evaluating the base model")
-    base = _evaluate(placed_copy(model, placements["search"]), eval_batches, s.devices)
+    base = _evaluate(placed_copy(model, placements["search"]), eval_batches, s.devices, s.progress)
     rows.append({"setting": "base model (search placement)", **base})
     say(f"[3/5] pruning to {s.max_devices_per_token} devices per token without training ({s.criterion})")
     pruning = PruningConfig(s.devices, s.max_devices_per_token, s.criterion)
     sim = profile.similarity()  # original expert order: placed_copy reorders it
-    zero = _evaluate(placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices)
+    zero = _evaluate(
+        placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices, s.progress
+    )
     rows.append({"setting": f"pruned to {s.max_devices_per_token}, no fine-tuning", **zero})
     say(f"[4/5] pruned fine-tuning: {s.steps} steps")
     out = os.path.join(s.output_dir, "model")
-    trainer, run = _finetune(
+    trainer, run = finetune_embedded(
         s, os.path.join(s.output_dir, "placement-search.json"), out, s.max_devices_per_token, s.criterion
     )
-    tuned = _evaluate(trainer.model, eval_batches, s.devices)
+    tuned = _evaluate(trainer.model, eval_batches, s.devices, s.progress)
     rows.append(
         {
             "setting": f"pruned to {s.max_devices_per_token}, fine-tuned",
@@ -224,7 +148,7 @@ def run_demo(settings: DemoSettings | None = None, verbose: bool = True) -> dict
         }
     )
     say(f"[5/5] reloading {out} with occult_ft.from_pretrained")
-    reloaded = _evaluate(from_pretrained(out), eval_batches, s.devices)
+    reloaded = _evaluate(from_pretrained(out), eval_batches, s.devices, s.progress)
     if (
         abs(reloaded["loss"] - tuned["loss"]) > 1e-4
         or abs(reloaded["comm_complexity"] - tuned["comm_complexity"]) > 1e-6
@@ -265,14 +189,11 @@ def run_quality_study(
     """Eval loss and comm_complexity for base, standard fine-tuning, zero-shot pruning and pruned
     fine-tuning (every budget x criterion), all on the search placement.
 
-    `task="text"` (default) is the held-out embedded text; any task of `occult_ft.tasks.TASKS` runs
-    `occult_ft.task_study.run_task_study` instead (budgets, criteria and `task_options` such as seeds and
+    `task="text"` (default) is the held-out embedded text; any task of `occult_ft.studies.tasks.TASKS` runs
+    `occult_ft.studies.task_study.run_task_study` instead (budgets, criteria and `task_options` such as seeds and
     distill_coef passed on)."""
-    from .routing import PruningConfig
 
     if task != "text":
-        from .task_study import run_task_study
-
         return run_task_study(
             settings or DemoSettings(output_dir=f"occult-study-{task}"),
             task=task,
@@ -287,35 +208,41 @@ def run_quality_study(
     start = time.perf_counter()
     say = print if verbose else (lambda *a, **k: None)
     model, tokenizer, eval_batches, profile, placements = _prepare(s)
-    rows = _placement_rows(model, eval_batches, placements, s.devices)
+    rows = _placement_rows(model, eval_batches, placements, s.devices, s.progress)
     placement_path = os.path.join(s.output_dir, "placement-search.json")
     sim = profile.similarity()  # original expert order: placed_copy reorders it
     rows.append(
         {
             "setting": "base model",
-            **_evaluate(placed_copy(model, placements["search"]), eval_batches, s.devices),
+            **_evaluate(placed_copy(model, placements["search"]), eval_batches, s.devices, s.progress),
         }
     )
     say("standard fine-tuning (no pruning)")
-    trainer, run = _finetune(s, placement_path, os.path.join(s.output_dir, "ft-unpruned"), None, "score")
+    trainer, run = finetune_embedded(
+        s, placement_path, os.path.join(s.output_dir, "ft-unpruned"), None, "score"
+    )
     rows.append(
         {
             "setting": "standard fine-tuning",
-            **_evaluate(trainer.model, eval_batches, s.devices),
+            **_evaluate(trainer.model, eval_batches, s.devices, s.progress),
             "train_tokens_per_second": run["train_tokens_per_second"],
         }
     )
     for m in budgets:
         for crit in criteria:
             pruning = PruningConfig(s.devices, m, crit)
-            zero = _evaluate(placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices)
+            zero = _evaluate(
+                placed_copy(model, placements["search"], pruning, sim), eval_batches, s.devices, s.progress
+            )
             rows.append({"setting": f"prune to {m}, {crit}, no fine-tuning", **zero})
             say(f"pruned fine-tuning: {m} device(s), {crit}")
-            trainer, run = _finetune(s, placement_path, os.path.join(s.output_dir, f"ft-{m}-{crit}"), m, crit)
+            trainer, run = finetune_embedded(
+                s, placement_path, os.path.join(s.output_dir, f"ft-{m}-{crit}"), m, crit
+            )
             rows.append(
                 {
                     "setting": f"prune to {m}, {crit}, fine-tuned",
-                    **_evaluate(trainer.model, eval_batches, s.devices),
+                    **_evaluate(trainer.model, eval_batches, s.devices, s.progress),
                     "train_tokens_per_second": run["train_tokens_per_second"],
                 }
             )

@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from .metrics import contiguous_expert_device, device_counts, expert_node
-from .routing import limit_topk
+from ..metrics import contiguous_expert_device, device_counts, expert_node
+from ..routing import limit_topk
 
 __all__ = [
     "ClusterShape",
@@ -351,9 +351,9 @@ def predict_speedup(
         expert_device_E: placement (default: contiguous blocks of E / D experts).
 
     Returns:
-        name -> {"kind", "max_devices_per_token", "rows_per_token", "exchange_ms", "speedup_vs_per_expert"}
-        for "per_expert", "dedup" and "dedup_prune{M}"; `kind` is "per_expert" or "dedup" and
-        `max_devices_per_token` the budget M (None when unpruned).
+        name -> {"kind", "max_devices_per_token", "num_devices", "rows_per_token", "exchange_ms",
+        "speedup_vs_per_expert"} for "per_expert", "dedup" and "dedup_prune{M}"; `kind` is "per_expert" or
+        "dedup", `max_devices_per_token` the budget M (None when unpruned), `num_devices` the shape's D.
     """
     num_devices, num_experts = shape.num_devices, scores_TE.shape[1]
     dev_E = contiguous_expert_device(num_experts, num_devices) if expert_device_E is None else expert_device_E
@@ -381,6 +381,7 @@ def predict_speedup(
         out[name] = {
             "kind": "dedup" if dedup else "per_expert",
             "max_devices_per_token": budget,
+            "num_devices": num_devices,
             "rows_per_token": float(rows_DD.sum()) / tokens,
             "exchange_ms": predict_exchange_ms(rows_DD, bytes_per_row, shape),
         }

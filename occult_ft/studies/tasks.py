@@ -29,6 +29,8 @@ import random
 
 import torch
 
+from ..models import unwrap_model
+
 __all__ = ["TASKS", "TASK_INFO", "make_task_rows", "task_split", "exact_match", "exact_match_counts"]
 
 MONTHS = (
@@ -125,7 +127,6 @@ def exact_match_counts(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> tup
 def exact_match(model, batches) -> float:
     """Share of rows in `batches` (dicts of `input_ids`, `attention_mask`, `labels` with -100 off the
     answer) whose answer greedy decoding reproduces exactly (see `exact_match_counts`)."""
-    from .models import unwrap_model
 
     device = next(unwrap_model(model).parameters()).device
     was_training = model.training

@@ -1,51 +1,10 @@
-"""Collaboration pruning: device-limited top-k routing criteria and the pruned router.
+"""The pruned router: a subclass of the model's own router class whose forward applies a `PruningConfig`.
 
-Each token normally picks its top-k experts wherever they live; collaboration pruning restricts the
-choice to experts on at most `max_devices_per_token` (M) devices, so a de-duplicated all-to-all sends
-it at most M rows, and optionally on at most `max_nodes_per_token` nodes (DeepSeek-V3's node limit;
-device d sits on node d // (D / num_nodes)). The criteria (pure functions below, vectorised over tokens):
-
-- `score` (the paper's router-score rule): walk the token's selected top-k experts (as the model's
-  router chose them: group limiting and DeepSeek-V3's correction bias included) in descending selection
-  score and admit each one's device until M devices are admitted; then re-select the top-k among the
-  experts on the admitted devices. For a plain top-k router the first M devices of that walk are the M
-  devices with the best expert; for a group-limited router (DeepSeek `n_group` > 1) they are not, and
-  ranking devices by their best expert would send tokens to groups the model's router excluded.
-- `device_max` (DeepSeek-V2 device-limited routing: rank devices by their best expert, keep M, top-k
-  inside): among the experts the model's router may select this is the same rule as `score`, reached
-  from the DeepSeek side; both names are kept because users come from both.
-- `device_topk_sum` (DeepSeek-V3 node-limited routing): rank devices by the sum of their top
-  max(1, k // M) scores (for DeepSeek-V3 models their router's own top-2), keep M, top-k inside. Applied
-  to every token, verbatim as DeepSeek-V3 does, so that the native `n_group`/`topk_group` fields
-  reproduce it; unlike the others it may move a token whose top-k already fits.
-- `similarity` (the paper's expert-similarity rule): admit devices as `score` does, keep the selected
-  experts that live there, and replace each one outside (in descending score order) by the most similar
-  expert on the admitted devices that is not selected yet. Similarity is the cosine between experts'
-  router-probability profiles, measured by `occult_ft.profiling`.
-
-Group-limited routers: re-selection (the top-k of `score`/`device_max`, the replacements of
-`similarity`) takes experts of the groups the model's router allowed for the token; only when the
-admitted devices hold too few of them (groups that straddle devices) does it fill up with the admitted
-devices' other experts, because the device budget is the harder limit. The admitted devices always hold
-at least one of the token's own selected experts, so no token moves to a device it did not choose.
-
-With a node budget the walk admits a device only while its node is admitted or fewer than
-`max_nodes_per_token` nodes are; when the selected top-k leaves room (fewer than M devices admitted) it
-goes on through the token's other experts in descending score, so a token can use every device of its
-admitted nodes that the device budget allows.
-
-For `score`, `similarity` and `device_max` a token whose top-k already fits in the budget keeps its
-routing and weights bit for bit.
-
-Gate weights (the paper leaves them open; `gate_weights=`):
-- `model` (default): the model's own convention applied to the new selection (softmax probabilities
-  gathered and renormalised if the model renormalises, times `routed_scaling_factor`; GPT-OSS's
-  softmax over the selected logits; DeepSeek-V3's unbiased sigmoid scores).
-- `preserve_mass`: as `model`, then rescaled so that each pruned token's weights sum to what its
-  unpruned weights summed to (keeps the output scale of models that do not renormalise, e.g. OLMoE).
-
-The criteria are pure tensor functions in `occult_ft.routing_rules` (re-exported here); this module
-holds `PruningConfig`, the model-aware `prune_topk` and the pruned router class.
+`prune_topk` applies the budget to one router output (the model-aware part: selection scores from the
+registry, the router's own group limit, the model's gate-weight convention); `apply_pruning` swaps
+every router of a model to its pruned subclass (state-dict names unchanged) and `unpruned_routing`
+lifts the budget temporarily (the distillation teacher). The rules themselves are the pure functions
+of `occult_ft.routing.rules`.
 
 Shape legend: T tokens, E experts, K top-k, D devices, N nodes, M = max_devices_per_token.
 """
@@ -53,37 +12,18 @@ Shape legend: T tokens, E experts, K top-k, D devices, N nodes, M = max_devices_
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from .metrics import contiguous_expert_device
-from .models.registry import MoEArch, MoELayer, find_moe_layers
-from .routing_rules import (
-    CRITERIA,
-    GATE_WEIGHT_POLICIES,
-    check_pruning_settings,
-    device_scores,
-    fits_budget,
-    limit_devices,
-    limit_topk,
-    replace_by_similarity,
-    walk_admitted_devices,
-)
+from ..metrics import contiguous_expert_device
+from ..models.registry import MoEArch, MoELayer, find_moe_layers
+from .config import PruningConfig
+from .rules import limit_topk
 
 __all__ = [
-    "CRITERIA",
-    "GATE_WEIGHT_POLICIES",
-    "PruningConfig",
     "RouterRecord",
-    "check_pruning_settings",
-    "device_scores",
-    "fits_budget",
-    "limit_devices",
-    "limit_topk",
-    "walk_admitted_devices",
-    "replace_by_similarity",
     "router_selectable",
     "prune_topk",
     "apply_pruning",
@@ -92,81 +32,8 @@ __all__ = [
     "collect_routing",
     "set_recording",
     "unpruned_routing",
+    "router_similarity",
 ]
-
-
-@dataclass(frozen=True)
-class PruningConfig:
-    """What the pruned router does.
-
-    Args:
-        num_devices: D, the expert-parallel size the budget refers to.
-        max_devices_per_token: M, at most this many devices per token; None = no device budget (with no
-            node budget either, the router only records its routing).
-        criterion: one of `CRITERIA`.
-        gate_weights: one of `GATE_WEIGHT_POLICIES`.
-        num_nodes: N, the nodes the D devices span (node i holds devices [i*D/N, (i+1)*D/N)).
-        max_nodes_per_token: at most this many nodes per token (DeepSeek-V3's node limit), alone or
-            together with `max_devices_per_token`; None = no node budget.
-    """
-
-    num_devices: int
-    max_devices_per_token: int | None = None
-    criterion: str = "score"
-    gate_weights: str = "model"
-    num_nodes: int = 1
-    max_nodes_per_token: int | None = None
-
-    def __post_init__(self):
-        check_pruning_settings(
-            self.num_devices,
-            self.max_devices_per_token,
-            self.criterion,
-            self.gate_weights,
-            self.num_nodes,
-            self.max_nodes_per_token,
-        )
-
-    @property
-    def active(self) -> bool:
-        m, n = self.max_devices_per_token, self.max_nodes_per_token
-        return (m is not None and m < self.num_devices) or (n is not None and n < self.num_nodes)
-
-    @property
-    def device_budget(self) -> int:
-        """Devices a token may reach under both budgets: min(M, max_nodes * D / N)."""
-        m = self.max_devices_per_token or self.num_devices
-        if self.max_nodes_per_token is not None:
-            m = min(m, self.max_nodes_per_token * (self.num_devices // self.num_nodes))
-        return m
-
-    def check(self, num_experts: int, top_k: int) -> None:
-        """Raise ValueError when the budget cannot hold k experts or D does not divide E."""
-        if num_experts % self.num_devices:
-            divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-            raise ValueError(
-                f"devices={self.num_devices} does not divide the {num_experts} experts; use one of {divisors}"
-            )
-        per_device = num_experts // self.num_devices
-        m = self.max_devices_per_token
-        if m is not None and m * per_device < top_k:
-            need = -(-top_k * self.num_devices // num_experts)
-            raise ValueError(
-                f"max_devices_per_token={m} holds only {m * per_device} experts "
-                f"({per_device} per device) but tokens pick top-{top_k}; use at least {need}"
-            )
-        n = self.max_nodes_per_token
-        if n is not None and self.device_budget * per_device < top_k:
-            per_node = per_device * (self.num_devices // self.num_nodes)
-            with_m = "" if m is None else f" with max_devices_per_token={m}"
-            raise ValueError(
-                f"max_nodes_per_token={n}{with_m} holds only {self.device_budget * per_device} experts "
-                f"({per_node} per node) but tokens pick top-{top_k}; use max_nodes_per_token >= "
-                f"{-(-top_k // per_node)}"
-            )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 # ---- the model's own group limit and one router output ----------------------------------------
@@ -402,10 +269,22 @@ def unpruned_routing(model: nn.Module, record: bool = False):
     saved = []
     for _, router in pruned_routers(model):
         saved.append((router, router.occult_config, router.occult_recording, router.occult_record))
-        router.occult_config = replace(router.occult_config, max_devices_per_token=None)
+        router.occult_config = replace(
+            router.occult_config, max_devices_per_token=None, max_nodes_per_token=None
+        )
         router.occult_recording = router.occult_recording and record
     try:
         yield model
     finally:
         for router, config, recording, last in saved:
             router.occult_config, router.occult_recording, router.occult_record = config, recording, last
+
+
+def router_similarity(model: nn.Module) -> dict[int, torch.Tensor] | None:
+    """The placed-order similarity tables held by `model`'s pruned routers (None when none holds one),
+    detached on the CPU: what a checkpoint of the model must save beside its weights."""
+    tables = {
+        layer.index: router._buffers.get("occult_similarity") for layer, router in pruned_routers(model)
+    }
+    tables = {i: t.detach().float().cpu() for i, t in tables.items() if t is not None}
+    return tables or None

@@ -1,0 +1,228 @@
+"""Loading checkpoints: model paths (local, Hub, `embedded`), tokenizers, and `occult_ft.from_pretrained`,
+which gives a pruned checkpoint (full or LoRA adapter) its pruned routing back.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import nn
+from transformers.utils import logging
+
+from ..apply import apply_occult, permute_state_dict, placed_similarity
+from ..embedded import embedded_model_path
+from ..fileio import read_json_object
+from ..models.registry import get_arch
+from ..routing import PruningConfig
+from .convert import maybe_convert
+from .format import (
+    CheckpointError,
+    OccultBlock,
+    block_placement,
+    model_block,
+    read_block,
+    read_similarity,
+)
+from .remote_code import set_auto_map
+from .save import record_block
+
+__all__ = [
+    "resolve_model_path",
+    "local_model_dir",
+    "load_tokenizer",
+    "load_model_and_tokenizer",
+    "from_pretrained",
+    "restore_occult",
+    "check_adapter_base",
+    "describe_budget",
+]
+
+
+def _check_exists(path: str) -> None:
+    """A path that is clearly local (not a Hub id `org/name`) must exist."""
+    if os.path.exists(path):
+        return
+    if (
+        path.startswith(("/", "./", "../", "~"))
+        or path.count("/") > 1
+        or os.path.sep != "/"
+        and os.path.sep in path
+    ):
+        raise CheckpointError(
+            f"model {path!r} does not exist; pass a local model directory or a Hub model id"
+        )
+
+
+def resolve_model_path(path: str) -> str:
+    """`embedded` -> the shipped base model's directory; local directories -> absolute paths."""
+    if path == "embedded":
+        return embedded_model_path()
+    return os.path.abspath(path) if os.path.isdir(path) else path
+
+
+def local_model_dir(path: str) -> str:
+    """A local directory for `path`; Hub ids are downloaded (side files such as adapters and the
+    similarity tables must be read from disk)."""
+    path = resolve_model_path(path)
+    if os.path.isdir(path):
+        return path
+    _check_exists(path)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(path)
+    except Exception as exc:  # network, auth, offline mode: all end the same way for the user
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"cannot fetch model {path!r} from the Hub: {first}") from None
+
+
+def load_tokenizer(*sources: str | None):
+    """The tokenizer of the first source (model dir or Hub id) that has one, e.g. a checkpoint then
+    its base model. Raises CheckpointError naming the sources when none has one."""
+    from transformers import AutoTokenizer
+
+    tried = [s for s in sources if s]
+    for source in tried:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError, KeyError):
+            continue
+        if _has_vocabulary(tokenizer):
+            return tokenizer
+    raise CheckpointError(
+        f"found no tokenizer in {', '.join(map(repr, tried)) or 'no source'}; save one beside the model "
+        "(tokenizer.save_pretrained)"
+    )
+
+
+def load_model_and_tokenizer(path: str, dtype=None, warn_pruned: bool = True, **kwargs):
+    """`AutoModelForCausalLM` + `AutoTokenizer` for a local dir, a Hub id or `embedded` (the shipped
+    base model), with one-line errors. A pruned occult_ft checkpoint loaded this way routes with its
+    original top-k; `warn_pruned` says so (`from_pretrained`, which restores the routing, turns it off)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = maybe_convert(resolve_model_path(path))  # absolute; DeepSeek-MoE -> its qwen2_moe conversion
+    _check_exists(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"cannot load model {path!r}: {first}") from None
+    get_arch(model)  # unsupported types fail here, with the list of supported ones
+    set_auto_map(model.config, False)  # the remote code stays with the folder; saves write it anew
+    if warn_pruned:
+        _warn_if_pruned(model, path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError):
+        tokenizer = None
+    if tokenizer is not None and not _has_vocabulary(tokenizer):
+        tokenizer = None  # a folder without tokenizer files: transformers builds an empty default one
+    return model, tokenizer
+
+
+def describe_budget(pruning: PruningConfig) -> str:
+    """`2 devices per token`, `1 node per token` or both: what a budget limits, for messages."""
+    parts = []
+    for budget, total, unit in (
+        (pruning.max_devices_per_token, pruning.num_devices, "device"),
+        (pruning.max_nodes_per_token, pruning.num_nodes, "node"),
+    ):
+        if budget is not None and budget < total:
+            parts.append(f"{budget} {unit}{'' if budget == 1 else 's'}")
+    return " and ".join(parts) + " per token"
+
+
+def _warn_if_pruned(model: nn.Module, path: str) -> None:
+    """Say so when a pruned checkpoint is about to route without its budget (stock loading)."""
+    block = model_block(model)
+    if block is None or not block.pruned:
+        return
+    if not get_arch(model).native_routing_matches(model.config.to_dict(), block.pruning):
+        logging.get_logger("occult_ft").warning(
+            f"{path} is an occult_ft checkpoint pruned to {describe_budget(block.pruning)} "
+            f"({block.pruning.criterion}); loaded here with its original top-k routing. Load it with "
+            "occult_ft.from_pretrained to route as it was fine-tuned."
+        )
+
+
+def _has_vocabulary(tokenizer) -> bool:
+    return len(tokenizer) > 8
+
+
+def from_pretrained(path: str, dtype=None, is_trainable: bool = False, **kwargs) -> nn.Module:
+    """Load an occult_ft checkpoint with its pruned routing active.
+
+    Accepts a full checkpoint directory (or Hub id) written by `save_pruned` / `OccultTrainer`, any
+    plain HF MoE checkpoint (returned unchanged), or a LoRA adapter directory written by
+    `OccultTrainer` (the base model named in it is loaded, placed, pruned, and the adapter attached).
+    """
+    path = local_model_dir(path)
+    adapter_cfg = os.path.join(path, "adapter_config.json")
+    if os.path.isfile(adapter_cfg):
+        return _from_adapter(path, dtype=dtype, is_trainable=is_trainable, **kwargs)
+    model, _ = load_model_and_tokenizer(path, dtype=dtype, warn_pruned=False, **kwargs)
+    return restore_occult(model, path)
+
+
+def restore_occult(model: nn.Module, path: str) -> nn.Module:
+    """Give a model loaded from checkpoint `path` (its experts as stored) the pruned routing its `occult`
+    block records, with the similarity tables saved beside it, and a `save_pretrained` that keeps them."""
+    block = model_block(model)
+    if block is None:
+        return model
+    if block.pruning is not None:
+        apply_occult(model, pruning=block.pruning, similarity=read_similarity(path), similarity_placed=True)
+    record_block(model, block)
+    return model
+
+
+def check_adapter_base(block: OccultBlock | None, model: nn.Module, adapter_path: str) -> None:
+    """Refuse a LoRA adapter on a base of another architecture than the one it was trained on (same
+    sizes would attach without an error and compute nonsense)."""
+    trained_on = block.model_type if block is not None else None
+    found = get_arch(model).model_type
+    if trained_on is not None and trained_on != found:
+        raise CheckpointError(
+            f"adapter {adapter_path!r} was trained on a {trained_on} model but its base is a {found} model; "
+            f"point base_model_name_or_path in adapter_config.json at the {trained_on} model it was trained on"
+        )
+
+
+def _from_adapter(path: str, dtype=None, is_trainable: bool = False, **kwargs) -> nn.Module:
+    """An occult_ft LoRA adapter on its base model, placed and pruned like in training.
+
+    `expert_order: "original"` (what training saves at the end): the adapter fits the stock base as it
+    is; it is attached first, then the whole model (base experts, routers, LoRA factors) is permuted
+    into the placed order. Otherwise (checkpoint-N folders) the adapter is in the placed order: the base
+    is permuted first (unless it is stored placed) and the adapter attached to it.
+
+    The returned `PeftModel` carries the adapter's block as `occult_adapter_block` (how the adapter is
+    stored, for the trainer that continues it); the base model's config records the live block (placed
+    order), so a merged model (`merge_and_unload()`) saves as a complete pruned checkpoint.
+    """
+    from peft import PeftModel
+
+    base_name = read_json_object(os.path.join(path, "adapter_config.json")).get("base_model_name_or_path")
+    if not base_name:
+        raise CheckpointError(
+            f"adapter {path!r} names no base_model_name_or_path; add it to adapter_config.json"
+        )
+    model, _ = load_model_and_tokenizer(base_name, dtype=dtype, **kwargs)
+    block = read_block(path)
+    check_adapter_base(block, model, path)
+    if block is None:  # a plain PEFT adapter: nothing of occult_ft to restore
+        return PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+    placement = None if block.placed else block_placement(block, get_arch(model).model_type)
+    similarity = read_similarity(path)
+    if block.expert_order == "original" and placement is not None:
+        model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+        model.load_state_dict(permute_state_dict(model, model.state_dict(), placement))
+        similarity = placed_similarity(similarity, placement)
+        apply_occult(model, pruning=block.pruning, similarity=similarity, similarity_placed=True)
+    else:
+        apply_occult(model, placement, block.pruning, similarity, similarity_placed=True)
+        model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+    record_block(model, block.with_changes(placed=True, expert_order="placed"))
+    model.occult_adapter_block = block
+    return model
