@@ -337,7 +337,7 @@ def test_analyze_and_place_show_their_progress(tmp_path, tiny_olmoe_dir, text_fi
     capsys.readouterr()
     assert main(["place", str(prof), "--devices", "4", "--out", str(tmp_path / "pl.json")]) == 0
     assert (
-        "occult-ft place: placing the 8 experts of 2 layers on 4 devices with search ..."
+        "occult-ft place: placing the 8 experts of 2 layers on 4 devices with solver ..."
         in capsys.readouterr().err
     )
     assert (

@@ -34,8 +34,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 #: where function-level imports of occult_ft modules are allowed (command start-up)
 LAZY_ALLOWED = ("commands", "cli")
-#: debts being paid: the placement package's hidden cycle and private names go with its solver rewrite
-KNOWN_DEBT = ("occult_ft.placement",)
+#: debts being paid (none left: the placement package's cycle and private names went with its solver)
+KNOWN_DEBT: tuple[str, ...] = ()
 
 
 def _in_debt(module: str) -> bool:

@@ -157,12 +157,20 @@ def test_a_run_that_does_not_fit_gets_concrete_suggestions(capsys):
     assert "DOES NOT FIT" in text
     for hint in ("train_mode: lora", "expert_parallel_size 2", "per_device_train_batch_size"):
         assert hint in text, hint
-    # every suggestion lowers the total; ZeRO-2 would raise it here, and the plan says why
+    # every suggestion lowers the total; ZeRO-2 is one of them here (2 B fp32 master + 8 B moments sharded
+    # over 2 GPUs is less than CompensatedAdamW's 10 B unsharded)
     total = float(text.split("total per GPU")[1].split("GB")[0])
     suggested = [line for line in text.splitlines() if line.startswith("    - ") and " GB per GPU" in line]
     assert suggested and all(float(line.split(": ")[-1].split(" GB")[0]) < total for line in suggested)
+    assert any("DeepSpeed ZeRO-2" in line for line in suggested)
+    # at EP 8 on 8 GPUs the expert-data-parallel group is one GPU: ZeRO-2 would raise the total, and the
+    # plan says why instead of suggesting it
+    argv = ["plan", "recipes/mixtral-8x7b.yaml", "--train_mode", "full", "--expert_parallel_size", "8"]
+    assert main([*argv, "--devices", "8", "--gpus", "8", "--gpu-memory", "80"]) == 1
+    text = capsys.readouterr().out
     assert "note: not suggested: DeepSpeed ZeRO-2" in text and "fp32 master weights" in text
-    assert "expert-data-parallel group, of 2 GPUs here" in text
+    assert "expert-data-parallel group, of 1 GPU here" in text
+    assert not any("DeepSpeed ZeRO-2" in line for line in text.splitlines() if line.startswith("    - "))
 
 
 def test_deepseek_moe_plans_its_qwen2_moe_conversion():

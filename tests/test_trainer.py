@@ -377,6 +377,7 @@ def test_other_architectures_train_within_budget_and_reload(model_type, tiny_tok
         (dict(placement="missing.json"), "placement='missing.json' is neither auto nor sequential"),
         (dict(placement="seqential"), "did you mean 'sequential'?"),
         (dict(placement_algorithm="greedy"), "placement_algorithm='greedy' is unknown"),
+        (dict(max_load_imbalance=0.5), "max_load_imbalance=0.5 must be a number >= 1"),
         (dict(gate_weights="keep"), "gate_weights='keep' is unknown"),
         (dict(expert_parallel_size=3, devices=4), "devices=4 is not a multiple of expert_parallel_size=3"),
         (dict(balance_loss_coef=-1.0), "balance_loss_coef=-1.0 must be >= 0"),

@@ -32,8 +32,8 @@ CRITERIA = ("score", "similarity", "device_max", "device_topk_sum")
 # one default everywhere (train, recipes, demo, prune, analyze): the criterion the paper reports better
 DEFAULT_CRITERION = "similarity"
 GATE_WEIGHT_POLICIES = ("model", "preserve_mass")
-PLACEMENT_ALGORITHMS = ("sequential", "occult", "greedy_pairs", "search")
-DEFAULT_ALGORITHM = "search"
+PLACEMENT_ALGORITHMS = ("sequential", "occult", "greedy_pairs", "search", "solver")
+DEFAULT_ALGORITHM = "solver"
 BENCH_BACKENDS = (
     "deepspeed_classic",
     "deepspeed_classic_nodrop",

@@ -4,7 +4,9 @@ Reports the routing metrics of the model's real routing on DATA: comm_complexity
 token; rows a de-duplicated all-to-all sends), intra_share, devices-per-token histogram, rows per
 token for per-expert (k) vs de-duplicated dispatch, and per-device load imbalance, per layer and overall;
 with --nodes N > 1 also node_comm_complexity (mean distinct nodes per token: the rows the two-stage
-exchange sends across its inter-node stage).
+exchange sends across its inter-node stage). With --placement, also the figures the placement file stores
+per layer (from `occult-ft place`: comm_complexity and load imbalance on the profiled and held-out tokens,
+the load bound, the lower bound and the gap).
 """
 
 from __future__ import annotations
@@ -206,9 +208,16 @@ def run(args) -> int:
         plot_report(report, args.plot)
         print(f"wrote the figure to {args.plot}", file=sys.stderr)
     if args.json:
+        if placement is not None and placement.metrics:
+            report.extra["placement_figures"] = placement.metrics
         print(json.dumps(report.to_dict()))
     else:
         print(format_report(report))
+        if placement is not None:
+            from .place import format_figures
+
+            print(f"\nfigures stored in {args.placement} ({placement.algorithm}, on the profiled tokens):")
+            print(format_figures(placement))
     return 0
 
 

@@ -71,6 +71,7 @@ FIELD_GROUPS = {
         "exchange_capacity",
         "placement",
         "placement_algorithm",
+        "max_load_imbalance",
         "profile_tokens",
         "max_devices_per_token",
         "max_nodes_per_token",

@@ -4,7 +4,7 @@ Each algorithm is a solver `solve(x_TE, num_devices, *, <options>) -> groups[d]`
 device d) registered once in `PLACEMENT_ALGORITHMS`. Its keyword-only parameters are its options, read
 from the signature: an option it does not take is a one-line `PlacementError`, never swallowed. An
 entry may also bring its own hierarchical (nodes, then devices) placement; otherwise the solver runs at
-both levels (`core._two_level`).
+both levels (`core.two_level`).
 
     sequential    device d holds experts [d*E/D, (d+1)*E/D): what every framework does.
     occult        the paper's greedy, farthest-point style: device 0 is seeded with the most co-selected
@@ -16,19 +16,48 @@ both levels (`core._two_level`).
     greedy_pairs  the public variant: walk expert pairs by co-selection count, merging the two groups
                   whenever the merged group still fits on a device; leftover groups are packed first-fit
                   decreasing (a group that fits nowhere is split over the devices with room left).
-    search        (default; `search.py`) swap local search from the best of the three.
+    search        (`search.py`) swap local search from the best of the three.
+    solver        (default; `solver.py`) set partitioning on HiGHS with a proven lower bound, started from
+                  `search`; falls back to `search` when scipy is missing.
+
+Every entry also takes `max_load_imbalance` (`PlacementAlgorithm.place`).
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from .core import PlacementError, Solver
+from .core import (
+    RERUN,
+    LayerResult,
+    PlacementError,
+    Solver,
+    check_load_bound,
+    device_loads,
+    imbalance,
+    incidence,
+    two_level,
+    validate_sizes,
+)
 
-__all__ = ["PlacementAlgorithm", "PLACEMENT_ALGORITHMS", "register_algorithm"]
+__all__ = [
+    "DEFAULT_ALGORITHM",
+    "PLACEMENT_ALGORITHMS",
+    "UNIVERSAL_OPTIONS",
+    "PlacementAlgorithm",
+    "get_algorithm",
+    "greedy_pairs",
+    "occult",
+    "register_algorithm",
+    "sequential",
+]
+
+DEFAULT_ALGORITHM = "solver"  # registered by `solver.py`; falls back to `search` without scipy
+UNIVERSAL_OPTIONS = ("max_load_imbalance",)  # every algorithm takes these (see `PlacementAlgorithm.place`)
 
 
 @dataclass(frozen=True)
@@ -37,10 +66,11 @@ class PlacementAlgorithm:
 
     Args:
         name: the key in `PLACEMENT_ALGORITHMS` (and `occult-ft place --algorithm`).
-        solve: `solve(x_TE, num_devices, *, <options>) -> groups`; its keyword-only parameters (with
-            defaults) are the algorithm's options; `**kwargs` is not allowed.
+        solve: `solve(x_TE, num_devices, *, <options>) -> groups` or a `LayerResult`; its keyword-only
+            parameters (with defaults) are the algorithm's options; `**kwargs` is not allowed.
         hierarchical: optional `fn(topk_ids_TK, num_experts, num_devices, num_nodes, *, <options>) ->
-            groups` for num_nodes > 1, taking the same options; default: `solve` at both levels.
+            groups` (or a `LayerResult`) for num_nodes > 1, taking the same options; default: `solve` at
+            both levels.
     Calling an entry is `place_layer(topk_ids_TK, num_experts, num_devices, algorithm=name, **kwargs)`.
     """
 
@@ -65,19 +95,65 @@ class PlacementAlgorithm:
         object.__setattr__(self, "options", options)
 
     def check_options(self, options) -> None:
-        """Raise a one-line `PlacementError` naming the first option this algorithm does not take."""
+        """Raise a one-line `PlacementError` naming the first option this algorithm does not take
+        (`max_load_imbalance` is taken by every algorithm)."""
         for key in options:
-            if key in self.options:
+            if key in self.options or key in UNIVERSAL_OPTIONS:
                 continue
             takes = f"its options are {', '.join(self.options)}" if self.options else "it takes no options"
             owners = [a.name for a in PLACEMENT_ALGORITHMS.values() if key in a.options]
             hint = f" ({key!r} is an option of {', '.join(map(repr, owners))})" if owners else ""
             raise PlacementError(f"placement algorithm {self.name!r} has no option {key!r}; {takes}{hint}")
 
-    def __call__(self, topk_ids_TK: torch.Tensor, num_experts: int, num_devices: int, **kwargs):
-        from .layer import place_layer
+    def place(
+        self, topk_ids_TK: torch.Tensor, num_experts: int, num_devices: int, num_nodes: int = 1, **options
+    ) -> LayerResult:
+        """Place one layer (validated inputs, flat or hierarchical) and return its `LayerResult`.
 
-        return place_layer(topk_ids_TK, num_experts, num_devices, algorithm=self.name, **kwargs)
+        `max_load_imbalance` (None or a number >= 1) is passed to an algorithm that takes it (it keeps
+        max/mean device load within it while it optimises); any other algorithm's result is checked against
+        it, and a placement above the bound is a one-line `PlacementError`.
+        """
+        validate_sizes(num_experts, num_devices, num_nodes)
+        bound = options.pop("max_load_imbalance", None)
+        check_load_bound(bound)
+        self.check_options(options)
+        if topk_ids_TK.dim() != 2:
+            raise PlacementError(f"topk_ids must be (tokens, top_k), got shape {tuple(topk_ids_TK.shape)}")
+        if topk_ids_TK.numel() and (int(topk_ids_TK.max()) >= num_experts or int(topk_ids_TK.min()) < -1):
+            bad = int(topk_ids_TK.max()) if int(topk_ids_TK.max()) >= num_experts else int(topk_ids_TK.min())
+            raise PlacementError(
+                f"topk_ids hold expert id {bad} but the layer has {num_experts} experts; {RERUN}"
+            )
+        takes_bound = "max_load_imbalance" in self.options
+        if takes_bound:
+            options["max_load_imbalance"] = bound
+        if num_nodes == 1:
+            out = self.solve(incidence(topk_ids_TK, num_experts), num_devices, **options)
+        elif self.hierarchical is not None:
+            out = self.hierarchical(topk_ids_TK, num_experts, num_devices, num_nodes, **options)
+        else:  # the same solver and options at both levels
+            out = two_level(topk_ids_TK, num_experts, num_devices, num_nodes, partial(self.solve, **options))
+        result = out if isinstance(out, LayerResult) else LayerResult(out)
+        result.groups = [sorted(g) for g in result.groups]
+        if (
+            bound is not None
+        ):  # also checks the algorithms that take it (hierarchical search keeps it per node)
+            x_TE = incidence(topk_ids_TK, num_experts)
+            dev_E = torch.empty(num_experts, dtype=torch.long)
+            for d, group in enumerate(result.groups):
+                dev_E[group] = d
+            found = imbalance(device_loads(x_TE, dev_E, num_devices))
+            if found > bound * (1 + 1e-9):
+                raise PlacementError(
+                    f"placement algorithm {self.name!r} gives load imbalance {found:.3f} > max_load_imbalance="
+                    f"{bound}; use algorithm 'solver' or 'search' (they keep the bound) or raise max_load_imbalance"
+                )
+        return result
+
+    def __call__(self, topk_ids_TK: torch.Tensor, num_experts: int, num_devices: int, **kwargs):
+        """`place_layer(topk_ids_TK, num_experts, num_devices, algorithm=name, **kwargs)`: the groups."""
+        return self.place(topk_ids_TK, num_experts, num_devices, **kwargs).groups
 
 
 PLACEMENT_ALGORITHMS: dict[str, PlacementAlgorithm] = {}
@@ -91,17 +167,26 @@ def register_algorithm(name: str, solve: Solver, hierarchical: Solver | None = N
     return PLACEMENT_ALGORITHMS[name]
 
 
+def get_algorithm(name: str) -> PlacementAlgorithm:
+    """The registry entry, or a one-line `PlacementError` listing the registered names."""
+    if name not in PLACEMENT_ALGORITHMS:
+        raise PlacementError(
+            f"unknown placement algorithm {name!r}; use one of {', '.join(sorted(PLACEMENT_ALGORITHMS))}"
+        )
+    return PLACEMENT_ALGORITHMS[name]
+
+
 # ---- the constructive algorithms (on the incidence matrix) --------------------------------------
-def _sequential(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
+def sequential(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
     per = x_TE.shape[1] // num_devices
     return [list(range(d * per, (d + 1) * per)) for d in range(num_devices)]
 
 
-def _occult(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
+def occult(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
     num_experts = x_TE.shape[1]
     per = num_experts // num_devices
     if per == 1 or num_devices == 1:
-        return _sequential(x_TE, num_devices)
+        return sequential(x_TE, num_devices)
     co_EE = (x_TE.T @ x_TE).double()
     load_E = co_EE.diagonal().clone()
     co_EE.fill_diagonal_(0.0)
@@ -131,11 +216,11 @@ def _occult(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
-def _greedy_pairs(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
+def greedy_pairs(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
     num_experts = x_TE.shape[1]
     per = num_experts // num_devices
     if per == 1 or num_devices == 1:
-        return _sequential(x_TE, num_devices)
+        return sequential(x_TE, num_devices)
     co_EE = (x_TE.T @ x_TE).double()
     load = co_EE.diagonal().tolist()
     rows, cols = torch.triu_indices(num_experts, num_experts, offset=1)
@@ -164,6 +249,6 @@ def _greedy_pairs(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
     return [sorted(dv) for dv in devices]
 
 
-register_algorithm("sequential", _sequential)
-register_algorithm("occult", _occult)
-register_algorithm("greedy_pairs", _greedy_pairs)
+register_algorithm("sequential", sequential)
+register_algorithm("occult", occult)
+register_algorithm("greedy_pairs", greedy_pairs)

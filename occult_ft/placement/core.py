@@ -1,52 +1,100 @@
 """What every placement module shares: the error type, the routing -> incidence helpers, the exact
-objective, size validation and the two-level (nodes, then devices) composition of a layer placement.
+objective, the load bound, size validation, the per-layer result and the two-level (nodes, then
+devices) composition of a layer placement.
 
 Shape legend: T tokens, K experts per token, E experts, D devices (or nodes, for the node level).
     topk_ids_TK   int64 expert ids per token; -1 marks an empty slot (used for per-node sub-problems)
     x_TE          float32 0/1 incidence: x_TE[t, e] = 1 if token t selected expert e
     dev_E         int64 device of each expert
+    load_D        rows each device receives: tokens with at least one expert on it (`metrics.device_load`)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from math import isqrt
 
 import torch
 
-__all__ = ["PlacementError", "coactivation_matrix"]
+__all__ = [
+    "DEFAULT_LOAD_IMBALANCE",
+    "RERUN",
+    "LayerResult",
+    "PlacementError",
+    "Solver",
+    "check_load_bound",
+    "coactivation_matrix",
+    "device_loads",
+    "device_to_groups",
+    "devices_total",
+    "divisors",
+    "imbalance",
+    "incidence",
+    "is_int",
+    "level_totals",
+    "resolve_load_bound",
+    "node_incidence",
+    "two_level",
+    "validate_sizes",
+]
 
-_RERUN = "re-run `occult-ft place` on this model's profile"
+RERUN = "re-run `occult-ft place` on this model's profile"
+DEFAULT_LOAD_IMBALANCE = 1.25  # the automatic bound: max(this, occult's imbalance on the layer)
 
 
 class PlacementError(ValueError):
     """A placement request or file a user got wrong; the message names the value and the fix."""
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _divisors(n: int) -> str:
+def divisors(n: int) -> str:
     """The divisors of n >= 1 as "1, 2, ..., n", in O(sqrt n) steps."""
     small = [d for d in range(1, isqrt(n) + 1) if n % d == 0]
     return ", ".join(str(d) for d in small + [n // d for d in reversed(small) if d * d != n])
 
 
-def _validate_sizes(num_experts: int, num_devices: int, num_nodes: int) -> None:
+def validate_sizes(num_experts: int, num_devices: int, num_nodes: int) -> None:
     """D must divide E and N must divide D (a one-line `PlacementError` otherwise)."""
-    if not _is_int(num_devices) or num_devices < 1 or num_experts % num_devices:
+    if not is_int(num_devices) or num_devices < 1 or num_experts % num_devices:
         raise PlacementError(
-            f"devices={num_devices} does not divide the {num_experts} experts; use one of {_divisors(num_experts)}"
+            f"devices={num_devices} does not divide the {num_experts} experts; use one of {divisors(num_experts)}"
         )
-    if not _is_int(num_nodes) or num_nodes < 1 or num_devices % num_nodes:
+    if not is_int(num_nodes) or num_nodes < 1 or num_devices % num_nodes:
         raise PlacementError(
-            f"nodes={num_nodes} does not divide devices={num_devices}; use one of {_divisors(num_devices)}"
+            f"nodes={num_nodes} does not divide devices={num_devices}; use one of {divisors(num_devices)}"
         )
+
+
+def check_load_bound(max_load_imbalance) -> None:
+    """None (automatic) or a number >= 1; anything else is a one-line `PlacementError`."""
+    if max_load_imbalance is None:
+        return
+    if (
+        isinstance(max_load_imbalance, bool)
+        or not isinstance(max_load_imbalance, (int, float))
+        or not (max_load_imbalance >= 1)
+        or max_load_imbalance == float("inf")
+    ):
+        raise PlacementError(
+            f"max_load_imbalance={max_load_imbalance!r} must be a number >= 1 (max/mean rows per device), or "
+            f"None for the automatic bound max({DEFAULT_LOAD_IMBALANCE}, occult's imbalance)"
+        )
+
+
+def resolve_load_bound(max_load_imbalance: float | None, occult_imbalance: float) -> float:
+    """The bound an optimising algorithm keeps: the user's number, or (None) max(1.25, occult's imbalance)
+    so that the paper's placement is always admissible."""
+    if max_load_imbalance is None:
+        return max(DEFAULT_LOAD_IMBALANCE, occult_imbalance)
+    return float(max_load_imbalance)
 
 
 # ---- routing helpers ---------------------------------------------------------------------------
-def _incidence(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+def incidence(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(T', E) float32 0/1 incidence of the tokens that selected at least one expert (-1 slots ignored)."""
     ids = topk_ids_TK.long().cpu()
     ids = torch.where(ids >= 0, ids, num_experts)  # -1 -> spare column E, dropped below
@@ -65,30 +113,56 @@ def coactivation_matrix(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Te
     Returns:
         (E, E) int64: [a, b] = tokens that selected both a and b; the diagonal is each expert's load.
     """
-    x = _incidence(topk_ids_TK, num_experts).double()
+    x = incidence(topk_ids_TK, num_experts).double()
     return (x.T @ x).round().long()
 
 
-def _device_to_groups(dev_E: torch.Tensor, num_devices: int) -> list[list[int]]:
+def device_to_groups(dev_E: torch.Tensor, num_devices: int) -> list[list[int]]:
     return [sorted((dev_E == d).nonzero().flatten().tolist()) for d in range(num_devices)]
 
 
-def _objective(x_TE: torch.Tensor, dev_E: torch.Tensor, num_devices: int) -> float:
-    """Sum over tokens of distinct devices reached (comm_complexity times T)."""
+def device_loads(x_TE: torch.Tensor, dev_E: torch.Tensor, num_devices: int) -> torch.Tensor:
+    """(D,) tokens of x_TE reaching each device (the rows it receives under de-duplicated dispatch)."""
     onehot_ED = torch.nn.functional.one_hot(dev_E, num_devices).float()
-    return float(((x_TE @ onehot_ED) > 0).sum())
+    return ((x_TE @ onehot_ED) > 0).sum(dim=0)
 
 
-def _imbalance(load_D: torch.Tensor) -> float:
+def devices_total(x_TE: torch.Tensor, dev_E: torch.Tensor, num_devices: int) -> float:
+    """Sum over tokens of distinct devices reached (comm_complexity times T): the placement objective."""
+    return float(device_loads(x_TE, dev_E, num_devices).sum())
+
+
+def imbalance(load_D: torch.Tensor) -> float:
+    """max / mean of a load vector (`metrics.load_imbalance`'s definition; 0.0 for no load)."""
     mean = float(load_D.double().mean())
     return float(load_D.double().max()) / mean if mean > 0 else 0.0
+
+
+@dataclass
+class LayerResult:
+    """One layer's placement as an algorithm returns it.
+
+    Args:
+        groups: D lists of E/D expert ids; device d belongs to node d // (D/N).
+        lower_bound: a proven lower bound of the summed distinct devices over the placed tokens (under the
+            same load bound), or None when the algorithm computes none.
+        optimal: True when `groups` is proven optimal (the bound is met).
+        node_lower_bound: the same at the node level of a hierarchical placement (None otherwise).
+        note: what the algorithm did, for the placement file (e.g. a fallback).
+    """
+
+    groups: list[list[int]]
+    lower_bound: float | None = None
+    optimal: bool = False
+    node_lower_bound: float | None = None
+    note: str | None = None
 
 
 # ---- hierarchical placement -----------------------------------------------------------------------
 Solver = Callable[..., list[list[int]]]  # solve(x_TE, num_devices, **options) -> groups[d]
 
 
-def _two_level(
+def two_level(
     topk_ids_TK: torch.Tensor,
     num_experts: int,
     num_devices: int,
@@ -107,19 +181,25 @@ def _two_level(
     ids = topk_ids_TK.long().cpu()
     extra = {} if seed is None else {"seed": seed}
     if node_groups is None:
-        node_groups = solve(_incidence(ids, num_experts), num_nodes, **extra)
+        node_groups = solve(incidence(ids, num_experts), num_nodes, **extra)
     groups: list[list[int]] = []
     for node, members in enumerate(node_groups):
-        local = torch.full((num_experts + 1,), -1, dtype=torch.long)  # slot E: the -1 sentinel
-        local[torch.tensor(members)] = torch.arange(len(members))
-        sub_ids = local[torch.where(ids >= 0, ids, num_experts)]
+        sub_x = node_incidence(ids, num_experts, members)
         extra = {} if seed is None else {"seed": seed + node + 1}
-        sub_groups = solve(_incidence(sub_ids, len(members)), num_devices // num_nodes, **extra)
+        sub_groups = solve(sub_x, num_devices // num_nodes, **extra)
         groups.extend(sorted(members[i] for i in g) for g in sub_groups)
     return groups
 
 
-def _level_totals(
+def node_incidence(topk_ids_TK: torch.Tensor, num_experts: int, members: list[int]) -> torch.Tensor:
+    """Incidence of the tokens on one node's experts, columns numbered 0..len(members)-1 in `members` order."""
+    ids = topk_ids_TK.long().cpu()
+    local = torch.full((num_experts + 1,), -1, dtype=torch.long)  # slot E: the -1 sentinel
+    local[torch.tensor(members)] = torch.arange(len(members))
+    return incidence(local[torch.where(ids >= 0, ids, num_experts)], len(members))
+
+
+def level_totals(
     x_TE: torch.Tensor, groups: list[list[int]], num_devices: int, num_nodes: int
 ) -> tuple[float, float]:
     """(summed distinct nodes, summed distinct devices) over the tokens of x_TE for a D-device placement."""
@@ -127,6 +207,6 @@ def _level_totals(
     for d, group in enumerate(groups):
         dev_E[group] = d
     return (
-        _objective(x_TE, dev_E // (num_devices // num_nodes), num_nodes),
-        _objective(x_TE, dev_E, num_devices),
+        devices_total(x_TE, dev_E // (num_devices // num_nodes), num_nodes),
+        devices_total(x_TE, dev_E, num_devices),
     )

@@ -1,10 +1,14 @@
-"""The `Placement` of a whole model and its JSON file (format `occult_ft.placement`, version 1).
+"""The `Placement` of a whole model and its JSON file (format `occult_ft.placement`, version 2; version
+1 files still load).
 
 The file holds, per MoE layer, D lists of E/D original expert ids (one line per device group), plus the
-model it was made for and informational metrics. Loading validates everything and raises a one-line
-`PlacementError` naming the field and the fix; sizes are checked against the groups actually listed
-before anything is derived from them, so a bogus `num_experts` fails fast. Saving is atomic (a temporary
-sibling, then `os.replace`).
+model it was made for and `metrics`. Version 2 gives the metrics a schema: `metrics["layers"][layer]`
+holds the layer's figures (`compute_placement`: comm_complexity, load_imbalance, the load bound kept, the
+lower bound and gap, seconds, held-out and pruned figures; `FIGURE_TYPES`), checked on load; version 1
+metrics stay informational. Loading validates everything and raises a one-line `PlacementError` naming the
+field and the fix: sizes are checked against the groups actually listed before anything is derived from
+them (a bogus `num_experts` fails fast), and two keys naming one layer ("1" and "01", or a key given
+twice) are refused. Saving is atomic (`occult_ft.fileio`: a temporary sibling, then a rename).
 """
 
 from __future__ import annotations
@@ -16,13 +20,99 @@ from pathlib import Path
 
 import torch
 
+from ..fileio import atomic_write_text
 from ..metrics import expert_device_from_groups
-from .core import _RERUN, PlacementError, _is_int, _validate_sizes
+from .core import RERUN, PlacementError, is_int, validate_sizes
 
-__all__ = ["PLACEMENT_FORMAT", "PLACEMENT_VERSION", "Placement"]
+__all__ = ["FIGURE_TYPES", "PLACEMENT_FORMAT", "PLACEMENT_VERSION", "READABLE_VERSIONS", "Placement"]
 
 PLACEMENT_FORMAT = "occult_ft.placement"
-PLACEMENT_VERSION = 1
+PLACEMENT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+_NUMBER = "number"
+FIGURE_TYPES = {  # version 2: what a layer's figures may hold (absent keys are allowed; None = unknown)
+    "tokens": _NUMBER,
+    "comm_complexity_sequential": _NUMBER,
+    "comm_complexity": _NUMBER,
+    "load_imbalance": _NUMBER,
+    "load_bound": _NUMBER,
+    "lower_bound": _NUMBER,
+    "gap": _NUMBER,
+    "seconds": _NUMBER,
+    "node_complexity": _NUMBER,
+    "node_lower_bound": _NUMBER,
+    "node_gap": _NUMBER,
+    "removed_share": _NUMBER,
+    "max_devices_per_token": _NUMBER,
+    "optimal": bool,
+    "note": str,
+    "criterion": str,
+    "held_out": dict,
+    "pruned": dict,
+}
+
+
+def _check_figures(figures, where: str) -> None:
+    """Version-2 figures: a dict of known keys whose values have the listed types (or are null)."""
+    if not isinstance(figures, dict):
+        raise PlacementError(f"{where} is {type(figures).__name__}, not an object of figures; {RERUN}")
+    for key, value in figures.items():
+        kind = FIGURE_TYPES.get(key)
+        if kind is None:
+            raise PlacementError(f"{where} has the unknown figure {key!r}; {RERUN}")
+        if value is None:
+            continue
+        if kind is _NUMBER:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+            ok = ok and abs(value) != float("inf")
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            raise PlacementError(
+                f"{where} figure {key!r} is {value!r}, not a {getattr(kind, '__name__', kind)}; {RERUN}"
+            )
+        if kind is dict:
+            _check_figures(value, f"{where} {key}")
+
+
+def _check_metrics(metrics, layers: set[int]) -> None:
+    """Version-2 metrics: an object whose `layers` (if any) are figures of this placement's layers."""
+    if not isinstance(metrics, dict):
+        raise PlacementError(f"placement metrics are {type(metrics).__name__}, not an object; {RERUN}")
+    per_layer = metrics.get("layers", {})
+    if not isinstance(per_layer, dict):
+        raise PlacementError(f"placement metrics 'layers' must map layer index -> figures; {RERUN}")
+    _check_layer_keys(per_layer, "placement metrics")
+    for key, figures in per_layer.items():
+        if int(key) not in layers:
+            raise PlacementError(
+                f"placement metrics give figures for layer {key}, which the placement lacks; {RERUN}"
+            )
+        _check_figures(figures, f"placement metrics layer {key}")
+
+
+def _check_layer_keys(mapping: dict, where: str) -> None:
+    """Layer keys are integers, each naming a different layer ("1" and "01" both name layer 1)."""
+    seen: dict[int, str] = {}
+    for key in mapping:
+        if not isinstance(key, str) or not key.lstrip("-").isdigit():
+            raise PlacementError(f"{where} has layer key {key!r}, not an integer; {RERUN}")
+        if int(key) in seen:
+            raise PlacementError(
+                f"{where} has layer keys {seen[int(key)]!r} and {key!r}, both naming layer {int(key)}; keep one "
+                f"of them; {RERUN}"
+            )
+        seen[int(key)] = key
+
+
+def _refuse_duplicate_keys(pairs: list) -> dict:
+    """json object hook: a key given twice in one object is an error, not silently the last one."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise PlacementError(f"the key {key!r} is given twice in one object; keep one of them; {RERUN}")
+        out[key] = value
+    return out
 
 
 def _check_listed_experts(groups: dict, num_experts: int) -> None:
@@ -31,33 +121,33 @@ def _check_listed_experts(groups: dict, num_experts: int) -> None:
     for layer, layer_groups in groups.items():
         if not isinstance(layer_groups, list):
             raise PlacementError(
-                f"placement layer {layer} is {type(layer_groups).__name__}, not a list of device groups; {_RERUN}"
+                f"placement layer {layer} is {type(layer_groups).__name__}, not a list of device groups; {RERUN}"
             )
         listed = sum(len(g) if isinstance(g, list) else 0 for g in layer_groups)
         if listed != num_experts:
             raise PlacementError(
-                f"placement layer {layer} lists {listed} experts but num_experts={num_experts}; {_RERUN}"
+                f"placement layer {layer} lists {listed} experts but num_experts={num_experts}; {RERUN}"
             )
 
 
 def _check_groups(groups, num_experts: int, num_devices: int, where: str) -> list[list[int]]:
     if not isinstance(groups, list) or len(groups) != num_devices:
         n = len(groups) if isinstance(groups, list) else type(groups).__name__
-        raise PlacementError(f"{where} has {n} device groups but num_devices={num_devices}; {_RERUN}")
+        raise PlacementError(f"{where} has {n} device groups but num_devices={num_devices}; {RERUN}")
     per, seen = num_experts // num_devices, set()
     for d, group in enumerate(groups):
-        if not isinstance(group, list) or not all(_is_int(e) for e in group):
-            raise PlacementError(f"{where} device {d} is not a list of expert ids: {group!r}; {_RERUN}")
+        if not isinstance(group, list) or not all(is_int(e) for e in group):
+            raise PlacementError(f"{where} device {d} is not a list of expert ids: {group!r}; {RERUN}")
         if len(group) != per:
             raise PlacementError(
                 f"{where} device {d} holds {len(group)} experts; each of the {num_devices} devices must hold "
-                f"{num_experts}/{num_devices}={per}; {_RERUN}"
+                f"{num_experts}/{num_devices}={per}; {RERUN}"
             )
         for e in group:
             if not 0 <= e < num_experts:
-                raise PlacementError(f"{where} has expert id {e} outside 0..{num_experts - 1}; {_RERUN}")
+                raise PlacementError(f"{where} has expert id {e} outside 0..{num_experts - 1}; {RERUN}")
             if e in seen:
-                raise PlacementError(f"{where} places expert {e} on two devices; {_RERUN}")
+                raise PlacementError(f"{where} places expert {e} on two devices; {RERUN}")
             seen.add(e)
     return [sorted(g) for g in groups]
 
@@ -87,15 +177,15 @@ class Placement:
 
     def __post_init__(self):
         for name in ("num_experts", "num_devices", "num_nodes"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise PlacementError(
-                    f"placement {name}={getattr(self, name)!r} must be a positive integer; {_RERUN}"
+                    f"placement {name}={getattr(self, name)!r} must be a positive integer; {RERUN}"
                 )
         if not isinstance(self.groups, dict) or not self.groups:
-            raise PlacementError(f"placement has no layers; {_RERUN}")
+            raise PlacementError(f"placement has no layers; {RERUN}")
         _check_listed_experts(self.groups, self.num_experts)
         try:
-            _validate_sizes(self.num_experts, self.num_devices, self.num_nodes)
+            validate_sizes(self.num_experts, self.num_devices, self.num_nodes)
         except PlacementError as err:
             raise PlacementError(f"placement {err}") from None
         self.groups = {
@@ -109,7 +199,7 @@ class Placement:
 
     def _layer_groups(self, layer: int) -> list[list[int]]:
         if layer not in self.groups:
-            raise PlacementError(f"placement has no layer {layer}; it covers layers {self.layers}; {_RERUN}")
+            raise PlacementError(f"placement has no layer {layer}; it covers layers {self.layers}; {RERUN}")
         return self.groups[layer]
 
     def expert_device(self, layer: int) -> torch.Tensor:
@@ -126,15 +216,23 @@ class Placement:
         """Raise `PlacementError` unless this placement fits a model with these experts and MoE layers."""
         if num_experts != self.num_experts:
             raise PlacementError(
-                f"placement was made for {self.num_experts} experts, model has {num_experts}; {_RERUN}"
+                f"placement was made for {self.num_experts} experts, model has {num_experts}; {RERUN}"
             )
         layers = sorted(int(i) for i in layer_indices)
         if layers != self.layers:
-            raise PlacementError(f"placement covers MoE layers {self.layers}, model has {layers}; {_RERUN}")
+            raise PlacementError(f"placement covers MoE layers {self.layers}, model has {layers}; {RERUN}")
         if model_type is not None and self.model_type is not None and model_type != self.model_type:
             raise PlacementError(
-                f"placement was made for a {self.model_type} model, this one is {model_type}; {_RERUN}"
+                f"placement was made for a {self.model_type} model, this one is {model_type}; {RERUN}"
             )
+
+    def figures(self, layer: int) -> dict | None:
+        """The layer's stored figures (`compute_placement`), or None when the file has none for it."""
+        per_layer = self.metrics.get("layers") if isinstance(self.metrics, dict) else None
+        if not isinstance(per_layer, dict):
+            return None
+        found = per_layer.get(str(layer))
+        return found if isinstance(found, dict) else None
 
     def to_json(self) -> str:
         """The file text: JSON with one line per device group."""
@@ -152,7 +250,12 @@ class Placement:
         for i, layer in enumerate(self.layers):
             body = ",\n".join(f"      {json.dumps(g)}" for g in self.groups[layer])
             lines.append(f'    "{layer}": [\n{body}\n    ]' + ("," if i < len(self.groups) - 1 else ""))
-        metrics = json.dumps(self.metrics, indent=2).replace("\n", "\n  ")
+        try:
+            metrics = json.dumps(self.metrics, indent=2, allow_nan=False).replace("\n", "\n  ")
+        except ValueError:
+            raise PlacementError(
+                "placement metrics hold NaN or infinite values, which JSON cannot keep"
+            ) from None
         return "\n".join(lines + ["  },", f'  "metrics": {metrics}', "}"]) + "\n"
 
     def save(self, path: str | Path) -> None:
@@ -166,8 +269,6 @@ class Placement:
             raise PlacementError(
                 f"cannot write '{path}': it is a directory; give a file name like placement.json"
             )
-        from ..fileio import atomic_write_text
-
         atomic_write_text(path, self.to_json())
 
     @classmethod
@@ -177,35 +278,38 @@ class Placement:
         if not path.is_file():
             raise PlacementError(f"placement file '{path}' not found; create it with `occult-ft place`")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(), object_pairs_hook=_refuse_duplicate_keys)
+        except PlacementError as err:
+            raise PlacementError(f"placement file '{path}': {err}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             where = (
                 f" at line {err.lineno}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
             )
-            raise PlacementError(f"placement file '{path}' is not valid JSON{where}; {_RERUN}") from None
+            raise PlacementError(f"placement file '{path}' is not valid JSON{where}; {RERUN}") from None
         if not isinstance(data, dict) or data.get("format") != PLACEMENT_FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise PlacementError(
                 f"'{path}' is not an occult_ft placement file (format={found!r}, expected "
-                f"{PLACEMENT_FORMAT!r}); {_RERUN}"
+                f"{PLACEMENT_FORMAT!r}); {RERUN}"
             )
-        if data.get("version") != PLACEMENT_VERSION:
+        if data.get("version") not in READABLE_VERSIONS or isinstance(data.get("version"), bool):
             raise PlacementError(
-                f"'{path}' has placement version {data.get('version')!r}; this occult_ft reads version "
-                f"{PLACEMENT_VERSION}; {_RERUN}"
+                f"'{path}' has placement version {data.get('version')!r}; this occult_ft reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}; {RERUN}"
             )
         for key in ("num_experts", "num_devices", "num_nodes", "algorithm", "layers"):
             if key not in data:
-                raise PlacementError(f"placement file '{path}' lacks the {key!r} field; {_RERUN}")
+                raise PlacementError(f"placement file '{path}' lacks the {key!r} field; {RERUN}")
         if not isinstance(data["layers"], dict):
+            raise PlacementError(f"placement file '{path}': 'layers' must map layer index -> groups; {RERUN}")
+        try:
+            _check_layer_keys(data["layers"], "placement file")
+            if data["version"] >= 2:
+                _check_metrics(data.get("metrics") or {}, {int(k) for k in data["layers"]})
+        except PlacementError as err:
             raise PlacementError(
-                f"placement file '{path}': 'layers' must map layer index -> groups; {_RERUN}"
-            )
-        bad_keys = [k for k in data["layers"] if not k.lstrip("-").isdigit()]
-        if bad_keys:
-            raise PlacementError(
-                f"placement file '{path}' has layer key {bad_keys[0]!r}, not an integer; {_RERUN}"
-            )
+                f"placement file '{path}': {str(err).removeprefix('placement file ')}"
+            ) from None
         try:
             return cls(
                 model=data.get("model"),

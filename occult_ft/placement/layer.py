@@ -1,5 +1,6 @@
-"""Placing layers: `place_layer` (one MoE layer, flat or hierarchical), `compute_placement` (every layer
-of a profile, into a `Placement` with metrics) and `sequential_placement` (the framework default).
+"""Placing layers: `place_layer` (one MoE layer, flat or hierarchical), `solve_layer` (the same with its
+bound), `compute_placement` (every layer of a profile, into a `Placement` with per-layer figures) and
+`sequential_placement` (the framework default).
 
 A placement assigns, per MoE layer, the E routed experts to D devices, E/D each, so that the experts a
 token selects together sit on few devices. The objective is the paper's `comm_complexity` (mean over the
@@ -8,40 +9,53 @@ profiled tokens of the distinct devices hosting the token's top-k), computed on 
 
 Hierarchical placement (`num_nodes` N > 1): experts are first split into N node groups of E/N (objective
 = distinct nodes per token), then each node's experts are placed on its D/N devices (objective =
-distinct devices per token within the node). Device d belongs to node d // (D/N). `search` does this
-with a guarantee at both levels (see `occult_ft.placement.search`).
+distinct devices per token within the node). Device d belongs to node d // (D/N).
+
+Per-layer figures (`compute_placement`, stored in the placement file, shown by `analyze`): on the tokens
+placed, comm_complexity (sequential and placed), load_imbalance (max/mean rows per device,
+`metrics.load_imbalance`), the load bound kept, a proven lower bound of comm_complexity under that bound
+and the relative gap; with `holdout` > 0 the same on the held-out tokens (every other block of
+`HOLDOUT_BLOCK` profiled tokens for 0.5), which the placement never saw; with a budget
+`max_devices_per_token`, the pruned routing's comm_complexity, load imbalance and removed share.
 
 Shape legend: T tokens, K experts per token, E experts, D devices.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
-from functools import partial
+from math import floor
 
 import torch
 
-from ..metrics import comm_complexity, expert_device_from_groups, load_imbalance
-from .algorithms import PLACEMENT_ALGORITHMS, PlacementAlgorithm, _sequential
-from .core import _RERUN, PlacementError, _incidence, _two_level, _validate_sizes
+from ..metrics import comm_complexity, expert_device_from_groups, load_imbalance, node_comm_complexity
+from .algorithms import DEFAULT_ALGORITHM, get_algorithm, occult, sequential
+from .core import (
+    LayerResult,
+    PlacementError,
+    check_load_bound,
+    incidence,
+    resolve_load_bound,
+    validate_sizes,
+)
 from .file import Placement
-from .search import DEFAULT_ALGORITHM
+from .partition import LoadBound, TokenSets, scipy_available, solve_partition
+from .pruned import check_budget, pruned_figures, refine_pruned
+from .solver import SOLVER_TIME_LIMIT
 
-__all__ = ["place_layer", "compute_placement", "sequential_placement"]
+__all__ = [
+    "BOUND_TIME_LIMIT",
+    "HOLDOUT_BLOCK",
+    "compute_placement",
+    "place_layer",
+    "sequential_placement",
+    "solve_layer",
+    "split_holdout",
+]
 
-
-def _algorithm(
-    num_experts: int, num_devices: int, num_nodes: int, algorithm: str, options
-) -> PlacementAlgorithm:
-    """Validate a request; return the registry entry."""
-    _validate_sizes(num_experts, num_devices, num_nodes)
-    if algorithm not in PLACEMENT_ALGORITHMS:
-        raise PlacementError(
-            f"unknown placement algorithm {algorithm!r}; use one of {', '.join(sorted(PLACEMENT_ALGORITHMS))}"
-        )
-    entry = PLACEMENT_ALGORITHMS[algorithm]
-    entry.check_options(options)
-    return entry
+HOLDOUT_BLOCK = 256  # profiled tokens come sequence by sequence: held-out tokens are taken in blocks
+BOUND_TIME_LIMIT = 3.0  # seconds per layer for the lower bound of an algorithm that computes none
 
 
 def place_layer(
@@ -60,57 +74,134 @@ def place_layer(
         num_devices: D, a divisor of E.
         algorithm: a key of `PLACEMENT_ALGORITHMS`.
         num_nodes: N, a divisor of D; N > 1 places hierarchically (nodes first, then devices in a node).
-        options: the algorithm's own options (`PLACEMENT_ALGORITHMS[algorithm].options`); any other is a
-            `PlacementError`. sequential, occult and greedy_pairs take none. `search` takes
-            `max_load_imbalance` (default 1.25: keep max/mean device load within max(this, `occult`'s
-            imbalance); starts beyond that bound are not used), `seed` (default 0, of the random restarts:
-            same seed, same result), `restarts` (default 4), `max_swaps` per descent (default 2E) and
-            `max_search_tokens` (default 2**21 / E: swaps are evaluated on a seeded subset of that many
+        options: `max_load_imbalance` (every algorithm: None keeps max(1.25, occult's imbalance) where the
+            algorithm optimises, a number >= 1 is a strict bound on max/mean rows per device) and the
+            algorithm's own options (`PLACEMENT_ALGORITHMS[algorithm].options`); any other is a
+            `PlacementError`. sequential, occult and greedy_pairs take none. `solver` takes `time_limit`
+            (seconds per layer, default 30) and `seed`. `search` takes `seed` (default 0, of the random
+            restarts: same seed, same result), `restarts` (default 4), `max_swaps` per descent (default 2E)
+            and `max_search_tokens` (default 2**21 / E: swaps are evaluated on a seeded subset of that many
             tokens; 8192 at 256 experts).
 
     Returns:
         `groups`, D lists of E/D sorted expert ids; device d belongs to node d // (D/N).
     """
-    entry = _algorithm(num_experts, num_devices, num_nodes, algorithm, options)
-    if topk_ids_TK.dim() != 2:
-        raise PlacementError(f"topk_ids must be (tokens, top_k), got shape {tuple(topk_ids_TK.shape)}")
-    if topk_ids_TK.numel() and (int(topk_ids_TK.max()) >= num_experts or int(topk_ids_TK.min()) < -1):
-        bad = int(topk_ids_TK.max()) if int(topk_ids_TK.max()) >= num_experts else int(topk_ids_TK.min())
-        raise PlacementError(
-            f"topk_ids hold expert id {bad} but the layer has {num_experts} experts; {_RERUN}"
-        )
-    if num_nodes == 1:
-        groups = entry.solve(_incidence(topk_ids_TK, num_experts), num_devices, **options)
-    elif entry.hierarchical is not None:
-        groups = entry.hierarchical(topk_ids_TK, num_experts, num_devices, num_nodes, **options)
-    else:  # the same solver and options at both levels
-        groups = _two_level(topk_ids_TK, num_experts, num_devices, num_nodes, partial(entry.solve, **options))
-    return [sorted(g) for g in groups]
+    return solve_layer(topk_ids_TK, num_experts, num_devices, algorithm, num_nodes, **options).groups
 
 
-def _layer_report(
-    topk_ids_TK: torch.Tensor, groups, num_experts: int, num_devices: int, num_nodes: int
-) -> dict:
-    dev_E = expert_device_from_groups(groups, num_experts)
+def solve_layer(
+    topk_ids_TK: torch.Tensor,
+    num_experts: int,
+    num_devices: int,
+    algorithm: str = DEFAULT_ALGORITHM,
+    num_nodes: int = 1,
+    **options,
+) -> LayerResult:
+    """`place_layer` with what the algorithm proved: a `LayerResult` (groups, lower bound of the summed
+    distinct devices over the tokens, optimal, node-level bound, note)."""
+    validate_sizes(num_experts, num_devices, num_nodes)
+    return get_algorithm(algorithm).place(topk_ids_TK, num_experts, num_devices, num_nodes, **options)
+
+
+def split_holdout(num_tokens: int, holdout: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fit, held-out) token indices: block b of `HOLDOUT_BLOCK` tokens is held out when
+    floor((b + 1) h) > floor(b h), so the held-out blocks are spread evenly (every other one for h = 0.5).
+    With fewer than two blocks nothing is held out."""
+    blocks = -(-num_tokens // HOLDOUT_BLOCK)
+    if holdout <= 0 or blocks < 2:
+        return torch.arange(num_tokens), torch.zeros(0, dtype=torch.long)
+    out_B = torch.tensor([floor((b + 1) * holdout) > floor(b * holdout) for b in range(blocks)])
+    if bool(out_B.all()):
+        out_B[0] = False
+    out_T = out_B.repeat_interleave(HOLDOUT_BLOCK)[:num_tokens]
+    return (~out_T).nonzero().flatten(), out_T.nonzero().flatten()
+
+
+def _figures(ids_TK, dev_E, num_devices, num_nodes, budget) -> dict:
+    """comm_complexity (sequential and placed) and load imbalance of one token set (and node level, pruned)."""
+    num_experts = dev_E.shape[0]
     seq_E = torch.arange(num_experts) // (num_experts // num_devices)
-    report = dict(
-        tokens=int(topk_ids_TK.shape[0]),
-        comm_complexity_sequential=comm_complexity(topk_ids_TK, seq_E, num_devices),
-        comm_complexity=comm_complexity(topk_ids_TK, dev_E, num_devices),
-        load_imbalance=load_imbalance(topk_ids_TK, dev_E, num_devices),
+    out = dict(
+        tokens=int(ids_TK.shape[0]),
+        comm_complexity_sequential=comm_complexity(ids_TK, seq_E, num_devices),
+        comm_complexity=comm_complexity(ids_TK, dev_E, num_devices),
+        load_imbalance=load_imbalance(ids_TK, dev_E, num_devices),
     )
     if num_nodes > 1:
-        report["node_complexity"] = comm_complexity(
-            topk_ids_TK, dev_E // (num_devices // num_nodes), num_nodes
+        out["node_complexity"] = node_comm_complexity(ids_TK, dev_E, num_devices, num_nodes)
+    if budget is not None:
+        out["pruned"] = dict(max_devices_per_token=budget[0], criterion=budget[1]) | pruned_figures(
+            ids_TK, dev_E, num_devices, budget[0]
         )
-    return report
+    return out
 
 
-def _place_in_routing_groups(ids_TK, num_experts, num_devices, group_size, algorithm, num_nodes, **options):
+def _auto_bound(x_TE: torch.Tensor, num_devices: int) -> float:
+    """The automatic bound max(1.25, occult's imbalance) on these tokens."""
+    dev = expert_device_from_groups(occult(x_TE, num_devices), x_TE.shape[1])
+    loads = ((x_TE @ torch.nn.functional.one_hot(dev, num_devices).float()) > 0).sum(dim=0)
+    return resolve_load_bound(None, float(loads.max()) / float(loads.double().mean()) if loads.sum() else 0.0)
+
+
+def _lower_bound(x_TE: torch.Tensor, groups, num_devices: int, beta: float, seconds: float) -> float | None:
+    """A proven bound of the summed devices under `beta` for an algorithm that gives none (HiGHS; None
+    without scipy)."""
+    if not scipy_available():
+        return None
+    res = solve_partition(
+        TokenSets.from_incidence(x_TE),
+        num_devices,
+        [groups],
+        bound=LoadBound(beta, num_devices),
+        seconds=seconds,
+    )
+    return res.lower_bound
+
+
+def _place_one(
+    ids_TK, num_experts, num_devices, num_nodes, algorithm, options, budget, bound_seconds
+) -> dict:
+    """Place one layer (unit ids) on its fit tokens: the `LayerResult`, the load bound kept (the user's or
+    the automatic one, on the pruned routing under a budget) and the seconds taken."""
+    started = time.perf_counter()
+    explicit = options.get("max_load_imbalance")
+    x_TE = incidence(ids_TK, num_experts)
+    if budget is None:
+        result = solve_layer(ids_TK, num_experts, num_devices, algorithm, num_nodes, **options)
+        beta = explicit if explicit is not None else _auto_bound(x_TE, num_devices)
+    else:  # the bound belongs to the pruned routing: place unpruned, then refine on the pruned routing
+        plain = {k: v for k, v in options.items() if k != "max_load_imbalance"}
+        result = solve_layer(ids_TK, num_experts, num_devices, algorithm, num_nodes, **plain)
+        dev_E = expert_device_from_groups(result.groups, num_experts)
+        pruned = pruned_figures(ids_TK, dev_E, num_devices, budget[0])
+        occ = expert_device_from_groups(occult(x_TE, num_devices), num_experts)
+        beta = resolve_load_bound(
+            explicit, pruned_figures(ids_TK, occ, num_devices, budget[0])["load_imbalance"]
+        )
+        if algorithm == "solver":
+            seconds = 0.25 * options.get("time_limit", SOLVER_TIME_LIMIT)
+            result.groups = refine_pruned(
+                ids_TK, result.groups, num_devices, budget[0], beta, deadline=time.perf_counter() + seconds
+            )
+            # the bounds were for the unpruned objective
+            result.lower_bound, result.node_lower_bound, result.optimal = None, None, False
+            result.note = "refined on the pruned routing (removed selections); bound: none under a budget"
+        elif explicit is not None and pruned["load_imbalance"] > explicit * (1 + 1e-9):
+            raise PlacementError(
+                f"placement algorithm {algorithm!r} gives the pruned routing load imbalance "
+                f"{pruned['load_imbalance']:.3f} > max_load_imbalance={explicit}; use algorithm 'solver' "
+                "(it keeps the bound on the pruned routing) or raise max_load_imbalance"
+            )
+    if result.lower_bound is None and budget is None and num_nodes == 1 and bound_seconds > 0:
+        result.lower_bound = _lower_bound(x_TE, result.groups, num_devices, beta, bound_seconds)
+    return dict(result=result, load_bound=beta, seconds=time.perf_counter() - started)
+
+
+def _place_in_routing_groups(ids_TK, num_experts, num_devices, group_size, algorithm, num_nodes, options):
     """Placement for a model whose router picks among contiguous routing groups (DeepSeek group-limited
     routing): groups must stay whole blocks. With whole groups per device, the groups are placed as
     units; when a group spans several devices, it keeps its slot and its experts are placed over those
-    devices (on the tokens' experts inside it)."""
+    devices (on the tokens' experts inside it). No bound is reported (the units change the objective)."""
     per_device = num_experts // num_devices
     if per_device % group_size == 0:
         unit_groups = place_layer(
@@ -130,22 +221,49 @@ def _place_in_routing_groups(ids_TK, num_experts, num_devices, group_size, algor
 
 
 def compute_placement(
-    profile, num_devices: int, num_nodes: int = 1, algorithm: str = DEFAULT_ALGORITHM, **options
+    profile,
+    num_devices: int,
+    num_nodes: int = 1,
+    algorithm: str = DEFAULT_ALGORITHM,
+    *,
+    max_load_imbalance: float | None = None,
+    max_devices_per_token: int | None = None,
+    criterion: str = "score",
+    holdout: float = 0.0,
+    bound_time_limit: float = BOUND_TIME_LIMIT,
+    **options,
 ) -> Placement:
     """Place every profiled layer.
 
     Args:
         profile: object with `model`, `model_type`, `num_experts`, `top_k` and `layers`
-            (layer index -> object with `.topk_ids`, (T, K) int64), e.g. `occult_ft.profiling.Profile`.
+            (layer index -> object with `.topk_ids`, (T, K) int64, best first), e.g.
+            `occult_ft.profiling.Profile`.
         num_devices, num_nodes, algorithm, options: see `place_layer` (an option the algorithm does not
             take is a `PlacementError` before any layer is placed).
+        max_load_imbalance: the load bound (max/mean rows per device): None = max(1.25, occult's) where
+            the algorithm optimises; a number is kept strictly by every algorithm (a constructive one above
+            it is a `PlacementError`). With a budget it bounds the pruned routing.
+        max_devices_per_token, criterion: a pruning budget M (`criterion` score, device_max or similarity:
+            the same devices). `solver` then refines the placement on the pruned routing (fewest removed
+            selections within the bound; module `pruned`); the figures gain the pruned routing's.
+        holdout: share of the profiled tokens held out (blocks of `HOLDOUT_BLOCK`): the placement is made
+            on the rest and the figures are given for both (0 = place on all tokens).
+        bound_time_limit: seconds per layer for the HiGHS lower bound of an algorithm that gives none
+            (0 = no bound); `solver` brings its own.
 
     Returns:
-        A `Placement` whose `metrics` hold per-layer and token-weighted overall comm_complexity
-        (sequential vs placed) and load imbalance on the profile.
+        A `Placement` whose `metrics` hold the per-layer figures (module docstring) and their token-weighted
+        overall values.
     """
     num_experts = int(profile.num_experts)
-    _algorithm(num_experts, num_devices, num_nodes, algorithm, options)
+    validate_sizes(num_experts, num_devices, num_nodes)
+    entry = get_algorithm(algorithm)
+    check_load_bound(max_load_imbalance)
+    entry.check_options(options)
+    check_budget(max_devices_per_token, criterion, num_devices)
+    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
+        raise PlacementError(f"holdout={holdout!r} must be a share of the tokens in [0, 1), e.g. 0.5 or 0")
     if not profile.layers:
         raise PlacementError("profile has no MoE layers; profile the model with `occult-ft profile` first")
     group_size = int(getattr(profile, "group_size", 1) or 1) if algorithm != "sequential" else 1
@@ -157,27 +275,58 @@ def compute_placement(
             f"devices={num_devices} ({per_device} experts each) neither holds whole groups nor splits each group "
             f"evenly; use devices dividing or divisible by {num_group}, or placement 'sequential'"
         )
+    budget = None if max_devices_per_token is None else (int(max_devices_per_token), criterion)
+    if max_load_imbalance is not None:
+        options["max_load_imbalance"] = max_load_imbalance
     groups, per_layer = {}, {}
     for layer in sorted(profile.layers):
-        ids = profile.layers[layer].topk_ids
-        if group_size > 1:
-            groups[int(layer)] = _place_in_routing_groups(
-                ids.long(), num_experts, num_devices, group_size, algorithm, num_nodes, **options
-            )
-        else:
-            groups[int(layer)] = place_layer(ids, num_experts, num_devices, algorithm, num_nodes, **options)
-        per_layer[str(layer)] = _layer_report(ids, groups[int(layer)], num_experts, num_devices, num_nodes)
-    tokens = sum(m["tokens"] for m in per_layer.values())
-
-    def overall(key: str) -> float:
-        return sum(m[key] * m["tokens"] for m in per_layer.values()) / tokens if tokens else 0.0
-
-    metrics = dict(
-        comm_complexity_sequential=overall("comm_complexity_sequential"),
-        comm_complexity=overall("comm_complexity"),
-        load_imbalance=max(m["load_imbalance"] for m in per_layer.values()),
-        layers=per_layer,
-    )
+        ids = profile.layers[layer].topk_ids.long()
+        fit, held = split_holdout(ids.shape[0], holdout)
+        try:
+            if group_size > 1:
+                started = time.perf_counter()
+                unit_groups = _place_in_routing_groups(
+                    ids[fit], num_experts, num_devices, group_size, algorithm, num_nodes, options
+                )
+                placed = dict(
+                    result=LayerResult(unit_groups, note="placed in whole routing groups: no bound"),
+                    load_bound=max_load_imbalance,
+                    seconds=time.perf_counter() - started,
+                )
+            else:
+                placed = _place_one(
+                    ids[fit],
+                    num_experts,
+                    num_devices,
+                    num_nodes,
+                    algorithm,
+                    options,
+                    budget,
+                    bound_time_limit,
+                )
+        except PlacementError as err:
+            raise PlacementError(f"layer {layer}: {err}") from None
+        result = placed["result"]
+        groups[int(layer)] = result.groups
+        dev_E = expert_device_from_groups(result.groups, num_experts)
+        figures = _figures(ids[fit], dev_E, num_devices, num_nodes, budget)
+        tokens = max(1, figures["tokens"])
+        bound = None if result.lower_bound is None else result.lower_bound / tokens
+        figures.update(
+            lower_bound=bound,
+            gap=None if not bound else figures["comm_complexity"] / bound - 1.0,
+            optimal=bool(result.optimal),
+            load_bound=placed["load_bound"],
+            seconds=placed["seconds"],
+            note=result.note,
+        )
+        if num_nodes > 1:
+            node_bound = None if result.node_lower_bound is None else result.node_lower_bound / tokens
+            figures["node_lower_bound"] = node_bound
+            figures["node_gap"] = None if not node_bound else figures["node_complexity"] / node_bound - 1.0
+        if len(held):
+            figures["held_out"] = _figures(ids[held], dev_E, num_devices, num_nodes, budget)
+        per_layer[str(layer)] = figures
     return Placement(
         getattr(profile, "model", None),
         getattr(profile, "model_type", None),
@@ -186,8 +335,40 @@ def compute_placement(
         num_nodes,
         algorithm,
         groups,
-        metrics,
+        _overall(per_layer, max_load_imbalance, holdout, budget),
     )
+
+
+def _overall(per_layer: dict, max_load_imbalance, holdout: float, budget) -> dict:
+    """Token-weighted means over the layers (max for load imbalance) and the settings."""
+
+    def mean(rows, key):
+        tokens = sum(r["tokens"] for r in rows)
+        return sum(r[key] * r["tokens"] for r in rows) / tokens if tokens else 0.0
+
+    rows = list(per_layer.values())
+    out = dict(
+        comm_complexity_sequential=mean(rows, "comm_complexity_sequential"),
+        comm_complexity=mean(rows, "comm_complexity"),
+        load_imbalance=max(r["load_imbalance"] for r in rows),
+        lower_bound=mean(rows, "lower_bound") if all(r["lower_bound"] is not None for r in rows) else None,
+        max_load_imbalance=max_load_imbalance,
+        holdout=holdout,
+        seconds=sum(r["seconds"] for r in rows),
+    )
+    out["gap"] = out["comm_complexity"] / out["lower_bound"] - 1.0 if out["lower_bound"] else None
+    if budget is not None:
+        out["max_devices_per_token"], out["criterion"] = budget
+    held = [r["held_out"] for r in rows if "held_out" in r]
+    if held:
+        out["held_out"] = dict(
+            tokens=sum(r["tokens"] for r in held),
+            comm_complexity_sequential=mean(held, "comm_complexity_sequential"),
+            comm_complexity=mean(held, "comm_complexity"),
+            load_imbalance=max(r["load_imbalance"] for r in held),
+        )
+    out["layers"] = per_layer
+    return out
 
 
 def sequential_placement(
@@ -198,8 +379,8 @@ def sequential_placement(
     model_type: str | None = None,
 ) -> Placement:
     """The framework default (contiguous experts per device) as a `Placement`, for every listed layer."""
-    _validate_sizes(num_experts, num_devices, 1)
-    groups = _sequential(torch.zeros(0, num_experts), num_devices)
+    validate_sizes(num_experts, num_devices, 1)
+    groups = sequential(torch.zeros(0, num_experts), num_devices)
     return Placement(
         model,
         model_type,

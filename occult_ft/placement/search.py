@@ -3,11 +3,16 @@
 `search` starts from the best of occult, greedy_pairs and sequential on the exact objective (summed
 distinct devices per token), then does local search over expert swaps between devices, plus `restarts`
 perturb-and-descend rounds (iterated local search, seeded: same seed, same result). A swap is taken only
-if it keeps the device load imbalance (max/mean tokens per device) within max(max_load_imbalance,
-imbalance of the start) and lowers the exact objective, or leaves it equal while putting more
+if it keeps the device load imbalance (max/mean tokens per device) within the load bound and lowers the
+exact objective, or leaves it equal while putting more
 co-selected pairs on one device (this crosses the plateaus of the distinct-device count). The objective
-never rises, so on one level `search` is never worse than `occult` or `greedy_pairs`. Swap deltas are
-exact and vectorised: see `_SwapState`.
+never rises, so on one level `search` is never worse than `occult` or `greedy_pairs` (whichever of them
+keeps the bound). Swap deltas are exact and vectorised: see `SwapState`.
+
+The load bound is `max_load_imbalance`: None (the default) keeps max(1.25, occult's imbalance), so occult is
+always admissible; a number is kept strictly. When no start keeps a strict bound, swaps that lower the
+imbalance most are taken first (`SwapState.rebalance`); a bound that cannot be reached is a one-line
+`PlacementError` naming the lowest imbalance found.
 
 Hierarchical placement (N nodes, `_search_hierarchical`) builds three candidates:
     nodes_first   search at the node level (distinct nodes per token), then within each node
@@ -32,28 +37,36 @@ from functools import partial
 import torch
 
 from ..metrics import expert_device_from_groups
-from .algorithms import _greedy_pairs, _occult, _sequential, register_algorithm
+from .algorithms import greedy_pairs, occult, register_algorithm, sequential
 from .core import (
     PlacementError,
-    _device_to_groups,
-    _imbalance,
-    _incidence,
-    _is_int,
-    _level_totals,
-    _objective,
-    _two_level,
+    check_load_bound,
+    device_to_groups,
+    devices_total,
+    imbalance,
+    incidence,
+    is_int,
+    level_totals,
+    resolve_load_bound,
+    two_level,
 )
 
-__all__ = ["DEFAULT_ALGORITHM", "SEARCH_RESTARTS", "SEARCH_CELLS"]
+__all__ = [
+    "SEARCH_RESTARTS",
+    "SEARCH_CELLS",
+    "SwapState",
+    "check_search_options",
+    "search",
+    "search_hierarchical",
+]
 
-DEFAULT_ALGORITHM = "search"
 SEARCH_RESTARTS = 4  # perturb-and-descend rounds after the first descent
 SEARCH_CELLS = 2**21  # swaps are evaluated on at most SEARCH_CELLS / E profiled tokens (a seeded random
 # subset): every token of a 32-expert model's default profile, 8192 tokens at DeepSeek-V3 width (256)
 
 
 # ---- local search over swaps ---------------------------------------------------------------------
-class _SwapState:
+class SwapState:
     """Exact objective bookkeeping for swap local search.
 
     Keeps count_TD and, derived from it, Z = [count == 0], O = [count == 1] (both (T, D)),
@@ -93,6 +106,12 @@ class _SwapState:
     def swap_deltas(self, bound: float) -> torch.Tensor:
         """(E, E) change of the summed C_T for each swap; +inf for same-device pairs and swaps that would
         push max/mean device load above `bound`."""
+        delta_EE, ratio_EE = self.swap_effects()
+        return delta_EE.masked_fill(ratio_EE > bound * (1 + 1e-9), float("inf"))
+
+    def swap_effects(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E, E) change of the summed C_T and (E, E) max/mean device load after each swap; both +inf for
+        same-device pairs."""
         dev = self.dev_E
         xo_self_E = self.xo_ED.gather(1, dev[:, None]).squeeze(1)
         move_EE = (self.xz_ED - xo_self_E[:, None])[:, dev]  # [a, b]: move a onto b's device
@@ -104,8 +123,25 @@ class _SwapState:
         others_DD = others_DD.masked_fill(self.excluded_DDD, float("-inf")).amax(dim=-1)
         new_max = torch.maximum(torch.maximum(load_a_EE, load_a_EE.T), others_DD[dev][:, dev])
         new_mean = (self.total + delta_EE) / self.num_devices
-        bad = (dev[:, None] == dev[None, :]) | (new_max > bound * new_mean * (1 + 1e-9))
-        return delta_EE.masked_fill(bad, float("inf"))
+        same = dev[:, None] == dev[None, :]
+        ratio_EE = (new_max / new_mean.clamp_min(1e-30)).masked_fill(same, float("inf"))
+        return delta_EE.masked_fill(same, float("inf")), ratio_EE
+
+    def rebalance(self, bound: float, max_swaps: int) -> bool:
+        """Take the swap that lowers max/mean device load most (ties: the lowest objective change) until
+        the load is within `bound`; False when no swap lowers it further first."""
+        num_experts = self.x_TE.shape[1]
+        for _ in range(max_swaps):
+            now = imbalance(self.load_D)
+            if now <= bound * (1 + 1e-9):
+                return True
+            delta_EE, ratio_EE = self.swap_effects()
+            best_ratio = float(ratio_EE.min())
+            if not best_ratio < now - 1e-12:
+                return False
+            best = int(delta_EE.masked_fill(ratio_EE > best_ratio, float("inf")).argmin())
+            self.apply_swap(*divmod(best, num_experts))
+        return imbalance(self.load_D) <= bound * (1 + 1e-9)
 
     def pair_gains(self) -> torch.Tensor:
         """(E, E) increase of the intra-device pair count for each swap (the tie-break on plateaus)."""
@@ -152,50 +188,36 @@ class _SwapState:
             self.apply_swap(*divmod(best, num_experts))
 
 
-def _check_options(max_load_imbalance, seed, restarts, max_swaps, max_search_tokens) -> None:
-    if (
-        isinstance(max_load_imbalance, bool)
-        or not isinstance(max_load_imbalance, (int, float))
-        or not (max_load_imbalance >= 1)
-    ):
-        raise PlacementError(
-            f"max_load_imbalance={max_load_imbalance!r} must be a number >= 1 (max/mean load)"
-        )
+def check_search_options(max_load_imbalance, seed, restarts, max_swaps, max_search_tokens) -> None:
+    """One-line `PlacementError` for the first bad option of `search`."""
+    check_load_bound(max_load_imbalance)
     for name, value, low in (("seed", seed, 0), ("restarts", restarts, 0)):
-        if not _is_int(value) or value < low:
+        if not is_int(value) or value < low:
             raise PlacementError(f"{name}={value!r} must be an integer >= {low}")
     for name, value in (("max_swaps", max_swaps), ("max_search_tokens", max_search_tokens)):
-        if value is not None and (not _is_int(value) or value < 1):
+        if value is not None and (not is_int(value) or value < 1):
             raise PlacementError(f"{name}={value!r} must be a positive integer, or None for the default")
 
 
-def _search(
+def search(
     x_TE: torch.Tensor,
     num_devices: int,
     *,
-    max_load_imbalance: float = 1.25,
+    max_load_imbalance: float | None = None,
     seed: int = 0,
     restarts: int = SEARCH_RESTARTS,
     max_swaps: int | None = None,
     max_search_tokens: int | None = None,
 ) -> list[list[int]]:
-    """Local search (`_search_all`). On more than `max_search_tokens` profiled tokens the swaps are
-    evaluated on a seeded random subset, and the result is kept only if it beats every start on all
-    tokens (so "never worse than occult" holds on the whole profile)."""
-    _check_options(max_load_imbalance, seed, restarts, max_swaps, max_search_tokens)
+    """Swap local search (module docstring). On more than `max_search_tokens` profiled tokens the swaps
+    are evaluated on a seeded random subset, and the result is kept only if it beats every start on all
+    tokens within the bound (so "never worse than occult" holds on the whole profile)."""
+    check_search_options(max_load_imbalance, seed, restarts, max_swaps, max_search_tokens)
     max_search_tokens = max_search_tokens or max(1024, SEARCH_CELLS // x_TE.shape[1])
-    search = partial(
-        _search_all,
-        num_devices=num_devices,
-        max_load_imbalance=max_load_imbalance,
-        seed=seed,
-        restarts=restarts,
-        max_swaps=max_swaps,
-    )
+    run = partial(_search_all, num_devices=num_devices, seed=seed, restarts=restarts, max_swaps=max_swaps)
     if x_TE.shape[0] <= max_search_tokens:
-        return search(x_TE)
+        return run(x_TE, max_load_imbalance=max_load_imbalance)
     subset = torch.randperm(x_TE.shape[0], generator=torch.Generator().manual_seed(seed))[:max_search_tokens]
-    found = search(x_TE[subset])
     num_experts = x_TE.shape[1]
 
     def score(groups) -> tuple[float, float]:  # (objective, load imbalance) on all tokens
@@ -203,15 +225,21 @@ def _search(
             x_TE
             @ torch.nn.functional.one_hot(expert_device_from_groups(groups, num_experts), num_devices).float()
         ) > 0
-        return float(reach_TD.sum()), _imbalance(reach_TD.sum(dim=0))
+        return float(reach_TD.sum()), imbalance(reach_TD.sum(dim=0))
 
-    occult = _occult(x_TE, num_devices)
-    best_total, occult_imbalance = score(occult)
-    best, bound = occult, max(max_load_imbalance, occult_imbalance)
-    for candidate in (found, _greedy_pairs(x_TE, num_devices), _sequential(x_TE, num_devices)):
-        total, imbalance = score(candidate)
-        if total < best_total and imbalance <= bound * (1 + 1e-9):
+    start = occult(x_TE, num_devices)
+    bound = resolve_load_bound(max_load_imbalance, score(start)[1])
+    try:
+        found = run(x_TE[subset], max_load_imbalance=bound)
+    except PlacementError:  # the subset could not keep the bound: the starts below still compete
+        found = start
+    best, best_total = None, float("inf")
+    for candidate in (start, found, greedy_pairs(x_TE, num_devices), sequential(x_TE, num_devices)):
+        total, imbalance_ = score(candidate)
+        if total < best_total and imbalance_ <= bound * (1 + 1e-9):
             best, best_total = candidate, total
+    if best is None:  # a strict bound no candidate keeps on all tokens: rebalance on all of them
+        return run(x_TE, max_load_imbalance=bound, starts=[found])
     return best
 
 
@@ -219,28 +247,41 @@ def _search_all(
     x_TE: torch.Tensor,
     num_devices: int,
     *,
-    max_load_imbalance: float = 1.25,
+    max_load_imbalance: float | None = None,
     seed: int = 0,
     restarts: int = SEARCH_RESTARTS,
     max_swaps: int | None = None,
+    starts: list[list[list[int]]] | None = None,
 ) -> list[list[int]]:
     num_experts = x_TE.shape[1]
     if num_devices == 1 or num_devices == num_experts or x_TE.shape[0] == 0:
-        return _occult(x_TE, num_devices)  # every equal placement has the same objective
-    starts = [_occult(x_TE, num_devices), _greedy_pairs(x_TE, num_devices), _sequential(x_TE, num_devices)]
+        return occult(x_TE, num_devices)  # every equal placement has the same objective and load
+    starts = (starts or []) + [
+        occult(x_TE, num_devices),
+        greedy_pairs(x_TE, num_devices),
+        sequential(x_TE, num_devices),
+    ]
     devs = [expert_device_from_groups(g, num_experts) for g in starts]
-    # token load stays bounded: max/mean device load within max(max_load_imbalance, occult's), so a
-    # lopsided greedy start cannot carry its imbalance into the result; occult is always admissible
-    state = _SwapState(x_TE, devs[0], num_devices)
-    bound = max(max_load_imbalance, _imbalance(state.load_D))
-    admissible = []
+    # token load stays bounded: by default max/mean device load within max(1.25, occult's), so a lopsided
+    # greedy start cannot carry its imbalance into the result; occult is then always admissible
+    state = SwapState(x_TE, devs[-3], num_devices)
+    bound = resolve_load_bound(max_load_imbalance, imbalance(state.load_D))
+    max_swaps = max_swaps if max_swaps is not None else 2 * num_experts
+    admissible, imbalances = [], []
     for dev in devs:
         state.reset(dev)
-        if _imbalance(state.load_D) <= bound * (1 + 1e-9):
+        imbalances.append(imbalance(state.load_D))
+        if imbalances[-1] <= bound * (1 + 1e-9):
             admissible.append(dev)
-    start = min(admissible, key=lambda dev: _objective(x_TE, dev, num_devices))  # first of equals: occult
-    state.reset(start)
-    max_swaps = max_swaps if max_swaps is not None else 2 * num_experts
+    if admissible:  # first of equals: the given start, then occult
+        state.reset(min(admissible, key=lambda dev: devices_total(x_TE, dev, num_devices)))
+    else:  # a strict bound no start keeps: lower the imbalance first
+        state.reset(devs[min(range(len(devs)), key=imbalances.__getitem__)])
+        if not state.rebalance(bound, 4 * num_experts):
+            raise PlacementError(
+                f"no placement found within max_load_imbalance={bound}: the lowest load imbalance reached is "
+                f"{imbalance(state.load_D):.3f}; raise max_load_imbalance"
+            )
     state.descend(bound, max_swaps)
     best_dev, best_total = state.dev_E.clone(), state.total
     # iterated local search: kick the best placement with a few random swaps, descend, keep if better
@@ -253,44 +294,43 @@ def _search_all(
             others = (state.dev_E != state.dev_E[a]).nonzero().flatten()
             state.apply_swap(a, int(others[torch.randint(len(others), (1,), generator=gen)]))
         state.descend(bound, max_swaps)
-        if state.total < best_total - 0.5 and _imbalance(state.load_D) <= bound * (1 + 1e-9):
+        if state.total < best_total - 0.5 and imbalance(state.load_D) <= bound * (1 + 1e-9):
             best_dev, best_total = state.dev_E.clone(), state.total
-    return _device_to_groups(best_dev, num_devices)
+    return device_to_groups(best_dev, num_devices)
 
 
-def _search_hierarchical(
+def search_hierarchical(
     topk_ids_TK: torch.Tensor,
     num_experts: int,
     num_devices: int,
     num_nodes: int,
     *,
-    max_load_imbalance: float = 1.25,
+    max_load_imbalance: float | None = None,
     seed: int = 0,
     restarts: int = SEARCH_RESTARTS,
     max_swaps: int | None = None,
     max_search_tokens: int | None = None,
 ) -> list[list[int]]:
-    """Nodes, then devices, never worse than hierarchical occult at either level (module docstring)."""
-    _check_options(max_load_imbalance, seed, restarts, max_swaps, max_search_tokens)
+    """Nodes, then devices, never worse than hierarchical occult at either level (module docstring). The
+    load bound is kept at each level (node loads; device loads within each node)."""
+    check_search_options(max_load_imbalance, seed, restarts, max_swaps, max_search_tokens)
     solve = partial(
-        _search,
+        search,
         max_load_imbalance=max_load_imbalance,
         restarts=restarts,
         max_swaps=max_swaps,
         max_search_tokens=max_search_tokens,
     )
     args = (topk_ids_TK, num_experts, num_devices, num_nodes)
-    x_TE = _incidence(topk_ids_TK, num_experts)
-    occult_nodes = _occult(x_TE, num_nodes)
+    x_TE = incidence(topk_ids_TK, num_experts)
+    occult_nodes = occult(x_TE, num_nodes)
     candidates = [
-        _two_level(*args, solve, seed=seed),  # nodes_first
-        _two_level(*args, solve, node_groups=occult_nodes, seed=seed),  # occult_nodes
+        two_level(*args, solve, seed=seed),  # nodes_first
+        two_level(*args, solve, node_groups=occult_nodes, seed=seed),  # occult_nodes
         _devices_first(x_TE, num_devices, num_nodes, solve, seed),
     ]
-    reference = _level_totals(
-        x_TE, _two_level(*args, _occult, node_groups=occult_nodes), num_devices, num_nodes
-    )
-    totals = [_level_totals(x_TE, groups, num_devices, num_nodes) for groups in candidates]
+    reference = level_totals(x_TE, two_level(*args, occult, node_groups=occult_nodes), num_devices, num_nodes)
+    totals = [level_totals(x_TE, groups, num_devices, num_nodes) for groups in candidates]
     admissible = [i for i, t in enumerate(totals) if all(c <= r + 0.5 for c, r in zip(t, reference))]
     return candidates[min(admissible, key=lambda i: totals[i])]  # occult_nodes is always admissible
 
@@ -304,4 +344,4 @@ def _devices_first(x_TE: torch.Tensor, num_devices: int, num_nodes: int, solve, 
     return [groups[d] for node in solve(reach_TD, num_nodes, seed=seed) for d in node]
 
 
-register_algorithm("search", _search, hierarchical=_search_hierarchical)
+register_algorithm("search", search, hierarchical=search_hierarchical)

@@ -78,7 +78,7 @@ class OccultConfig(TrainingArguments):
         devices / nodes: the expert-parallel layout D (and N nodes) that placement and the budget refer to.
         placement: `auto` (profile the training data, then `compute_placement`), `sequential` (keep the
             model's expert order) or the path of a placement JSON from `occult-ft place`.
-        placement_algorithm: algorithm of `auto` placement.
+        placement_algorithm: algorithm of `auto` placement; max_load_imbalance: its load bound.
         profile_tokens: tokens of training data profiled for `auto` placement and similarity tables.
         max_devices_per_token: the pruning budget M (None = no pruning, routing is only measured).
         criterion / gate_weights: how tokens over budget are re-routed and weighted (`occult_ft.routing`).
@@ -229,6 +229,13 @@ class OccultConfig(TrainingArguments):
     )
     placement_algorithm: str = field(
         default="search", metadata={"help": "Algorithm of placement=auto (see occult_ft.placement)."}
+    )
+    max_load_imbalance: float | None = field(
+        default=None,
+        metadata={
+            "help": "Load bound of placement=auto: keep max/mean rows per device within this (>= 1; with a "
+            "budget, of the pruned routing); unset = max(1.25, occult's imbalance)."
+        },
     )
     profile_tokens: int = field(
         default=65536,
@@ -430,6 +437,14 @@ class OccultConfig(TrainingArguments):
                 f"file{_suggest(self.placement, PLACEMENT_MODES)}; create one with `occult-ft place`"
             )
 
+        mli = self.max_load_imbalance
+        if mli is not None and (
+            isinstance(mli, bool) or not isinstance(mli, (int, float)) or not 1 <= mli < float("inf")
+        ):
+            raise ValueError(
+                f"max_load_imbalance={mli!r} must be a number >= 1 (max/mean rows per device), or unset for "
+                "max(1.25, occult's imbalance)"
+            )
         if self.placement_algorithm not in PLACEMENT_ALGORITHMS:
             raise _choice_error("placement_algorithm", self.placement_algorithm, sorted(PLACEMENT_ALGORITHMS))
         ep = self.expert_parallel_size

@@ -35,7 +35,7 @@ from ..fileio import read_json_object
 from ..integrations.peft import apply_lora, is_peft_model
 from ..metrics import contiguous_expert_device
 from ..models.registry import find_moe_layers, unwrap_model
-from ..placement import compute_placement
+from ..placement import PRUNING_CRITERIA, compute_placement
 from ..profiling import profile_model
 from ..routing import PruningConfig, pruned_routers, router_similarity, set_recording
 from .checkpointing import check_checkpoint_model
@@ -255,8 +255,19 @@ def prepare_model(
             placement = block_placement(ckpt_block, model_type)
         elif placement is None and args.placement == "auto":
             profile = _profile(base, train_dataset, collate, args, name or "model")
+            budget = {}  # place for the pruned routing when the pruning's devices follow from the profile
+            if args.max_devices_per_token is not None and args.max_nodes_per_token is None:
+                if args.criterion in PRUNING_CRITERIA:
+                    budget = dict(max_devices_per_token=args.max_devices_per_token, criterion=args.criterion)
             placement = _broadcast(
-                compute_placement(profile, args.devices, args.nodes, args.placement_algorithm)
+                compute_placement(
+                    profile,
+                    args.devices,
+                    args.nodes,
+                    args.placement_algorithm,
+                    max_load_imbalance=args.max_load_imbalance,
+                    **budget,
+                )
             )
         placement = resolve_placement(
             placement if placement is not None else args.placement, base, args.devices

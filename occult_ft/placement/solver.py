@@ -1,0 +1,281 @@
+"""`solver`, the default placement algorithm: `search`, then exact re-solves of device pairs, then the set
+partitioning model on HiGHS (`partition.py`), with a proven lower bound on every layer.
+
+Per layer, within `time_limit` seconds:
+  1. `search` under the same load bound (so `solver` is never worse than `search`: every later stage
+     only takes an improvement that keeps the bound);
+  2. pair moves (`lns.improve_pairs`): two devices re-solved exactly at a time (all their experts when
+     E/D <= 8, else 8 of each);
+  3. when the layer fits the exact model (E <= `EXACT_MAX_EXPERTS` and E/D <= `EXACT_MAX_GROUP`): column
+     generation, the dive, the MILP and reduced-cost fixing of `solve_partition`, which also gives the
+     lower bound; pair moves again on what is left of the time when optimality is not proven.
+  Larger layers (DeepSeek-V3: 256 experts) keep the pair moves until a sweep finds nothing or
+  `LARGE_LAYER_SHARE` of the time is up, and report the trivial bound (each token reaches at least
+  ceil(k / (E/D)) devices).
+
+The load bound is `max_load_imbalance` (max/mean rows per device, `metrics.load_imbalance`): None keeps
+max(1.25, occult's imbalance), a number is kept strictly. Without scipy, `solver` runs `search` and says
+so once (a warning and the layer's note); install the `solver` extra for the exact model.
+
+Hierarchical (N nodes, `solver_hierarchical`): the node level is solved the same way (node loads within
+the bound, node-level lower bound); each node's devices are then solved with the bound over all D devices
+(the other nodes' loads as the offset, nodes revisited until every device keeps it). The device-level
+lower bound holds for that node partition: each node's device-level model within the cap
+beta * (total) / D that every better placement keeps.
+
+Shape legend: T tokens, E experts, D devices, N nodes.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from ..metrics import expert_device_from_groups
+from .algorithms import occult, register_algorithm
+from .core import (
+    LayerResult,
+    PlacementError,
+    check_load_bound,
+    device_loads,
+    device_to_groups,
+    devices_total,
+    imbalance,
+    incidence,
+    is_int,
+    level_totals,
+    node_incidence,
+    resolve_load_bound,
+    two_level,
+)
+from .lns import improve_pairs
+from .partition import LoadBound, TokenSets, scipy_available, solve_partition
+from .search import search, search_hierarchical
+
+__all__ = [
+    "EXACT_MAX_EXPERTS",
+    "EXACT_MAX_GROUP",
+    "LARGE_LAYER_SHARE",
+    "SOLVER_TIME_LIMIT",
+    "check_solver_options",
+    "solver",
+    "solver_hierarchical",
+]
+
+SOLVER_TIME_LIMIT = (
+    30.0  # seconds per layer (the harder layers of a 32-expert model prove optimal in 10-60 s)
+)
+EXACT_MAX_EXPERTS = 128  # the exact model's pricing enumerates groups of these many experts at most
+EXACT_MAX_GROUP = 16
+LARGE_LAYER_SHARE = 0.25  # of time_limit for the pair moves of a layer too large for the exact model:
+# DeepSeek-V3 width, 60 layers at the default 30 s (7.5 s each, plus search), stays under 10 minutes
+_warned = {"scipy": False}
+
+
+def check_solver_options(max_load_imbalance, time_limit, seed) -> None:
+    """One-line `PlacementError` for the first bad option of `solver`."""
+    check_load_bound(max_load_imbalance)
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
+        raise PlacementError(f"time_limit={time_limit!r} must be a positive number of seconds per layer")
+    if not is_int(seed) or seed < 0:
+        raise PlacementError(f"seed={seed!r} must be an integer >= 0")
+
+
+def _fallback_note() -> str:
+    note = "scipy is not installed: placed by `search` (pip install 'occult-ft[solver]' for the exact model)"
+    if not _warned["scipy"]:
+        warnings.warn(note, stacklevel=3)
+        _warned["scipy"] = True
+    return note
+
+
+def _groups_of(dev_E: np.ndarray, num_devices: int) -> list[list[int]]:
+    return device_to_groups(torch.as_tensor(dev_E), num_devices)
+
+
+def solver(
+    x_TE: torch.Tensor,
+    num_devices: int,
+    *,
+    max_load_imbalance: float | None = None,
+    time_limit: float = SOLVER_TIME_LIMIT,
+    seed: int = 0,
+) -> LayerResult:
+    """One layer (module docstring): the placement, its lower bound and whether it is proven optimal."""
+    check_solver_options(max_load_imbalance, time_limit, seed)
+    if not scipy_available():
+        return LayerResult(
+            search(x_TE, num_devices, max_load_imbalance=max_load_imbalance, seed=seed), note=_fallback_note()
+        )
+    num_experts = x_TE.shape[1]
+    if num_devices == 1 or num_devices == num_experts or x_TE.shape[0] == 0:
+        groups = occult(x_TE, num_devices)  # every equal placement has the same objective and loads
+        value = devices_total(x_TE, expert_device_from_groups(groups, num_experts), num_devices)
+        return LayerResult(groups, value, True)
+    started = time.perf_counter()
+    deadline = started + time_limit
+    beta = resolve_load_bound(
+        max_load_imbalance,
+        imbalance(
+            device_loads(x_TE, expert_device_from_groups(occult(x_TE, num_devices), num_experts), num_devices)
+        ),
+    )
+    bound = LoadBound(beta, num_devices)
+    sets = TokenSets.from_incidence(x_TE)
+    try:
+        start = search(x_TE, num_devices, max_load_imbalance=beta, seed=seed)
+    except PlacementError:  # a strict bound search cannot reach: the exact model may still find one
+        start = None
+    dev = None if start is None else expert_device_from_groups(start, num_experts).numpy()
+    per = num_experts // num_devices
+    large = num_experts > EXACT_MAX_EXPERTS or per > EXACT_MAX_GROUP
+    if dev is not None:
+        share = LARGE_LAYER_SHARE if large else 0.2
+        dev = improve_pairs(
+            sets, dev, num_devices, bound=bound, deadline=started + share * time_limit, seed=seed
+        )
+    if large:
+        if dev is None:
+            raise PlacementError(
+                f"no placement found within max_load_imbalance={beta}; raise max_load_imbalance"
+            )
+        return LayerResult(
+            _groups_of(dev, num_devices),
+            sets.trivial_bound(per),
+            False,
+            note="bound: each token reaches ceil(k / (E/D)) devices (layer too large for the exact model)",
+        )
+    starts = [] if dev is None else [_groups_of(dev, num_devices)]
+    res = solve_partition(
+        sets,
+        num_devices,
+        starts,
+        bound=bound,
+        seconds=max(1.0, 0.9 * (deadline - time.perf_counter())),
+        seed=seed,
+    )
+    if not res.groups:
+        raise PlacementError(
+            f"no placement found within max_load_imbalance={beta} in {time_limit:g} s; raise max_load_imbalance "
+            "or the time limit"
+        )
+    groups = res.groups
+    if not res.optimal and time.perf_counter() < deadline:
+        dev = improve_pairs(
+            sets,
+            expert_device_from_groups(groups, num_experts).numpy(),
+            num_devices,
+            bound=bound,
+            deadline=deadline,
+            seed=seed + 1,
+        )
+        groups = _groups_of(dev, num_devices)
+    return LayerResult(groups, res.lower_bound, res.optimal, note=None if res.optimal else res.status)
+
+
+def solver_hierarchical(
+    topk_ids_TK: torch.Tensor,
+    num_experts: int,
+    num_devices: int,
+    num_nodes: int,
+    *,
+    max_load_imbalance: float | None = None,
+    time_limit: float = SOLVER_TIME_LIMIT,
+    seed: int = 0,
+) -> LayerResult:
+    """Nodes, then the devices of each node, bounds at both levels (module docstring).
+
+    Two node partitions compete: the solver's (node loads within the bound) and occult's; each is refined
+    device by device, node after node, every device kept within the bound over all D devices (the other
+    nodes' loads as they stand). The automatic bound is max(1.25, hierarchical occult's imbalance), so
+    occult's partition with occult's devices always qualifies; among the partitions that keep the bound
+    the one with the fewest nodes, then devices, per token wins.
+    """
+    check_solver_options(max_load_imbalance, time_limit, seed)
+    if not scipy_available():
+        groups = search_hierarchical(
+            topk_ids_TK, num_experts, num_devices, num_nodes, max_load_imbalance=max_load_imbalance, seed=seed
+        )
+        return LayerResult(groups, note=_fallback_note())
+    x_TE = incidence(topk_ids_TK, num_experts)
+    occult_nodes = occult(x_TE, num_nodes)
+    reference = two_level(topk_ids_TK, num_experts, num_devices, num_nodes, occult, node_groups=occult_nodes)
+    ref_dev = expert_device_from_groups(reference, num_experts)
+    beta = resolve_load_bound(max_load_imbalance, imbalance(device_loads(x_TE, ref_dev, num_devices)))
+    nodes = solver(
+        x_TE, num_nodes, max_load_imbalance=max_load_imbalance, time_limit=time_limit / 3, seed=seed
+    )
+    best = None
+    for node_groups, start in ((nodes.groups, None), (occult_nodes, reference)):
+        got = _devices_in_nodes(
+            topk_ids_TK, num_experts, num_devices, node_groups, start, beta, time_limit / 3, seed
+        )
+        if got is None:
+            continue
+        groups, device_lower = got
+        totals = level_totals(x_TE, groups, num_devices, num_nodes)
+        if best is None or totals < best[0]:
+            best = (totals, groups, device_lower)
+    if best is None:
+        raise PlacementError(
+            f"no hierarchical placement found within max_load_imbalance={beta}; raise max_load_imbalance"
+        )
+    return LayerResult(best[1], best[2], False, node_lower_bound=nodes.lower_bound)
+
+
+def _devices_in_nodes(topk_ids_TK, num_experts, num_devices, node_groups, start, beta, seconds, seed):
+    """Each node's devices re-solved in turn within the bound over all D devices; (groups, device-level
+    lower bound for this node partition) or None when no device layout keeps the bound."""
+    num_nodes = len(node_groups)
+    per_node = num_devices // num_nodes
+    members = [list(g) for g in node_groups]
+    subs_x = [node_incidence(topk_ids_TK, num_experts, g) for g in members]
+    subs = [TokenSets.from_incidence(x) for x in subs_x]
+    local = []
+    for n, g in enumerate(members):
+        if start is not None:  # the given devices of this node, in local ids
+            index = {e: i for i, e in enumerate(g)}
+            local.append([sorted(index[e] for e in grp) for grp in start[n * per_node : (n + 1) * per_node]])
+        else:
+            local.append(search(subs_x[n], per_node, seed=seed + n + 1))
+
+    def loads_of(n: int) -> np.ndarray:
+        G = np.zeros((per_node, len(members[n])), bool)
+        for d, grp in enumerate(local[n]):
+            G[d, grp] = True
+        return subs[n].cover(G)
+
+    loads = [loads_of(n) for n in range(num_nodes)]
+    share = seconds / (3 * num_nodes)
+
+    def keeps() -> bool:
+        every = np.concatenate(loads)
+        return bool(every.max() <= beta * every.mean() * (1 + 1e-9))
+
+    for _ in range(2):  # each node within the bound over all D devices, the other nodes as they stand
+        for n in range(num_nodes):
+            others = np.concatenate([loads[o] for o in range(num_nodes) if o != n])
+            bound = LoadBound(beta, num_devices, float(others.sum()), float(others.max(initial=0.0)))
+            res = solve_partition(
+                subs[n], per_node, [local[n]], bound=bound, seconds=share, seed=seed + n + 1
+            )
+            if res.groups:
+                local[n], loads[n] = res.groups, loads_of(n)
+        if keeps():
+            break
+    if not keeps():
+        return None
+    # the device-level bound for this node partition: every better layout keeps each device within
+    # beta * (its total) / D <= beta * (this total) / D, so each node's model within that cap bounds its part
+    cap = beta * float(np.concatenate(loads).sum()) / num_devices
+    lower = 0.0
+    for n in range(num_nodes):
+        res = solve_partition(subs[n], per_node, [local[n]], max_load=cap, seconds=share, seed=seed + n + 1)
+        lower += min(res.lower_bound, float(loads[n].sum()))
+    return [sorted(members[n][i] for i in grp) for n in range(num_nodes) for grp in local[n]], lower
+
+
+register_algorithm("solver", solver, hierarchical=solver_hierarchical)
