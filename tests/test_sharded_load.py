@@ -20,7 +20,7 @@ import torch
 from conftest import build_tokenizer, save_tiny_model
 from dist_utils import free_port
 
-from occult_ft.models import find_moe_layers, supported_model_types
+from occult_ft.models import CORE_MODEL_TYPES, find_moe_layers
 from occult_ft.placement import Placement
 from occult_ft.trainer.sharded_load import (
     SafetensorsReader,
@@ -83,7 +83,7 @@ def assert_is_shard(model, state: dict, buffers: dict, rank: int, per_device: in
         assert torch.equal(buffer, buffers[key]), key
 
 
-@pytest.mark.parametrize("model_type", supported_model_types())
+@pytest.mark.parametrize("model_type", list(CORE_MODEL_TYPES))
 def test_each_rank_equals_the_shard_of_the_placed_model(model_dirs, model_type):
     path = model_dirs(model_type)
     placement = None
