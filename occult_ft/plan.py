@@ -40,7 +40,9 @@ from torch import nn
 from .configs import as_config, load_model_config, shipped_config_path
 from .integrations.deepspeed import read_deepspeed_config
 from .integrations.peft import lora_targets
-from .models.registry import find_moe_layers
+from .models.arch import decoder_layers
+from .models.family import auto_model_class
+from .models.registry import find_moe_layers, get_arch
 
 __all__ = [
     "GIB",
@@ -115,13 +117,12 @@ def _linear_outs(module: nn.Module, skip=()) -> tuple[int, int]:
 
 def count_params(model_config) -> ModelCounts:
     """Count the parameters of `model_config`'s model, built on the meta device (no memory, exact)."""
-    from transformers import AutoModelForCausalLM
-
+    get_arch(model_config)  # an unsupported or refused model type: one line, nothing built
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = auto_model_class(model_config).from_config(model_config)
     layers = find_moe_layers(model)
     expert_ids = {id(p) for layer in layers for p in layer.experts.parameters()}
-    block_ids = {id(p) for layer in layers for p in layer.block.parameters()}
+    block_ids = {id(p) for layer in layers for p in layer.moe_parameters()}
     router_ids = {id(p) for layer in layers for p in layer.router.parameters()}
     groups = {"expert": Group(), "moe_other": Group(), "rest": Group(), "router": Group()}
     for p in model.parameters():  # unique parameters: tied embeddings count once
@@ -144,24 +145,34 @@ def count_params(model_config) -> ModelCounts:
                 lora_exp += Group(p.shape[0] * (p.shape[1] + p.shape[2]), 2)
 
     hidden = int(model.get_input_embeddings().embedding_dim)
-    decoder = model.get_submodule(layers[0].name.rsplit(".", 2)[0])  # model.layers
-    moe_by_block = {id(layer.block): layer for layer in layers}
+    arch = layers[0].arch
+    _, decoder = decoder_layers(model)
+    moe_by_index = {layer.index: layer for layer in layers}
     elems = []
-    for dec in decoder:
-        mlp = dec.mlp
-        attn_out, _ = _linear_outs(dec, skip=(mlp,))
+    for index, dec in enumerate(decoder):
+        moe = moe_by_index.get(index)
+        if arch.block_attr is not None:  # the feed-forward module: the MoE block or the dense MLP
+            ffn = [m for m in (getattr(dec, arch.block_attr, None),) if isinstance(m, nn.Module)]
+        else:  # Gemma 4: router and experts on the decoder layer, beside its dense MLP
+            ffn = [
+                m
+                for m in (getattr(dec, n, None) for n in ("mlp", arch.router_attr, "experts"))
+                if m is not None
+            ]
+        attn_out, _ = _linear_outs(dec, skip=ffn)
         per_token = 2 * hidden + attn_out  # residual + norm output, q/k/v/attention outputs
-        moe = moe_by_block.get(id(mlp))
-        if moe is None:
-            outs, gates = _linear_outs(mlp)
-            per_token += hidden + outs + gates  # norm output, projections, silu(gate) * up
-        else:
+        routed = (moe.experts, moe.router) if moe is not None else ()
+        outs = gates = 0
+        for module in ffn:
+            o, g = _linear_outs(module, skip=routed)  # dense MLPs and shared experts
+            outs, gates = outs + o, gates + g
+        per_token += hidden + outs + gates  # norm output, projections, silu(gate) * up
+        if moe is not None:
             pair = hidden  # one routed copy: dispatched input, projections, activation product
             for p in moe.experts.parameters():
                 if p.dim() == 3:
                     pair += p.shape[1] + p.shape[2] - hidden + min(p.shape[1], p.shape[2]) // 2
-            outs, gates = _linear_outs(mlp, skip=(moe.experts, moe.router))
-            per_token += hidden + 2 * moe.num_experts + moe.top_k * pair + outs + gates
+            per_token += 2 * moe.num_experts + moe.top_k * pair
         elems.append(per_token)
     return ModelCounts(
         expert=groups["expert"],

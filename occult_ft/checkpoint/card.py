@@ -25,6 +25,7 @@ from typing import Any
 from ..embedded import embedded_model_path
 from ..fileio import atomic_write_text, read_json_object
 from ..metrics import comm_complexity_lower_bound, random_placement_comm_complexity
+from ..models.family import auto_model_class
 from .format import CheckpointSummary, describe_checkpoint
 
 __all__ = [
@@ -227,6 +228,7 @@ def _eval_section(s: CheckpointSummary, eval_results: Mapping[str, Any] | None) 
 
 def _usage_section(s: CheckpointSummary, repo: str) -> str:
     load_local = s.kind == "adapter" or s.has_similarity
+    auto = auto_model_class(s.model_type).__name__ if s.model_type else "AutoModelForCausalLM"
     lines = ["## How to load it", "", "```python", "import occult_ft"]
     if load_local:
         # occult_ft reads the adapter / similarity files from a local folder: download the repo first
@@ -265,9 +267,9 @@ def _usage_section(s: CheckpointSummary, repo: str) -> str:
                 "",
                 "```python",
                 "from peft import PeftModel",
-                "from transformers import AutoModelForCausalLM",
+                f"from transformers import {auto}",
                 "",
-                f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{repo}")',
+                f'model = PeftModel.from_pretrained({auto}.from_pretrained("{base}"), "{repo}")',
                 "```",
             ]
     elif s.needs_occult_ft and s.remote_code:
@@ -277,9 +279,9 @@ def _usage_section(s: CheckpointSummary, repo: str) -> str:
             "(torch, transformers and safetensors only):",
             "",
             "```python",
-            "from transformers import AutoModelForCausalLM",
+            f"from transformers import {auto}",
             "",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)',
+            f'model = {auto}.from_pretrained("{repo}", trust_remote_code=True)',
             "```",
             "",
             "Without `trust_remote_code=True` it loads the same weights but routes with the original top-k, "
@@ -288,7 +290,7 @@ def _usage_section(s: CheckpointSummary, repo: str) -> str:
     elif s.needs_occult_ft:
         lines.append(
             "`occult_ft.from_pretrained` restores the pruned routing the model was fine-tuned with. Plain "
-            "`AutoModelForCausalLM.from_pretrained` loads the same weights but routes with the original top-k, "
+            f"`{auto}.from_pretrained` loads the same weights but routes with the original top-k, "
             "which is not what was trained."
         )
     else:
@@ -301,9 +303,9 @@ def _usage_section(s: CheckpointSummary, repo: str) -> str:
             f"Stock transformers runs it as well, since {reason}:",
             "",
             "```python",
-            "from transformers import AutoModelForCausalLM",
+            f"from transformers import {auto}",
             "",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+            f'model = {auto}.from_pretrained("{repo}")',
             "```",
         ]
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from torch import nn
 from ..apply import apply_occult, permute_state_dict, placed_similarity
 from ..embedded import embedded_model_path
 from ..fileio import read_json_object
+from ..models.family import auto_model_class
 from ..models.registry import get_arch
 from .convert import maybe_convert
 from .format import (
@@ -93,19 +94,26 @@ def load_tokenizer(*sources: str | None):
 
 
 def load_model_and_tokenizer(path: str, dtype=None, warn_pruned: bool = True, **kwargs):
-    """`AutoModelForCausalLM` + `AutoTokenizer` for a local dir, a Hub id or `embedded` (the shipped
-    base model), with one-line errors. A pruned occult_ft checkpoint loaded this way routes with its
-    original top-k; `warn_pruned` says so (`from_pretrained`, which restores the routing, turns it off)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The model (`AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a multimodal type) +
+    `AutoTokenizer` for a local dir, a Hub id or `embedded` (the shipped base model), with one-line
+    errors; an unsupported or refused model type fails on its config, before any weight loads. A pruned
+    occult_ft checkpoint loaded this way routes with its original top-k; `warn_pruned` says so
+    (`from_pretrained`, which restores the routing, turns it off)."""
+    from transformers import AutoConfig, AutoTokenizer
 
     path = maybe_convert(resolve_model_path(path))  # absolute; DeepSeek-MoE -> its qwen2_moe conversion
     _check_exists(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **kwargs)
+        config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"cannot load model {path!r}: {first}") from None
-    get_arch(model)  # unsupported types fail here, with the list of supported ones
+    get_arch(config)  # unsupported and refused types fail here, before the weights load
+    try:
+        model = auto_model_class(config).from_pretrained(path, dtype=dtype or "auto", **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"cannot load model {path!r}: {first}") from None
     set_auto_map(model.config, False)  # the remote code stays with the folder; saves write it anew
     if warn_pruned:
         _warn_if_pruned(model, path)

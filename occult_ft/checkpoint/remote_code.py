@@ -270,6 +270,25 @@ def _install(model):
     return routing
 
 
+def _share_weight_conversions():
+    """transformers renames some checkpoints' weights on load (legacy names) through conversion mappings
+    it skips for remote-code classes unless they are registered: register the stock class's mapping
+    under this class's name, so the checkpoint loads exactly as with the stock class."""
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # a transformers without conversion mappings renames nothing
+        return
+    mapping = get_checkpoint_conversion_mapping("{base}") or get_checkpoint_conversion_mapping({model_type!r})
+    if mapping is not None:
+        register_checkpoint_conversion_mapping("{cls}", mapping, overwrite=True)
+
+
+_share_weight_conversions()
+
+
 class {cls}(_StockModel):
     """`{base}` with the pruned routing of the checkpoint's `occult` block."""
 
@@ -323,7 +342,7 @@ def remote_code_source(model_type: str) -> str:
         f"# ---- the {model_type!r} entry of occult_ft's architecture registry ----",
         _arch_constant(arch),
         f"SIMILARITY_FILE = {format_.SIMILARITY_FILE!r}",
-        _ADAPTER.format(cls=cls, base=base),
+        _ADAPTER.format(cls=cls, base=base, model_type=model_type),
     ]
     return "\n\n".join(s.strip("\n") for s in sections) + "\n"
 

@@ -5,7 +5,7 @@ module behind PEFT wrappers (`experts.py`)."""
 
 from .arch import MoEArch, UnsupportedModelError, config_num_experts, config_top_k, text_config
 from .experts import base_experts, experts_state_key
-from .family import moe_family
+from .family import auto_model_class, moe_family
 from .registry import (
     CORE_MODEL_TYPES,
     MoELayer,
@@ -24,6 +24,7 @@ from .selfcheck import RouterCheckError, check_layer_routing
 from .tiny import tiny_config
 
 __all__ = [
+    "auto_model_class",
     "base_experts",
     "experts_state_key",
     "MoEArch",

@@ -269,4 +269,20 @@ REFUSED: dict[str, str] = {
     "openai_privacy_filter": "a token-classification model, not a language model occult_ft can fine-tune",
     "qwen3_omni_moe": "a speech composite (thinker + talker) that no causal or image-text-to-text AutoModel "
     "loads; use its thinker, model type qwen3_omni_moe_thinker",
+    # MoE models of transformers outside the standard experts family (no @use_experts_implementation)
+    "llama4": "its experts take every token pre-scaled by its sigmoid router scores (no experts(hidden_states, "
+    "top_k_index, top_k_weights) call), which occult_ft's exchange and pruning plug into",
+    "llama4_text": "its experts take every token pre-scaled by its sigmoid router scores (no experts(hidden_states, "
+    "top_k_index, top_k_weights) call), which occult_ft's exchange and pruning plug into",
+    "dbrx": "its experts module is a per-expert loop over split v1/w1/w2 tensors, not the standard "
+    "@use_experts_implementation interface occult_ft shards",
+    "longcat_flash": "its routed set mixes real and zero-computation (identity) experts in a non-standard "
+    "experts module; no device placement or budget for identity experts yet",
+    "jetmoe": "mixture-of-attention heads and parallel experts outside the standard experts interface",
+    "step3p7": "its experts module does not use the standard @use_experts_implementation interface",
+    "doge": "its CDMoE retrieves expert rows by product keys, not a top-k routed experts module",
+    "switch_transformers": "an encoder-decoder model with capacity-based top-1 routing; occult_ft fine-tunes "
+    "causal language models with the standard experts interface",
+    "nllb_moe": "an encoder-decoder translation model with capacity-based top-2 routing; occult_ft fine-tunes "
+    "causal language models with the standard experts interface",
 }

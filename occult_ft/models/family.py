@@ -18,7 +18,7 @@ import functools
 import os
 import re
 
-__all__ = ["moe_family", "family_folder", "loads_as"]
+__all__ = ["moe_family", "family_folder", "loads_as", "auto_model_class"]
 
 _DECORATOR = re.compile(r"^@use_experts_implementation\b", re.MULTILINE)
 _MODEL_TYPE = re.compile(r'^\s+model_type(?:\s*:\s*str)?\s*=\s*"([^"]+)"', re.MULTILINE)
@@ -71,3 +71,20 @@ def loads_as(model_type: str) -> str | None:
     if model_type in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return "image_text_to_text"
     return None
+
+
+def auto_model_class(config_or_type):
+    """The transformers auto class that builds a model type's language model with its head:
+    `AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a multimodal type that only it loads
+    (Qwen3-VL-MoE, GLM-4.5V, Mistral Large 3, ...). Accepts a config, a config.json dict or a type."""
+    import transformers
+
+    if isinstance(config_or_type, str):
+        model_type = config_or_type
+    elif isinstance(config_or_type, dict):
+        model_type = config_or_type.get("model_type")
+    else:
+        model_type = getattr(config_or_type, "model_type", None)
+    if model_type and loads_as(model_type) == "image_text_to_text":
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM

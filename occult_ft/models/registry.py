@@ -41,6 +41,7 @@ __all__ = [
     "MoEArch",
     "MoELayer",
     "UnsupportedModelError",
+    "base_experts",
     "register_arch",
     "refuse_model_type",
     "get_arch",
@@ -93,23 +94,36 @@ class MoELayer:
         """Dotted path of the router (`model.layers.3.mlp.gate`)."""
         return f"{self.name}.{self.arch.router_attr}"
 
+    def moe_parameters(self) -> list[nn.Parameter]:
+        """The parameters of the MoE part of the layer: the whole block (router, routed and shared
+        experts), or, where the decoder layer itself holds router and experts (Gemma 4), those two and
+        the shared modules the entry names."""
+        if self.arch.block_attr is not None:
+            return list(self.block.parameters())
+        modules = [getattr(self.block, self.arch.router_attr), self.experts]
+        modules += [getattr(self.block, name) for name in self.arch.shared_attrs if hasattr(self.block, name)]
+        return [p for module in modules for p in module.parameters()]
+
     def router_inputs(self) -> tuple:
         """What the block passes to its router after the hidden states (`MoEArch.router_args`)."""
         return tuple(getattr(self.block, name, None) for name in self.arch.router_args)
 
     def expert_tensors(self) -> list[tuple[str, str, int]]:
         """Every tensor of the layer indexed by expert: (kind, dotted path under the block, expert dim),
-        kind one of `router`, `block`, `experts`; tensors the config leaves out (a bias) are skipped."""
+        kind one of `router`, `block`, `experts`; the expert dim is 0, or the last one for a router or
+        block vector stored as (1, E) (ERNIE's bias). Tensors the config leaves out (a bias) are skipped."""
         out = []
         groups = (
-            ("router", self.arch.router_params, self.router, f"{self.arch.router_attr}.", 0),
-            ("block", self.arch.block_params, self.block, "", -1),
-            ("experts", self.arch.expert_params, self.experts, "experts.", 0),
+            ("router", self.arch.router_params, self.router, f"{self.arch.router_attr}."),
+            ("block", self.arch.block_params, self.block, ""),
+            ("experts", self.arch.expert_params, base_experts(self.experts), "experts."),
         )
-        for kind, names, owner, prefix, dim in groups:
+        for kind, names, owner, prefix in groups:
             for name in names:
-                if _tensor_at(owner, name) is not None:
-                    out.append((kind, prefix + name, dim))
+                tensor = _tensor_at(owner, name)
+                if tensor is not None:
+                    last = kind != "experts" and tensor.dim() > 1 and tensor.shape[0] == 1
+                    out.append((kind, prefix + name, tensor.dim() - 1 if last else 0))
         return out
 
     def tensor(self, path: str) -> torch.Tensor:
@@ -118,8 +132,15 @@ class MoELayer:
         if head == self.arch.router_attr and rest:
             return _tensor_at(self.router, rest)
         if head == "experts" and rest:
-            return _tensor_at(self.experts, rest)
+            return _tensor_at(base_experts(self.experts), rest)
         return _tensor_at(self.block, path)
+
+
+def base_experts(experts: nn.Module) -> nn.Module:
+    """The transformers experts module inside PEFT's `ParamWrapper`s (`experts` itself without LoRA)."""
+    while hasattr(experts, "parameter_name") and isinstance(getattr(experts, "base_layer", None), nn.Module):
+        experts = experts.base_layer
+    return experts
 
 
 def _tensor_at(owner: nn.Module, path: str) -> torch.Tensor | None:

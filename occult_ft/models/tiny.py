@@ -116,6 +116,15 @@ _GEMMA4 = dict(  # MoE on every decoder layer, beside its dense MLP
     layer_types=["sliding_attention", "full_attention"],
     per_layer_config={},
 )
+_HY_V4 = dict(
+    _MLA,
+    q_lora_rank=16,
+    num_key_value_heads=4,
+    head_dim=DEFAULT,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=4,
+)
 _MROPE = {
     "rope_type": "default",
     "rope_theta": 10000.0,
@@ -184,8 +193,8 @@ TINY: dict[str, dict] = {
     ),
     "glm_moe_dsa": dict(_MLA_DENSE_FIRST, q_lora_rank=16, index_topk=4, index_head_dim=16, index_n_heads=2),
     "glm4_moe_lite": dict(_MLA, num_hidden_layers=2, num_key_value_heads=4, head_dim=DEFAULT),
-    "hy_v4": dict(index_n_heads=2, index_head_dim=16),
-    "hy_v4_vl": {"text_config": dict(index_n_heads=2, index_head_dim=16)},
+    "hy_v4": dict(_HY_V4),
+    "hy_v4_vl": {"text_config": dict(_HY_V4, rope_parameters=dict(_MROPE, partial_rotary_factor=1.0))},
     "mistral4": dict(_MLA_DENSE_FIRST),
     "mistral_large4": {"text_config": dict(_MLA_DENSE_FIRST)},
     "axk1": dict(_MLA_SPARSE, q_lora_rank=16),
