@@ -20,8 +20,14 @@ What each GPU holds, in bytes:
   only every layer's input plus one layer being recomputed. On tiny OLMoE / Qwen2-MoE / Mixtral /
   DeepSeek-V2 models it is 0.76-0.90x of the tensors autograd saves (tests/test_plan.py).
 - **communication buffers**: the expert-parallel all-to-all send/receive rows of one MoE layer (at most
-  one row per token and device reached), DDP's gradient buckets (a copy of the replicated trainable
+  one row per token and device reached; with the two-stage exchange, `exchange: two_stage` over
+  `nodes` nodes, also the inter-node stage's rows, at most one per token and node reached, sent to and
+  received by the gateway ranks), DDP's gradient buckets (a copy of the replicated trainable
   gradients) or DeepSpeed's reduce/all-gather buckets.
+
+Multi-node runs are planned with `nodes` x `gpus_per_node` GPUs (`occult-ft plan --nodes N
+--gpus-per-node G`); an expert-parallel group wider than one node spans `expert_parallel_size / G`
+nodes, which is what the run's `nodes` should say (a note tells when it does not).
 
 The parameter counts come from the model itself, built on the `meta` device from its config, so every
 architecture is counted exactly; routed experts are told apart with `find_moe_layers`. `tests/test_plan.py`
@@ -209,13 +215,24 @@ class Setup:
     seq_len: int
     checkpointing: bool
     budget: int | None
+    nodes: int = 1  # machines of the launch (gpus = nodes * gpus_per_node)
+    gpus_per_node: int | None = None
+    exchange: str = "flat"  # the expert-parallel exchange: flat, or two_stage over `ep_nodes` nodes
+    ep_nodes: int = 1  # the nodes the expert-parallel group spans (OccultConfig.nodes)
+    node_budget: int | None = None  # max_nodes_per_token
 
 
-def _setup(args, model_config, gpus: int, gpu_memory_gb: float) -> Setup:
+def _setup(args, model_config, gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = None) -> Setup:
     ep = int(getattr(args, "expert_parallel_size", 1) or 1)
     if not isinstance(gpus, int) or gpus < 1 or gpus % ep:
         raise ValueError(
             f"gpus={gpus!r} must be a positive multiple of expert_parallel_size={ep}; set --gpus {ep}"
+        )
+    if gpus_per_node is not None and (
+        not isinstance(gpus_per_node, int) or gpus_per_node < 1 or gpus % gpus_per_node
+    ):
+        raise ValueError(
+            f"gpus_per_node={gpus_per_node!r} must be a positive divisor of the {gpus} GPUs; e.g. --gpus-per-node 8"
         )
     if not gpu_memory_gb or gpu_memory_gb <= 0:
         raise ValueError(f"gpu_memory_gb={gpu_memory_gb!r} must be > 0, e.g. 80 for an H100")
@@ -252,6 +269,11 @@ def _setup(args, model_config, gpus: int, gpu_memory_gb: float) -> Setup:
         seq_len=int(args.seq_len),
         checkpointing=bool(args.gradient_checkpointing),
         budget=getattr(args, "max_devices_per_token", None),
+        nodes=gpus // gpus_per_node if gpus_per_node else 1,
+        gpus_per_node=gpus_per_node,
+        exchange=str(getattr(args, "exchange", "flat") or "flat"),
+        ep_nodes=int(getattr(args, "nodes", 1) or 1),
+        node_budget=getattr(args, "max_nodes_per_token", None),
     )
 
 
@@ -354,6 +376,15 @@ def _plan(c: ModelCounts, s: Setup) -> Plan:
     if s.ep > 1:  # send + receive rows of one layer's dispatch; a token reaches at most min(k, D, M) devices
         reach = min(c.top_k, s.ep, s.budget or s.ep)
         comm += 2 * tokens * reach * c.hidden * s.act_bytes
+        if s.exchange == "two_stage" and s.ep_nodes > 1:  # + the inter-node stage: one row per node reached
+            reach_nodes = min(c.top_k, s.ep_nodes, s.node_budget or s.ep_nodes)
+            comm += 2 * tokens * reach_nodes * c.hidden * s.act_bytes
+    if s.gpus_per_node and s.ep > s.gpus_per_node and s.ep_nodes != s.ep // s.gpus_per_node:
+        notes.append(
+            f"expert_parallel_size={s.ep} spans {s.ep // s.gpus_per_node} nodes of {s.gpus_per_node} GPUs but the "
+            f"run says nodes={s.ep_nodes}; set nodes: {s.ep // s.gpus_per_node} so that node budgets and the "
+            "two-stage exchange follow the machines"
+        )
     if s.gpus > 1 and stage < 0:  # DDP's gradient buckets: a copy of the replicated trainable gradients
         comm += sum(b * g.numel for g, b, div in parts if div == dp_rep)
     elif s.gpus > 1:
@@ -459,7 +490,9 @@ def check_fits_before_loading(occult_config) -> Plan | None:
     return plan
 
 
-def plan_for_config(occult_config, model_config, gpus: int, gpu_memory_gb: float) -> Plan:
+def plan_for_config(
+    occult_config, model_config, gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = None
+) -> Plan:
     """The per-GPU memory plan of training `model_config`'s model with `occult_config` on `gpus` GPUs.
 
     Args:
@@ -467,10 +500,11 @@ def plan_for_config(occult_config, model_config, gpus: int, gpu_memory_gb: float
         model_config: the model's `PretrainedConfig`, or its config.json as a dict.
         gpus: processes/GPUs of the launch (a multiple of `expert_parallel_size`).
         gpu_memory_gb: memory of one GPU in GB (2**30 bytes).
+        gpus_per_node: GPUs per machine of a multi-node launch (gpus / gpus_per_node nodes), or None.
     """
     model_config = as_config(model_config)
     counts = count_params(model_config)
-    setup = _setup(occult_config, model_config, gpus, gpu_memory_gb)
+    setup = _setup(occult_config, model_config, gpus, gpu_memory_gb, gpus_per_node)
     plan = _plan(counts, setup)
     if not plan.fits:
         plan = dataclasses.replace(plan, suggestions=tuple(_suggestions(counts, setup, plan)))

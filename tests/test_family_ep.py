@@ -96,11 +96,15 @@ if __name__ == "__main__":
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("family-ep")
     cases = {t: {**c, "model": save_model(t, str(root / "models" / t))} for t, c in _cases().items()}
-    single = {t: train_case(c["model"], str(root / "single" / t), 1, _overrides(c, 1)) for t, c in cases.items()}
+    single = {
+        t: train_case(c["model"], str(root / "single" / t), 1, _overrides(c, 1)) for t, c in cases.items()
+    }
     spec = {"cases": cases, "out": str(root / "ep"), "world": 2, "result": str(root / "ep.json")}
     (root / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p
+    )
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     launcher += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     proc = subprocess.run(

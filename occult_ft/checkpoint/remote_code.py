@@ -272,8 +272,8 @@ def _install(model):
 
 def _share_weight_conversions():
     """transformers renames some checkpoints' weights on load (legacy names) through conversion mappings
-    it skips for remote-code classes unless they are registered: register the stock class's mapping
-    under this class's name, so the checkpoint loads exactly as with the stock class."""
+    it skips for remote-code classes unless the mapping was registered: register the model type's own
+    mapping again (unchanged), so this class loads the checkpoint exactly as the stock class does."""
     try:
         from transformers.conversion_mapping import (
             get_checkpoint_conversion_mapping,
@@ -281,9 +281,9 @@ def _share_weight_conversions():
         )
     except ImportError:  # a transformers without conversion mappings renames nothing
         return
-    mapping = get_checkpoint_conversion_mapping("{base}") or get_checkpoint_conversion_mapping({model_type!r})
+    mapping = get_checkpoint_conversion_mapping({model_type!r})
     if mapping is not None:
-        register_checkpoint_conversion_mapping("{cls}", mapping, overwrite=True)
+        register_checkpoint_conversion_mapping({model_type!r}, mapping, overwrite=True)
 
 
 _share_weight_conversions()

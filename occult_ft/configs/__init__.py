@@ -12,6 +12,7 @@ import os
 
 from ..checkpoint import resolve_model_path
 from ..checkpoint.convert import DEEPSEEK_MODEL_TYPE, convert_config
+from ..models.family import architecture_model_type
 
 __all__ = ["as_config", "load_model_config", "shipped_config_path"]
 
@@ -19,7 +20,8 @@ _CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def as_config(cfg):
-    """A `PretrainedConfig` from a config or a config.json dict; DeepSeek-MoE as its qwen2_moe conversion."""
+    """A `PretrainedConfig` from a config or a config.json dict; DeepSeek-MoE as its qwen2_moe conversion, a
+    config whose model_type transformers does not know as its `architectures` class's type (Kimi-K2)."""
     if not isinstance(cfg, dict):
         return cfg
     from transformers import AutoConfig
@@ -27,6 +29,9 @@ def as_config(cfg):
     d = dict(cfg)
     if d.get("model_type") == DEEPSEEK_MODEL_TYPE:
         d = convert_config(d)
+    known = architecture_model_type(d)
+    if known is not None:  # Kimi-K2: its own kimi_k2 is the DeepseekV3 architecture
+        d["model_type"] = known
     if "model_type" not in d:
         raise ValueError("the model config has no model_type; pass a model's config.json")
     kind = d.pop("model_type")

@@ -18,7 +18,7 @@ import functools
 import os
 import re
 
-__all__ = ["moe_family", "family_folder", "loads_as", "auto_model_class"]
+__all__ = ["moe_family", "family_folder", "loads_as", "auto_model_class", "architecture_model_type"]
 
 _DECORATOR = re.compile(r"^@use_experts_implementation\b", re.MULTILINE)
 _MODEL_TYPE = re.compile(r'^\s+model_type(?:\s*:\s*str)?\s*=\s*"([^"]+)"', re.MULTILINE)
@@ -88,3 +88,23 @@ def auto_model_class(config_or_type):
     if model_type and loads_as(model_type) == "image_text_to_text":
         return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
+
+
+def architecture_model_type(config: dict) -> str | None:
+    """For a config.json (dict) whose own `model_type` transformers does not know but whose
+    `architectures` names a transformers class (Kimi-K2: `kimi_k2`, `DeepseekV3ForCausalLM`), the model
+    type of that class (`deepseek_v3`); None when the config's own type is known or nothing matches."""
+    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if config.get("model_type") in CONFIG_MAPPING_NAMES:
+        return None
+    by_class = {}
+    for mapping in (
+        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    ):
+        for model_type, class_name in mapping.items():
+            by_class.setdefault(class_name, model_type)
+    names = config.get("architectures") or []
+    return next((by_class[n] for n in names if isinstance(n, str) and n in by_class), None)
