@@ -373,8 +373,10 @@ def tiny_config(model_type: str, **overrides):
     from transformers import AutoConfig
 
     kwargs = tiny_kwargs(model_type)
-    if "text_config" in kwargs:
-        kwargs["text_config"] = {**kwargs["text_config"], **overrides}
-    else:
-        kwargs.update(overrides)
+    target = kwargs["text_config"] if "text_config" in kwargs else kwargs
+    target.update(overrides)
+    if (
+        "vocab_size" in overrides and "unpadded_vocab_size" in target
+    ):  # Inkling 2's head follows the vocabulary
+        target["unpadded_vocab_size"] = overrides["vocab_size"]
     return AutoConfig.for_model(model_type, **kwargs)
