@@ -184,6 +184,23 @@ def test_bad_inputs_are_one_line_errors(model_dirs, tmp_path):
         load_sharded_model(str(empty), 0, 2)
 
 
+def test_a_quantized_checkpoint_is_refused_before_any_tensor_is_read(model_dirs, tmp_path, monkeypatch):
+    """FP8 / MXFP4 checkpoints hold codes and scales: read as weights they would train garbage."""
+    import shutil
+
+    quantized = tmp_path / "fp8"
+    shutil.copytree(model_dirs("olmoe"), quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(SafetensorsReader, "__init__", lambda *a: pytest.fail("read a tensor file"))
+    with pytest.raises(
+        ValueError, match=r"stores quantized weights \(quant_method='fp8'\); .* dequantize"
+    ) as err:
+        load_sharded_model(str(quantized), 0, 2)
+    assert "\n" not in str(err.value)
+
+
 # ---- through OccultTrainer on 2 gloo processes ------------------------------------------------------
 def _trainer_worker(spec_path: str) -> None:
     """Build OccultTrainer from a model path with expert_parallel_size=2; rank r writes what it read

@@ -39,6 +39,7 @@ from torch import nn
 
 from ..apply import resolve_placement
 from ..checkpoint import load_tokenizer, local_model_dir, read_block, resolve_model_path, restore_occult
+from ..checkpoint.load import read_model_config
 from ..dispatch import EXPERTS_IMPLEMENTATION, ExpertShard
 from ..fileio import read_json_object
 from ..models.family import auto_model_class
@@ -48,6 +49,7 @@ from .expert_parallel import check_expert_parallel_size, expert_parallel_groups
 
 __all__ = [
     "SafetensorsReader",
+    "check_unquantized",
     "can_load_sharded",
     "load_sharded_model",
     "load_sharded_training_model",
@@ -193,14 +195,15 @@ def _fill_converted(model, reader, target, converter, sources, out, experts: lis
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
     patterns = [p for p in converter.source_patterns if p in sources]
-    ids = experts if experts is not None else sorted(sources[patterns[0]])
+    stacked = experts is not None and not any("*" in p for p in patterns)  # one tensor holds every expert
+    ids = sorted(sources[patterns[0]]) if experts is None or stacked else experts
     ops = converter.operations
     simple = (
         isinstance(ops[0], MergeModulelist)
         and ops[0].dim == 0
         and (len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1))
     )
-    if simple and (len(ops) == 2 or len(patterns) == 1):
+    if simple and not stacked and (len(ops) == 2 or len(patterns) == 1):
         # MergeModulelist(0) stacks the items; Concatenate(1) then joins the patterns along each item's rows
         for j, e in enumerate(ids):
             row = 0
@@ -230,6 +233,8 @@ def _fill_converted(model, reader, target, converter, sources, out, experts: lis
             config=model.config,
         )
     (value,) = collected.values()
+    if stacked:  # Inkling 2 stores the fused experts whole: convert them, then keep this rank's rows
+        value = value.index_select(0, torch.tensor(experts, device=value.device))
     out.copy_(value)
 
 
@@ -295,6 +300,21 @@ def _shard_on_meta(base: nn.Module, rank: int, size: int, group) -> None:
     base.set_experts_implementation(EXPERTS_IMPLEMENTATION)
 
 
+def check_unquantized(config, path: str) -> None:
+    """Refuse a quantized checkpoint (FP8 DeepSeek-V3.2 / Kimi-K2 / MiniMax-M2, MXFP4 gpt-oss) in one line:
+    its tensors are codes and scales, which this loader would read as weights."""
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = (
+            quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        )
+        raise ValueError(
+            f"checkpoint {path!r} stores quantized weights (quant_method={method!r}); the expert-parallel "
+            "loader reads unquantized tensors only: dequantize it to a bf16 checkpoint first "
+            "(recipes/README.md, 'Quantized checkpoints')"
+        )
+
+
 def _checkpoint_dtype(reader: SafetensorsReader) -> torch.dtype:
     floats = [d for _, d, _, _ in reader.entries.values() if d.is_floating_point]
     return floats[0] if floats else torch.float32
@@ -317,16 +337,15 @@ def load_sharded_model(
     Returns:
         the model in eval mode, equal to `from_pretrained` + `permute_experts` + `shard_experts`.
     """
-    from transformers import AutoConfig
-
     if not 0 <= rank < size:
         raise ValueError(
             f"rank={rank} is outside the expert-parallel group of size {size}; use 0..{size - 1}"
         )
     path = local_model_dir(path)
-    reader = SafetensorsReader(path)
-    config = AutoConfig.from_pretrained(path)
+    config, _ = read_model_config(path)  # Kimi-K2's kimi_k2 reads as deepseek_v3
     get_arch(config)  # an unsupported or refused type fails here, naming why
+    check_unquantized(config, path)
+    reader = SafetensorsReader(path)
     if dtype in (None, "auto"):
         dtype = getattr(config, "dtype", None) or _checkpoint_dtype(reader)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
