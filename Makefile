@@ -1,7 +1,9 @@
 # Set-up and the two everyday jobs. Every target installs what it needs into .venv first.
 #   make demo   - the whole pipeline on the embedded default model and corpus (CPU, a few minutes)
-#   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU)
+#   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU): the fast tier, then the slow one
+#   make test-fast - the fast tier alone (no multi-process or training runs; a few minutes on 2 cores)
 #   make lint   - ruff check + ruff format --check (CI runs it before the tests)
+#   make style  - fix what make lint checks (ruff format + ruff check --fix)
 #   make test-gpu / make bench-gpu - the CUDA tests and the one-GPU layer benchmark (on a GPU machine)
 # Override TORCH to pick another torch build, e.g. make test TORCH="torch==2.11.0".
 PYTHON ?= python3
@@ -12,7 +14,7 @@ export HF_HUB_OFFLINE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-gpu bench-gpu lint clean
+.PHONY: install demo test test-fast test-gpu bench-gpu lint style clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +29,11 @@ demo: $(BIN)/.installed
 	$(BIN)/occult-ft demo
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m slow
+
+test-fast: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m "not slow"
 
 LINT_PATHS = occult_ft tests benchmarks notebooks scripts
 
@@ -41,6 +47,10 @@ bench-gpu: $(BIN)/.installed
 lint: $(BIN)/.installed
 	$(BIN)/ruff check $(wildcard $(LINT_PATHS))
 	$(BIN)/ruff format --check $(wildcard $(LINT_PATHS))
+
+style: $(BIN)/.installed
+	$(BIN)/ruff format $(wildcard $(LINT_PATHS))
+	$(BIN)/ruff check --fix $(wildcard $(LINT_PATHS))
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

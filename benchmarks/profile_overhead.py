@@ -24,7 +24,7 @@ def main():
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
-    from occult_ft.checkpoint import load_model_and_tokenizer
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
 
     path = args.model
     if path == "embedded":

@@ -30,7 +30,7 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM
 
     import occult_ft
-    from occult_ft.checkpoint import load_tokenizer
+    from occult_ft.checkpoint.load import load_tokenizer
     from occult_ft.embedded import embedded_model_path
     from occult_ft.evaluation import data_batches, evaluate_model
     from occult_ft.trainer import OccultConfig, train

@@ -7,9 +7,10 @@ these functions instead of permuting and pruning by hand:
                                                checked against the model and the device count
     profile_similarity(path, model)            a saved profile's similarity tables, checked against the model
     placed_similarity(similarity, placement)   the profile's (E, E) tables reordered into placed order
-    apply_occult(model, placement, pruning,    permute the experts (placement), then install the
-                 similarity)                   pruned routers (budget) in place
-    applied_similarity(model)                  the placed-order tables the pruned routers hold
+    apply_occult(model, placement, pruning,    permute the experts (placement), install the pruned
+                 similarity)                   routers (budget) and record both in the model's
+                                               config (`OccultBlock`): `model.save_pretrained` then
+                                               writes a complete pruned checkpoint
     placed_copy(model, placement, pruning)     the same on a deep copy with its own routers
     permute_state_dict(model, state, placement, inverse=False)
                                                the same permutation on a state dict, PEFT LoRA factors
@@ -28,17 +29,18 @@ import re
 import torch
 from torch import nn
 
+from .checkpoint.format import CheckpointError, OccultBlock, PlacementRecord, model_block
+from .checkpoint.save import record_block
 from .models.registry import find_moe_layers, get_arch, unwrap_model
 from .placement import Placement, permute_experts, sequential_placement
 from .profiling import Profile
-from .routing import PruningConfig, apply_pruning, pruned_routers, remove_pruning
+from .routing import PruningConfig, apply_pruning, remove_pruning
 
 __all__ = [
     "resolve_placement",
     "profile_similarity",
     "placed_similarity",
     "apply_occult",
-    "applied_similarity",
     "placed_copy",
     "permute_state_dict",
 ]
@@ -109,7 +111,10 @@ def apply_occult(
     similarity_placed: bool = False,
     expert_device: dict[int, torch.Tensor] | None = None,
 ) -> nn.Module:
-    """Permute `model`'s experts by `placement` and install pruned routers for `pruning`, in place.
+    """Permute `model`'s experts by `placement` and install pruned routers for `pruning`, in place, and
+    record both in the model's config (an `OccultBlock`), so that `model.save_pretrained` /
+    `push_to_hub` write a complete pruned checkpoint (weights, block, similarity tables, remote code,
+    card) that `occult_ft.from_pretrained` loads with the same routing.
 
     Args:
         model: a supported transformers MoE model (PEFT/DDP wrappers are unwrapped).
@@ -124,6 +129,7 @@ def apply_occult(
     """
 
     base = unwrap_model(model)
+    block = _block_after(base, placement, pruning)
     if placement is not None:
         permute_experts(base, placement)
         if not similarity_placed:
@@ -132,7 +138,47 @@ def apply_occult(
         if pruning.active and pruning.criterion == "similarity":
             _check_tables(similarity, find_moe_layers(base)[0].num_experts)
         apply_pruning(base, pruning, similarity=similarity, expert_device=expert_device)
+    if block is not None:
+        record_block(base, block)
     return model
+
+
+def _block_after(base: nn.Module, placement, pruning: PruningConfig | None) -> OccultBlock | None:
+    """The model's block once `placement` and `pruning` are applied (None when neither is given).
+
+    Raises:
+        ValueError: a placement for a model whose block already records one (placements name original
+            expert ids: place the original model), or a budget for another device count.
+    """
+    if placement is None and pruning is None:
+        return None
+    old = model_block(base)
+    changes: dict = {}
+    if placement is not None:
+        if old is not None and old.placement is not None:
+            raise ValueError(
+                f"this model is already placed ({old.placement.algorithm} placement on {old.num_devices} "
+                "devices, recorded in its occult block); a placement names original expert ids: apply it "
+                f"to the original model ({old.base_model or 'its base model'})"
+            )
+        record = PlacementRecord.from_placement(placement)
+        changes.update(
+            placement=record, placed=True, num_devices=placement.num_devices, num_nodes=placement.num_nodes
+        )
+    if pruning is not None:
+        budget = OccultBlock.build(pruning).pruning
+        changes.update(pruning=budget, num_devices=pruning.num_devices, num_nodes=pruning.num_nodes)
+    try:
+        if old is None:
+            name = getattr(base.config, "_name_or_path", None) or None
+            return OccultBlock(base_model=name, model_type=get_arch(base).model_type, **changes)
+        return old.with_changes(**changes)
+    except CheckpointError as err:
+        placed_for = old.num_devices if old is not None else None
+        raise ValueError(
+            f"this model is placed for {placed_for} devices; apply a budget and placement for {placed_for} "
+            f"devices ({err})"
+        ) from None
 
 
 def _check_tables(similarity: dict[int, torch.Tensor] | None, num_experts: int) -> None:
@@ -161,18 +207,10 @@ def placed_copy(
     """A deep copy of `model` with its routers reset, then placed and pruned by `apply_occult`."""
     placed = copy.deepcopy(model)
     remove_pruning(placed)
+    block = model_block(placed)
+    if block is not None:
+        record_block(placed, block.with_changes(pruning=None))
     return apply_occult(placed, placement, pruning, similarity, similarity_placed=similarity_placed)
-
-
-def applied_similarity(model: nn.Module) -> dict[int, torch.Tensor] | None:
-    """The placed-order similarity tables held by `model`'s pruned routers (None when none holds one),
-    detached on the CPU: what a checkpoint of the model must save beside its weights."""
-
-    tables = {
-        layer.index: router._buffers.get("occult_similarity") for layer, router in pruned_routers(model)
-    }
-    tables = {i: t.detach().float().cpu() for i, t in tables.items() if t is not None}
-    return tables or None
 
 
 def permute_state_dict(

@@ -12,7 +12,8 @@ import math
 import os
 from typing import Any
 
-from .checkpoint import describe_checkpoint, from_pretrained, load_tokenizer
+from .checkpoint import describe_checkpoint
+from .checkpoint.load import from_pretrained, load_tokenizer
 from .data import DataError, load_text_dataset, make_batches
 from .metrics import contiguous_expert_device, random_placement_comm_complexity, routing_report
 from .models import find_moe_layers, unwrap_model
@@ -170,8 +171,8 @@ def measure_checkpoint(
     The checkpoint (written by `save_pruned`, the trainer or `occult-ft prune`) is loaded with
     `occult_ft.from_pretrained`, its placement and pruned routing active, and run over `max_tokens`
     tokens of `data`. Its experts are stored placed, so device d holds experts [d*E/D, (d+1)*E/D).
-    The report's `extra` carries `model` (the folder name), `max_devices_per_token` and `criterion`
-    (None when unpruned), which `occult_ft.plots.plot_report` puts in the title and reference lines:
+    The report's `extra` carries `model` (the folder name), `max_devices_per_token`,
+    `max_nodes_per_token` and `criterion` (None when unpruned), which `occult_ft.plots.plot_report` puts in the title and reference lines:
 
         report = measure_checkpoint("out")
         comm_complexity_figure(report, "out/comm_complexity.png")
@@ -196,7 +197,7 @@ def measure_checkpoint(
         raise ValueError(f"devices={devices!r} must be a positive int (the expert-parallel size)")
     summary = describe_checkpoint(path)
     block = summary.block
-    devices = devices or block.get("num_devices")
+    devices = devices or (block.num_devices if block is not None else None)
     if not devices:
         raise ValueError(
             f"checkpoint {path!r} records no num_devices; pass devices=D (the expert-parallel size)"
@@ -209,10 +210,11 @@ def measure_checkpoint(
     report = routing_report(
         profile.topk_ids(), contiguous_expert_device(num_experts, int(devices)), int(devices), num_experts
     )
-    budget = block.get("max_devices_per_token")
+    pruning = block.pruning if summary.pruned else None
     report.extra["model"] = os.path.basename(os.path.abspath(path))
-    report.extra["max_devices_per_token"] = budget
-    report.extra["criterion"] = block.get("criterion", "score") if budget else None
+    report.extra["max_devices_per_token"] = pruning.max_devices_per_token if pruning else None
+    report.extra["max_nodes_per_token"] = pruning.max_nodes_per_token if pruning else None
+    report.extra["criterion"] = pruning.criterion if pruning else None
     return report
 
 

@@ -11,7 +11,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from occult_ft.apply import (
-    applied_similarity,
     apply_occult,
     placed_copy,
     placed_similarity,
@@ -21,20 +20,20 @@ from occult_ft.checkpoint import (
     ADAPTER_OCCULT_FILE,
     OCCULT_KEY,
     SIMILARITY_FILE,
+    OccultBlock,
+    block_placement,
     describe_checkpoint,
-    from_pretrained,
     model_block,
     occult_config_fields,
-    placement_from_block,
-    pruning_from_block,
     read_block,
     read_similarity,
     save_pruned,
 )
+from occult_ft.checkpoint.load import from_pretrained
 from occult_ft.fileio import OutputPathError, atomic_directory, atomic_write_text, check_output_path
 from occult_ft.models import find_moe_layers, tiny_config
 from occult_ft.placement import Placement
-from occult_ft.routing import PruningConfig
+from occult_ft.routing import PruningConfig, router_similarity
 
 
 def _model(model_type="olmoe", seed=0, **overrides):
@@ -113,8 +112,8 @@ def test_placed_copy_leaves_the_original_alone_and_equals_apply_occult():
     ids = _ids()
     with torch.no_grad():
         torch.testing.assert_close(copied(ids).logits, reference(ids).logits)
-    assert applied_similarity(model) is None  # the original has no pruned routers
-    held = applied_similarity(copied)
+    assert router_similarity(model) is None  # the original has no pruned routers
+    held = router_similarity(copied)
     for i, table in placed_similarity(sim, placement).items():
         torch.testing.assert_close(held[i], table)
 
@@ -137,17 +136,17 @@ def test_save_pruned_round_trip_block_similarity_and_logits(tmp_path):
     pruning = PruningConfig(4, 2, "similarity")
     apply_occult(model, placement, pruning, _random_similarity(model))
     out = str(tmp_path / "ckpt")
-    save_pruned(model, out, pruning=pruning, placement=placement, similarity=applied_similarity(model))
+    save_pruned(model, out, pruning=pruning, placement=placement, similarity=router_similarity(model))
     block = read_block(out)
-    assert block["max_devices_per_token"] == 2 and block["criterion"] == "similarity"
-    assert block["placed"] is True and block["num_devices"] == 4
-    assert pruning_from_block(block) == pruning
-    assert placement_from_block(block, model).groups == placement.groups
+    assert block.pruning.max_devices_per_token == 2 and block.pruning.criterion == "similarity"
+    assert block.placed is True and block.num_devices == 4
+    assert block.pruning == pruning
+    assert block_placement(block).groups == placement.groups
     assert set(read_similarity(out)) == {layer.index for layer in find_moe_layers(model)}
-    # the live config is left as it was
-    assert OCCULT_KEY not in model.config.__dict__
+    # the live config carries the applied block, as it did before the save
+    assert model_block(model) == block
     reloaded = from_pretrained(out)
-    assert model_block(reloaded)["max_devices_per_token"] == 2
+    assert model_block(reloaded).pruning.max_devices_per_token == 2
     ids = _ids()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
@@ -157,11 +156,11 @@ def test_occult_config_fields_restores_the_config_even_on_error():
     model = _model("deepseek_v3")
     config = model.config
     before = dict(config.__dict__)
-    pruning = PruningConfig(4, 2, "device_topk_sum")
+    block = OccultBlock.build(PruningConfig(4, 2, "device_topk_sum"))
     with pytest.raises(RuntimeError):
-        with occult_config_fields(config, {"version": 1}, pruning):
+        with occult_config_fields(config, block):
             assert config.n_group == 4 and config.topk_group == 2
-            assert getattr(config, OCCULT_KEY) == {"version": 1}
+            assert getattr(config, OCCULT_KEY) == block.to_dict()
             raise RuntimeError("save failed")
     assert config.__dict__ == before
 
@@ -180,8 +179,8 @@ def test_describe_checkpoint_reads_native_routing_from_the_registry(tmp_path):
 def test_adapter_block_is_read_from_occult_config_json(tmp_path):
     (tmp_path / ADAPTER_OCCULT_FILE).write_text(json.dumps({"version": 1, "placed": False}))
     (tmp_path / "config.json").write_text(json.dumps({OCCULT_KEY: {"placed": True}}))
-    assert read_block(str(tmp_path)) == {"version": 1, "placed": False}
-    assert read_block(str(tmp_path / "missing")) == {}
+    assert read_block(str(tmp_path)) == OccultBlock(placed=False, version=1)
+    assert read_block(str(tmp_path / "missing")) is None
 
 
 # ---- writes that lose nothing ---------------------------------------------------------------------------
@@ -276,7 +275,7 @@ def _similarity_checkpoint(tmp_path) -> str:
     pruning = PruningConfig(4, 2, "similarity")
     apply_occult(model, placement, pruning, _random_similarity(model))
     out = str(tmp_path / "pruned")
-    save_pruned(model, out, pruning=pruning, placement=placement, similarity=applied_similarity(model))
+    save_pruned(model, out, pruning=pruning, placement=placement, similarity=router_similarity(model))
     return out
 
 
@@ -284,7 +283,7 @@ def test_save_pretrained_of_a_loaded_checkpoint_keeps_its_pruned_routing(tmp_pat
     first = from_pretrained(_similarity_checkpoint(tmp_path))
     again = str(tmp_path / "again")
     first.save_pretrained(again)
-    assert read_block(again)["criterion"] == "similarity" and os.path.isfile(
+    assert read_block(again).pruning.criterion == "similarity" and os.path.isfile(
         os.path.join(again, SIMILARITY_FILE)
     )
     second = from_pretrained(again)
@@ -312,7 +311,7 @@ def test_push_to_hub_of_a_loaded_checkpoint_uploads_the_pruned_routing(tmp_path,
         type(model), "_upload_modified_files", lambda self, folder, *a, **k: shutil.copytree(folder, uploaded)
     )
     model.push_to_hub("me/pruned")
-    assert read_block(str(uploaded))["max_devices_per_token"] == 2
+    assert read_block(str(uploaded)).pruning.max_devices_per_token == 2
     assert (uploaded / SIMILARITY_FILE).is_file() and (uploaded / "occult_pruned_routing.py").is_file()
     shutil.rmtree(uploaded)  # save_pretrained(push_to_hub=True) uploads the side files too
     model.save_pretrained(tmp_path / "local", push_to_hub=True, repo_id="me/pruned", commit_message="m")
@@ -338,10 +337,10 @@ def test_a_merged_adapter_saves_a_checkpoint_that_reloads_identically(tmp_path):
                 p.normal_(0, 0.05)
     adapter = str(tmp_path / "adapter")
     peft_model.save_pretrained(adapter)
-    from occult_ft.checkpoint import occult_block, write_similarity
+    from occult_ft.checkpoint import write_similarity
 
-    write_adapter_block(adapter, occult_block(pruning, placement, placed=False))
-    write_similarity(adapter, applied_similarity(model))
+    write_adapter_block(adapter, OccultBlock.build(pruning, placement, placed=False))
+    write_similarity(adapter, router_similarity(model))
     loaded = from_pretrained(adapter)
     ids = _ids()
     with torch.no_grad():
@@ -349,13 +348,13 @@ def test_a_merged_adapter_saves_a_checkpoint_that_reloads_identically(tmp_path):
     merged = loaded.merge_and_unload()
     out = str(tmp_path / "merged")
     merged.save_pretrained(out)
-    assert read_block(out)["placed"] is True
+    assert read_block(out).placed is True
     with torch.no_grad():
         torch.testing.assert_close(from_pretrained(out)(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_stock_loading_of_a_pruned_checkpoint_is_said_aloud(tmp_path, caplog):
-    from occult_ft.checkpoint import load_model_and_tokenizer
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
 
     path = _similarity_checkpoint(tmp_path)
     with caplog.at_level("WARNING", logger="occult_ft"):

@@ -314,7 +314,7 @@ def test_unsupported_options_are_refused():
 
 
 def test_maybe_convert_converts_once_into_the_cache(tmp_path, monkeypatch):
-    from occult_ft.checkpoint import load_model_and_tokenizer
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
 
     monkeypatch.setenv("OCCULT_FT_CACHE", str(tmp_path / "cache"))
     cfg = deepseek_config(num_hidden_layers=2)

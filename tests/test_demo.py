@@ -39,7 +39,7 @@ def test_demo_runs_the_whole_pipeline(tmp_path):
 
 def test_embedded_model_has_structured_routing():
     """Random weights would give comm_complexity near the random expectation; the shipped model must not."""
-    from occult_ft.checkpoint import load_model_and_tokenizer
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
     from occult_ft.evaluation import data_batches
     from occult_ft.metrics import random_placement_comm_complexity, routing_report
     from occult_ft.placement import compute_placement

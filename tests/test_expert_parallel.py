@@ -18,7 +18,8 @@ then checks its own case. This file is also the worker: `torchrun ... test_exper
 Cases per launch (D = expert_parallel_size, M = max_devices_per_token):
     W=2, `accelerate launch`: D=2 (evaluated, saved); D=2 with M=1; D=2 with 2 accumulated
         micro-batches; resume (4 steps + checkpoint, then 4 more from it); W % D error (D=4)
-    W=4, torchrun: D=4; D=4 with M=1; D=2 (two replicas of each shard); D=2 with M=1
+    W=4, torchrun: D=4; D=4 with M=1; D=2 (two replicas of each shard); D=2 with M=1; devices=4 on
+        expert-parallel groups of 2 (with and without M=1)
     W=2, torchrun: `occult-ft train recipe.yaml --expert_parallel_size 2`
     LoRA (train_mode="lora", r=2; the expert LoRA factors shard with the experts), against single-process
     LoRA: W=2 `accelerate launch`, D=2: plain (saved adapter), M=1, resume (4 steps + checkpoint, then 4
@@ -359,6 +360,11 @@ def world4(tiny_olmoe_dir, tmp_path_factory):
         for d in (4, 2)
         for name, overrides in PRUNING.items()
     ]
+    # placed and budgeted for 4 devices, trained on expert-parallel groups of 2 processes
+    cases += [
+        dict(name=f"{name}-ep2-d4", overrides=dict(expert_parallel_size=2, devices=4, **overrides))
+        for name, overrides in PRUNING.items()
+    ]
     return launch(torchrun(4), dict(model=tiny_olmoe_dir, out=str(tmp), world=4, cases=cases), tmp)
 
 
@@ -381,6 +387,16 @@ def test_four_processes_reproduce_the_single_process_run(world4, reference, name
     # rank 0: EP = consecutive ranks, EDP = rank 0 of every EP group
     assert result["groups"]["ep"] == list(range(size)) and result["groups"]["edp"] == list(range(0, 4, size))
     assert result["shard_rows"] == 8 // size
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["plain", "pruned"])
+def test_a_layout_of_4_devices_trains_on_groups_of_2_processes(world4, reference, name):
+    """devices=4 (placement and budget) with expert_parallel_size=2: each process holds two devices'
+    experts; the run equals the single-process run placed and pruned for 4 devices."""
+    result = world4[f"{name}-ep2-d4"]
+    check_trajectory(result, reference[(name, 4)], f"W=4 EP=2 D=4 {name}")
+    assert result["groups"]["ep"] == [0, 1] and result["shard_rows"] == 4
 
 
 @pytest.mark.slow

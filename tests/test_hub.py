@@ -324,11 +324,13 @@ def test_push_through_patched_hfapi_methods(placed_dir, tmp_path, monkeypatch):
 @pytest.mark.parametrize("repo_id", ["", "a b/c", "too/many/parts", "-bad/name"])
 def test_bad_repo_id_fails_before_anything_is_written(placed_dir, tmp_path, repo_id):
     path = _copy_checkpoint(placed_dir, tmp_path / "ckpt")
+    before = {name: open(os.path.join(path, name), "rb").read() for name in sorted(os.listdir(path))}
     api = FakeHubApi()
     with pytest.raises(ValueError, match="repo id") as err:
         hub.push_checkpoint(path, repo_id, api=api)
     assert "\n" not in str(err.value)
-    assert not api.create_calls and not os.path.exists(os.path.join(path, "README.md"))
+    after = {name: open(os.path.join(path, name), "rb").read() for name in sorted(os.listdir(path))}
+    assert not api.create_calls and after == before
 
 
 def test_push_of_a_non_checkpoint_uploads_nothing(tmp_path):

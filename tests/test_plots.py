@@ -388,7 +388,8 @@ def test_plots_import_no_model_loading_code():
 
 
 def test_comm_complexity_figure_from_checkpoint_feeds_the_model_card(tmp_path, tiny_olmoe_dir, text_file):
-    from occult_ft.checkpoint import from_pretrained, save_pruned
+    from occult_ft.checkpoint import save_pruned
+    from occult_ft.checkpoint.load import from_pretrained
     from occult_ft.evaluation import measure_checkpoint
     from occult_ft.hub import build_model_card
     from occult_ft.routing import PruningConfig
@@ -405,7 +406,12 @@ def test_comm_complexity_figure_from_checkpoint_feeds_the_model_card(tmp_path, t
     )
     png = out / "comm_complexity.png"
     report = measure_checkpoint(str(out), data=text_file, max_tokens=128, seq_len=32)
-    assert report.extra == {"model": "ckpt", "max_devices_per_token": 1, "criterion": "score"}
+    assert report.extra == {
+        "model": "ckpt",
+        "max_devices_per_token": 1,
+        "max_nodes_per_token": None,
+        "criterion": "score",
+    }
     # the budget holds: every measured token reaches exactly one of the 2 devices
     assert report.devices_histogram[0] == 0 and report.devices_histogram[2] == 0
     assert report.devices_histogram[1] == sum(m.tokens for m in report.layers) > 0

@@ -95,9 +95,9 @@ def test_recipe_runs_as_written_at_tiny_width(name, tmp_path):
     from occult_ft.checkpoint import read_block
 
     block = read_block(str(out))
-    assert block["max_devices_per_token"] == recipe["max_devices_per_token"]
-    assert block["criterion"] == recipe["criterion"] and block["num_devices"] == recipe["devices"]
-    assert block["train_mode"] == recipe["train_mode"]
+    assert block.pruning.max_devices_per_token == recipe["max_devices_per_token"]
+    assert block.pruning.criterion == recipe["criterion"] and block.num_devices == recipe["devices"]
+    assert block.extra["train_mode"] == recipe["train_mode"]
     adapter = (out / "adapter_config.json").is_file()
     assert adapter == (recipe["train_mode"] == "lora")
     reloaded = occult_ft.from_pretrained(str(out))

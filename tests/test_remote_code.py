@@ -23,11 +23,12 @@ from occult_ft import hub
 from occult_ft.apply import apply_occult
 from occult_ft.checkpoint import (
     SIMILARITY_FILE,
+    OccultBlock,
     describe_checkpoint,
-    from_pretrained,
     occult_config_fields,
     save_pruned,
 )
+from occult_ft.checkpoint.load import from_pretrained
 from occult_ft.checkpoint.remote_code import (
     REMOTE_CODE_FILE,
     remote_auto_map,
@@ -218,9 +219,9 @@ def test_no_remote_code_without_an_active_non_native_budget(tmp_path, model_type
 def test_occult_config_fields_restores_auto_map_and_drops_a_stale_entry():
     config = tiny_config("olmoe")
     config.auto_map = {**remote_auto_map("olmoe"), "AutoTokenizer": "mine.Tok"}
-    with occult_config_fields(config, {"version": 1}, None):  # nothing to route: our entry goes
+    with occult_config_fields(config, OccultBlock()):  # nothing to route: our entry goes
         assert config.auto_map == {"AutoTokenizer": "mine.Tok"}
-    with occult_config_fields(config, {"version": 1}, PruningConfig(2, 1), save_dir="/nonexistent"):
+    with occult_config_fields(config, OccultBlock.build(PruningConfig(2, 1)), save_dir="/nonexistent"):
         assert config.auto_map == {**remote_auto_map("olmoe"), "AutoTokenizer": "mine.Tok"}
     assert config.auto_map == {**remote_auto_map("olmoe"), "AutoTokenizer": "mine.Tok"}
 

@@ -63,7 +63,7 @@ def placement_for(model) -> Placement:
 def reference_state(path: str, placement, dtype=torch.float32) -> tuple[dict, dict]:
     """(state dict, non-persistent buffers) of the whole model, loaded normally and placed."""
     from occult_ft.apply import apply_occult
-    from occult_ft.checkpoint import load_model_and_tokenizer
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer(path, dtype=dtype)
     if placement is not None:
@@ -295,7 +295,8 @@ def test_occult_trainer_under_expert_parallelism_reads_only_its_block(model_dirs
 @pytest.mark.slow
 def test_a_placed_pruned_checkpoint_is_read_in_its_stored_order_with_its_budget(model_dirs, tmp_path):
     from occult_ft.apply import apply_occult
-    from occult_ft.checkpoint import load_model_and_tokenizer, save_pruned
+    from occult_ft.checkpoint import save_pruned
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
     from occult_ft.routing import PruningConfig
 
     path = model_dirs("olmoe")

@@ -71,7 +71,7 @@ def test_exact_match_counts_by_hand():
 def test_exact_match_is_greedy_decoding_under_pruned_routing():
     """Label each prompt with the model's own greedy continuation (model.generate): exact match is 1;
     change one answer token: that row no longer matches."""
-    from occult_ft.checkpoint import load_model_and_tokenizer
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
     from occult_ft.data import format_prompt
     from occult_ft.routing import PruningConfig, apply_pruning
 

@@ -22,10 +22,12 @@ then routes with the budget too.
 
 Modules: `format.py` the `occult` block, the similarity file and what a checkpoint directory holds
 (the one reader and writer of those files); `save.py` writing checkpoints; `load.py` loading them
-(`from_pretrained`); `remote_code.py` the `trust_remote_code` file; `convert.py` DeepSeek-MoE ->
+(`from_pretrained`; imported as `occult_ft.checkpoint.load`, since it sits above `occult_ft.apply`, which
+records blocks through `format.py` and `save.py`); `remote_code.py` the `trust_remote_code` file; `convert.py` DeepSeek-MoE ->
 qwen2_moe conversion.
 """
 
+from .card import build_model_card, is_occult_card, write_model_card
 from .convert import DEEPSEEK_MODEL_TYPE, ConversionError, convert_config, convert_deepseek_moe, maybe_convert
 from .format import (
     ADAPTER_OCCULT_FILE,
@@ -35,25 +37,23 @@ from .format import (
     SIMILARITY_FILE,
     CheckpointError,
     CheckpointSummary,
+    OccultBlock,
+    PlacementRecord,
+    block_placement,
     describe_checkpoint,
     model_block,
-    occult_block,
-    placement_from_block,
-    pruning_from_block,
     read_block,
     read_similarity,
     write_adapter_block,
     write_similarity,
 )
-from .load import (
-    from_pretrained,
-    load_model_and_tokenizer,
-    load_tokenizer,
-    local_model_dir,
-    resolve_model_path,
-    restore_occult,
+from .save import (
+    attach_occult_save,
+    occult_config_fields,
+    record_block,
+    save_pruned,
+    write_native_group_fields,
 )
-from .save import attach_occult_save, occult_config_fields, save_pruned, write_native_group_fields
 
 __all__ = [
     "OCCULT_KEY",
@@ -64,27 +64,25 @@ __all__ = [
     "DEEPSEEK_MODEL_TYPE",
     "CheckpointError",
     "CheckpointSummary",
-    "occult_block",
+    "ConversionError",
+    "OccultBlock",
+    "PlacementRecord",
+    "block_placement",
     "model_block",
     "read_block",
     "read_similarity",
     "write_similarity",
     "write_adapter_block",
     "occult_config_fields",
-    "pruning_from_block",
-    "placement_from_block",
     "describe_checkpoint",
     "write_native_group_fields",
+    "record_block",
     "save_pruned",
     "attach_occult_save",
-    "restore_occult",
-    "local_model_dir",
-    "from_pretrained",
-    "load_model_and_tokenizer",
-    "load_tokenizer",
-    "resolve_model_path",
-    "ConversionError",
-    "convert_deepseek_moe",
+    "build_model_card",
+    "write_model_card",
+    "is_occult_card",
     "convert_config",
+    "convert_deepseek_moe",
     "maybe_convert",
 ]

@@ -26,7 +26,7 @@ from ..embedded import embedded_model_path
 from ..fileio import atomic_write_text, read_json_object
 from ..metrics import comm_complexity_lower_bound, random_placement_comm_complexity
 from ..models.family import auto_model_class
-from .format import CheckpointSummary, describe_checkpoint
+from .format import CheckpointSummary, OccultBlock, describe_checkpoint
 
 __all__ = [
     "OCCULT_CITATION",
@@ -35,6 +35,7 @@ __all__ = [
     "build_model_card",
     "write_model_card",
     "figure_name",
+    "is_occult_card",
     "last_eval_metrics",
 ]
 
@@ -58,24 +59,8 @@ KNOWN_LICENSES = {
 }
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-# block keys rendered in their own sections; the rest go to "Other recorded settings"
-_BLOCK_KEYS_SHOWN = {
-    "version",
-    "placed",
-    "num_devices",
-    "num_nodes",
-    "max_devices_per_token",
-    "criterion",
-    "gate_weights",
-    "placement",
-    "comm_complexity_before",
-    "comm_complexity_after",
-    "eval",
-    "base_model",
-    "license",
-    "dataset",
-    "model_type",
-}
+# recorded settings rendered in their own sections; the other extras go to "Other recorded settings"
+_EXTRA_SHOWN = {"comm_complexity_before", "comm_complexity_after", "eval", "license", "dataset"}
 
 
 def _local_name(name: Any) -> str | None:
@@ -137,8 +122,10 @@ def _read_eval_results(path: str) -> dict[str, Any]:
 
 
 def _placement_section(s: CheckpointSummary) -> str:
-    b = s.block
-    d, m = b.get("num_devices"), b.get("max_devices_per_token")
+    b = s.block or OccultBlock()
+    d, p = b.num_devices, b.pruning
+    m = p.max_devices_per_token if p is not None else None
+    mn = p.max_nodes_per_token if p is not None else None
     rows: list[tuple[str, Any]] = [("base model", s.base_model or "not recorded")]
     if s.model_type:
         rows.append(("model type", s.model_type))
@@ -146,18 +133,19 @@ def _placement_section(s: CheckpointSummary) -> str:
         rows.append(("routed experts per layer (E)", s.num_experts))
     if s.top_k is not None:
         rows.append(("experts per token (k)", s.top_k))
-    placement = b.get("placement") or {}
-    rows.append(("placement algorithm", placement.get("algorithm", "none (original expert order)")))
+    algorithm = b.placement.algorithm if b.placement is not None else None
+    rows.append(("placement algorithm", algorithm or "none (original expert order)"))
     rows.append(("devices (D)", d if d is not None else "not recorded"))
-    rows.append(("nodes", b.get("num_nodes", 1)))
+    rows.append(("nodes", b.num_nodes))
     if d and s.num_experts and s.num_experts % int(d) == 0:
         rows.append(("experts per device (E/D)", s.num_experts // int(d)))
     rows.append(("max_devices_per_token (M)", m if m is not None else "none (routing unchanged)"))
-    # defaults as `occult_ft.checkpoint` applies them when it reloads the block
-    rows.append(("criterion", b.get("criterion", "score") if m is not None else "n/a"))
-    rows.append(("gate weights", b.get("gate_weights", "model") if m is not None else "n/a"))
-    if placement.get("algorithm") and s.kind == "full":
-        rows.append(("experts stored in placed order", bool(b.get("placed", False))))
+    if mn is not None:
+        rows.append(("max_nodes_per_token", mn))
+    rows.append(("criterion", p.criterion if p is not None else "n/a"))
+    rows.append(("gate weights", p.gate_weights if p is not None else "n/a"))
+    if algorithm and s.kind == "full":
+        rows.append(("experts stored in placed order", b.placed))
     if s.native_routing:
         rows.append(
             (
@@ -166,45 +154,51 @@ def _placement_section(s: CheckpointSummary) -> str:
             )
         )
     text = "## Expert placement and routing budget\n\n" + _table(rows)
-    if placement.get("algorithm") and b.get("placed"):
+    if algorithm and b.placed:
         text += (
             "\n\nThe experts of every MoE layer are stored permuted so that device d of D holds the contiguous "
             "block [d*E/D, (d+1)*E/D), the layout every expert-parallel runtime uses. `placement.layers` in the "
             "`occult` block of config.json records which original experts each device holds."
         )
-    elif placement.get("algorithm"):
+    elif algorithm:
         text += (
             "\n\nThe base model's experts are not stored permuted here: `occult_ft.from_pretrained` permutes "
             "them with the placement recorded in `occult_config.json` before attaching the adapter."
         )
-    if m is not None:
+    if s.pruned:
+        limits = []
+        if m is not None and m < (d or m + 1):
+            limits.append(f"at most {m} of the {d} devices")
+        if mn is not None and mn < b.num_nodes:
+            limits.append(f"at most {mn} of the {b.num_nodes} nodes")
         text += (
-            f"\n\nCollaboration pruning: each token's top-k is restricted to experts on at most {m} of the {d} "
-            f"devices (criterion `{b.get('criterion', 'score')}`), and the model was fine-tuned that way."
+            f"\n\nCollaboration pruning: each token's top-k is restricted to experts on {' and '.join(limits)} "
+            f"(criterion `{p.criterion}`), and the model was fine-tuned that way."
         )
     return text
 
 
 def _comm_section(s: CheckpointSummary) -> str | None:
-    b = s.block
+    b = s.block or OccultBlock()
     rows: list[tuple[str, Any]] = []
     for key, label in (
         ("comm_complexity_before", "before Occult (measured)"),
         ("comm_complexity_after", "after placement / pruning (measured)"),
     ):
-        if key in b:
+        if key in b.extra:
             flat: dict[str, Any] = {}
-            _flatten("", b[key], flat)
+            _flatten("", b.extra[key], flat)
             rows += [(f"{label}{' ' + k if k else ''}", v) for k, v in flat.items()]
-    d = b.get("num_devices")
+    d = b.num_devices
     e, k = s.num_experts, s.top_k
     if d and e and k and e % int(d) == 0:
         d = int(d)
         rows.append(("per-expert dispatch (rows per token)", k))
         rows.append(("random placement, uniform routing", random_placement_comm_complexity(e, k, d)))
         rows.append(("lower bound ceil(k*D/E)", comm_complexity_lower_bound(e, k, d)))
-        if b.get("max_devices_per_token") is not None:
-            rows.append(("upper bound with the budget", min(int(b["max_devices_per_token"]), k, d)))
+        if s.pruned:
+            budget = b.pruning.device_budget
+            rows.append(("upper bound with the budget", min(budget, k, d)))
     if not rows:
         return None
     return (
@@ -216,8 +210,9 @@ def _comm_section(s: CheckpointSummary) -> str | None:
 
 def _eval_section(s: CheckpointSummary, eval_results: Mapping[str, Any] | None) -> str | None:
     flat: dict[str, Any] = {}
-    if isinstance(s.block.get("eval"), Mapping):
-        _flatten("", s.block["eval"], flat)
+    recorded = s.block.extra.get("eval") if s.block is not None else None
+    if isinstance(recorded, Mapping):
+        _flatten("", recorded, flat)
     if eval_results is None:
         eval_results = _read_eval_results(s.path)
     _flatten("", dict(eval_results), flat)
@@ -252,7 +247,7 @@ def _usage_section(s: CheckpointSummary, repo: str) -> str:
             f"This is a LoRA adapter for `{s.base_model or 'its base model'}`: `occult_ft.from_pretrained` loads "
             "the base model, applies the recorded placement and routing budget, then attaches the adapter."
         )
-        if s.block.get("expert_order") == "original":
+        if s.block is not None and s.block.expert_order == "original":
             base = _hub_id(s.base_model) or s.base_model or "BASE_MODEL"
             pruned = s.pruned
             lines += [
@@ -361,7 +356,8 @@ def build_model_card(
     repo = repo_id or os.path.basename(os.path.abspath(s.path))
     hub_base = _hub_id(s.base_model)
     s.base_model = hub_base or _local_name(s.base_model)
-    license = license or s.block.get("license") or KNOWN_LICENSES.get(hub_base or "")
+    recorded = s.block.extra if s.block is not None else {}
+    license = license or recorded.get("license") or KNOWN_LICENSES.get(hub_base or "")
     tags = list(CARD_TAGS)
     if s.model_type:
         tags.append(s.model_type)
@@ -369,7 +365,7 @@ def build_model_card(
         tags += ["lora", "peft"]
     if s.pruned:
         tags.append("collaboration-pruning")
-    dataset = _hub_id(s.block.get("dataset"))
+    dataset = _hub_id(recorded.get("dataset"))
     data = ModelCardData(
         base_model=hub_base,
         library_name="peft" if s.kind == "adapter" else "transformers",
@@ -385,11 +381,12 @@ def build_model_card(
         if hub_base
         else f"`{s.base_model or 'an MoE model'}`"
     )
-    if s.pruned and s.block.get("placement"):
+    placed = s.block is not None and s.block.placement is not None
+    if s.pruned and placed:
         action = "with collaboration-aware expert placement and collaboration pruning, then fine-tuned"
     elif s.pruned:
         action = "with collaboration pruning, then fine-tuned"
-    elif s.block.get("placement"):
+    elif placed:
         action = "with collaboration-aware expert placement (the same function as the base model, permuted experts)"
     else:
         action = "fine-tuned"
@@ -419,8 +416,8 @@ def build_model_card(
         sections.append("## Adapter\n\n" + _table(rows))
     other = [
         (k, v)
-        for k, v in sorted(s.block.items())
-        if k not in _BLOCK_KEYS_SHOWN and not isinstance(v, (dict, list))
+        for k, v in sorted(recorded.items())
+        if k not in _EXTRA_SHOWN and not isinstance(v, (dict, list))
     ]
     if other:
         sections.append("## Other recorded settings\n\n" + _table(other))
@@ -461,3 +458,17 @@ def last_eval_metrics(log_history: list[dict]) -> dict[str, Any]:
         if metrics:
             return metrics
     return {}
+
+
+def is_occult_card(path: str | os.PathLike) -> bool:
+    """Whether the README.md at `path` is a model card occult_ft wrote (its metadata carries the
+    `occult` tag): such a file may be replaced, a user's README may not."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            head = f.read(4096)
+    except (OSError, UnicodeDecodeError):
+        return False
+    if not head.startswith("---"):
+        return False
+    meta = head.split("---", 2)[1] if head.count("---") >= 2 else ""
+    return any(line.strip() == f"- {CARD_TAGS[1]}" for line in meta.splitlines())

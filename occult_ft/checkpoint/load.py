@@ -7,24 +7,25 @@ from __future__ import annotations
 import os
 
 from torch import nn
+from transformers.utils import logging
 
 from ..apply import apply_occult, permute_state_dict, placed_similarity
 from ..embedded import embedded_model_path
 from ..fileio import read_json_object
 from ..models.family import architecture_model_type, auto_model_class
 from ..models.registry import get_arch
+from ..routing import PruningConfig
 from .convert import maybe_convert
 from .format import (
-    OCCULT_KEY,
     CheckpointError,
+    OccultBlock,
+    block_placement,
     model_block,
-    placement_from_block,
-    pruning_from_block,
     read_block,
     read_similarity,
 )
 from .remote_code import set_auto_map
-from .save import attach_occult_save
+from .save import record_block
 
 __all__ = [
     "resolve_model_path",
@@ -34,6 +35,8 @@ __all__ = [
     "read_model_config",
     "from_pretrained",
     "restore_occult",
+    "check_adapter_base",
+    "describe_budget",
 ]
 
 
@@ -146,19 +149,27 @@ def load_model_and_tokenizer(path: str, dtype=None, warn_pruned: bool = True, **
     return model, tokenizer
 
 
+def describe_budget(pruning: PruningConfig) -> str:
+    """`2 devices per token`, `1 node per token` or both: what a budget limits, for messages."""
+    parts = []
+    for budget, total, unit in (
+        (pruning.max_devices_per_token, pruning.num_devices, "device"),
+        (pruning.max_nodes_per_token, pruning.num_nodes, "node"),
+    ):
+        if budget is not None and budget < total:
+            parts.append(f"{budget} {unit}{'' if budget == 1 else 's'}")
+    return " and ".join(parts) + " per token"
+
+
 def _warn_if_pruned(model: nn.Module, path: str) -> None:
     """Say so when a pruned checkpoint is about to route without its budget (stock loading)."""
-    from transformers.utils import logging
-
     block = model_block(model)
-    pruning = pruning_from_block(block)
-    if pruning is None or not pruning.active:
+    if block is None or not block.pruned:
         return
-    native = get_arch(model).native_routing_matches(model.config.to_dict(), pruning)
-    if not native:
+    if not get_arch(model).native_routing_matches(model.config.to_dict(), block.pruning):
         logging.get_logger("occult_ft").warning(
-            f"{path} is an occult_ft checkpoint pruned to {pruning.max_devices_per_token} devices per token "
-            f"({pruning.criterion}); loaded here with its original top-k routing. Load it with "
+            f"{path} is an occult_ft checkpoint pruned to {describe_budget(block.pruning)} "
+            f"({block.pruning.criterion}); loaded here with its original top-k routing. Load it with "
             "occult_ft.from_pretrained to route as it was fine-tuned."
         )
 
@@ -186,12 +197,24 @@ def restore_occult(model: nn.Module, path: str) -> nn.Module:
     """Give a model loaded from checkpoint `path` (its experts as stored) the pruned routing its `occult`
     block records, with the similarity tables saved beside it, and a `save_pretrained` that keeps them."""
     block = model_block(model)
-    pruning = pruning_from_block(block)
-    if pruning is not None:
-        apply_occult(model, pruning=pruning, similarity=read_similarity(path), similarity_placed=True)
-    if block:
-        attach_occult_save(model, block)
+    if block is None:
+        return model
+    if block.pruning is not None:
+        apply_occult(model, pruning=block.pruning, similarity=read_similarity(path), similarity_placed=True)
+    record_block(model, block)
     return model
+
+
+def check_adapter_base(block: OccultBlock | None, model: nn.Module, adapter_path: str) -> None:
+    """Refuse a LoRA adapter on a base of another architecture than the one it was trained on (same
+    sizes would attach without an error and compute nonsense)."""
+    trained_on = block.model_type if block is not None else None
+    found = get_arch(model).model_type
+    if trained_on is not None and trained_on != found:
+        raise CheckpointError(
+            f"adapter {adapter_path!r} was trained on a {trained_on} model but its base is a {found} model; "
+            f"point base_model_name_or_path in adapter_config.json at the {trained_on} model it was trained on"
+        )
 
 
 def _from_adapter(path: str, dtype=None, is_trainable: bool = False, **kwargs) -> nn.Module:
@@ -201,6 +224,10 @@ def _from_adapter(path: str, dtype=None, is_trainable: bool = False, **kwargs) -
     is; it is attached first, then the whole model (base experts, routers, LoRA factors) is permuted
     into the placed order. Otherwise (checkpoint-N folders) the adapter is in the placed order: the base
     is permuted first (unless it is stored placed) and the adapter attached to it.
+
+    The returned `PeftModel` carries the adapter's block as `occult_adapter_block` (how the adapter is
+    stored, for the trainer that continues it); the base model's config records the live block (placed
+    order), so a merged model (`merge_and_unload()`) saves as a complete pruned checkpoint.
     """
     from peft import PeftModel
 
@@ -211,17 +238,19 @@ def _from_adapter(path: str, dtype=None, is_trainable: bool = False, **kwargs) -
         )
     model, _ = load_model_and_tokenizer(base_name, dtype=dtype, **kwargs)
     block = read_block(path)
-    placement = None if block.get("placed", False) else placement_from_block(block, model)
-    pruning, similarity = pruning_from_block(block), read_similarity(path)
-    if block.get("expert_order") == "original" and placement is not None:
+    check_adapter_base(block, model, path)
+    if block is None:  # a plain PEFT adapter: nothing of occult_ft to restore
+        return PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+    placement = None if block.placed else block_placement(block, get_arch(model).model_type)
+    similarity = read_similarity(path)
+    if block.expert_order == "original" and placement is not None:
         model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
         model.load_state_dict(permute_state_dict(model, model.state_dict(), placement))
         similarity = placed_similarity(similarity, placement)
-        apply_occult(model, pruning=pruning, similarity=similarity, similarity_placed=True)
+        apply_occult(model, pruning=block.pruning, similarity=similarity, similarity_placed=True)
     else:
-        apply_occult(model, placement, pruning, similarity, similarity_placed=True)
+        apply_occult(model, placement, block.pruning, similarity, similarity_placed=True)
         model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
-    if block:
-        attach_occult_save(model, block)
-    model.config.__dict__[OCCULT_KEY] = block
+    record_block(model, block.with_changes(placed=True, expert_order="placed"))
+    model.occult_adapter_block = block
     return model

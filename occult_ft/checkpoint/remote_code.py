@@ -15,11 +15,12 @@ The file is generated from occult_ft's own source, so there is one copy of the m
 pure criteria of `occult_ft.routing.rules` and the router conventions of `occult_ft.models.arch`
 (`MoEArch`, `moe_blocks`, the config readers; both whole modules), `PruningConfig` (routing/config.py),
 `router_selectable` and `prune_topk` (routing/router.py), `contiguous_expert_device` (metrics.py) and
-`pruning_from_block` (checkpoint/format.py), plus the model type's registry entry written out as a
-constant and a short adapter (`_ADAPTER` below) that hooks every router: the hook receives the router's
-own `(logits, weights, indices)` and call arguments and returns `prune_topk`'s result, which is what
-occult_ft's pruned router class computes. A multimodal model's file subclasses its image-text-to-text
-class and `auto_map` points `AutoModelForImageTextToText` at it. The `similarity` criterion reads
+`OccultBlock` with its `PlacementRecord` (checkpoint/format.py), plus the model type's registry entry
+written out as a constant and a short adapter (`_ADAPTER` below) that hooks every router: the hook
+receives the router's own `(logits, weights, indices)` and call arguments and returns `prune_topk`'s
+result, which is what occult_ft's pruned router class computes. A multimodal model's file subclasses its
+image-text-to-text class and `auto_map` points `AutoModelForImageTextToText` at it. The `similarity`
+criterion reads
 `occult_similarity.safetensors` from the checkpoint (local folder or Hub repo); without it the file
 warns and routes by `score`.
 
@@ -214,7 +215,8 @@ class _PrunedRouting:
 
     def __init__(self, config):
         self.config = config
-        self.pruning = pruning_from_block(getattr(config, "occult", None))
+        data = getattr(config, "occult", None)
+        self.pruning = OccultBlock.from_dict(data, "config.json's occult block").pruning if data else None
         self.tables = None  # None: not read yet; {{}}: none found
         self.warned = False
         self._cache = {{}}
@@ -320,7 +322,7 @@ def remote_code_source(model_type: str) -> str:
     arch = registry.get_arch(model_type)
     base, cls = _stock_class_name(model_type), remote_class_name(model_type)
     imports = _absolute_imports(
-        [routing_rules, models_arch, routing_config, routing_router], ("dataclasses", "functools", "os")
+        [routing_rules, models_arch, routing_config, routing_router, format_], ("dataclasses", "functools", "os")
     )
     imports += [
         f"from transformers import {base} as _StockModel",
@@ -338,7 +340,13 @@ def remote_code_source(model_type: str) -> str:
         inspect.getsource(routing_config.PruningConfig),
         inspect.getsource(routing_router.router_selectable),
         inspect.getsource(routing_router.prune_topk),
-        inspect.getsource(format_.pruning_from_block),
+        "\n".join(
+            f"{name} = {getattr(format_, name)!r}"
+            for name in ("BLOCK_VERSION", "EXPERT_ORDERS", "PRUNING_KEYS", "KNOWN_KEYS")
+        ),
+        inspect.getsource(format_.CheckpointError),  # its `_is_int` is routing/rules.py's (the same check)
+        inspect.getsource(format_.PlacementRecord),
+        inspect.getsource(format_.OccultBlock),
         f"# ---- the {model_type!r} entry of occult_ft's architecture registry ----",
         _arch_constant(arch),
         f"SIMILARITY_FILE = {format_.SIMILARITY_FILE!r}",

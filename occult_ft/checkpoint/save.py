@@ -1,56 +1,64 @@
 """Writing pruned checkpoints: the `occult` block and native routing fields in config.json, the
-similarity tables and remote code beside the weights, and a `save_pretrained` that keeps them.
+similarity tables, remote code and the model card beside the weights.
+
+`apply_occult` (occult_ft/apply.py) records an `OccultBlock` in the model's config and calls
+`attach_occult_save`, so from then on the model's own `save_pretrained` (also through `push_to_hub`,
+and on the model `merge_and_unload` returns) writes a complete pruned checkpoint, whatever produced the
+model: a user's `apply_occult`, `occult_ft.from_pretrained`, or the trainer. `save_pruned` is the same
+save into a directory swapped in whole, with the tokenizer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import types
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
-from ..apply import applied_similarity
 from ..fileio import atomic_directory
 from ..models.registry import NATIVE_ROUTING_FIELDS, get_arch, unwrap_model
-from ..routing import PruningConfig
-from .format import OCCULT_KEY, occult_block, pruning_from_block, write_similarity
+from ..routing import PruningConfig, router_similarity
+from .card import is_occult_card, write_model_card
+from .format import OCCULT_KEY, OccultBlock, PlacementRecord, model_block, write_similarity
 from .remote_code import needs_remote_code, set_auto_map, write_remote_code
 
 __all__ = [
     "write_native_group_fields",
     "occult_config_fields",
+    "record_block",
     "attach_occult_save",
     "save_pruned",
 ]
 
+logger = logging.get_logger(__name__)
 _MISSING = object()
 
 
-def write_native_group_fields(config, pruning: PruningConfig) -> bool:
+def write_native_group_fields(config, pruning: PruningConfig | None) -> bool:
     """Express the budget in the model's own config where stock transformers can (in place; see
     `MoEArch.native_group_fields`). Returns True when the fields were written."""
-    return get_arch(config).write_native_routing(config, pruning)
+    return pruning is not None and get_arch(config).write_native_routing(config, pruning)
 
 
 @contextlib.contextmanager
-def occult_config_fields(
-    config, block: dict, pruning: PruningConfig | None, save_dir: str | os.PathLike | None = None
-):
-    """Within the context, `config` carries `block` (and the native routing fields of `pruning`); the
+def occult_config_fields(config, block: OccultBlock, save_dir: str | os.PathLike | None = None):
+    """Within the context, `config` carries `block` (and the native routing fields of its budget); the
     config's previous values come back afterwards. Wrap `save_pretrained` calls in it.
 
     With `save_dir` (the directory the body saves into) and a budget that the native fields cannot
     express, `config.auto_map` points `AutoModelForCausalLM` at remote code, and once the body has
-    written `config.json` there the code follows it (`occult_ft.checkpoint.remote_code`): stock transformers
-    with `trust_remote_code=True` then routes with the budget. A stale occult `auto_map` entry (from a
-    loaded checkpoint) is dropped otherwise."""
+    written `config.json` there the code follows it (`occult_ft.checkpoint.remote_code`): stock
+    transformers with `trust_remote_code=True` then routes with the budget. A stale occult `auto_map`
+    entry (from a loaded checkpoint) is dropped otherwise."""
     names = (OCCULT_KEY, "auto_map", *NATIVE_ROUTING_FIELDS)
     saved = {name: config.__dict__.get(name, _MISSING) for name in names}
-    setattr(config, OCCULT_KEY, block)
-    native = pruning is not None and write_native_group_fields(config, pruning)
-    remote = save_dir is not None and needs_remote_code(pruning, native, config.model_type)
+    setattr(config, OCCULT_KEY, block.to_dict())
+    native = write_native_group_fields(config, block.pruning)
+    remote = save_dir is not None and needs_remote_code(block.pruning, native, config.model_type)
     set_auto_map(config, remote)
     try:
         yield config
@@ -64,18 +72,37 @@ def occult_config_fields(
                 setattr(config, name, value)
 
 
+def _write_card(save_directory: str) -> None:
+    """The model card beside a saved checkpoint, unless a README.md that is not an occult_ft card is
+    there (a user's file is never replaced); a card that cannot be built is a warning, not a failure."""
+    readme = os.path.join(save_directory, "README.md")
+    if os.path.exists(readme) and not is_occult_card(readme):
+        logger.warning(f"{readme} is not an occult_ft model card: left as it is, no card written")
+        return
+    try:
+        write_model_card(save_directory)
+    except (OSError, ValueError) as exc:
+        logger.warning(f"saved {save_directory} without its model card: {exc}")
+
+
 def _save_pretrained_with_occult(self, save_directory, *args, **kwargs):
     """`save_pretrained` of a model that `attach_occult_save` marked: the class's own save, with the
-    `occult` block (and native routing fields) in config.json and the routers' similarity tables beside
-    the weights, so `occult_ft.from_pretrained` of the copy routes like this model."""
+    model's `occult` block (and native routing fields or remote code) in config.json, the routers'
+    similarity tables beside the weights and the model card, so `occult_ft.from_pretrained` of the copy
+    routes like this model."""
     # stock save_pretrained(push_to_hub=True) uploads before the side files below exist: push afterwards
     push = kwargs.pop("push_to_hub", False)
     hub = {k: kwargs.pop(k) for k in _PUSH_KWARGS if k in kwargs}
-    block = self._occult_save_block
-    with occult_config_fields(self.config, block, pruning_from_block(block), save_directory):
+    block = model_block(self)
+    if block is None:  # the block was removed from the config: a plain save
         result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
+    else:
+        with occult_config_fields(self.config, block, save_directory):
+            result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     if kwargs.get("is_main_process", True):
-        write_similarity(os.fspath(save_directory), applied_similarity(self))
+        write_similarity(os.fspath(save_directory), router_similarity(self))
+        if block is not None:
+            _write_card(os.fspath(save_directory))
         if push:
             repo_id = hub.pop("repo_id", os.path.basename(os.path.abspath(os.fspath(save_directory))))
             self.push_to_hub(repo_id, **hub)
@@ -93,17 +120,30 @@ _PUSH_KWARGS = (
 )
 
 
-def attach_occult_save(model: nn.Module, block: dict) -> None:
-    """Make `model.save_pretrained` (also through `push_to_hub`, and on the model `merge_and_unload`
-    returns) write a complete pruned checkpoint of the live, placed model described by `block`."""
+def record_block(model: nn.Module, block: OccultBlock | None) -> None:
+    """Record `block` (the live model's: its experts as they are in memory) in the model's config and
+    make its `save_pretrained` write it (`attach_occult_save`); None removes the record."""
+    base = _transformers_model(model)
+    if block is None:
+        base.config.__dict__.pop(OCCULT_KEY, None)
+        return
+    base.config.__dict__[OCCULT_KEY] = block.to_dict()
+    attach_occult_save(base)
+
+
+def _transformers_model(model: nn.Module) -> nn.Module:
     base = unwrap_model(model)
     if hasattr(base, "get_base_model"):  # a PEFT model: the transformers model inside
         base = base.get_base_model()
-    saved = {k: v for k, v in block.items() if k != "expert_order"}
-    saved["placed"] = True  # the live experts are in placed order
-    base._occult_save_block = saved
-    base.save_pretrained = types.MethodType(_save_pretrained_with_occult, base)
-    base.config.__dict__[OCCULT_KEY] = saved
+    return base
+
+
+def attach_occult_save(model: nn.Module) -> None:
+    """Make `model.save_pretrained` (also through `push_to_hub`, and on the model `merge_and_unload`
+    returns) write a complete pruned checkpoint of the live model described by the block in its config."""
+    base = _transformers_model(model)
+    if "save_pretrained" not in vars(base):
+        base.save_pretrained = types.MethodType(_save_pretrained_with_occult, base)
 
 
 def save_pruned(
@@ -115,18 +155,49 @@ def save_pruned(
     similarity: dict[int, torch.Tensor] | None = None,
     extra: dict | None = None,
 ) -> str:
-    """Write a placed (already permuted) model as a pruned checkpoint; returns `out_dir`.
+    """Write an Occult model (`apply_occult`, `from_pretrained`, a trained model) as a pruned checkpoint;
+    returns `out_dir`.
 
-    The checkpoint is written into a temporary sibling directory and swapped in whole, so an
-    interrupted write leaves the previous `out_dir` untouched and no stale file (an old adapter, old
-    weights) survives beside the new checkpoint.
+    The budget, the placement provenance and the similarity tables are read from the model (its
+    recorded block and its pruned routers); the other arguments override what the checkpoint records:
+
+    Args:
+        model: a placed (already permuted) transformers MoE model; a PEFT model is refused (merge it
+            with `merge_and_unload()`, or save the adapter with `OccultTrainer`).
+        out_dir: the checkpoint directory; written into a temporary sibling and swapped in whole, so an
+            interrupted write leaves the previous `out_dir` untouched and no stale file survives.
+        tokenizer: saved beside the model when given.
+        pruning: record this budget instead of the model's.
+        placement: record this placement (original expert ids per device) as the provenance.
+        similarity: save these tables (placed order) instead of the routers'.
+        extra: more recorded settings (e.g. `{"base_model": "org/name"}`).
     """
+    if hasattr(unwrap_model(model), "get_base_model") or hasattr(model, "peft_config"):
+        raise ValueError(
+            "save_pruned writes full checkpoints and this is a PEFT (LoRA) model; merge it first "
+            "(model.merge_and_unload()) or save the adapter with OccultTrainer.save_model"
+        )
     base = unwrap_model(model)
-    block = occult_block(pruning, placement, placed=True, **(extra or {}))
+    block = model_block(base) or OccultBlock.build(pruning, placement)
+    changes: dict = {}
+    if pruning is not None:
+        budget = OccultBlock.build(pruning).pruning
+        changes.update(pruning=budget, num_devices=pruning.num_devices, num_nodes=pruning.num_nodes)
+    if placement is not None:
+        changes.update(placement=PlacementRecord.from_placement(placement), placed=True)
+        changes.setdefault("num_devices", placement.num_devices)
+        changes.setdefault("num_nodes", placement.num_nodes)
+    if extra:
+        known = {f.name for f in dataclasses.fields(OccultBlock)}
+        changes.update({k: v for k, v in extra.items() if k in known})
+        changes["extra"] = {**block.extra, **{k: v for k, v in extra.items() if k not in known}}
+    block = block.with_changes(**changes) if changes else block
+    tables = similarity if similarity is not None else router_similarity(base)
     with atomic_directory(out_dir) as tmp:
-        with occult_config_fields(base.config, block, pruning, tmp):
-            base.save_pretrained(tmp)
+        with occult_config_fields(base.config, block, tmp):
+            type(base).save_pretrained(base, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        write_similarity(tmp, similarity)
+        write_similarity(tmp, tables)
+        _write_card(tmp)
     return out_dir

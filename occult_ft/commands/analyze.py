@@ -117,7 +117,8 @@ def analyze_model(
 
 def run(args) -> int:
     from ..apply import profile_similarity, resolve_placement
-    from ..checkpoint import from_pretrained, load_tokenizer, model_block, resolve_model_path
+    from ..checkpoint import model_block
+    from ..checkpoint.load import from_pretrained, load_tokenizer, resolve_model_path
 
     if args.devices % args.nodes:
         divisors = [n for n in range(1, args.devices + 1) if args.devices % n == 0]
@@ -128,13 +129,13 @@ def run(args) -> int:
     model = from_pretrained(args.model)  # a pruned checkpoint routes with its own budget
     tokenizer = load_tokenizer(resolve_model_path(args.model))
     block = model_block(model)
-    if block.get("placed"):
+    if block is not None and block.placed:
         if args.placement:
             raise ValueError(f"{args.model} is already placed (config.json occult block); drop --placement")
-        if block.get("num_devices") and int(block["num_devices"]) != args.devices:
+        if block.num_devices and block.num_devices != args.devices:
             raise ValueError(
-                f"--devices {args.devices} but {args.model} is placed for {block['num_devices']} devices; "
-                f"use --devices {block['num_devices']}"
+                f"--devices {args.devices} but {args.model} is placed for {block.num_devices} devices; "
+                f"use --devices {block.num_devices}"
             )
     placement = resolve_placement(args.placement, model, args.devices) if args.placement else None
     similarity = None

@@ -141,7 +141,7 @@ def build_workload(args, settings):
     if args.data is None:
         raise ValueError("MODEL needs --data DATA (a text/jsonl file, a dataset, or 'embedded')")
     from ..apply import apply_occult, resolve_placement
-    from ..checkpoint import load_model_and_tokenizer
+    from ..checkpoint.load import load_model_and_tokenizer
     from ..models import find_moe_layers
 
     data = load_data(args.data)

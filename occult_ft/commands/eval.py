@@ -44,7 +44,7 @@ def add_parser(sub):
 def run(args) -> int:
     import torch
 
-    from ..checkpoint import from_pretrained, load_tokenizer
+    from ..checkpoint.load import from_pretrained, load_tokenizer
 
     data = load_data(args.data)
     model = from_pretrained(args.model)

@@ -24,7 +24,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from ..checkpoint import load_model_and_tokenizer
+    from ..checkpoint.load import load_model_and_tokenizer
     from ..fileio import check_output_path
     from ..profiling import profile_model
 

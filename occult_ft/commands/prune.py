@@ -39,19 +39,20 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from ..apply import applied_similarity, apply_occult, profile_similarity, resolve_placement
-    from ..checkpoint import load_model_and_tokenizer, model_block, save_pruned
+    from ..apply import apply_occult, profile_similarity, resolve_placement
+    from ..checkpoint import model_block, save_pruned
+    from ..checkpoint.load import load_model_and_tokenizer
     from ..fileio import check_output_path
     from ..routing import PruningConfig
 
     check_output_path(args.out, args.model, args.placement, args.profile, what="--out")
     model, tokenizer = load_model_and_tokenizer(args.model)
     block = model_block(model)
-    if block.get("placed"):
+    if block is not None and block.placed:
         raise ValueError(
             f"{args.model} is already a placed occult_ft checkpoint (its config.json has an occult block); "
             "prune the original model instead (its base_model is "
-            f"{block.get('base_model') or 'recorded nowhere'}) so the placement applies to the original expert order"
+            f"{block.base_model or 'recorded nowhere'}) so the placement applies to the original expert order"
         )
     placement = resolve_placement(args.placement, model, args.devices)
     pruning = None
@@ -68,15 +69,7 @@ def run(args) -> int:
         if args.criterion == "similarity":
             similarity = profile_similarity(args.profile, model)
     apply_occult(model, placement, pruning, similarity)  # validates the budget against top-k
-    save_pruned(
-        model,
-        args.out,
-        tokenizer=tokenizer,
-        pruning=pruning,
-        placement=placement,
-        similarity=applied_similarity(model),
-        extra={"base_model": args.model},
-    )
+    save_pruned(model, args.out, tokenizer=tokenizer, extra={"base_model": args.model})
     budget = ""
     if pruning is not None and pruning.max_devices_per_token is not None:
         budget += f", at most {pruning.max_devices_per_token} devices per token"

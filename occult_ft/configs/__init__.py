@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 
-from ..checkpoint import resolve_model_path
 from ..checkpoint.convert import DEEPSEEK_MODEL_TYPE, convert_config
+from ..checkpoint.load import resolve_model_path
 from ..models.family import architecture_model_type
 
 __all__ = ["as_config", "load_model_config", "shipped_config_path"]

@@ -59,6 +59,7 @@ from .router import (
     pruned_routers,
     remove_pruning,
     router_selectable,
+    router_similarity,
     set_recording,
     unpruned_routing,
 )
@@ -94,4 +95,5 @@ __all__ = [
     "collect_routing",
     "set_recording",
     "unpruned_routing",
+    "router_similarity",
 ]

@@ -32,6 +32,7 @@ __all__ = [
     "collect_routing",
     "set_recording",
     "unpruned_routing",
+    "router_similarity",
 ]
 
 
@@ -263,10 +264,22 @@ def unpruned_routing(model: nn.Module, record: bool = False):
     saved = []
     for _, router in pruned_routers(model):
         saved.append((router, router.occult_config, router.occult_recording, router.occult_record))
-        router.occult_config = replace(router.occult_config, max_devices_per_token=None)
+        router.occult_config = replace(
+            router.occult_config, max_devices_per_token=None, max_nodes_per_token=None
+        )
         router.occult_recording = router.occult_recording and record
     try:
         yield model
     finally:
         for router, config, recording, last in saved:
             router.occult_config, router.occult_recording, router.occult_record = config, recording, last
+
+
+def router_similarity(model: nn.Module) -> dict[int, torch.Tensor] | None:
+    """The placed-order similarity tables held by `model`'s pruned routers (None when none holds one),
+    detached on the CPU: what a checkpoint of the model must save beside its weights."""
+    tables = {
+        layer.index: router._buffers.get("occult_similarity") for layer, router in pruned_routers(model)
+    }
+    tables = {i: t.detach().float().cpu() for i, t in tables.items() if t is not None}
+    return tables or None

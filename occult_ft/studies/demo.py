@@ -22,7 +22,7 @@ from dataclasses import asdict
 import torch
 
 from ..apply import placed_copy
-from ..checkpoint import from_pretrained, load_model_and_tokenizer
+from ..checkpoint.load import from_pretrained, load_model_and_tokenizer
 from ..data import load_text_dataset
 from ..evaluation import data_batches, evaluate_model
 from ..metrics import random_placement_comm_complexity, routing_report

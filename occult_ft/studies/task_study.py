@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict
 
 from ..apply import placed_copy
-from ..checkpoint import load_model_and_tokenizer
+from ..checkpoint.load import load_model_and_tokenizer
 from ..evaluation import data_batches, evaluate_model
 from ..fileio import atomic_write_text
 from ..placement import compute_placement

@@ -28,17 +28,16 @@ from transformers import Trainer
 
 from ..apply import permute_state_dict, placed_similarity
 from ..checkpoint import (
-    attach_occult_save,
-    occult_block,
+    OccultBlock,
+    block_placement,
     occult_config_fields,
-    placement_from_block,
     read_block,
     read_similarity,
     write_adapter_block,
     write_similarity,
 )
 from ..integrations.peft import is_peft_model
-from ..models.registry import unwrap_model
+from ..models.registry import get_arch, unwrap_model
 from ..routing import apply_pruning
 from .expert_parallel import (
     gathered_state_dict,
@@ -62,14 +61,16 @@ __all__ = [
 
 
 # ---- saving -------------------------------------------------------------------------------------
-def run_block(trainer, placed: bool) -> dict:
+def run_block(trainer, placed: bool) -> OccultBlock:
     """The `occult` block written with every checkpoint of `trainer`'s run."""
-    return occult_block(
+    return OccultBlock.build(
         trainer.occult.pruning,
         trainer.occult.placement,
         placed=placed,
+        num_devices=trainer.args.devices,
         num_nodes=trainer.args.nodes,
         base_model=trainer.occult.base_model,
+        model_type=get_arch(unwrap_model(trainer.model)).model_type,
         train_mode=trainer.args.train_mode,
         balance_loss_coef=trainer.args.balance_loss_coef,
         **_measured_comm_complexity(trainer),
@@ -124,18 +125,15 @@ def save_checkpoint(trainer, output_dir: str | None = None, state_dict=None, fin
             adapter = {k: v for k, v in state_dict.items() if "lora_" in k or ".modules_to_save." in k}
             state_dict = {**state_dict, **permute_state_dict(trainer.model, adapter, placement, inverse=True)}
             similarity = placed_similarity(similarity, placement, inverse=True)
-            block["expert_order"] = "original"
+            block = block.with_changes(expert_order="original")
         Trainer._save(trainer, output_dir, state_dict=state_dict)
         if trainer.args.should_save:
             write_adapter_block(output_dir, block)
     else:
+        # the model's own save hook (`apply_occult`) reads the block from its config: this run's block,
+        # not the one it was loaded with (a changed budget is saved as such)
         base = unwrap_model(trainer.model)
-        block = run_block(trainer, placed=True)
-        if "save_pretrained" in vars(base):
-            # loaded by occult_ft.from_pretrained: its own save hook must write this run's block, not the
-            # one it was loaded with (a changed budget would otherwise be saved as the old one)
-            attach_occult_save(base, block)
-        with occult_config_fields(base.config, block, trainer.occult.pruning, output_dir):
+        with occult_config_fields(base.config, run_block(trainer, placed=True), output_dir):
             Trainer._save(trainer, output_dir, state_dict=state_dict)
     if trainer.args.should_save:
         write_similarity(output_dir, similarity)
@@ -145,7 +143,7 @@ def save_checkpoint(trainer, output_dir: str | None = None, state_dict=None, fin
 def adopt_checkpoint(trainer, checkpoint: str) -> None:
     """Make the placement and similarity tables those of `checkpoint` (its weights follow them)."""
     block, similarity = read_block(checkpoint), read_similarity(checkpoint)
-    theirs = placement_from_block(block, trainer.model)
+    theirs = block_placement(block, get_arch(unwrap_model(trainer.model)).model_type)
     ours = trainer.occult.placement
     if theirs is not None and (ours is None or theirs.groups != ours.groups):
         if is_peft_model(trainer.model):

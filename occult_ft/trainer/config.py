@@ -72,7 +72,9 @@ class OccultConfig(TrainingArguments):
     Training:
         train_mode: `full`, `moe` (MoE blocks only: routers, experts, shared experts) or `lora`.
         lora_r / lora_alpha / lora_dropout: LoRA settings (`train_mode="lora"`).
-        expert_parallel_size: processes that share one copy of the experts (1 = data parallel only).
+        expert_parallel_size: processes that share one copy of the experts (1 = data parallel only);
+            it divides `devices` (one knob each: D is the layout placed and budgeted for, the EP size how
+            many processes hold it now).
     """
 
     # ---- sensible defaults for the inherited fields -------------------------------------------------
@@ -157,8 +159,10 @@ class OccultConfig(TrainingArguments):
     devices: int | None = field(
         default=None,
         metadata={
-            "help": "Expert-parallel devices D the experts are placed on (must divide the experts); "
-            "default: expert_parallel_size when that is above 1, else 4."
+            "help": "Devices D the experts are placed on and the budget counts (must divide the experts): the "
+            "layout you deploy on; default: expert_parallel_size when that is above 1, else 4. It may be a "
+            "multiple of expert_parallel_size (train on 4 processes for 8 devices): each process then holds "
+            "the experts of D / expert_parallel_size consecutive devices."
         },
     )
     nodes: int = field(
@@ -256,7 +260,7 @@ class OccultConfig(TrainingArguments):
         default=1,
         metadata={
             "help": "Processes that split the experts of a layer among them (1 = plain data parallel). "
-            "When > 1 it must equal devices and divide the world size."
+            "When > 1 it must divide devices and the world size."
         },
     )
 
@@ -350,10 +354,15 @@ class OccultConfig(TrainingArguments):
             raise _choice_error("placement_algorithm", self.placement_algorithm, sorted(PLACEMENT_ALGORITHMS))
         ep = self.expert_parallel_size
         if ep > 1:
-            if ep != self.devices:
+            if self.devices % ep:
                 raise ValueError(
-                    f"expert_parallel_size={ep} must equal devices={self.devices} (the placement is made for the "
-                    f"devices that really hold the experts); set devices={ep}"
+                    f"devices={self.devices} is not a multiple of expert_parallel_size={ep} (each process holds the "
+                    f"experts of devices/{ep} consecutive devices); set devices to a multiple of {ep} or leave it unset"
+                )
+            if self.exchange == "two_stage" and ep % self.nodes:
+                raise ValueError(
+                    f"exchange='two_stage' needs nodes={self.nodes} to divide expert_parallel_size={ep}; "
+                    "set nodes to a divisor of the expert-parallel size"
                 )
             world = int(os.environ.get("WORLD_SIZE", "1"))
             if world % ep:

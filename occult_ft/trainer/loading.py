@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer
 
-from ..checkpoint import from_pretrained
+from ..checkpoint.load import from_pretrained
 from ..embedded import embedded_model_path
 from ..models.registry import unwrap_model
 from .config import OccultConfig, check_before_loading

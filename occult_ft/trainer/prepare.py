@@ -27,8 +27,9 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from ..apply import applied_similarity, apply_occult, placed_similarity, resolve_placement
-from ..checkpoint import model_block, placement_from_block, pruning_from_block, read_block, read_similarity
+from ..apply import apply_occult, placed_similarity, resolve_placement
+from ..checkpoint import block_placement, model_block, read_block, read_similarity
+from ..checkpoint.load import describe_budget
 from ..data.batching import profile_batches  # the batching lives in occult_ft.data
 from ..fileio import read_json_object
 from ..integrations.peft import apply_lora, is_peft_model
@@ -36,7 +37,7 @@ from ..metrics import contiguous_expert_device
 from ..models.registry import find_moe_layers, unwrap_model
 from ..placement import compute_placement
 from ..profiling import profile_model
-from ..routing import PruningConfig, pruned_routers, set_recording
+from ..routing import PruningConfig, pruned_routers, router_similarity, set_recording
 from .sharded_load import place_sharded
 
 logger = logging.get_logger(__name__)
@@ -202,17 +203,18 @@ def prepare_model(
     base = unwrap_model(model)
     layers = find_moe_layers(base)
     num_experts, top_k = layers[0].num_experts, layers[0].top_k
-    block = model_block(base)
+    block = model_block(base)  # the live model's (experts as in memory)
+    adapter_block = getattr(model, "occult_adapter_block", None)  # how a loaded adapter is stored
     budget, criterion, gate_weights = args.max_devices_per_token, args.criterion, args.gate_weights
     node_budget = getattr(args, "max_nodes_per_token", None)
-    saved = pruning_from_block(block)
+    saved = block.pruning if block is not None else None
     if budget is None and node_budget is None and saved is not None:
         # continuing from a pruned checkpoint: its budget stays unless the run sets one
         budget, node_budget = saved.max_devices_per_token, saved.max_nodes_per_token
         criterion, gate_weights = saved.criterion, saved.gate_weights
         logger.warning(
-            f"{getattr(base.config, '_name_or_path', 'the model')} is pruned to {budget} devices "
-            f"per token ({criterion}); training keeps that budget (set max_devices_per_token to change it)"
+            f"{getattr(base.config, '_name_or_path', 'the model')} is pruned to {describe_budget(saved)} "
+            f"({criterion}); training keeps that budget (set max_devices_per_token to change it)"
         )
     pruning = PruningConfig(args.devices, budget, criterion, gate_weights, args.nodes, node_budget)
     pruning.check(num_experts, top_k)
@@ -223,13 +225,14 @@ def prepare_model(
         )
     name = getattr(base.config, "_name_or_path", None) or getattr(base, "name_or_path", None)
 
-    ckpt_block = read_block(checkpoint) if checkpoint else {}
+    ckpt_block = read_block(checkpoint) if checkpoint else None
     ckpt_similarity = read_similarity(checkpoint) if checkpoint else None
-    already_placed = bool(block.get("placed")) or (peft_model and bool(block))
+    already_placed = block is not None and block.placed
     similarity = None  # placed order
     profile = None
+    model_type = layers[0].arch.model_type
     if already_placed:
-        placed_devices = block.get("num_devices")
+        placed_devices = block.num_devices
         if placed_devices is not None and int(placed_devices) != args.devices:
             raise ValueError(
                 f"devices={args.devices} but this checkpoint is placed for {placed_devices} devices; "
@@ -239,14 +242,14 @@ def prepare_model(
             raise ValueError(
                 "this model is already placed (its occult block says so); drop the placement argument"
             )
-        placement = placement_from_block(block, base)
-        similarity = applied_similarity(base)
+        placement = block_placement(block, model_type)
+        similarity = router_similarity(base)
         if similarity is None and name and os.path.isdir(name):
             similarity = read_similarity(name)
-        name = block.get("base_model") or name
+        name = block.base_model or name
     else:
-        if ckpt_block.get("placement"):
-            placement = placement_from_block(ckpt_block, base)
+        if ckpt_block is not None and ckpt_block.placement is not None:
+            placement = block_placement(ckpt_block, model_type)
         elif placement is None and args.placement == "auto":
             profile = _profile(base, train_dataset, collate, args, name or "model")
             placement = _broadcast(
@@ -284,7 +287,7 @@ def prepare_model(
         similarity=similarity,
         expert_device=expert_device
         or {layer.index: contiguous_expert_device(num_experts, args.devices) for layer in layers},
-        base_placed=bool(block.get("placed")),
+        base_placed=(adapter_block or block).placed if (adapter_block or block) is not None else False,
         base_model=name,
     )
     return model, setup

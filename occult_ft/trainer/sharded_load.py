@@ -38,8 +38,14 @@ import torch
 from torch import nn
 
 from ..apply import resolve_placement
-from ..checkpoint import load_tokenizer, local_model_dir, read_block, resolve_model_path, restore_occult
-from ..checkpoint.load import read_model_config
+from ..checkpoint import read_block
+from ..checkpoint.load import (
+    load_tokenizer,
+    local_model_dir,
+    read_model_config,
+    resolve_model_path,
+    restore_occult,
+)
 from ..dispatch import EXPERTS_IMPLEMENTATION, ExpertShard
 from ..fileio import read_json_object
 from ..models.family import auto_model_class
@@ -437,7 +443,8 @@ def load_sharded_training_model(path: str, args, placement=None):
         size, world, config_num_experts(read_json_object(os.path.join(path, "config.json")))
     )
     groups = expert_parallel_groups(size, use_deepspeed=bool(args.deepspeed))
-    if read_block(path).get("placed"):
+    stored = read_block(path)
+    if stored is not None and stored.placed:
         placement = None
     elif placement is None and args.placement != "auto":
         placement = args.placement

@@ -33,6 +33,7 @@ from torch import nn
 from transformers import Trainer
 from transformers.utils import logging
 
+from ..checkpoint import OccultBlock
 from ..checkpoint.card import last_eval_metrics, write_model_card
 from ..data import (
     flat_packing,
@@ -304,7 +305,7 @@ class OccultTrainer(Trainer):
         return output
 
     # ---- saving and resuming: the hooks of `occult_ft.trainer.checkpointing` --------------------
-    def occult_block(self, placed: bool) -> dict:
+    def occult_block(self, placed: bool) -> OccultBlock:
         """The `occult` block written with every checkpoint of this run."""
         return run_block(self, placed)
 
