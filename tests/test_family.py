@@ -37,7 +37,8 @@ import pytest
 import torch
 
 from occult_ft.apply import apply_occult
-from occult_ft.checkpoint import describe_checkpoint, from_pretrained, save_pruned
+from occult_ft.checkpoint import describe_checkpoint, save_pruned
+from occult_ft.checkpoint.load import from_pretrained
 from occult_ft.checkpoint.remote_code import remote_class_name
 from occult_ft.dispatch.local import local_moe_forward
 from occult_ft.dispatch.reference import expert_weights

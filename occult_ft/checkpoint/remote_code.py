@@ -322,7 +322,8 @@ def remote_code_source(model_type: str) -> str:
     arch = registry.get_arch(model_type)
     base, cls = _stock_class_name(model_type), remote_class_name(model_type)
     imports = _absolute_imports(
-        [routing_rules, models_arch, routing_config, routing_router, format_], ("dataclasses", "functools", "os")
+        [routing_rules, models_arch, routing_config, routing_router, format_],
+        ("dataclasses", "functools", "os"),
     )
     imports += [
         f"from transformers import {base} as _StockModel",

@@ -1,8 +1,9 @@
 """config.json of the recipes' models (no weights), and how `occult-ft plan` finds a model's config.
 
 Files are named after the Hub id with `/` -> `--` (`mistralai--Mixtral-8x7B-v0.1.json`) and hold the
-model's config.json as published, so plans of the recipes work offline. Their parameter counts match
-the published totals (tests/test_plan.py).
+model's config.json as published (for GLM-4.7, DeepSeek-V3.2, MiniMax-M2, Qwen3-Next-80B-A3B and
+Kimi-K2-Base its architecture and routing fields, as their recipes' headers say), so plans of the
+recipes work offline. Their parameter counts match the published totals (tests/test_plan.py).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from .arch import (
     text_config,
 )
 from .entries import CORE_MODEL_TYPES, ENTRIES, REFUSED
+from .family import loads_as
 from .selfcheck import check_model_routing
 from .tiny import tiny_config
 
@@ -207,7 +208,6 @@ def representative_model_types() -> dict[str, str]:
     """One supported model type per router convention (`MoEArch.convention` -> model type), the first
     of: a core type, a text-only causal LM (a multimodal entry's `*_text` alias before the entry
     itself), any other type; ties broken by name."""
-    from .family import loads_as
 
     def rank(name: str) -> tuple:
         has_text_alias = name in _REGISTRY and any(
