@@ -222,7 +222,8 @@ def permute_state_dict(
     Expert-indexed tensors, found under each MoE block's name (`...layers.3.mlp`):
       - the router's parameters and buffers named by the registry (`gate.weight`, DeepSeek-V3's
         `e_score_correction_bias`, GPT-OSS `router.bias`), also PEFT's `original_module` /
-        `modules_to_save` copies of the router: dim 0;
+        `modules_to_save` copies of the router, and the block's own (MiniMax-M2's bias): the expert dim
+        of `MoELayer.expert_tensors`;
       - the fused expert tensors (`experts.gate_up_proj`, ...), also under PEFT's `base_layer`: dim 0;
       - PEFT LoRA factors of the fused expert tensors (`target_parameters`): `lora_A.weight` is
         (r*E, in) with expert-major rows, reshaped (E, r, in); `lora_B.weight` is (out, r*E) with
@@ -237,16 +238,25 @@ def permute_state_dict(
         if inverse:
             order = torch.argsort(order)
         block = re.escape(layer.name.split("model.", 1)[-1] if "model." in layer.name else layer.name)
-        router = rf"(^|\.){block}\.{re.escape(layer.arch.router_attr)}\.(?:[\w.]*\.)?(?:{'|'.join(map(re.escape, layer.arch.router_params))})$"
-        experts = rf"(^|\.){block}\.experts\.(?:base_layer\.)*(?:{'|'.join(map(re.escape, layer.arch.expert_params))})$"
+        router_attr = re.escape(layer.arch.router_attr)
+        patterns = []  # (regex, expert dim) of every expert-indexed tensor of the layer
+        for kind, path, dim in layer.expert_tensors():
+            name = re.escape(path.split(".", 1)[1] if kind != "block" else path)
+            if kind == "router":
+                patterns.append((rf"(^|\.){block}\.{router_attr}\.(?:[\w.]*\.)?{name}$", dim))
+            elif kind == "experts":
+                patterns.append((rf"(^|\.){block}\.experts\.(?:base_layer\.)*{name}$", dim))
+            else:
+                patterns.append((rf"(^|\.){block}\.{name}$", dim))
         lora = rf"(^|\.){block}\.experts\.(?:base_layer\.)*lora_([AB])\.(?:[\w]+\.)?weight$"
         for key, tensor in state.items():
-            if re.search(router, key) or re.search(experts, key):
-                if tensor.shape[0] != e:
+            dim = next((d for pattern, d in patterns if re.search(pattern, key)), None)
+            if dim is not None:
+                if tensor.shape[dim] != e:
                     raise ValueError(
-                        f"{key} has {tensor.shape[0]} rows, expected {e} experts; is it sharded?"
+                        f"{key} has {tensor.shape[dim]} rows, expected {e} experts; is it sharded?"
                     )
-                out[key] = tensor.index_select(0, order.to(tensor.device))
+                out[key] = tensor.index_select(dim, order.to(tensor.device))
                 continue
             match = re.search(lora, key)
             if match is None:

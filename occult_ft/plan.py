@@ -22,8 +22,14 @@ What each GPU holds, in bytes:
   only every layer's input plus one layer being recomputed. On tiny OLMoE / Qwen2-MoE / Mixtral /
   DeepSeek-V2 models it is 0.76-0.90x of the tensors autograd saves (tests/test_plan.py).
 - **communication buffers**: the expert-parallel all-to-all send/receive rows of one MoE layer (at most
-  one row per token and device reached), DDP's gradient buckets (a copy of the replicated trainable
+  one row per token and device reached; with the two-stage exchange, `exchange: two_stage` over
+  `nodes` nodes, also the inter-node stage's rows, at most one per token and node reached, sent to and
+  received by the gateway ranks), DDP's gradient buckets (a copy of the replicated trainable
   gradients) or DeepSpeed's reduce/all-gather buckets.
+
+Multi-node runs are planned with `nodes` x `gpus_per_node` GPUs (`occult-ft plan --nodes N
+--gpus-per-node G`); an expert-parallel group wider than one node spans `expert_parallel_size / G`
+nodes, which is what the run's `nodes` should say (a note tells when it does not).
 
 The parameter counts come from the model itself, built on the `meta` device from its config, so every
 architecture is counted exactly; routed experts are told apart with `find_moe_layers`. `tests/test_plan.py`
@@ -42,7 +48,9 @@ from torch import nn
 from .configs import as_config, load_model_config, shipped_config_path
 from .integrations.deepspeed import read_deepspeed_config
 from .integrations.peft import lora_targets
-from .models.registry import find_moe_layers
+from .models.arch import decoder_layers
+from .models.family import auto_model_class
+from .models.registry import find_moe_layers, get_arch
 
 __all__ = [
     "GIB",
@@ -121,13 +129,12 @@ def _linear_outs(module: nn.Module, skip=()) -> tuple[int, int]:
 
 def count_params(model_config) -> ModelCounts:
     """Count the parameters of `model_config`'s model, built on the meta device (no memory, exact)."""
-    from transformers import AutoModelForCausalLM
-
+    get_arch(model_config)  # an unsupported or refused model type: one line, nothing built
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = auto_model_class(model_config).from_config(model_config)
     layers = find_moe_layers(model)
     expert_ids = {id(p) for layer in layers for p in layer.experts.parameters()}
-    block_ids = {id(p) for layer in layers for p in layer.block.parameters()}
+    block_ids = {id(p) for layer in layers for p in layer.moe_parameters()}
     router_ids = {id(p) for layer in layers for p in layer.router.parameters()}
     groups = {"expert": Group(), "moe_other": Group(), "rest": Group(), "router": Group()}
     for p in model.parameters():  # unique parameters: tied embeddings count once
@@ -150,24 +157,34 @@ def count_params(model_config) -> ModelCounts:
                 lora_exp += Group(p.shape[0] * (p.shape[1] + p.shape[2]), 2)
 
     hidden = int(model.get_input_embeddings().embedding_dim)
-    decoder = model.get_submodule(layers[0].name.rsplit(".", 2)[0])  # model.layers
-    moe_by_block = {id(layer.block): layer for layer in layers}
+    arch = layers[0].arch
+    _, decoder = decoder_layers(model)
+    moe_by_index = {layer.index: layer for layer in layers}
     elems = []
-    for dec in decoder:
-        mlp = dec.mlp
-        attn_out, _ = _linear_outs(dec, skip=(mlp,))
+    for index, dec in enumerate(decoder):
+        moe = moe_by_index.get(index)
+        if arch.block_attr is not None:  # the feed-forward module: the MoE block or the dense MLP
+            ffn = [m for m in (getattr(dec, arch.block_attr, None),) if isinstance(m, nn.Module)]
+        else:  # Gemma 4: router and experts on the decoder layer, beside its dense MLP
+            ffn = [
+                m
+                for m in (getattr(dec, n, None) for n in ("mlp", arch.router_attr, "experts"))
+                if m is not None
+            ]
+        attn_out, _ = _linear_outs(dec, skip=ffn)
         per_token = 2 * hidden + attn_out  # residual + norm output, q/k/v/attention outputs
-        moe = moe_by_block.get(id(mlp))
-        if moe is None:
-            outs, gates = _linear_outs(mlp)
-            per_token += hidden + outs + gates  # norm output, projections, silu(gate) * up
-        else:
+        routed = (moe.experts, moe.router) if moe is not None else ()
+        outs = gates = 0
+        for module in ffn:
+            o, g = _linear_outs(module, skip=routed)  # dense MLPs and shared experts
+            outs, gates = outs + o, gates + g
+        per_token += hidden + outs + gates  # norm output, projections, silu(gate) * up
+        if moe is not None:
             pair = hidden  # one routed copy: dispatched input, projections, activation product
             for p in moe.experts.parameters():
                 if p.dim() == 3:
                     pair += p.shape[1] + p.shape[2] - hidden + min(p.shape[1], p.shape[2]) // 2
-            outs, gates = _linear_outs(mlp, skip=(moe.experts, moe.router))
-            per_token += hidden + 2 * moe.num_experts + moe.top_k * pair + outs + gates
+            per_token += 2 * moe.num_experts + moe.top_k * pair
         elems.append(per_token)
     return ModelCounts(
         expert=groups["expert"],
@@ -204,13 +221,24 @@ class Setup:
     seq_len: int
     checkpointing: bool
     budget: int | None
+    nodes: int = 1  # machines of the launch (gpus = nodes * gpus_per_node)
+    gpus_per_node: int | None = None
+    exchange: str = "flat"  # the expert-parallel exchange: flat, or two_stage over `ep_nodes` nodes
+    ep_nodes: int = 1  # the nodes the expert-parallel group spans (OccultConfig.nodes)
+    node_budget: int | None = None  # max_nodes_per_token
 
 
-def _setup(args, model_config, gpus: int, gpu_memory_gb: float) -> Setup:
+def _setup(args, model_config, gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = None) -> Setup:
     ep = int(getattr(args, "expert_parallel_size", 1) or 1)
     if not isinstance(gpus, int) or gpus < 1 or gpus % ep:
         raise ValueError(
             f"gpus={gpus!r} must be a positive multiple of expert_parallel_size={ep}; set --gpus {ep}"
+        )
+    if gpus_per_node is not None and (
+        not isinstance(gpus_per_node, int) or gpus_per_node < 1 or gpus % gpus_per_node
+    ):
+        raise ValueError(
+            f"gpus_per_node={gpus_per_node!r} must be a positive divisor of the {gpus} GPUs; e.g. --gpus-per-node 8"
         )
     if not gpu_memory_gb or gpu_memory_gb <= 0:
         raise ValueError(f"gpu_memory_gb={gpu_memory_gb!r} must be > 0, e.g. 80 for an H100")
@@ -247,6 +275,11 @@ def _setup(args, model_config, gpus: int, gpu_memory_gb: float) -> Setup:
         seq_len=int(args.seq_len),
         checkpointing=bool(args.gradient_checkpointing),
         budget=getattr(args, "max_devices_per_token", None),
+        nodes=gpus // gpus_per_node if gpus_per_node else 1,
+        gpus_per_node=gpus_per_node,
+        exchange=str(getattr(args, "exchange", "flat") or "flat"),
+        ep_nodes=int(getattr(args, "nodes", 1) or 1),
+        node_budget=getattr(args, "max_nodes_per_token", None),
     )
 
 
@@ -352,6 +385,15 @@ def _plan(c: ModelCounts, s: Setup) -> Plan:
     if s.ep > 1:  # send + receive rows of one layer's dispatch; a token reaches at most min(k, D, M) devices
         reach = min(c.top_k, s.ep, s.budget or s.ep)
         comm += 2 * tokens * reach * c.hidden * s.act_bytes
+        if s.exchange == "two_stage" and s.ep_nodes > 1:  # + the inter-node stage: one row per node reached
+            reach_nodes = min(c.top_k, s.ep_nodes, s.node_budget or s.ep_nodes)
+            comm += 2 * tokens * reach_nodes * c.hidden * s.act_bytes
+    if s.gpus_per_node and s.ep > s.gpus_per_node and s.ep_nodes != s.ep // s.gpus_per_node:
+        notes.append(
+            f"expert_parallel_size={s.ep} spans {s.ep // s.gpus_per_node} nodes of {s.gpus_per_node} GPUs but the "
+            f"run says nodes={s.ep_nodes}; set nodes: {s.ep // s.gpus_per_node} so that node budgets and the "
+            "two-stage exchange follow the machines"
+        )
     if s.gpus > 1 and stage < 0:  # DDP's gradient buckets: a copy of the replicated trainable gradients
         comm += sum(b * g.numel for g, b, div in parts if div == dp_rep)
     elif s.gpus > 1:
@@ -469,7 +511,9 @@ def check_fits_before_loading(occult_config) -> Plan | None:
     return plan
 
 
-def plan_for_config(occult_config, model_config, gpus: int, gpu_memory_gb: float) -> Plan:
+def plan_for_config(
+    occult_config, model_config, gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = None
+) -> Plan:
     """The per-GPU memory plan of training `model_config`'s model with `occult_config` on `gpus` GPUs.
 
     Args:
@@ -477,10 +521,11 @@ def plan_for_config(occult_config, model_config, gpus: int, gpu_memory_gb: float
         model_config: the model's `PretrainedConfig`, or its config.json as a dict.
         gpus: processes/GPUs of the launch (a multiple of `expert_parallel_size`).
         gpu_memory_gb: memory of one GPU in GB (2**30 bytes).
+        gpus_per_node: GPUs per machine of a multi-node launch (gpus / gpus_per_node nodes), or None.
     """
     model_config = as_config(model_config)
     counts = count_params(model_config)
-    setup = _setup(occult_config, model_config, gpus, gpu_memory_gb)
+    setup = _setup(occult_config, model_config, gpus, gpu_memory_gb, gpus_per_node)
     plan = _plan(counts, setup)
     if not plan.fits:
         suggestions, left_out = _suggestions(counts, setup, plan)

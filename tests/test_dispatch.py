@@ -32,9 +32,9 @@ from occult_ft.dispatch import (
 )
 from occult_ft.layout import ExpertLayout
 from occult_ft.metrics import contiguous_expert_device, device_load, devices_per_token
-from occult_ft.models import find_moe_layers, get_arch, supported_model_types, tiny_config
+from occult_ft.models import CORE_MODEL_TYPES, find_moe_layers, get_arch, tiny_config
 
-ARCHS = supported_model_types()
+ARCHS = list(CORE_MODEL_TYPES)
 BACKENDS = ["loop"] + (["grouped_mm"] if hasattr(F, "grouped_mm") else [])
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 import occult_ft
 from occult_ft.integrations.peft import is_peft_model, lora_targets
 from occult_ft.metrics import contiguous_expert_device, devices_per_token
-from occult_ft.models import get_arch, supported_model_types, tiny_config
+from occult_ft.models import CORE_MODEL_TYPES, get_arch, tiny_config
 from occult_ft.routing import collect_routing, set_recording
 from occult_ft.trainer import OccultConfig, OccultTrainer
 
@@ -72,7 +72,7 @@ def rows(tiny_tokenizer, tmp_path_factory):
     return tokenize_dataset(load_text_dataset(str(path)), tiny_tokenizer, seq_len=32)
 
 
-@pytest.mark.parametrize("model_type", supported_model_types())
+@pytest.mark.parametrize("model_type", list(CORE_MODEL_TYPES))
 def test_lora_targets_come_from_the_registry(model_type):
     model = AutoModelForCausalLM.from_config(tiny_config(model_type))
     targets = lora_targets(model)

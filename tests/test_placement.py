@@ -17,7 +17,7 @@ from occult_ft.metrics import (
     expert_device_from_groups,
     load_imbalance,
 )
-from occult_ft.models import find_moe_layers, supported_model_types, tiny_config
+from occult_ft.models import CORE_MODEL_TYPES, find_moe_layers, tiny_config
 from occult_ft.placement import (
     DEFAULT_ALGORITHM,
     PLACEMENT_ALGORITHMS,
@@ -384,7 +384,7 @@ def shuffled_placement(model, num_devices, seed=0):
     return Placement(None, layers[0].arch.model_type, num_experts, num_devices, 1, "test", groups)
 
 
-@pytest.mark.parametrize("model_type", supported_model_types())
+@pytest.mark.parametrize("model_type", list(CORE_MODEL_TYPES))
 def test_permute_experts_keeps_the_model_function(model_type):
     model = tiny_model(model_type)
     placement = shuffled_placement(model, num_devices=4)

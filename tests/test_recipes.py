@@ -32,17 +32,36 @@ EXPECTED = {
     "olmoe-1b-7b.yaml",
     "qwen1.5-moe-a2.7b.yaml",
     "qwen3-30b-a3b.yaml",
+    "gpt-oss-120b.yaml",
+    "qwen3-235b-a22b.yaml",
+    "qwen3-next-80b-a3b.yaml",
+    "minimax-m2.yaml",
+    "glm-4.7.yaml",
+    "deepseek-v3.2.yaml",
+    "kimi-k2.yaml",
 }
+#: recipes over several nodes: (nodes, GPUs per node) of their launch lines
+MULTI_NODE = {"glm-4.7.yaml": (4, 8), "deepseek-v3.2.yaml": (4, 8), "kimi-k2.yaml": (8, 8)}
 FIELD_TYPES = typing.get_type_hints(OccultConfig)
-# launch forms checked by hand (see recipes/README.md); `{n}` is the process count
+# launch forms checked by hand (see recipes/README.md); the named groups are process counts (per node
+# with the multi-node forms: torchrun's c10d rendezvous, the DeepSpeed launcher with a hostfile)
 LAUNCH = re.compile(
     r"^#\s+(?:"
     r"accelerate launch (?:--multi_gpu )?--num_processes (?P<a>\d+) -m occult_ft\.cli"
-    r"|torchrun --nproc_per_node (?P<t>\d+) -m occult_ft\.cli"
-    r"|deepspeed --num_gpus (?P<d>\d+) --no_local_rank --module occult_ft\.cli"
+    r"|torchrun (?:--nnodes (?P<tn>\d+) )?--nproc_per_node (?P<t>\d+)"
+    r"(?: --rdzv_backend c10d --rdzv_endpoint \$MASTER_ADDR:\d+)? -m occult_ft\.cli"
+    r"|deepspeed (?:--hostfile \S+ --num_nodes (?P<dn>\d+) )?--num_gpus (?P<d>\d+) --no_local_rank --module occult_ft\.cli"
     r"|occult-ft|python -m occult_ft"
     r") train recipes/(?P<file>\S+?)(?: --deepspeed recipes/(?P<ds>ds_zero[12]\.json))?$"
 )
+
+
+def processes(match) -> tuple[int, int] | None:
+    """(nodes, processes per node) of a launch line, None for a single-process one."""
+    per_node = match["a"] or match["t"] or match["d"]
+    if per_node is None:
+        return None
+    return int(match["tn"] or match["dn"] or 1), int(per_node)
 
 
 def load(name: str) -> dict:
@@ -138,17 +157,31 @@ def test_header_has_launch_line_hardware_and_model_facts(name):
     launches = [m for m in map(LAUNCH.match, lines) if m]
     assert launches, f"{name}: no launch line in the header"
     assert all(m["file"] == name for m in launches), f"{name}: a launch line names another recipe"
-    ep = load(name).get("expert_parallel_size", 1)
+    recipe = load(name)
+    ep = recipe.get("expert_parallel_size", 1)
     for m in launches:
-        procs = m["a"] or m["t"] or m["d"]
-        if procs is not None:
-            assert int(procs) % ep == 0, (
-                f"{name}: {procs} processes is not a multiple of expert_parallel_size={ep}"
+        layout = processes(m)
+        if layout is not None:
+            nodes, per_node = layout
+            assert (nodes * per_node) % ep == 0, (
+                f"{name}: {nodes} x {per_node} processes is not a multiple of expert_parallel_size={ep}"
             )
+            assert (nodes, per_node) == MULTI_NODE.get(name, (1, per_node)), f"{name}: {m.group(0)}"
+            if nodes > 1:  # the expert-parallel group spans the recipe's `nodes`
+                assert ep // per_node == recipe["nodes"], f"{name}: {nodes} nodes but nodes={recipe['nodes']}"
     assert "# Hardware:" in text
     facts = model_facts(load(name))
     assert f"{facts['num_experts']} " in text and "experts per layer" in text
     assert f"top-{facts['top_k']}" in text
+
+
+@pytest.mark.parametrize("name", sorted(MULTI_NODE))
+def test_multi_node_recipes_launch_on_every_node_and_use_the_two_stage_exchange(name):
+    recipe, lines = load(name), header(name)
+    forms = {("torchrun" if "torchrun" in m.group(0) else "deepspeed") for m in map(LAUNCH.match, lines) if m}
+    assert forms == {"torchrun", "deepspeed"}, f"{name}: needs a torchrun rendezvous and a hostfile line"
+    assert recipe["exchange"] == "two_stage" and recipe["nodes"] > 1
+    assert recipe["max_nodes_per_token"] < recipe["nodes"]
 
 
 def test_no_header_uses_a_broken_launch_form():

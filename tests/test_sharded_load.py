@@ -20,7 +20,7 @@ import torch
 from conftest import build_tokenizer, safety_timeout, save_tiny_model
 from dist_utils import free_port
 
-from occult_ft.models import find_moe_layers, supported_model_types
+from occult_ft.models import CORE_MODEL_TYPES, find_moe_layers
 from occult_ft.placement import Placement
 from occult_ft.trainer.sharded_load import (
     SafetensorsReader,
@@ -83,7 +83,7 @@ def assert_is_shard(model, state: dict, buffers: dict, rank: int, per_device: in
         assert torch.equal(buffer, buffers[key]), key
 
 
-@pytest.mark.parametrize("model_type", supported_model_types())
+@pytest.mark.parametrize("model_type", list(CORE_MODEL_TYPES))
 def test_each_rank_equals_the_shard_of_the_placed_model(model_dirs, model_type):
     path = model_dirs(model_type)
     placement = None
@@ -182,6 +182,23 @@ def test_bad_inputs_are_one_line_errors(model_dirs, tmp_path):
     assert not can_load_sharded(str(empty)) and can_load_sharded(path)
     with pytest.raises(ValueError, match=r"holds no \*\.safetensors weights"):
         load_sharded_model(str(empty), 0, 2)
+
+
+def test_a_quantized_checkpoint_is_refused_before_any_tensor_is_read(model_dirs, tmp_path, monkeypatch):
+    """FP8 / MXFP4 checkpoints hold codes and scales: read as weights they would train garbage."""
+    import shutil
+
+    quantized = tmp_path / "fp8"
+    shutil.copytree(model_dirs("olmoe"), quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(SafetensorsReader, "__init__", lambda *a: pytest.fail("read a tensor file"))
+    with pytest.raises(
+        ValueError, match=r"stores quantized weights \(quant_method='fp8'\); .* dequantize"
+    ) as err:
+        load_sharded_model(str(quantized), 0, 2)
+    assert "\n" not in str(err.value)
 
 
 # ---- through OccultTrainer on 2 gloo processes ------------------------------------------------------

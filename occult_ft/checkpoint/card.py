@@ -35,6 +35,7 @@ from typing import Any
 from ..embedded import embedded_model_path
 from ..fileio import atomic_save, atomic_write_text, read_json_object
 from ..metrics import comm_complexity_lower_bound, random_placement_comm_complexity
+from ..models.family import auto_model_class
 from .format import CheckpointSummary, OccultBlock, describe_checkpoint
 
 __all__ = [
@@ -429,6 +430,8 @@ def build_model_card(
             "native_routing": s.native_routing,
             "expert_order_original": s.block is not None and s.block.expert_order == "original",
             "citation": OCCULT_CITATION,
+            # the transformers class that loads this model type (a multimodal MoE is not a causal LM)
+            "auto_class": auto_model_class(s.model_type).__name__ if s.model_type else "AutoModelForCausalLM",
         }
     )
     return ModelCard(content)

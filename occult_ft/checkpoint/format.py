@@ -433,9 +433,11 @@ def write_adapter_block(out_dir: str, block: OccultBlock) -> None:
 
 
 def has_remote_code(path: str, config: dict) -> bool:
-    """A checkpoint directory whose config.json (a dict) maps to our file, and the file is there."""
-    target = str((config.get("auto_map") or {}).get(AUTO_CLASS, ""))
-    return target.startswith(f"{REMOTE_MODULE}.") and os.path.isfile(os.path.join(path, REMOTE_CODE_FILE))
+    """A checkpoint directory whose config.json (a dict) maps an auto class (`AutoModelForCausalLM`, or
+    `AutoModelForImageTextToText` for a multimodal type) to our file, and the file is there."""
+    targets = [str(v) for v in (config.get("auto_map") or {}).values()]
+    ours = any(target.startswith(f"{REMOTE_MODULE}.") for target in targets)
+    return ours and os.path.isfile(os.path.join(path, REMOTE_CODE_FILE))
 
 
 # ---- what a directory holds ------------------------------------------------------------------------

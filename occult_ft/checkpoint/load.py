@@ -12,6 +12,7 @@ from transformers.utils import logging
 from ..apply import apply_occult, permute_state_dict, placed_similarity
 from ..embedded import embedded_model_path
 from ..fileio import ReadError, read_json_object, reading_directory, recover_directory
+from ..models.family import architecture_model_type, auto_model_class
 from ..models.registry import get_arch
 from ..routing import PruningConfig
 from .convert import maybe_convert
@@ -31,6 +32,7 @@ __all__ = [
     "local_model_dir",
     "load_tokenizer",
     "load_model_and_tokenizer",
+    "read_model_config",
     "from_pretrained",
     "restore_occult",
     "check_adapter_base",
@@ -96,23 +98,49 @@ def load_tokenizer(*sources: str | None):
     )
 
 
+def read_model_config(path: str):
+    """(config, aliased) of a model directory or Hub id. A config.json whose model_type transformers does
+    not know but whose `architectures` names a transformers class (Kimi-K2: `kimi_k2` with
+    `DeepseekV3ForCausalLM`) is read as that class's type (aliased=True), without remote code."""
+    from transformers import AutoConfig
+
+    file = os.path.join(path, "config.json")
+    if os.path.isfile(file):
+        raw = read_json_object(file)
+        known = architecture_model_type(raw)
+        if known is not None:
+            skip = ("model_type", "auto_map", "architectures", "transformers_version")
+            fields = {k: v for k, v in raw.items() if k not in skip}
+            return AutoConfig.for_model(known, architectures=raw.get("architectures"), **fields), True
+    return AutoConfig.from_pretrained(path), False
+
+
 def load_model_and_tokenizer(path: str, dtype=None, warn_pruned: bool = True, **kwargs):
-    """`AutoModelForCausalLM` + `AutoTokenizer` for a local dir, a Hub id or `embedded` (the shipped
-    base model), with one-line errors. A pruned occult_ft checkpoint loaded this way routes with its
-    original top-k; `warn_pruned` says so (`from_pretrained`, which restores the routing, turns it off)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The model (`AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a multimodal type) +
+    `AutoTokenizer` for a local dir, a Hub id or `embedded` (the shipped base model), with one-line
+    errors; an unsupported or refused model type fails on its config, before any weight loads. A pruned
+    occult_ft checkpoint loaded this way routes with its original top-k; `warn_pruned` says so
+    (`from_pretrained`, which restores the routing, turns it off)."""
+    from transformers import AutoTokenizer
 
     path = maybe_convert(resolve_model_path(path))  # absolute; DeepSeek-MoE -> its qwen2_moe conversion
     _check_exists(path)
     try:
+        config, aliased = read_model_config(path)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"cannot load model {path!r}: {first}") from None
+    get_arch(config)  # unsupported and refused types fail here, before the weights load
+    if aliased:
+        kwargs = {**kwargs, "config": config}
+    try:
         with reading_directory(path):  # a truncated model.safetensors: one line naming it
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **kwargs)
+            model = auto_model_class(config).from_pretrained(path, dtype=dtype or "auto", **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         if isinstance(exc, ReadError):
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"cannot load model {path!r}: {first}") from None
-    get_arch(model)  # unsupported types fail here, with the list of supported ones
     set_auto_map(model.config, False)  # the remote code stays with the folder; saves write it anew
     if warn_pruned:
         _warn_if_pruned(model, path)

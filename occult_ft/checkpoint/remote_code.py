@@ -12,13 +12,15 @@ config.json's `occult` block, on a machine without occult_ft. Without `trust_rem
 ignores `auto_map` for a model type it knows and loads the stock class, as before.
 
 The file is generated from occult_ft's own source, so there is one copy of the maths to maintain: the
-pure criteria of `occult_ft.routing.rules` (whole module), the scoring of `MoEArch` and
-`config_num_experts` (models/registry.py), `PruningConfig` (routing/config.py), `router_selectable` and
-`prune_topk` (routing/router.py), `contiguous_expert_device` (metrics.py) and `OccultBlock` with its
-`PlacementRecord` (checkpoint/format.py), plus the
-model type's registry entry written out as a constant and a short adapter (`_ADAPTER` below) that hooks
-every router: the hook receives the router's own `(logits, weights, indices)` and returns `prune_topk`'s
-result, which is what occult_ft's pruned router class computes. The `similarity` criterion reads
+pure criteria of `occult_ft.routing.rules` and the router conventions of `occult_ft.models.arch`
+(`MoEArch`, `moe_blocks`, the config readers; both whole modules), `PruningConfig` (routing/config.py),
+`router_selectable` and `prune_topk` (routing/router.py), `contiguous_expert_device` (metrics.py) and
+`OccultBlock` with its `PlacementRecord` (checkpoint/format.py), plus the model type's registry entry
+written out as a constant and a short adapter (`_ADAPTER` below) that hooks every router: the hook
+receives the router's own `(logits, weights, indices)` and call arguments and returns `prune_topk`'s
+result, which is what occult_ft's pruned router class computes. A multimodal model's file subclasses its
+image-text-to-text class and `auto_map` points `AutoModelForImageTextToText` at it. The `similarity`
+criterion reads
 `occult_similarity.safetensors` from the checkpoint (local folder or Hub repo); without it the file
 warns and routes by `score`.
 
@@ -37,7 +39,9 @@ import os
 
 from .. import metrics
 from ..fileio import atomic_write_text
+from ..models import arch as models_arch
 from ..models import registry
+from ..models.family import loads_as
 from ..routing import config as routing_config
 from ..routing import router as routing_router
 from ..routing import rules as routing_rules
@@ -45,6 +49,7 @@ from . import format as format_
 from .format import AUTO_CLASS, REMOTE_CODE_FILE, REMOTE_MODULE
 
 __all__ = [
+    "remote_auto_class",
     "remote_class_name",
     "remote_auto_map",
     "needs_remote_code",
@@ -54,46 +59,58 @@ __all__ = [
 ]
 
 
-def _stock_class_name(model_type: str) -> str:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+_AUTO_CLASSES = {"causal_lm": AUTO_CLASS, "image_text_to_text": "AutoModelForImageTextToText"}
 
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    if name is None:
+
+def remote_auto_class(model_type: str) -> str:
+    """The auto class whose `auto_map` entry the file gets: `AutoModelForCausalLM`, or
+    `AutoModelForImageTextToText` for a multimodal model type."""
+    kind = loads_as(model_type)
+    if kind is None:
         raise ValueError(
-            f"model_type {model_type!r} has no AutoModelForCausalLM class in transformers; "
-            "remote code is written for causal language models only"
+            f"model_type {model_type!r} has no causal-LM or image-text-to-text class in transformers; "
+            "remote code is written for language models only"
         )
-    return name
+    return _AUTO_CLASSES[kind]
+
+
+def _stock_class_name(model_type: str) -> str:
+    from transformers.models.auto import modeling_auto
+
+    mapping = (
+        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if remote_auto_class(model_type) == AUTO_CLASS
+        else modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    )
+    return mapping[model_type]
 
 
 def remote_class_name(model_type: str) -> str:
-    """`Occult<Base>ForCausalLM`, e.g. `OccultOlmoeForCausalLM` for `olmoe`."""
+    """`Occult<Base>`, e.g. `OccultOlmoeForCausalLM` for `olmoe`."""
     return f"Occult{_stock_class_name(model_type)}"
 
 
 def remote_auto_map(model_type: str) -> dict[str, str]:
-    """The `auto_map` entry that sends `AutoModelForCausalLM` (with trust_remote_code) to the file."""
-    return {AUTO_CLASS: f"{REMOTE_MODULE}.{remote_class_name(model_type)}"}
+    """The `auto_map` entry that sends the model type's auto class (with trust_remote_code) to the file."""
+    return {remote_auto_class(model_type): f"{REMOTE_MODULE}.{remote_class_name(model_type)}"}
 
 
 def needs_remote_code(pruning, native: bool, model_type: str | None = None) -> bool:
     """A checkpoint needs remote code when its budget is active and not written in native fields (and,
-    given `model_type`, transformers has a causal-LM class to subclass)."""
+    given `model_type`, transformers has a language-model class to subclass)."""
     if pruning is None or not pruning.active or native:
         return False
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return model_type is None or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return model_type is None or loads_as(model_type) is not None
 
 
 def set_auto_map(config, on: bool) -> None:
-    """Point `config.auto_map[AutoModelForCausalLM]` at the remote class (`on`), or remove an occult
-    entry left from an earlier load (`not on`); other `auto_map` entries are kept."""
+    """Point the model type's auto class in `config.auto_map` at the remote class (`on`), or remove
+    occult entries left from an earlier load (`not on`); other `auto_map` entries are kept."""
     current = dict(getattr(config, "auto_map", None) or {})
+    for key in [k for k, v in current.items() if str(v).startswith(f"{REMOTE_MODULE}.")]:
+        del current[key]
     if on:
         current.update(remote_auto_map(config.model_type))
-    elif str(current.get(AUTO_CLASS, "")).startswith(f"{REMOTE_MODULE}."):
-        del current[AUTO_CLASS]
     if current:
         config.auto_map = current
     else:
@@ -137,12 +154,15 @@ def _absolute_imports(modules, plain=()) -> list[str]:
     return lines
 
 
+def _literal(value) -> str:
+    """A Python literal of a registry field (infinite floats as `float("-inf")`)."""
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return f'float("{value}")'
+    return repr(value)
+
+
 def _arch_constant(arch) -> str:
-    kwargs = [
-        f"    {f.name}={getattr(arch, f.name)!r},"
-        for f in dataclasses.fields(arch)
-        if f.name != "example_config"
-    ]
+    kwargs = [f"    {f.name}={_literal(getattr(arch, f.name))}," for f in dataclasses.fields(arch)]
     return "ARCH = MoEArch(\n" + "\n".join(kwargs) + "\n)"
 
 
@@ -150,7 +170,7 @@ _HEADER = '''"""Pruned routing of an occult_ft checkpoint ({model_type}) for sto
 
 Generated by occult_ft (occult_ft/checkpoint/remote_code.py); do not edit. With
 
-    AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+    {auto}.from_pretrained(path, trust_remote_code=True)
 
 transformers loads `{cls}`: the stock `{base}` whose MoE routers apply the
 device budget of config.json's `occult` block, exactly as `occult_ft.from_pretrained(path)` does. It
@@ -220,7 +240,7 @@ class _PrunedRouting:
             self._cache[(key, device)] = tensor.to(device)
         return self._cache[(key, device)]
 
-    def __call__(self, index, router, args, output):
+    def __call__(self, index, router, args, kwargs, output):
         logits, weights, ids = output
         pruning, table = self.pruning, None
         if pruning.criterion == "similarity":
@@ -235,7 +255,8 @@ class _PrunedRouting:
         expert_device = self._on(
             ("dev", num_experts), contiguous_expert_device(num_experts, pruning.num_devices), logits.device
         )
-        ids, weights, _ = prune_topk(ARCH, router, logits, ids, weights, pruning, expert_device, table)
+        inputs = ARCH.call_inputs(args[1:], kwargs)
+        ids, weights, _ = prune_topk(ARCH, router, logits, ids, weights, pruning, expert_device, table, inputs)
         return logits, weights, ids
 
 
@@ -244,16 +265,30 @@ def _install(model):
     routing = _PrunedRouting(model.config)
     if routing.pruning is None or not routing.pruning.active:
         return routing
-    routers = []
-    for name, module in model.named_modules():
-        if name.endswith(".mlp") and hasattr(module, "experts") and hasattr(module, ARCH.router_attr):
-            parts = name.split(".")
-            index = next((int(p) for p in reversed(parts) if p.isdigit()), len(routers))
-            routers.append((index, getattr(module, ARCH.router_attr)))
-    for index, router in routers:
+    for index, _, block in moe_blocks(ARCH, model):
+        router = getattr(block, ARCH.router_attr)
         routing.pruning.check(ARCH.num_experts(router), ARCH.top_k(router))
-        router.register_forward_hook(functools.partial(routing, index))
+        router.register_forward_hook(functools.partial(routing, index), with_kwargs=True)
     return routing
+
+
+def _share_weight_conversions():
+    """transformers renames some checkpoints' weights on load (legacy names) through conversion mappings
+    it skips for remote-code classes unless the mapping was registered: register the model type's own
+    mapping again (unchanged), so this class loads the checkpoint exactly as the stock class does."""
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # a transformers without conversion mappings renames nothing
+        return
+    mapping = get_checkpoint_conversion_mapping({model_type!r})
+    if mapping is not None:
+        register_checkpoint_conversion_mapping({model_type!r}, mapping, overwrite=True)
+
+
+_share_weight_conversions()
 
 
 class {cls}(_StockModel):
@@ -287,21 +322,20 @@ def remote_code_source(model_type: str) -> str:
     arch = registry.get_arch(model_type)
     base, cls = _stock_class_name(model_type), remote_class_name(model_type)
     imports = _absolute_imports(
-        [routing_rules, registry, routing_config, routing_router, format_], ("dataclasses", "functools", "os")
+        [routing_rules, models_arch, routing_config, routing_router, format_],
+        ("dataclasses", "functools", "os"),
     )
     imports += [
         f"from transformers import {base} as _StockModel",
         "from transformers.utils import logging",
     ]
     sections = [
-        _HEADER.format(model_type=model_type, cls=cls, base=base),
+        _HEADER.format(model_type=model_type, cls=cls, base=base, auto=remote_auto_class(model_type)),
         "\n".join(imports),
         "# ---- copied from occult_ft/routing/rules.py -----------------------------------------------",
         _module_body(routing_rules),
-        "# ---- copied from occult_ft/models/registry.py ----------------------------------------------",
-        f"EXPERT_COUNT_FIELDS = {registry.EXPERT_COUNT_FIELDS!r}",
-        inspect.getsource(registry.config_num_experts),
-        inspect.getsource(registry.MoEArch),
+        "# ---- copied from occult_ft/models/arch.py --------------------------------------------------",
+        _module_body(models_arch),
         "# ---- copied from occult_ft/metrics.py, routing/ and checkpoint/format.py -----------------",
         inspect.getsource(metrics.contiguous_expert_device),
         inspect.getsource(routing_config.PruningConfig),
@@ -317,7 +351,7 @@ def remote_code_source(model_type: str) -> str:
         f"# ---- the {model_type!r} entry of occult_ft's architecture registry ----",
         _arch_constant(arch),
         f"SIMILARITY_FILE = {format_.SIMILARITY_FILE!r}",
-        _ADAPTER.format(cls=cls, base=base),
+        _ADAPTER.format(cls=cls, base=base, model_type=model_type),
     ]
     return "\n\n".join(s.strip("\n") for s in sections) + "\n"
 

@@ -1,4 +1,4 @@
-"""`occult-ft plan RECIPE [--field value ...] [--gpus N] [--gpu-memory GB] [--config PATH] [--json]`.
+"""`occult-ft plan RECIPE [--field value ...] [--gpus N | --nodes N --gpus-per-node G] [--gpu-memory GB] [--config PATH] [--json]`.
 
 Prints what one GPU holds when the recipe trains (weights, gradients, optimizer states, activations,
 communication buffers), the total against the GPU's memory, a verdict and, when it does not fit,
@@ -7,9 +7,15 @@ recipe's local model directory, a config shipped with occult_ft for the recipes'
 
     occult-ft plan recipes/olmoe-1b-7b.yaml --gpu-memory 48
     occult-ft plan recipes/mixtral-8x7b.yaml --gpus 8 --per_device_train_batch_size 2 --json
+    occult-ft plan recipes/deepseek-v3.2.yaml --nodes 4 --gpus-per-node 8
 
 Recipe fields and --field overrides are read as by `occult-ft train`. --gpus defaults to the recipe's
-expert_parallel_size; --gpu-memory to 80 (GB of 2**30 bytes). Activations are an estimate.
+expert_parallel_size; a multi-node launch is given as --nodes N --gpus-per-node G (N * G GPUs; the
+expert-parallel group then spans expert_parallel_size / G nodes, with the two-stage exchange's
+inter-node buffers when the recipe uses it; here --nodes is the machines, while the recipe's own `nodes`
+field, read from the recipe, says how many of them the group spans, and a note tells when the two
+disagree). --gpu-memory defaults to 80 (GB of 2**30 bytes).
+Activations are an estimate.
 """
 
 from __future__ import annotations
@@ -21,7 +27,15 @@ from ._common import check_hub_sources, standalone
 
 __all__ = ["add_parser", "run", "main", "format_plan"]
 
-_OWN = {"--gpus": int, "--gpu-memory": float, "--config": str}
+_OWN = {
+    "--gpus": int,
+    "--nodes": int,
+    "--gpus-per-node": int,
+    "--gpus_per_node": int,
+    "--gpu-memory": float,
+    "--gpu_memory": float,
+    "--config": str,
+}
 
 
 def add_parser(sub):
@@ -33,7 +47,9 @@ def add_parser(sub):
         add_help=False,
     )
     p.add_argument(
-        "argv", nargs="*", help="RECIPE.yaml, --field value overrides, --gpus, --gpu-memory, --json"
+        "argv",
+        nargs="*",
+        help="RECIPE.yaml, --field value overrides, --gpus or --nodes/--gpus-per-node, --gpu-memory, --json",
     )
     p.set_defaults(func=run)
     return p
@@ -97,11 +113,14 @@ def _count(n: int) -> str:
 def format_plan(plan, model: str) -> str:
     s = plan.setup
     gb = plan.breakdown_bytes
+    machines = f" ({s.nodes} nodes x {s.gpus_per_node})" if s.gpus_per_node and s.nodes > 1 else ""
+    exchange = f" ({s.exchange} exchange over {s.ep_nodes} nodes)" if s.ep > 1 and s.ep_nodes > 1 else ""
     lines = [
         f"{model}: {_count(plan.params_total)} parameters, {_count(plan.params_per_gpu)} per GPU "
         f"({_count(plan.trainable_per_gpu)} trainable), train_mode={s.train_mode}, {s.gpus} GPU"
-        + ("s, " if s.gpus > 1 else ", ")
-        + f"expert_parallel_size={s.ep}, "
+        + ("s" if s.gpus > 1 else "")
+        + f"{machines}, "
+        + f"expert_parallel_size={s.ep}{exchange}, "
         + ("no DeepSpeed" if s.zero_stage is None else f"DeepSpeed ZeRO-{s.zero_stage}"),
         f"  batch {s.batch} x {s.seq_len} tokens per GPU, gradient checkpointing "
         + ("on" if s.checkpointing else "off"),
@@ -139,7 +158,18 @@ def run(args) -> int:
 
     own, rest = _take_own(argv, field_names(config_parser()))
     ep = _expert_parallel_size(rest)
-    gpus = own.get("--gpus", ep)
+    nodes, per_node = own.get("--nodes"), own.get("--gpus-per-node")
+    if (nodes is None) != (per_node is None):
+        raise ValueError("--nodes and --gpus-per-node go together, e.g. --nodes 4 --gpus-per-node 8")
+    if nodes is not None and (nodes < 1 or per_node < 1):
+        raise ValueError(
+            f"--nodes {nodes} --gpus-per-node {per_node} must both be positive, e.g. --nodes 4 --gpus-per-node 8"
+        )
+    if nodes is not None and "--gpus" in own and own["--gpus"] != nodes * per_node:
+        raise ValueError(
+            f"--gpus {own['--gpus']} disagrees with --nodes {nodes} x --gpus-per-node {per_node}; give one of them"
+        )
+    gpus = nodes * per_node if nodes is not None else own.get("--gpus", ep)
     if gpus < 1 or gpus % ep:
         raise ValueError(
             f"--gpus {gpus} must be a positive multiple of expert_parallel_size={ep}; e.g. --gpus {ep}"
@@ -164,7 +194,9 @@ def run(args) -> int:
             except ValueError as err:  # plan needs only the config: say how to give it
                 raise ValueError(f"{err}, or pass --config PATH/config.json") from None
     model_config = load_model_config(config.model_name_or_path, own.get("--config"))
-    plan = plan_for_config(config, model_config, gpus=gpus, gpu_memory_gb=own.get("--gpu-memory", 80.0))
+    plan = plan_for_config(
+        config, model_config, gpus=gpus, gpu_memory_gb=own.get("--gpu-memory", 80.0), gpus_per_node=per_node
+    )
     if own["--json"]:
         print(json.dumps(plan.to_dict(), indent=2))
     else:

@@ -1,8 +1,9 @@
 """config.json of the recipes' models (no weights), and how `occult-ft plan` finds a model's config.
 
 Files are named after the Hub id with `/` -> `--` (`mistralai--Mixtral-8x7B-v0.1.json`) and hold the
-model's config.json as published, so plans of the recipes work offline. Their parameter counts match
-the published totals (tests/test_plan.py).
+model's config.json as published (for GLM-4.7, DeepSeek-V3.2, MiniMax-M2, Qwen3-Next-80B-A3B and
+Kimi-K2-Base its architecture and routing fields, as their recipes' headers say), so plans of the
+recipes work offline. Their parameter counts match the published totals (tests/test_plan.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 from ..checkpoint.convert import DEEPSEEK_MODEL_TYPE, convert_config
 from ..checkpoint.load import resolve_model_path
 from ..fileio import read_json_object
+from ..models.family import architecture_model_type
 
 __all__ = ["as_config", "load_model_config", "shipped_config_path"]
 
@@ -20,7 +22,8 @@ _CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def as_config(cfg):
-    """A `PretrainedConfig` from a config or a config.json dict; DeepSeek-MoE as its qwen2_moe conversion."""
+    """A `PretrainedConfig` from a config or a config.json dict; DeepSeek-MoE as its qwen2_moe conversion, a
+    config whose model_type transformers does not know as its `architectures` class's type (Kimi-K2)."""
     if not isinstance(cfg, dict):
         return cfg
     from transformers import AutoConfig
@@ -28,6 +31,9 @@ def as_config(cfg):
     d = dict(cfg)
     if d.get("model_type") == DEEPSEEK_MODEL_TYPE:
         d = convert_config(d)
+    known = architecture_model_type(d)
+    if known is not None:  # Kimi-K2: its own kimi_k2 is the DeepseekV3 architecture
+        d["model_type"] = known
     if "model_type" not in d:
         raise ValueError("the model config has no model_type; pass a model's config.json")
     kind = d.pop("model_type")

@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+_EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")  # up_proj: experts without a gate (NemotronH)
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -77,17 +77,18 @@ def lora_targets(model: nn.Module, attention: bool = True) -> dict[str, list[str
     """
     base = unwrap_model(model)
     arch = get_arch(base)
-    layers = find_moe_layers(base)
-    block_attr = layers[0].name.rsplit(".", 1)[-1]  # "mlp" for every registered architecture
-    linear_names = {
-        name.rsplit(".", 1)[-1] for name, module in base.named_modules() if isinstance(module, nn.Linear)
-    }
+    find_moe_layers(base)  # an unsupported model, or one without MoE layers, fails here
+    prefix = f"{arch.block_attr}." if arch.block_attr else ""  # "mlp.", or "" (Gemma 4: the decoder layer)
+    kinds: dict[str, set[bool]] = {}  # module name -> whether the modules of that name are Linear
+    for name, module in base.named_modules():
+        kinds.setdefault(name.rsplit(".", 1)[-1], set()).add(isinstance(module, nn.Linear))
+    linear_names = {name for name, linear in kinds.items() if linear == {True}}  # PEFT adapts every match
     modules = [name for name in ATTENTION_PROJECTIONS if name in linear_names] if attention else []
-    params = [f"{block_attr}.experts.{name}" for name in _EXPERT_WEIGHTS if name in arch.expert_params]
+    params = [f"{prefix}experts.{name}" for name in _EXPERT_WEIGHTS if name in arch.expert_params]
     return {
         "target_modules": modules,
         "target_parameters": params,
-        "modules_to_save": [f"{block_attr}.{arch.router_attr}"],
+        "modules_to_save": [f"{prefix}{arch.router_attr}"],
     }
 
 

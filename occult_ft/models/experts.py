@@ -7,18 +7,9 @@ gathers or names the fused tensors (`occult_ft.dispatch`, the trainer) works on 
 
 from __future__ import annotations
 
-from torch import nn
-
-from .registry import MoELayer
+from .registry import MoELayer, base_experts
 
 __all__ = ["base_experts", "experts_state_key"]
-
-
-def base_experts(experts: nn.Module) -> nn.Module:
-    """The transformers experts module inside PEFT's `ParamWrapper`s (`experts` itself without LoRA)."""
-    while hasattr(experts, "parameter_name") and isinstance(getattr(experts, "base_layer", None), nn.Module):
-        experts = experts.base_layer
-    return experts
 
 
 def experts_state_key(layer: MoELayer, name: str) -> str:

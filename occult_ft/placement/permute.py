@@ -45,17 +45,11 @@ def permute_experts(model: nn.Module, placement: Placement) -> None:
     for layer in layers:
         order_E = placement.expert_order(layer.index)
         _check_group_routing(layer, order_E)
-        for owner, names in (
-            (layer.router, layer.arch.router_params),
-            (layer.experts, layer.arch.expert_params),
-        ):
-            for name in names:
-                tensor = getattr(owner, name, None)
-                if tensor is None:
-                    continue  # optional tensor (e.g. a bias) absent in this config
-                if tensor.shape[0] != placement.num_experts:
-                    raise PlacementError(
-                        f"layer {layer.index} {name} has {tensor.shape[0]} rows on dim 0, expected "
-                        f"{placement.num_experts} experts; is this model sharded already?"
-                    )
-                tensor.copy_(tensor.index_select(0, order_E.to(tensor.device)))
+        for _, path, dim in layer.expert_tensors():
+            tensor = layer.tensor(path)
+            if tensor.shape[dim] != placement.num_experts:
+                raise PlacementError(
+                    f"layer {layer.index} {path} has {tensor.shape[dim]} rows on dim {dim}, expected "
+                    f"{placement.num_experts} experts; is this model sharded already?"
+                )
+            tensor.copy_(tensor.index_select(dim, order_E.to(tensor.device)))

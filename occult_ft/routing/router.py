@@ -40,19 +40,9 @@ __all__ = [
 def router_selectable(arch: MoEArch, router: nn.Module, scores_TE: torch.Tensor) -> torch.Tensor | None:
     """(T, E) bool: the experts of the groups the model's own group-limited router allows each token
     (DeepSeek-V3 `n_group`/`topk_group`, DeepSeek-V2 `group_limited_greedy`), recomputed from the
-    selection scores exactly as the router does; None when the router has no active group limit."""
-    size = arch.routing_group_size(router)
-    if size == 1:
-        return None
-    t, e = scores_TE.shape
-    grouped = scores_TE.view(t, e // size, size)
-    if arch.native_group_routing == "topk_sum":
-        group_T_G = grouped.topk(min(arch.group_score_topn or 2, size), dim=-1).values.sum(dim=-1)
-    else:
-        group_T_G = grouped.max(dim=-1).values
-    keep = group_T_G.topk(int(router.topk_group), dim=-1).indices
-    mask = torch.zeros_like(group_T_G, dtype=torch.bool).scatter_(1, keep, True)
-    return mask.repeat_interleave(size, dim=1)
+    selection scores exactly as the router does (`MoEArch.selectable`); None when the router has no
+    active group limit."""
+    return arch.selectable(router, scores_TE)
 
 
 def prune_topk(
@@ -64,15 +54,18 @@ def prune_topk(
     config: PruningConfig,
     expert_device_E: torch.Tensor,
     similarity_EE: torch.Tensor | None = None,
+    inputs: tuple = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Apply `config` to one router output.
 
     Args:
-        logits_TE: the router's raw logits; topk_ids_TK / weights_TK: its unpruned choice.
+        logits_TE: the router's first output (raw logits for most); topk_ids_TK / weights_TK: its
+            unpruned choice.
+        inputs: the router call's arguments after the hidden states (a bias the block passes).
     Returns:
         (topk_ids_TK, weights_TK, changed_T) where weights keep the dtype of `weights_TK`.
     """
-    scores = arch.selection_scores(router, logits_TE.detach())
+    scores = arch.selection_scores(router, logits_TE.detach(), inputs)
     selectable = None if config.criterion == "device_topk_sum" else router_selectable(arch, router, scores)
     new_ids = limit_topk(
         scores,
@@ -88,7 +81,7 @@ def prune_topk(
         arch.group_score_topn,
     )
     changed_T = (new_ids.sort(dim=1).values != topk_ids_TK.sort(dim=1).values).any(dim=1)
-    new_w = arch.gate_weights(router, logits_TE, new_ids)
+    new_w = arch.gate_weights(router, logits_TE, new_ids, inputs)
     if config.gate_weights == "preserve_mass":
         new_w = new_w * (weights_TK.float().sum(-1, keepdim=True) / (new_w.sum(-1, keepdim=True) + 1e-20))
     new_w = new_w.to(weights_TK.dtype)
@@ -124,11 +117,12 @@ def _pruned_class(base: type) -> type:
         return base
     if base not in _PRUNED_CLASSES:
 
-        def forward(self, hidden_states):
-            logits, weights, ids = base.forward(self, hidden_states)
+        def forward(self, hidden_states, *args, **kwargs):
+            logits, weights, ids = base.forward(self, hidden_states, *args, **kwargs)
             cfg: PruningConfig = self.occult_config
             ids_in = ids
             if cfg.active:
+                inputs = self.occult_arch.call_inputs(args, kwargs)
                 ids, weights, _ = prune_topk(
                     self.occult_arch,
                     self,
@@ -138,6 +132,7 @@ def _pruned_class(base: type) -> type:
                     cfg,
                     self.occult_expert_device,
                     getattr(self, "occult_similarity", None),
+                    inputs,
                 )
             if self.occult_recording:
                 probs = self.occult_arch.probabilities(self, logits)
@@ -196,7 +191,7 @@ def apply_pruning(
         router.occult_recording = getattr(router, "occult_recording", False)
         router.occult_keep_graph = getattr(router, "occult_keep_graph", False)
         router.occult_record = None
-        ref = router.weight
+        ref = next(iter([*router.parameters(), *router.buffers()]))
         mapping = (
             expert_device[layer.index]
             if expert_device is not None

@@ -27,7 +27,7 @@ from ..configs import load_model_config
 from ..dispatch import EXCHANGES, check_exchange_settings
 from ..fileio import check_output_path
 from ..integrations.deepspeed import check_deepspeed_config
-from ..models.registry import config_num_experts
+from ..models.registry import config_num_experts, config_top_k, get_arch
 from ..placement import PLACEMENT_ALGORITHMS
 from ..routing import CRITERIA, GATE_WEIGHT_POLICIES, PruningConfig, check_pruning_settings
 
@@ -602,7 +602,8 @@ def _check_layout_against_the_model_config(args: OccultConfig) -> None:
         config = load_model_config(name)
     except (ValueError, OSError):
         return
-    num_experts, top_k = config_num_experts(config), getattr(config, "num_experts_per_tok", None)
+    get_arch(config)  # an unsupported or refused model type: one line, before any weight loads
+    num_experts, top_k = config_num_experts(config), config_top_k(config)
     if not num_experts or not top_k:
         return
     PruningConfig(

@@ -164,7 +164,7 @@ def set_train_mode(model: nn.Module, mode: str) -> None:
         for p in base.parameters():
             p.requires_grad_(False)
         for layer in find_moe_layers(base):
-            for p in layer.block.parameters():
+            for p in layer.moe_parameters():
                 p.requires_grad_(True)
     else:
         raise ValueError(

@@ -3,7 +3,7 @@
 `load_sharded_model(path, rank, size, placement)` never materialises an expert the rank does not hold,
 on the host or on its device:
 
-1. the model skeleton is built on the `meta` device (`AutoModelForCausalLM.from_config`);
+1. the model skeleton is built on the `meta` device (`auto_model_class(config).from_config`);
 2. the placement is checked on the skeleton (`permute_experts` on meta tensors only validates), then
    every MoE layer's fused expert tensors are cut, still on meta, to the P = E / D experts of block
    `rank` of the *placed* order, and the kernel is switched to "occult_ep" (the same `ExpertShard`
@@ -39,15 +39,23 @@ from torch import nn
 
 from ..apply import resolve_placement
 from ..checkpoint import read_block
-from ..checkpoint.load import load_tokenizer, local_model_dir, resolve_model_path, restore_occult
+from ..checkpoint.load import (
+    load_tokenizer,
+    local_model_dir,
+    read_model_config,
+    resolve_model_path,
+    restore_occult,
+)
 from ..dispatch import EXPERTS_IMPLEMENTATION, ExpertShard
 from ..fileio import read_json_object, reading
+from ..models.family import auto_model_class
 from ..models.registry import config_num_experts, find_moe_layers, get_arch, unwrap_model
 from ..placement import permute_experts
 from .expert_parallel import check_expert_parallel_size, expert_parallel_groups
 
 __all__ = [
     "SafetensorsReader",
+    "check_unquantized",
     "can_load_sharded",
     "load_sharded_model",
     "load_sharded_training_model",
@@ -203,14 +211,15 @@ def _fill_converted(model, reader, target, converter, sources, out, experts: lis
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
     patterns = [p for p in converter.source_patterns if p in sources]
-    ids = experts if experts is not None else sorted(sources[patterns[0]])
+    stacked = experts is not None and not any("*" in p for p in patterns)  # one tensor holds every expert
+    ids = sorted(sources[patterns[0]]) if experts is None or stacked else experts
     ops = converter.operations
     simple = (
         isinstance(ops[0], MergeModulelist)
         and ops[0].dim == 0
         and (len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1))
     )
-    if simple and (len(ops) == 2 or len(patterns) == 1):
+    if simple and not stacked and (len(ops) == 2 or len(patterns) == 1):
         # MergeModulelist(0) stacks the items; Concatenate(1) then joins the patterns along each item's rows
         for j, e in enumerate(ids):
             row = 0
@@ -240,18 +249,18 @@ def _fill_converted(model, reader, target, converter, sources, out, experts: lis
             config=model.config,
         )
     (value,) = collected.values()
+    if stacked:  # Inkling 2 stores the fused experts whole: convert them, then keep this rank's rows
+        value = value.index_select(0, torch.tensor(experts, device=value.device))
     out.copy_(value)
 
 
-def _expert_tensors(model: nn.Module) -> dict[str, tuple[object, str]]:
-    """model key of every fused expert tensor and router row tensor -> (MoE layer, kind)."""
+def _expert_tensors(model: nn.Module) -> dict[str, tuple[object, str, int]]:
+    """model key of every expert-indexed tensor (fused experts, router and block rows) -> (MoE layer,
+    kind, expert dim), kind "experts" or "router" (router and block tensors: all experts, placed order)."""
     out = {}
     for layer in find_moe_layers(model):
-        for name in layer.arch.expert_params:
-            out[f"{layer.name}.experts.{name}"] = (layer, "experts")
-        for name in layer.arch.router_params:
-            if getattr(layer.router, name, None) is not None:
-                out[f"{layer.name}.{layer.arch.router_attr}.{name}"] = (layer, "router")
+        for kind, path, dim in layer.expert_tensors():
+            out[f"{layer.name}.{path}"] = (layer, "experts" if kind == "experts" else "router", dim)
     return out
 
 
@@ -267,20 +276,23 @@ def _read(model: nn.Module, reader: SafetensorsReader, placement, only_placed: b
     for target, tensor in tensors.items():
         if target not in plan or (only_placed and target not in placed):
             continue
-        layer, kind = placed.get(target, (None, None))
+        layer, kind, dim = placed.get(target, (None, None, 0))
         order = placement.expert_order(layer.index).tolist() if layer is not None else None
         ids = None
+        whole = kind == "router" and dim != 0  # a (1, E) vector: read whole, then reorder its expert dim
         if kind == "experts":
             shard: ExpertShard = layer.experts.occult_shard
             start = shard.rank * shard.experts_per_device
             ids = order[start : start + shard.experts_per_device]
-        elif kind == "router":
+        elif kind == "router" and not whole:
             ids = order
         entry = plan[target]
         if entry[0] == "plain":
             reader.read_into(entry[1], tensor, rows=ids)
         else:
             _fill_converted(model, reader, target, entry[1], entry[2], tensor, ids)
+        if whole:
+            tensor.copy_(tensor.index_select(dim, torch.tensor(order, device=tensor.device)))
         tensor._is_hf_initialized = True
         done.add(target)
     return done
@@ -302,6 +314,21 @@ def _shard_on_meta(base: nn.Module, rank: int, size: int, group) -> None:
         experts.occult_shard = ExpertShard(group, rank, size, num_experts, per_device, names, previous)
         experts.num_experts = per_device
     base.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+
+
+def check_unquantized(config, path: str) -> None:
+    """Refuse a quantized checkpoint (FP8 DeepSeek-V3.2 / Kimi-K2 / MiniMax-M2, MXFP4 gpt-oss) in one line:
+    its tensors are codes and scales, which this loader would read as weights."""
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = (
+            quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        )
+        raise ValueError(
+            f"checkpoint {path!r} stores quantized weights (quant_method={method!r}); the expert-parallel "
+            "loader reads unquantized tensors only: dequantize it to a bf16 checkpoint first "
+            "(recipes/README.md, 'Quantized checkpoints')"
+        )
 
 
 def _checkpoint_dtype(reader: SafetensorsReader) -> torch.dtype:
@@ -326,21 +353,20 @@ def load_sharded_model(
     Returns:
         the model in eval mode, equal to `from_pretrained` + `permute_experts` + `shard_experts`.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if not 0 <= rank < size:
         raise ValueError(
             f"rank={rank} is outside the expert-parallel group of size {size}; use 0..{size - 1}"
         )
     path = local_model_dir(path)
+    config, _ = read_model_config(path)  # Kimi-K2's kimi_k2 reads as deepseek_v3
+    get_arch(config)  # an unsupported or refused type fails here, naming why
+    check_unquantized(config, path)
     reader = SafetensorsReader(path)
-    config = AutoConfig.from_pretrained(path)
     if dtype in (None, "auto"):
         dtype = getattr(config, "dtype", None) or _checkpoint_dtype(reader)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    get_arch(model)  # an unsupported type fails here, naming the supported ones
+        model = auto_model_class(config).from_config(config, dtype=dtype)
     check_expert_parallel_size(size, size, find_moe_layers(model)[0].num_experts)
     if placement is None or (isinstance(placement, str) and placement == "sequential"):
         placement = resolve_placement("sequential", model, size)  # the stored order
