@@ -286,6 +286,11 @@ def _share_weight_conversions():
     mapping = get_checkpoint_conversion_mapping({model_type!r})
     if mapping is not None:
         register_checkpoint_conversion_mapping({model_type!r}, mapping, overwrite=True)
+    # a mapping keyed by the stock class's name (Qwen3-Omni's thinker: `model.` -> `model.language_model.`)
+    # is looked up by class name, which is this class's own
+    mapping = get_checkpoint_conversion_mapping({base!r})
+    if mapping is not None:
+        register_checkpoint_conversion_mapping({cls!r}, mapping, overwrite=True)
 
 
 _share_weight_conversions()

@@ -210,7 +210,7 @@ class OccultConfig(TrainingArguments):
             "backward (same results). 1 turns it off."
         },
     )
-    exchange_capacity: str | None = field(
+    exchange_capacity: int | str | None = field(
         default=None,
         metadata={
             "help": "Capacity-bounded receive buffers for the flat exchange (no host synchronisation per "
