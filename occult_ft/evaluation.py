@@ -97,6 +97,7 @@ def evaluate_model(model, batches, num_devices: int | None = None, max_tokens: i
             mask_T = batch["attention_mask"].flatten().bool()
             for layer, router in pruned_routers(model):
                 rec = router.occult_record
+                assert rec is not None  # recording is on
                 ids[layer.index].append(rec.topk_ids[mask_T].cpu())
                 expert_device[layer.index] = router.occult_expert_device.cpu()
                 removed += rec.removed_mass[mask_T].double().sum().item()
@@ -211,7 +212,7 @@ def measure_checkpoint(
     report = routing_report(
         profile.topk_ids(), contiguous_expert_device(num_experts, int(devices)), int(devices), num_experts
     )
-    pruning = block.pruning if summary.pruned else None
+    pruning = block.pruning if block is not None and summary.pruned else None
     report.extra["model"] = os.path.basename(os.path.abspath(path))
     report.extra["max_devices_per_token"] = pruning.max_devices_per_token if pruning else None
     report.extra["max_nodes_per_token"] = pruning.max_nodes_per_token if pruning else None

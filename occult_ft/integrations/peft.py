@@ -26,6 +26,8 @@ adapter for loading into a sharded model.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -60,7 +62,7 @@ def is_peft_model(model: nn.Module) -> bool:
         and not hasattr(model, "peft_config")
         and isinstance(getattr(model, "module", None), nn.Module)
     ):
-        model, seen = model.module, seen + 1
+        model, seen = cast(nn.Module, model.module), seen + 1
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
@@ -115,7 +117,7 @@ def build_lora_config(
     targets = lora_targets(model, attention=attention)
     return LoraConfig(
         r=r,
-        lora_alpha=alpha,
+        lora_alpha=alpha,  # type: ignore[arg-type]  # PEFT annotates int; a float scales the same
         lora_dropout=dropout,
         target_modules=targets["target_modules"] or None,
         target_parameters=targets["target_parameters"],
@@ -172,7 +174,7 @@ def seeded_lora_init(peft_model: nn.Module, seed: int) -> None:
             getattr(base_experts(module), "occult_shard", None) if hasattr(module, "parameter_name") else None
         )
         for adapter, linear in lora_a.items():
-            rows, fan_in = linear.weight.shape
+            rows, fan_in = cast(torch.Tensor, linear.weight).shape
             start, full_rows = 0, rows
             if shard is not None and getattr(module, "occult_lora_shard", None) is None:
                 per_rank = rows // shard.experts_per_device
@@ -183,7 +185,7 @@ def seeded_lora_init(peft_model: nn.Module, seed: int) -> None:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}/{adapter}".encode()))
             bound = 1.0 / fan_in**0.5
             full = (torch.rand(full_rows, fan_in, generator=gen, dtype=torch.float64) * 2 - 1) * bound
-            linear.weight.copy_(full[start : start + rows].to(linear.weight.dtype))
+            cast(torch.Tensor, linear.weight).copy_(full[start : start + rows].to(linear.weight.dtype))
 
 
 def adopt_local_expert_lora(experts: nn.Module) -> list[nn.Parameter]:
@@ -192,7 +194,7 @@ def adopt_local_expert_lora(experts: nn.Module) -> list[nn.Parameter]:
     `shard_expert_lora` does after cutting: `occult_lora_shard = (E, start)`, factors marked as expert
     shards. Returns the factors."""
 
-    shard = base_experts(experts).occult_shard
+    shard: Any = base_experts(experts).occult_shard  # an ExpertShard set by shard_experts
     factors = []
     for wrapper in expert_lora_wrappers(experts):
         wrapper.occult_lora_shard = (shard.num_experts, shard.rank * shard.experts_per_device)
@@ -205,21 +207,21 @@ def adopt_local_expert_lora(experts: nn.Module) -> list[nn.Parameter]:
 
 
 # ---- expert parallelism: the expert LoRA factors shard with the experts -----------------------------
-def expert_lora_wrappers(experts: nn.Module) -> list[nn.Module]:
+def expert_lora_wrappers(experts: nn.Module) -> list[Any]:
     """PEFT's `ParamWrapper`s around a fused experts module, outermost first ([] without LoRA).
 
     PEFT nests one wrapper per targeted parameter (`experts` -> wrapper(down_proj) -> wrapper(gate_up_proj)
     -> the transformers experts module); each has `parameter_name`, `lora_A`, `lora_B` and `num_experts`.
     """
     wrappers = []
-    module = experts
+    module: Any = experts  # PEFT ParamWrappers: attributes set at run time
     while hasattr(module, "parameter_name") and isinstance(getattr(module, "base_layer", None), nn.Module):
         wrappers.append(module)
         module = module.base_layer
     return wrappers
 
 
-def _factor_blocks(wrapper: nn.Module, adapter: str, num_experts: int):
+def _factor_blocks(wrapper: Any, adapter: str, num_experts: int):
     """(A_ERI, B_ORE) views of one adapter's factors: A (r * E, in) -> (E, r, in), B (out, r * E) -> (out, r, E)."""
     a, b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
     return a.reshape(num_experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, num_experts)
@@ -228,7 +230,7 @@ def _factor_blocks(wrapper: nn.Module, adapter: str, num_experts: int):
 def _replace_weight(linear: nn.Linear, value: torch.Tensor, attr: str, size: int) -> nn.Parameter:
     old = linear.weight
     new = nn.Parameter(value.contiguous(), requires_grad=old.requires_grad)
-    new.occult_expert_shard = True
+    new.occult_expert_shard = True  # type: ignore[attr-defined]
     linear.weight = new
     setattr(linear, attr, size)  # keep nn.Linear's in/out_features true to the new shape
     return new
@@ -354,5 +356,5 @@ def _peft_top(model: nn.Module) -> nn.Module:
     for _ in range(4):
         if hasattr(model, "peft_config") or not isinstance(getattr(model, "module", None), nn.Module):
             break
-        model = model.module
+        model = cast(nn.Module, model.module)
     return model

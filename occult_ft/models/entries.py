@@ -12,6 +12,8 @@ config to `tiny.py`, and run `pytest tests/test_family.py -k <type>`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .arch import MoEArch
 
 __all__ = ["CORE_MODEL_TYPES", "ENTRIES", "REFUSED"]
@@ -31,7 +33,7 @@ def _v3(model_type: str, **fields) -> MoEArch:
     """DeepSeek-V3's router: sigmoid scores, a selection-only correction bias, group-limited top-k
     (`n_group` groups ranked by their top-2 sum, `topk_group` kept), `norm_topk_prob`,
     `routed_scaling_factor`."""
-    base = dict(
+    base: dict[str, Any] = dict(
         router_attr="gate",
         scoring="sigmoid",
         renormalize="norm_topk_prob",
@@ -64,7 +66,7 @@ def _logits(model_type: str, **fields) -> MoEArch:
 
 def _sigmoid_bias(model_type: str, **fields) -> MoEArch:
     """Sigmoid scores, a selection-only correction bias, top-k, renormalised (MiniMax-M2)."""
-    base = dict(
+    base: dict[str, Any] = dict(
         router_attr="gate",
         scoring="sigmoid",
         renormalize=True,

@@ -17,7 +17,9 @@ its scoring, renormalisation, scaling, correction bias, group routing; see `MoEA
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -131,21 +133,25 @@ class MoELayer:
         """The tensor at a path of `expert_tensors` (the active router copy under PEFT)."""
         head, _, rest = path.partition(".")
         if head == self.arch.router_attr and rest:
-            return _tensor_at(self.router, rest)
-        if head == "experts" and rest:
-            return _tensor_at(base_experts(self.experts), rest)
-        return _tensor_at(self.block, path)
+            found = _tensor_at(self.router, rest)
+        elif head == "experts" and rest:
+            found = _tensor_at(base_experts(self.experts), rest)
+        else:
+            found = _tensor_at(self.block, path)
+        if found is None:
+            raise KeyError(f"layer {self.index} has no tensor {path!r}; pass a path of expert_tensors()")
+        return found
 
 
 def base_experts(experts: nn.Module) -> nn.Module:
     """The transformers experts module inside PEFT's `ParamWrapper`s (`experts` itself without LoRA)."""
     while hasattr(experts, "parameter_name") and isinstance(getattr(experts, "base_layer", None), nn.Module):
-        experts = experts.base_layer
+        experts = cast(nn.Module, experts.base_layer)
     return experts
 
 
 def _tensor_at(owner: nn.Module, path: str) -> torch.Tensor | None:
-    obj = owner
+    obj: Any = owner
     for part in path.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
@@ -264,7 +270,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         if hasattr(model, "get_base_model") and callable(model.get_base_model):
             model = model.get_base_model()
         elif isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
+            model = cast(nn.Module, model.module)
         else:
             break
     return model
@@ -277,7 +283,7 @@ def _active_module(module: nn.Module) -> nn.Module:
         active = getattr(module, "active_adapter", None)
         if isinstance(active, (list, tuple)):
             active = active[0] if active else None
-        if active in to_save:
+        if isinstance(active, str) and active in to_save:
             return to_save[active]
         return next(iter(to_save.values()))
     return module
@@ -298,7 +304,14 @@ def find_moe_layers(model: nn.Module, check: bool = True) -> list[MoELayer]:
     base = unwrap_model(model)
     arch = get_arch(base)
     layers = [
-        MoELayer(index, name, block, _active_module(getattr(block, arch.router_attr)), block.experts, arch)
+        MoELayer(
+            index,
+            name,
+            block,
+            _active_module(getattr(block, arch.router_attr)),
+            cast(nn.Module, block.experts),
+            arch,
+        )
         for index, name, block in moe_blocks(arch, base)
     ]
     if not layers:
@@ -327,7 +340,7 @@ def moe_layer_indices(config) -> list[int]:
         enable_moe_block = False, 0 experts        no MoE layer at all
     """
     cfg = text_config(config)
-    get = cfg.get if isinstance(cfg, dict) else lambda key: getattr(cfg, key, None)
+    get: Callable[[str], Any] = cfg.get if isinstance(cfg, dict) else lambda key: getattr(cfg, key, None)
     n = int(get("num_hidden_layers"))
     if get("enable_moe_block") is False or config_num_experts(cfg) in (None, 0):
         return []

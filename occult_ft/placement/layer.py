@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from math import floor
+from typing import Any
 
 import torch
 
@@ -121,7 +122,7 @@ def _figures(ids_TK, dev_E, num_devices, num_nodes, budget) -> dict:
     """comm_complexity (sequential and placed) and load imbalance of one token set (and node level, pruned)."""
     num_experts = dev_E.shape[0]
     seq_E = torch.arange(num_experts) // (num_experts // num_devices)
-    out = dict(
+    out: dict[str, Any] = dict(
         tokens=int(ids_TK.shape[0]),
         comm_complexity_sequential=comm_complexity(ids_TK, seq_E, num_devices),
         comm_complexity=comm_complexity(ids_TK, dev_E, num_devices),
@@ -288,7 +289,7 @@ def compute_placement(
                 unit_groups = _place_in_routing_groups(
                     ids[fit], num_experts, num_devices, group_size, algorithm, num_nodes, options
                 )
-                placed = dict(
+                placed: dict[str, Any] = dict(
                     result=LayerResult(unit_groups, note="placed in whole routing groups: no bound"),
                     load_bound=max_load_imbalance,
                     seconds=time.perf_counter() - started,

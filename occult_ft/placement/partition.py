@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -577,7 +578,8 @@ def _dive(
     m = sets.num_experts
     chosen: list[np.ndarray] = []
     rest = np.arange(m)
-    cur_sets, cur_pool, lp = sets, pool, top
+    cur_sets, cur_pool = sets, pool
+    lp: _LP | None = top
     for level in range(num_groups - 1):
         if lp is None or lp.artificial or time.perf_counter() > deadline:
             return None
@@ -647,7 +649,7 @@ def solve_partition(
             return PartitionResult(_to_groups(G), value, value, True, "optimal")
         return PartitionResult([], np.inf, value, False, "infeasible")
 
-    state = {"G": None, "best": np.inf, "lower": sets.trivial_bound(size)}
+    state: dict[str, Any] = {"G": None, "best": np.inf, "lower": sets.trivial_bound(size)}  # G: (n, m) bool
     if bound is not None:
         state["lower"] = max(state["lower"], bound.min_total())
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -108,6 +109,20 @@ class RouterRecord:
     removed_mass: torch.Tensor
 
 
+if TYPE_CHECKING:
+
+    class PrunedRouter(nn.Module):
+        """The static view of a router after `apply_pruning` (its class is then a subclass of the model's
+        router class made by `_pruned_class`): the attributes it sets."""
+
+        occult_arch: MoEArch
+        occult_config: PruningConfig
+        occult_recording: bool
+        occult_keep_graph: bool
+        occult_record: RouterRecord | None
+        occult_expert_device: torch.Tensor  # (E,) buffer
+
+
 _PRUNED_CLASSES: dict[type, type] = {}
 
 
@@ -184,7 +199,7 @@ def apply_pruning(
                 "profile the model (occult-ft profile) or choose criterion='score'"
             )
     for layer in layers:
-        router = layer.router
+        router = cast("PrunedRouter", layer.router)
         router.__class__ = _pruned_class(type(router))
         router.occult_arch = layer.arch
         router.occult_config = config
@@ -210,10 +225,10 @@ def _set_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
         module.register_buffer(name, value, persistent=False)
 
 
-def pruned_routers(model: nn.Module) -> list[tuple[MoELayer, nn.Module]]:
+def pruned_routers(model: nn.Module) -> list[tuple[MoELayer, PrunedRouter]]:
     """(layer, router) for every router that `apply_pruning` prepared."""
     return [
-        (layer, layer.router)
+        (layer, cast("PrunedRouter", layer.router))
         for layer in find_moe_layers(model)
         if getattr(layer.router, "_occult_pruned", False)
     ]
@@ -278,8 +293,8 @@ def unpruned_routing(model: nn.Module, record: bool = False):
 def router_similarity(model: nn.Module) -> dict[int, torch.Tensor] | None:
     """The placed-order similarity tables held by `model`'s pruned routers (None when none holds one),
     detached on the CPU: what a checkpoint of the model must save beside its weights."""
-    tables = {
+    buffers = {
         layer.index: router._buffers.get("occult_similarity") for layer, router in pruned_routers(model)
     }
-    tables = {i: t.detach().float().cpu() for i, t in tables.items() if t is not None}
+    tables = {i: t.detach().float().cpu() for i, t in buffers.items() if t is not None}
     return tables or None

@@ -58,12 +58,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dispatch import configure_exchange, expert_shard_parameters, gather_experts_state_dict, shard_experts
+from ..dispatch import (
+    ExpertShard,
+    configure_exchange,
+    expert_shard_parameters,
+    gather_experts_state_dict,
+    shard_experts,
+)
 from ..integrations.deepspeed import (
     attach_moe_marker,
     check_deepspeed_config,
@@ -166,6 +173,7 @@ def _torch_groups(size: int) -> ExpertParallelGroups:
         group = dist.new_group(list(ranks))
         if rank in ranks:
             ep = (group, ranks)
+    assert ep is not None and edp is not None  # every rank is in one EP and one EDP group
     groups = ExpertParallelGroups(size, world, rank, ep[0], ep[1], edp[0], edp[1], "torch")
     _TORCH_GROUPS[key] = groups
     return groups
@@ -252,7 +260,7 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
         if read_sharded:  # LoRA was applied to the local experts: its factors are already this block's
             adopt_local_expert_lora(layer.experts)
             continue
-        shard = base_experts(layer.experts).occult_shard
+        shard = cast(ExpertShard, base_experts(layer.experts).occult_shard)
         shard_expert_lora(layer.experts, shard.rank * shard.experts_per_device, shard.experts_per_device)
     # DDP wraps `model` (the PEFT model under LoRA): name the shards as its named_parameters does
     top = _strip_wrappers(model)
@@ -266,7 +274,7 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
     return groups
 
 
-def _lora_factors(wrapper: nn.Module) -> list[nn.Parameter]:
+def _lora_factors(wrapper: Any) -> list[nn.Parameter]:  # a PEFT ParamWrapper
     return [getattr(wrapper, w)[a].weight for a in wrapper.lora_A.keys() for w in ("lora_A", "lora_B")]
 
 
@@ -285,7 +293,7 @@ def _strip_wrappers(model: nn.Module) -> nn.Module:
     for _ in range(4):
         if hasattr(model, "peft_config") or not isinstance(getattr(model, "module", None), nn.Module):
             break
-        model = model.module
+        model = cast(nn.Module, model.module)
     return model
 
 
@@ -327,7 +335,8 @@ def clip_expert_parallel_grad_norm(
     once by summing the shards' squared norms over the EP group. `max_norm=inf` only measures.
     Collective over the EP group: call on every rank.
     """
-    replicated, shards = [], []
+    replicated: list[torch.Tensor] = []
+    shards: list[torch.Tensor] = []
     for p in unwrap_model(model).parameters():
         if p.grad is None:
             continue
@@ -372,9 +381,9 @@ def gathered_state_dict(
             shard = getattr(base_experts(layer.experts), "occult_shard", None)
             if shard is None:
                 continue
-            for param, full in gather_expert_lora(layer.experts, shard.group, shard.num_devices):
+            for param, value in gather_expert_lora(layer.experts, shard.group, shard.num_devices):
                 if names[id(param)] in out:
-                    out[names[id(param)]] = full
+                    out[names[id(param)]] = value
         return out
     full = gather_experts_state_dict(model)
     if state_dict is None:
@@ -441,7 +450,7 @@ def load_expert_shards(model: nn.Module, checkpoint: str) -> None:
         raise ValueError(
             f"checkpoint {checkpoint!r} has no config.json with HF weights; it cannot restore the expert shards"
         )
-    loaded = type(base).from_pretrained(checkpoint, dtype=next(base.parameters()).dtype)
+    loaded = type(base).from_pretrained(checkpoint, dtype=next(base.parameters()).dtype)  # type: ignore[attr-defined]
     state = shard_state_dict(base, loaded.state_dict())
     del loaded
     for name, param in expert_shard_parameters(base):
@@ -494,8 +503,9 @@ def load_sharded_adapter(model: nn.Module, checkpoint: str) -> None:
 
     top = _strip_wrappers(model)
     weights = shard_adapter_weights(top, load_peft_weights(checkpoint, device="cpu"))
-    adapter = top.active_adapters[0] if getattr(top, "active_adapters", None) else "default"
-    result = set_peft_model_state_dict(top, weights, adapter_name=adapter)
+    adapter = top.active_adapters[0] if getattr(top, "active_adapters", None) else "default"  # type: ignore[index]
+    # load_state_dict's (missing_keys, unexpected_keys); PEFT annotates it as the `namedtuple` function
+    result: Any = set_peft_model_state_dict(top, weights, adapter_name=adapter)
     if result.unexpected_keys:
         raise ValueError(
             f"checkpoint {checkpoint!r} has adapter weights this model lacks ({result.unexpected_keys[:4]}); "

@@ -5,6 +5,7 @@ active) or an occult_ft LoRA adapter directory; and the checks that need the loa
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from .config import OccultConfig, check_before_loading
 __all__ = ["load_training_model", "check_seq_len", "may_move_to"]
 
 
-def load_training_model(path: str, args: OccultConfig):
+def load_training_model(path: str, args: OccultConfig) -> tuple[nn.Module, Any]:
     """(model, tokenizer) for `path`: a model dir or Hub id, `embedded`, a pruned checkpoint (pruning
     active) or an occult_ft LoRA adapter directory (loaded trainable)."""
     if path == "embedded":
@@ -36,7 +37,7 @@ def load_training_model(path: str, args: OccultConfig):
         else from_pretrained(path, dtype=dtype)
     )
     tokenizer = None
-    sources = [path] + ([unwrap_model(model).config._name_or_path] if is_adapter else [])
+    sources = [path] + ([unwrap_model(model).config._name_or_path] if is_adapter else [])  # type: ignore[list-item, union-attr]
     for source in sources:
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)

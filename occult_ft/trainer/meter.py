@@ -20,6 +20,7 @@ Shape legend: T tokens, K experts per token, E experts, D devices.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 
@@ -58,10 +59,12 @@ class RoutingMeter:
         self._sums: torch.Tensor | None = None
         self._max: torch.Tensor | None = None
 
-    def _ensure(self, device) -> None:
+    def _ensure(self, device) -> torch.Tensor:
+        """The running sums (created with the running max on `device` at first use)."""
         if self._sums is None:
             self._sums = torch.zeros(_SLOTS, dtype=torch.float64, device=device)
             self._max = torch.zeros((), dtype=torch.float64, device=device)
+        return self._sums
 
     @torch.no_grad()
     def update(
@@ -82,7 +85,7 @@ class RoutingMeter:
             tokens, k = ids_TK.shape
             if tokens == 0:
                 continue
-            self._ensure(ids_TK.device)
+            s = self._ensure(ids_TK.device)
             # masked tokens are weighted 0, not selected: boolean indexing would read the mask on the host
             if mask_T is not None and mask_T.numel() == tokens:
                 keep_T = mask_T.to(ids_TK.device).double()
@@ -96,7 +99,6 @@ class RoutingMeter:
             load_D = reached_TD.sum(dim=0)
             real = keep_T.sum()
             seen = (real > 0).double()
-            s = self._sums
             s[_COMM] += per_token_T.sum()
             s[_TOKENS] += real
             s[_INTRA] += ((counts_TD * (counts_TD - 1) / 2) * keep_T[:, None]).sum()
@@ -104,21 +106,21 @@ class RoutingMeter:
             s[_REMOVED] += (removed_T.double() * keep_T).sum()
             s[_IMB] += seen * load_D.max() / load_D.mean().clamp_min(1e-12)
             s[_IMB_N] += seen
-            self._max = torch.maximum(self._max, per_token_T.max())
+            self._max = torch.maximum(cast(torch.Tensor, self._max), per_token_T.max())
 
     @torch.no_grad()
     def add_balance_loss(self, value: torch.Tensor) -> None:
         """Add one micro-batch's (unscaled) balance loss."""
-        self._ensure(value.device)
-        self._sums[_BAL] += value.detach().double()
-        self._sums[_BAL_N] += 1
+        sums = self._ensure(value.device)
+        sums[_BAL] += value.detach().double()
+        sums[_BAL_N] += 1
 
     @torch.no_grad()
     def add_padding(self, mask_BS: torch.Tensor) -> None:
         """Add one micro-batch's padding: `mask_BS` is 1 on real tokens, 0 on padding."""
-        self._ensure(mask_BS.device)
-        self._sums[_PAD] += (mask_BS == 0).sum().double()
-        self._sums[_POSITIONS] += mask_BS.numel()
+        sums = self._ensure(mask_BS.device)
+        sums[_PAD] += (mask_BS == 0).sum().double()
+        sums[_POSITIONS] += mask_BS.numel()
 
     def summary(self, reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None) -> dict[str, float]:
         """Averages since the last reset (then resets).
@@ -132,12 +134,12 @@ class RoutingMeter:
         sums, peak = self._sums, self._max
         if reduce is not None:
             # every rank must take part in the collective, even one that saw no tokens
-            if sums is None:
+            if sums is None or peak is None:
                 sums = torch.zeros(_SLOTS, dtype=torch.float64)
                 peak = torch.zeros((), dtype=torch.float64)
             sums, peak = reduce(sums, "sum"), reduce(peak, "max")
         self.reset()
-        if sums is None:
+        if sums is None or peak is None:  # both are set together
             return {}
         v = sums.tolist()
         out: dict[str, float] = {}

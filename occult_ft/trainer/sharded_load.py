@@ -30,9 +30,11 @@ Shape legend: E experts of a layer, D expert-parallel size, P = E / D, H hidden,
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -49,7 +51,7 @@ from ..checkpoint.load import (
 from ..dispatch import EXPERTS_IMPLEMENTATION, ExpertShard
 from ..fileio import read_json_object, reading
 from ..models.family import auto_model_class
-from ..models.registry import config_num_experts, find_moe_layers, get_arch, unwrap_model
+from ..models.registry import MoELayer, config_num_experts, find_moe_layers, get_arch, unwrap_model
 from ..placement import permute_experts
 from .expert_parallel import check_expert_parallel_size, expert_parallel_groups
 
@@ -122,7 +124,7 @@ class SafetensorsReader:
                     )
                 start = 8 + size + int(meta["data_offsets"][0])
                 self.entries[key] = (path, _DTYPES[meta["dtype"]], tuple(meta["shape"]), start)
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, io.BufferedReader] = {}
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.entries[key][2]
@@ -144,7 +146,7 @@ class SafetensorsReader:
         row_bytes = flat[0].numel() * flat.element_size() if flat.shape[0] else 0
         for j, row in enumerate(rows if rows is not None else [0]):
             fh.seek(start + row * row_bytes)
-            fh.readinto(memoryview(flat[j].view(torch.uint8).numpy()))
+            fh.readinto(memoryview(flat[j].view(torch.uint8).numpy()))  # type: ignore[arg-type]
         if not direct:
             out.copy_(target)
 
@@ -178,7 +180,7 @@ def _conversions(model: nn.Module):
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     return [t for t in transforms if not isinstance(t, WeightConverter)], converters
 
@@ -191,7 +193,7 @@ def _plan(model: nn.Module, reader: SafetensorsReader):
     meta_state = model.state_dict()
     plan: dict[str, tuple] = {}
     for key in reader.entries:
-        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_state)
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_state)  # type: ignore[arg-type]
         if pattern is None:
             plan[target] = ("plain", key)
             continue
@@ -231,7 +233,7 @@ def _fill_converted(model, reader, target, converter, sources, out, experts: lis
             if row != out.shape[1]:
                 raise ValueError(f"{target}: checkpoint rows {row} do not fill the model's {out.shape[1]}")
         return
-    collected = {}
+    collected: dict[str, Any] = {}  # pattern -> per-item tensors, then what the converter ops make
     for p in patterns:
         collected[p] = []
         for e in ids:
@@ -254,7 +256,7 @@ def _fill_converted(model, reader, target, converter, sources, out, experts: lis
     out.copy_(value)
 
 
-def _expert_tensors(model: nn.Module) -> dict[str, tuple[object, str, int]]:
+def _expert_tensors(model: nn.Module) -> dict[str, tuple[MoELayer, str, int]]:
     """model key of every expert-indexed tensor (fused experts, router and block rows) -> (MoE layer,
     kind, expert dim), kind "experts" or "router" (router and block tensors: all experts, placed order)."""
     out = {}
@@ -270,7 +272,7 @@ def _read(model: nn.Module, reader: SafetensorsReader, placement, only_placed: b
     `only_placed`); returns the model keys that were read."""
     plan = _plan(model, reader)
     placed = _expert_tensors(model)
-    tensors = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
     done = set()
     for target, tensor in tensors.items():
@@ -281,7 +283,8 @@ def _read(model: nn.Module, reader: SafetensorsReader, placement, only_placed: b
         ids = None
         whole = kind == "router" and dim != 0  # a (1, E) vector: read whole, then reorder its expert dim
         if kind == "experts":
-            shard: ExpertShard = layer.experts.occult_shard
+            assert layer is not None and order is not None  # expert tensors come from an MoE layer
+            shard = cast(ExpertShard, layer.experts.occult_shard)
             start = shard.rank * shard.experts_per_device
             ids = order[start : start + shard.experts_per_device]
         elif kind == "router" and not whole:
@@ -293,7 +296,7 @@ def _read(model: nn.Module, reader: SafetensorsReader, placement, only_placed: b
             _fill_converted(model, reader, target, entry[1], entry[2], tensor, ids)
         if whole:
             tensor.copy_(tensor.index_select(dim, torch.tensor(order, device=tensor.device)))
-        tensor._is_hf_initialized = True
+        tensor._is_hf_initialized = True  # type: ignore[attr-defined]
         done.add(target)
     return done
 
@@ -301,7 +304,7 @@ def _read(model: nn.Module, reader: SafetensorsReader, placement, only_placed: b
 # ---- building the model ---------------------------------------------------------------------------------
 def _shard_on_meta(base: nn.Module, rank: int, size: int, group) -> None:
     """`shard_experts` on the meta skeleton: every layer keeps P = E / D experts (still meta)."""
-    previous = base.config._experts_implementation
+    previous: str | None = base.config._experts_implementation  # type: ignore[union-attr, assignment]
     for layer in find_moe_layers(base):
         experts, names = layer.experts, tuple(layer.arch.expert_params)
         num_experts = int(getattr(experts, names[0]).shape[0])
@@ -309,11 +312,11 @@ def _shard_on_meta(base: nn.Module, rank: int, size: int, group) -> None:
         for name in names:
             full = getattr(experts, name)
             shard = nn.Parameter(full.detach()[:per_device].clone(), requires_grad=full.requires_grad)
-            shard.occult_expert_shard = True
+            shard.occult_expert_shard = True  # type: ignore[attr-defined]
             setattr(experts, name, shard)
-        experts.occult_shard = ExpertShard(group, rank, size, num_experts, per_device, names, previous)
-        experts.num_experts = per_device
-    base.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        experts.occult_shard = ExpertShard(group, rank, size, num_experts, per_device, names, previous)  # type: ignore[assignment]
+        experts.num_experts = per_device  # type: ignore[assignment]
+    base.set_experts_implementation(EXPERTS_IMPLEMENTATION)  # type: ignore[operator]
 
 
 def check_unquantized(config, path: str) -> None:
@@ -375,7 +378,7 @@ def load_sharded_model(
     _shard_on_meta(model, rank, size, group)
     model.to_empty(device=device or "cpu")  # new Parameter objects: mark the shards again
     for layer in find_moe_layers(model):
-        for name in layer.experts.occult_shard.param_names:
+        for name in cast(ExpertShard, layer.experts.occult_shard).param_names:
             getattr(layer.experts, name).occult_expert_shard = True
     try:
         done = _read(model, reader, placement, only_placed=False)
@@ -388,7 +391,7 @@ def load_sharded_model(
 
 def _finish(model: nn.Module, done: set[str], path: str) -> None:
     """Tie weights, initialise what the checkpoint lacks (non-persistent buffers) and refuse gaps."""
-    model.tie_weights()
+    model.tie_weights()  # type: ignore[operator]
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     persistent = set(model.state_dict())
     missing = sorted(k for k in persistent - done - tied)
@@ -402,9 +405,9 @@ def _finish(model: nn.Module, done: set[str], path: str) -> None:
             b for b in module.buffers(recurse=False) if b is not None
         ]
         if own and all(getattr(t, "_is_hf_initialized", False) for t in own):
-            module._is_hf_initialized = True
-    model.initialize_weights()
-    model.config._name_or_path = path
+            module._is_hf_initialized = True  # type: ignore[assignment]
+    model.initialize_weights()  # type: ignore[operator]
+    model.config._name_or_path = path  # type: ignore[union-attr]
     model.eval()
 
 
@@ -419,17 +422,17 @@ def place_sharded(model: nn.Module, placement) -> None:
     (nothing happens when it was read in that order already)."""
 
     base = unwrap_model(model)
-    path, current = base.occult_sharded_source
+    path, current = cast(tuple, base.occult_sharded_source)
     placement = resolve_placement(placement, base, None)
     if _same_order(placement, current):
-        base.occult_sharded_source = (path, placement)
+        base.occult_sharded_source = (path, placement)  # type: ignore[assignment]
         return
     reader = SafetensorsReader(path)
     try:
         _read(base, reader, placement, only_placed=True)
     finally:
         reader.close()
-    base.occult_sharded_source = (path, placement)
+    base.occult_sharded_source = (path, placement)  # type: ignore[assignment]
 
 
 def _same_order(a, b) -> bool:
@@ -437,7 +440,7 @@ def _same_order(a, b) -> bool:
     return a.layers == b.layers and all(torch.equal(a.expert_order(i), b.expert_order(i)) for i in a.layers)
 
 
-def load_sharded_training_model(path: str, args, placement=None):
+def load_sharded_training_model(path: str, args, placement=None) -> tuple[nn.Module, Any]:
     """(model, tokenizer) for `OccultTrainer` under expert parallelism: this rank's shard only.
 
     The placement read is `placement` (a `Placement`), else `args.placement` when it is a file or

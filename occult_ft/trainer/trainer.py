@@ -99,6 +99,8 @@ class OccultTrainer(Trainer):
         occult: the `OccultSetup` (pruning config, placement, similarity tables, expert -> device maps).
     """
 
+    args: OccultConfig  # checked in __init__
+
     def __init__(
         self,
         model: nn.Module | str | None = None,
@@ -158,6 +160,7 @@ class OccultTrainer(Trainer):
             processing_class=processing_class,
             **kwargs,
         )
+        assert args.devices is not None and self.model is not None  # OccultConfig resolves devices
         self._meters = {"train": RoutingMeter(args.devices), "eval": RoutingMeter(args.devices)}
         self._routers = pruned_routers(self.model)
         self._distill_kl_sum, self._distill_kl_count = torch.zeros((), dtype=torch.float64), 0
@@ -350,6 +353,7 @@ class OccultTrainer(Trainer):
             return
 
         output_dir = self.args.output_dir
+        assert output_dir is not None  # TrainingArguments sets a default
         figure = None
         data = self.args.eval_dataset or self.args.dataset or "embedded"
         try:
@@ -386,7 +390,7 @@ class OccultTrainer(Trainer):
 
         try:
             write_model_card(
-                output_dir if output_dir is not None else self.args.output_dir,
+                output_dir if output_dir is not None else self.args.output_dir,  # type: ignore[arg-type]
                 repo_id=getattr(self, "hub_model_id", None) or self.args.hub_model_id,
                 eval_results=last_eval_metrics(self.state.log_history) or None,
             )
@@ -423,7 +427,7 @@ class OccultTrainer(Trainer):
         if load_checkpoint_weights(self, best):
             return
         super()._load_best_model()
-        if self.expert_parallel is not None and self.is_deepspeed_enabled:
+        if self.expert_parallel is not None and self.is_deepspeed_enabled and best is not None:
             restore_expert_shards(self, best)
 
     def train(
