@@ -50,7 +50,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dispatch import Exchange, FlatExchange, PerExpertExchange, TwoStageExchange
+from ..dispatch import (
+    Exchange,
+    FlatExchange,
+    PerExpertExchange,
+    ReceivedRows,
+    TwoStageExchange,
+    TwoStageHandle,
+)
 from ..layout import ExpertLayout
 
 __all__ = ["CollectiveClock", "BackendRun", "build_exchange", "init_deepspeed_comm"]
@@ -106,7 +113,7 @@ class CollectiveClock:
         try:
             import transformers.distributed.expert_parallel as hf_ep
         except ImportError:
-            hf_ep = None
+            hf_ep = None  # type: ignore[assignment]
         if hf_ep is not None:
             self._patch(hf_ep, "all_to_all_single", 1, "input")
             self._patch(hf_ep, "all_to_all_single_autograd", 0, "input", functional=True)
@@ -278,7 +285,7 @@ class CapacityReplicaRun(BackendRun):
             top = counts_E.max().reshape(1).clone()
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
             capacity = int(top)
-            self.max_count = counts_E.max().reshape(1)
+            self.max_count: torch.Tensor | None = counts_E.max().reshape(1)
         else:
             capacity = max(math.ceil(num_tokens / num_experts * capacity_factor * k), min_capacity)
             self.max_count = None
@@ -325,8 +332,10 @@ class OccultRun(BackendRun):
         self.args = (hidden_TH, topk_ids_TK, weights_TK.to(hidden_TH.dtype))
         _, _, handle = exchange.dispatch(*self.args)  # a trial run, for the volumes
         if exchange.name != "two_stage":
+            assert isinstance(handle, ReceivedRows)  # the one-stage exchanges' handle
             self.send_rows_D = list(handle.layout.send_splits)
             return
+        assert isinstance(exchange, TwoStageExchange) and isinstance(handle, TwoStageHandle)
         groups = exchange.groups
         world, local_size = groups.num_devices, groups.local_size
         self.send_rows_D = [0] * world
@@ -382,7 +391,7 @@ def build_exchange(
         )
     num_devices = dist.get_world_size(group)
     if name == "per_expert":
-        exchange = PerExpertExchange(ExpertLayout(num_experts, num_devices), group)
+        exchange: FlatExchange = PerExpertExchange(ExpertLayout(num_experts, num_devices), group)
         return OccultRun(name, exchange, hidden_TH, topk_ids_TK, weights_TK)
     if name == "hf_native_ep":
         if mesh is None:

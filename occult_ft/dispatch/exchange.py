@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,7 @@ from .local import local_experts_forward, num_local_experts
 __all__ = [
     "Exchange",
     "ReceivedRows",
+    "ExchangeHandle",
     "FlatExchange",
     "PerExpertExchange",
     "moe_forward",
@@ -73,6 +75,16 @@ __all__ = [
     "send_rows",
     "return_rows",
 ]
+
+
+class ExchangeHandle(Protocol):
+    """What the local experts read from a dispatch handle (`ReceivedRows`, `TwoStageHandle`)."""
+
+    @property
+    def recv_local_ids_RJ(self) -> torch.Tensor: ...
+
+    @property
+    def expert_counts(self) -> tuple[int, ...] | str | None: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,7 +142,7 @@ class Exchange(ABC):
     @abstractmethod
     def dispatch(
         self, hidden_TH: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, object]:
+    ) -> tuple[torch.Tensor, torch.Tensor, ExchangeHandle]:
         """Send this rank's tokens to the devices of their experts.
 
         Args:

@@ -214,7 +214,7 @@ def shard_experts_module(
         full = getattr(experts, name)
         block = full.detach()[rank * per_device : (rank + 1) * per_device].clone()
         shard = nn.Parameter(block, requires_grad=full.requires_grad)
-        shard.occult_expert_shard = True
+        shard.occult_expert_shard = True  # type: ignore[attr-defined]
         setattr(experts, name, shard)
     record = ExpertShard(
         group,
@@ -226,8 +226,8 @@ def shard_experts_module(
         previous_implementation,
         nodes,
     )
-    experts.occult_shard = record
-    experts.num_experts = per_device  # the module now holds P experts; stock kernels would see P
+    experts.occult_shard = record  # type: ignore[assignment]
+    experts.num_experts = per_device  # type: ignore[assignment]  # the module now holds P experts; stock kernels would see P
     return record
 
 
@@ -251,7 +251,7 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, node
             or the model is already sharded.
     """
     base = unwrap_model(model)
-    previous = base.config._experts_implementation
+    previous: str | None = base.config._experts_implementation  # type: ignore[union-attr, assignment]
     for layer in find_moe_layers(base):
         try:
             shard_experts_module(
@@ -261,7 +261,7 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, node
             raise ValueError(f"{layer.name}.experts: {err}") from None
     if nodes > 1:
         node_groups(nodes, group)  # every rank builds the sub-groups now, not inside a forward
-    base.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    base.set_experts_implementation(EXPERTS_IMPLEMENTATION)  # type: ignore[operator]
     return model
 
 
@@ -365,5 +365,5 @@ def gather_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
         del experts.occult_shard
         previous = shard.previous_implementation
     if previous is not None and previous != EXPERTS_IMPLEMENTATION:
-        base.set_experts_implementation(previous)
+        base.set_experts_implementation(previous)  # type: ignore[operator]
     return model

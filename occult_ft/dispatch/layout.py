@@ -286,6 +286,7 @@ def layout_from_plan(plan: RowPlan, send_splits: tuple[int, ...]) -> DispatchLay
     d, p = layout.num_devices, layout.experts_per_device
     num_rows = sum(send_splits)
     if plan.kind == "dedup":
+        assert plan.present_DT is not None  # a dedup plan has it
         flat_X = plan.present_DT.reshape(-1)  # (D * T): device-major, tokens ascending = the send order
         pairs_S = torch.argsort((~flat_X).to(torch.int8), stable=True)[:num_rows]
         send_device_S, send_token_S = pairs_S // max(t, 1), pairs_S % max(t, 1)
@@ -294,6 +295,7 @@ def layout_from_plan(plan: RowPlan, send_splits: tuple[int, ...]) -> DispatchLay
         gathered_SK = plan.weights_TK[send_token_S]
         send_weights_SK = torch.where(local_SK, gathered_SK, torch.zeros_like(gathered_SK))
     else:
+        assert plan.order_N is not None  # a per-expert plan has it
         pair_S = plan.order_N[:num_rows]
         send_token_S = pair_S // k
         send_device_S = plan.slot_device_TK.reshape(-1)[pair_S]
@@ -339,6 +341,7 @@ def capacity_layout(plan: RowPlan, capacity: int) -> DispatchLayout:
             f"lost; raise the capacity to at least {t} (tokens per rank per forward)"
         )
     d, dev = layout.num_devices, plan.slot_device_TK.device
+    assert plan.present_DT is not None  # a dedup plan has it
     pos_DT = plan.present_DT.long().cumsum(dim=1) - 1
     slot_DT = torch.arange(d, device=dev)[:, None] * capacity + pos_DT
     target_X = torch.where(plan.present_DT, slot_DT, d * capacity).reshape(-1)

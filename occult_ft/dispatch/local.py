@@ -105,6 +105,8 @@ def grouped_linear(
             if bias_NO is None
             else (F.grouped_mm(x_NI, w_EIO, offs=offs_E) + bias_NO)
         )
+    if counts is None:
+        raise ValueError("grouped_linear needs counts (E ints) or offs_E (block ends on the device)")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "grouped_mm" and not hasattr(F, "grouped_mm"):
@@ -170,8 +172,9 @@ def local_experts_forward(
     # Sort (row, slot) pairs by expert; the sentinel sorts last as key P and is cut off.
     key_N = torch.where(ids_N == LOCAL_SENTINEL, num_local, ids_N)
     if counts == "device" and backend != "loop":
-        row_bytes = [w[n].shape[i] * w[n].element_size() for n in ("up_EIO", "down_EIO") for i in (1, 2)]
-        usable = all(_grouped_mm_supported(w[n]) for n in ("up_EIO", "down_EIO"))
+        mats = (w["up_EIO"], w["down_EIO"])
+        row_bytes = [m.shape[i] * m.element_size() for m in mats for i in (1, 2)]
+        usable = all(_grouped_mm_supported(m) for m in mats)
         if ids_N.numel() and usable and all(b % 16 == 0 for b in row_bytes):
             return _device_counted(x_RH, key_N, weights_RK, experts, w, num_local, top_k)
     if counts is None or counts == "device":
@@ -198,7 +201,7 @@ def local_experts_forward(
     down_bias = w["down_bias_EO"][expert_g] if w["down_bias_EO"] is not None else None
     y_g = grouped_linear(mid_g, w["down_EIO"], counts, down_bias, backend)
     if getattr(experts, "has_post_expert_norm", False):
-        y_g = experts.post_expert_norm(y_g)
+        y_g = experts.post_expert_norm(y_g)  # type: ignore[operator]
     weighted_g = y_g * weights_RK.reshape(-1)[pair_g].unsqueeze(-1)
     return _sum_slots(weighted_g, pair_g, num_rows, top_k).to(x_RH.dtype)
 

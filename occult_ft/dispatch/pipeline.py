@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .comm import exchange_meta, start_exchange
-from .exchange import FlatExchange, moe_forward, read_counts
+from .exchange import Exchange, FlatExchange, moe_forward, read_counts
 from .layout import layout_from_plan
 from .local import local_experts_forward, num_local_experts
 from .reference import expert_weights
@@ -166,7 +166,7 @@ def pipelined_moe_forward(
     topk_ids_TK: torch.Tensor,
     weights_TK: torch.Tensor,
     experts: nn.Module,
-    exchange: FlatExchange,
+    exchange: Exchange,
     chunks: int,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -203,7 +203,9 @@ def pipelined_moe_forward(
     # too: the output then needs a backward whenever they train, even if neither the hidden states nor
     # the gate weights do (a frozen router on frozen embeddings); their gradients flow inside backward.
     anchors = (
-        [t for t in expert_weights(experts).values() if t is not None and t.requires_grad] if graph else []
+        [t for t in expert_weights(experts).values() if isinstance(t, torch.Tensor) and t.requires_grad]
+        if graph
+        else []
     )
     return _PipelinedMoE.apply(
         hidden_TH, weights_TK, topk_ids_TK, experts, exchange, chunks, backend, graph, *anchors

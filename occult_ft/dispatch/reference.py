@@ -15,11 +15,19 @@ Shape legend:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypedDict, cast
 
 import torch
 from torch import nn
 
-__all__ = ["ExpertFn", "reference_moe", "experts_module_fn", "expert_weights", "expert_activation"]
+__all__ = [
+    "ExpertFn",
+    "ExpertWeights",
+    "reference_moe",
+    "experts_module_fn",
+    "expert_weights",
+    "expert_activation",
+]
 
 # expert_fn(expert_id, x_NH) -> y_NH: the output of one expert on N rows.
 ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
@@ -59,7 +67,16 @@ def reference_moe(
     return torch.stack(rows).to(hidden_TH.dtype)
 
 
-def expert_weights(experts: nn.Module) -> dict[str, torch.Tensor | None]:
+class ExpertWeights(TypedDict):
+    """The fused expert parameters of `expert_weights`, (E, in, out) views."""
+
+    up_EIO: torch.Tensor
+    up_bias_EO: torch.Tensor | None
+    down_EIO: torch.Tensor
+    down_bias_EO: torch.Tensor | None
+
+
+def expert_weights(experts: nn.Module) -> ExpertWeights:
     """The fused parameters of a transformers experts module in one orientation: (E, in, out).
 
     transformers stores `gate_up_proj` as (E, 2I, H) and `down_proj` as (E, H, I) (`nn.Linear`
@@ -75,14 +92,14 @@ def expert_weights(experts: nn.Module) -> dict[str, torch.Tensor | None]:
     has_bias = getattr(experts, "has_bias", False)
     transposed = getattr(experts, "is_transposed", False)
     up_name = "gate_up_proj" if has_gate else "up_proj"
-    up, down = getattr(experts, up_name), experts.down_proj
+    up, down = getattr(experts, up_name), cast(torch.Tensor, experts.down_proj)
     if not transposed:
         up, down = up.transpose(1, 2), down.transpose(1, 2)
     return {
         "up_EIO": up,
         "up_bias_EO": getattr(experts, f"{up_name}_bias") if has_bias else None,
         "down_EIO": down,
-        "down_bias_EO": experts.down_proj_bias if has_bias else None,
+        "down_bias_EO": cast(torch.Tensor, experts.down_proj_bias) if has_bias else None,
     }
 
 
@@ -91,8 +108,8 @@ def expert_activation(experts: nn.Module, proj_NO: torch.Tensor) -> torch.Tensor
     clamped, interleaved SwiGLU; plain `act_fn` for gateless experts), then its optional post-norm is
     applied by the caller."""
     if getattr(experts, "has_gate", True):
-        return experts._apply_gate(proj_NO)
-    return experts.act_fn(proj_NO)
+        return experts._apply_gate(proj_NO)  # type: ignore[operator]
+    return experts.act_fn(proj_NO)  # type: ignore[operator]
 
 
 def experts_module_fn(experts: nn.Module) -> ExpertFn:
@@ -113,7 +130,7 @@ def experts_module_fn(experts: nn.Module) -> ExpertFn:
         if w["down_bias_EO"] is not None:
             y_NH = y_NH + w["down_bias_EO"][expert_id]
         if getattr(experts, "has_post_expert_norm", False):
-            y_NH = experts.post_expert_norm(y_NH)
+            y_NH = experts.post_expert_norm(y_NH)  # type: ignore[operator]
         return y_NH
 
     return expert_fn
