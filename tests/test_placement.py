@@ -31,7 +31,8 @@ from occult_ft.placement import (
     sequential_placement,
     solve_layer,
 )
-from occult_ft.placement.core import divisors, incidence, level_totals, two_level
+from occult_ft.placement.algorithms import occult
+from occult_ft.placement.core import LayerResult, divisors, incidence, level_totals, two_level
 from occult_ft.placement.layer import split_holdout
 from occult_ft.placement.lns import pair_move
 from occult_ft.placement.partition import LoadBound, TokenSets, price, solve_partition
@@ -589,6 +590,19 @@ def test_hierarchical_search_is_never_worse_than_hierarchical_occult_at_either_l
         plain = level_totals(x_TE, two_level(ids, 32, 8, 2, search, seed=0), 8, 2)
         nodes_first_worse += plain[1] > level_totals(x_TE, occult.groups[i], 8, 2)[1]
     assert nodes_first_worse >= 1
+
+
+def test_two_level_takes_a_solver_that_returns_a_layer_result():
+    # a registered `solve` may return groups or a LayerResult; the default N > 1 path (two_level, both
+    # levels with `solve`) used to iterate the LayerResult itself and fail
+    ids = random_routing(16, top_k=2, tokens=256, seed=0)
+
+    def as_result(x_TE, num_devices):
+        return LayerResult(occult(x_TE, num_devices), note="wrapped")
+
+    expected = two_level(ids, 16, 4, 2, occult)
+    assert two_level(ids, 16, 4, 2, as_result) == expected
+    assert sorted(e for g in expected for e in g) == list(range(16))
 
 
 # ---- file sizes, divisors, atomic save --------------------------------------------------------------------

@@ -159,7 +159,7 @@ class LayerResult:
 
 
 # ---- hierarchical placement -----------------------------------------------------------------------
-Solver = Callable[..., list[list[int]]]  # solve(x_TE, num_devices, **options) -> groups[d]
+Solver = Callable[..., list[list[int]] | LayerResult]  # solve(x_TE, num_devices, **options) -> groups[d]
 
 
 def two_level(
@@ -181,12 +181,14 @@ def two_level(
     ids = topk_ids_TK.long().cpu()
     extra = {} if seed is None else {"seed": seed}
     if node_groups is None:
-        node_groups = solve(incidence(ids, num_experts), num_nodes, **extra)
+        top = solve(incidence(ids, num_experts), num_nodes, **extra)
+        node_groups = top.groups if isinstance(top, LayerResult) else top  # a solver may return either
     groups: list[list[int]] = []
     for node, members in enumerate(node_groups):
         sub_x = node_incidence(ids, num_experts, members)
         extra = {} if seed is None else {"seed": seed + node + 1}
-        sub_groups = solve(sub_x, num_devices // num_nodes, **extra)
+        sub = solve(sub_x, num_devices // num_nodes, **extra)
+        sub_groups = sub.groups if isinstance(sub, LayerResult) else sub
         groups.extend(sorted(members[i] for i in g) for g in sub_groups)
     return groups
 
