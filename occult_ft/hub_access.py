@@ -81,4 +81,4 @@ def go_offline() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     for module in ("huggingface_hub.constants", "datasets.config"):
         if module in sys.modules:
-            sys.modules[module].HF_HUB_OFFLINE = True
+            sys.modules[module].HF_HUB_OFFLINE = True  # type: ignore[attr-defined]

@@ -19,6 +19,7 @@ import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -148,7 +149,7 @@ def _layers_from_tensors(path: str, header: dict, tensors: dict) -> dict[int, La
             f"profile {path!r}: {what}; the file is damaged or edited, re-run occult-ft profile"
         )
 
-    e, k, n, g = (header.get(key) for key in ("num_experts", "top_k", "num_tokens", "group_size"))
+    e, k, n, g = (cast(Any, header.get(key)) for key in ("num_experts", "top_k", "num_tokens", "group_size"))
     ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (e, k, n))
     if not ints or not 1 <= k <= e or n < 1:
         raise bad(
@@ -198,7 +199,7 @@ class RoutingRecorder:
         self._co = {i: torch.zeros(e, e, dtype=torch.float64) for i in self._ids}
         self._gram = {i: torch.zeros(e, e, dtype=torch.float64) for i in self._ids}
         self.tokens = 0
-        self._handles = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def _hook(self, layer):
         def hook(module, args, output):

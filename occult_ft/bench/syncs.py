@@ -28,7 +28,17 @@ import torch
 
 __all__ = ["HostSyncCounter"]
 
-_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero", "unique")
+_METHODS: tuple[str, ...] = (
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "numpy",
+    "nonzero",
+    "unique",
+)
 _METHODS += ("unique_consecutive", "masked_select", "bincount")
 _FUNCTIONS = ("nonzero", "unique", "unique_consecutive", "masked_select", "bincount")
 

@@ -99,7 +99,7 @@ def make_collator(
         if "position_ids" in features[0]:
             return _collate_packed(features, pad, pad_to_multiple_of, flatten)
         longest = _round_up(max(len(f["input_ids"]) for f in features), pad_to_multiple_of)
-        batch = {"input_ids": [], "attention_mask": [], "labels": []}
+        batch: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": []}
         for f in features:
             ids = list(f["input_ids"])
             n = longest - len(ids)
@@ -120,14 +120,14 @@ def _pad_id_of(tokenizer) -> int:
 
 
 def _collate_packed(features, pad: int, multiple: int | None, flatten: bool) -> dict[str, torch.Tensor]:
-    rows = [
+    rows: list[tuple[list, ...]] = [
         (list(f["input_ids"]), list(f.get("labels", f["input_ids"])), list(f["position_ids"]))
         for f in features
     ]
     if flatten:
         rows = [tuple(sum((list(r[k]) for r in rows), []) for k in range(3))]
     width = _round_up(max(len(ids) for ids, _, _ in rows), None if flatten else multiple)
-    batch = {"input_ids": [], "labels": [], "position_ids": [], "token_mask": []}
+    batch: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "token_mask": []}
     for ids, labels, positions in rows:
         n = width - len(ids)
         last = positions[-1] if positions else -1

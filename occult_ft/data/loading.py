@@ -34,6 +34,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import cast
 
 from datasets import Dataset, DatasetDict, IterableDataset, load_from_disk
 
@@ -191,7 +192,7 @@ def _checked_stream(path: str, layout: str, field: str, skip: bool) -> Iterator[
     check = RowCheck(path, layout, field, skip, "line", why="as its first line is")
     for number, row in _jsonl_rows(Path(path)):
         if check.keep(_check_object(Path(path), "line", number, row), number):
-            yield normalise_row(row, layout, field)
+            yield normalise_row(cast(dict, row), layout, field)  # _check_object checked it
     check.report()
 
 

@@ -195,9 +195,11 @@ def pack_examples(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 
 def _pack_rows(examples: list[tuple[list, list]], seq_len: int) -> dict[str, list]:
-    rows = {"input_ids": [], "labels": [], "position_ids": []}
+    rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
     for members in pack_examples([len(ids) for ids, _ in examples], seq_len):
-        ids, labels, positions = [], [], []
+        ids: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
         for i in members:
             e_ids, e_labels = examples[i]
             ids += e_ids

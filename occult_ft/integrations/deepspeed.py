@@ -133,8 +133,8 @@ def mark_expert_parameters(params: Iterable[nn.Parameter], expert_parallel_size:
     then reduces their gradients over the EDP group of `ep_size_{D}` only."""
     name = expert_group_name(expert_parallel_size)
     for p in params:
-        p.allreduce = False
-        p.group_name = name
+        p.allreduce = False  # type: ignore[attr-defined]
+        p.group_name = name  # type: ignore[attr-defined]
 
 
 @lru_cache(maxsize=1)

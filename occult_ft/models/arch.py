@@ -88,7 +88,7 @@ def config_top_k(config) -> int | None:
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """(dotted path, module list) of the language model's decoder layers: `model.get_decoder().layers`
     (the language model of a multimodal model), else `model.model.layers`."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None  # type: ignore[operator]
     if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
         decoder = getattr(model, "model", model)
     layers = getattr(decoder, "layers", None)
@@ -107,7 +107,7 @@ def moe_blocks(arch: MoEArch, model: nn.Module) -> list[tuple[int, str, nn.Modul
     prefix, layers = decoder_layers(model)
     out = []
     for index, layer in enumerate(layers):
-        block = layer
+        block: nn.Module | None = layer
         for part in (arch.block_attr or "").split(".") if arch.block_attr else ():
             block = getattr(block, part, None)
         if (
@@ -262,7 +262,7 @@ class MoEArch:
         if scoring == "probs":
             return x_TE
         if scoring == "score_fn":
-            return router.score_fn(x_TE).float()
+            return router.score_fn(x_TE).float()  # type: ignore[operator]
         return torch.softmax(x_TE, dim=-1)
 
     def call_inputs(self, args: tuple, kwargs: dict) -> tuple:
@@ -325,7 +325,10 @@ class MoEArch:
         router scores contiguous blocks of this size, so a placement may move whole blocks only."""
         if self.native_group_routing is None:
             return 1
-        num_group, topk_group = getattr(router, "num_group", None), getattr(router, "topk_group", None)
+        num_group, topk_group = (
+            getattr(router, "num_group", None) or 0,
+            getattr(router, "topk_group", None) or 0,
+        )
         active = bool(num_group) and bool(topk_group) and 1 < num_group and topk_group < num_group
         if self.native_group_routing == "max":
             active = active and getattr(router, "topk_method", None) == "group_limited_greedy"
@@ -343,7 +346,7 @@ class MoEArch:
             group_TG = grouped_TGS.topk(min(self.group_score_topn or 2, size), dim=-1).values.sum(dim=-1)
         else:
             group_TG = grouped_TGS.max(dim=-1).values
-        keep = group_TG.topk(int(router.topk_group), dim=-1).indices
+        keep = group_TG.topk(int(router.topk_group), dim=-1).indices  # type: ignore[arg-type]
         mask_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, keep, True)
         return mask_TG.repeat_interleave(size, dim=1)
 

@@ -7,6 +7,10 @@ gathers or names the fused tensors (`occult_ft.dispatch`, the trainer) works on 
 
 from __future__ import annotations
 
+from typing import cast
+
+from torch import nn
+
 from .registry import MoELayer, base_experts
 
 __all__ = ["base_experts", "experts_state_key"]
@@ -17,5 +21,5 @@ def experts_state_key(layer: MoELayer, name: str) -> str:
     `model.layers.0.mlp.experts.gate_up_proj`, or `...experts.base_layer.base_layer.gate_up_proj` under LoRA."""
     path, module = f"{layer.name}.experts", layer.experts
     while module is not base_experts(module):
-        path, module = f"{path}.base_layer", module.base_layer
+        path, module = f"{path}.base_layer", cast(nn.Module, module.base_layer)
     return f"{path}.{name}"

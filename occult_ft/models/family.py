@@ -99,7 +99,7 @@ def architecture_model_type(config: dict) -> str | None:
 
     if config.get("model_type") in CONFIG_MAPPING_NAMES:
         return None
-    by_class = {}
+    by_class: dict[str, str] = {}  # class name -> model type
     for mapping in (
         modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,

@@ -10,6 +10,8 @@ registry means adding its line here too; `tests/test_family.py` builds every one
 
 from __future__ import annotations
 
+from typing import Any
+
 from .arch import EXPERT_COUNT_FIELDS, TOP_K_FIELDS
 
 __all__ = ["DEFAULT", "TINY", "tiny_config", "tiny_kwargs"]
@@ -79,7 +81,7 @@ _MLA_SPARSE = dict(
     topk_group=1,
     mlp_layer_types=["dense", "sparse", "sparse"],
 )
-_DOTS3 = dict(
+_DOTS3: dict[str, Any] = dict(
     _MLA,
     q_lora_rank=16,
     num_hidden_layers=3,

@@ -17,6 +17,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -66,7 +67,7 @@ def _check_figures(figures, where: str) -> None:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
             ok = ok and abs(value) != float("inf")
         else:
-            ok = isinstance(value, kind)
+            ok = isinstance(value, cast(type, kind))
         if not ok:
             raise PlacementError(
                 f"{where} figure {key!r} is {value!r}, not a {getattr(kind, '__name__', kind)}; {RERUN}"

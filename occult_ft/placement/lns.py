@@ -73,7 +73,7 @@ def pair_move(
     bits = X[:, freed].astype(np.int64) @ (np.int64(1) << np.arange(2 * f, dtype=np.int64))
     base_a, base_b = float(w @ reach_a), float(w @ reach_b)
     live = bits != 0
-    key = np.stack([bits[live], reach_a[live], reach_b[live]], axis=1)
+    key = np.stack([bits[live], reach_a[live], reach_b[live]], axis=1)  # type: ignore[index]
     pats, inv = np.unique(key, axis=0, return_inverse=True)
     wp = np.bincount(inv.ravel(), weights=w[live], minlength=len(pats))
     mask, ra, rb = pats[:, 0], pats[:, 1].astype(bool), pats[:, 2].astype(bool)
@@ -155,5 +155,5 @@ def _pick(sets: TokenSets, dev_E: np.ndarray, a: int, b: int, f: int, rng) -> np
     if len(members) == f:
         return members
     reach_b = sets.X[:, dev_E == b].any(axis=1)
-    score = 1.0 + sets.w @ (sets.X[:, members] & reach_b[:, None])
+    score = 1.0 + sets.w @ (sets.X[:, members] & reach_b[:, None])  # type: ignore[index]
     return np.sort(rng.choice(members, f, replace=False, p=score / score.sum()))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -70,7 +70,7 @@ def new_figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (6.0,
 def target(ax: Axes | None, size: tuple[float, float] = (6.0, 4.5)) -> tuple[Figure, Axes]:
     """Draw into `ax` when given, else into a new one-axes figure."""
     if ax is not None:
-        return ax.figure, ax
+        return cast("Figure", ax.figure), ax
     fig, (new_ax,) = new_figure(size=size)
     return fig, new_ax
 
@@ -118,7 +118,7 @@ def references(
     return refs
 
 
-REF_STYLE = {
+REF_STYLE: dict[str, dict[str, Any]] = {
     "per-expert dispatch (k rows)": dict(color=PEER, linestyle=":"),
     "random placement, uniform routing": dict(color=RANDOM, linestyle="--"),
     "lower bound ceil(k*D/E)": dict(color=BOUND, linestyle="-."),

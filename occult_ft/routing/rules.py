@@ -416,6 +416,7 @@ def limit_topk(
         max_nodes is not None,
     )
     if criterion == "similarity":
+        assert similarity_EE is not None  # refused above
         new = _replace_outside(scores_TE, ids_TK, device_mask_TD, dev_of_E, similarity_EE, selectable)
     else:
         new = _top_admitted(scores_TE, device_mask_TD, dev_of_E, k, selectable)
