@@ -2,7 +2,7 @@
 #   make demo   - the whole pipeline on the embedded default model and corpus (CPU, a few minutes)
 #   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU): the fast tier, then the slow one
 #   make test-fast - the fast tier alone (no multi-process or training runs; a few minutes on 2 cores)
-#   make lint   - ruff check + ruff format --check (CI runs it before the tests)
+#   make lint   - ruff check + ruff format --check + mypy occult_ft (CI runs it before the tests)
 #   make style  - fix what make lint checks (ruff format + ruff check --fix)
 #   make test-gpu / make bench-gpu - the CUDA tests and the one-GPU layer benchmark (on a GPU machine)
 # Override TORCH to pick another torch build, e.g. make test TORCH="torch==2.11.0".
@@ -47,6 +47,7 @@ bench-gpu: $(BIN)/.installed
 lint: $(BIN)/.installed
 	$(BIN)/ruff check $(wildcard $(LINT_PATHS))
 	$(BIN)/ruff format --check $(wildcard $(LINT_PATHS))
+	$(BIN)/mypy occult_ft
 
 style: $(BIN)/.installed
 	$(BIN)/ruff format $(wildcard $(LINT_PATHS))

@@ -250,13 +250,13 @@ def permute_state_dict(
                 patterns.append((rf"(^|\.){block}\.{name}$", dim))
         lora = rf"(^|\.){block}\.experts\.(?:base_layer\.)*lora_([AB])\.(?:[\w]+\.)?weight$"
         for key, tensor in state.items():
-            dim = next((d for pattern, d in patterns if re.search(pattern, key)), None)
-            if dim is not None:
-                if tensor.shape[dim] != e:
+            expert_dim = next((d for pattern, d in patterns if re.search(pattern, key)), None)
+            if expert_dim is not None:
+                if tensor.shape[expert_dim] != e:
                     raise ValueError(
-                        f"{key} has {tensor.shape[dim]} rows, expected {e} experts; is it sharded?"
+                        f"{key} has {tensor.shape[expert_dim]} rows, expected {e} experts; is it sharded?"
                     )
-                out[key] = tensor.index_select(dim, order.to(tensor.device))
+                out[key] = tensor.index_select(expert_dim, order.to(tensor.device))
                 continue
             match = re.search(lora, key)
             if match is None:

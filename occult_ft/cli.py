@@ -21,6 +21,7 @@ import importlib
 import os
 import sys
 import warnings
+from typing import NoReturn
 
 __all__ = [
     "COMMANDS",
@@ -107,7 +108,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
     # ---- one flag style ------------------------------------------------------------------------

@@ -254,10 +254,11 @@ def _setup(args, model_config, gpus: int, gpu_memory_gb: float, gpus_per_node: i
     if getattr(args, "deepspeed", None):
         zero = read_deepspeed_config(args.deepspeed).get("zero_optimization") or {}
         stage = int(zero.get("stage", 0)) if str(zero.get("stage", 0)).isdigit() else 0
-        buckets = tuple(
+        reduce_size, allgather_size = (
             int(float(zero.get(k, 5e8))) if not isinstance(zero.get(k), str) else int(5e8)
             for k in ("reduce_bucket_size", "allgather_bucket_size")
         )
+        buckets = (reduce_size, allgather_size)
     optim = str(getattr(args, "optim", "adamw_torch"))
     return Setup(
         gpus=gpus,

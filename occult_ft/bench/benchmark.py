@@ -34,6 +34,7 @@ Report fields (`definitions` in the report repeats them):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -216,7 +217,7 @@ def _cost_model(
 ) -> dict:
     bytes_per_row = workload.hidden * settings.element_size
     shapes = [get_cluster(c) for c in (clusters if clusters else CLUSTER_PRESETS)]
-    out = {
+    out: dict[str, Any] = {
         "bytes_per_row": bytes_per_row,
         "clusters": [],
         "notes": [
@@ -228,7 +229,7 @@ def _cost_model(
     }
     for shape in shapes:
         d = shape.num_devices
-        entry = {
+        entry: dict[str, Any] = {
             **shape.to_dict(),
             "num_devices": d,
             "volumes": "measured" if d == settings.devices else "derived",
@@ -356,7 +357,10 @@ def run_benchmark(
     per_layer = []
     for li, lr in enumerate(workload.layers):
         got = raw["layers"][li]
-        entry = {"layer": lr.layer, "comm_complexity": mean_comm_complexity(lr.topk_ids_TK, e, d)}
+        entry: dict[str, Any] = {
+            "layer": lr.layer,
+            "comm_complexity": mean_comm_complexity(lr.topk_ids_TK, e, d),
+        }
         for m in kept:
             entry[f"comm_complexity_prune{m}"] = mean_comm_complexity(variants[pruned_name(m)][li][0], e, d)
         if nodes > 1:
@@ -408,7 +412,7 @@ def run_benchmark(
             entry["backends"].append(row)
         per_layer.append(entry)
 
-    summary = []
+    summary: list[dict[str, Any]] = []
     implementation = {}
     for layer in raw["layers"]:
         for name, r in layer.items():
@@ -467,14 +471,14 @@ def run_benchmark(
         ):
             row[out_key] = best[key] / row[key] if row["measured"] and best[key] and row[key] else None
 
-    targets = {}
+    targets: dict[str, Any] = {}
     for name, goal in TARGETS.items():
-        row = next((r for r in summary if r["backend"] == name and r["measured"]), None)
-        if row is not None and row["speedup_vs_best_peer"] is not None:
+        found = next((r for r in summary if r["backend"] == name and r["measured"]), None)
+        if found is not None and found["speedup_vs_best_peer"] is not None:
             targets[name] = {
                 "target_speedup_vs_best_peer": goal,
-                "measured": row["speedup_vs_best_peer"],
-                "met": row["speedup_vs_best_peer"] >= goal,
+                "measured": found["speedup_vs_best_peer"],
+                "met": found["speedup_vs_best_peer"] >= goal,
             }
     if "occult_dedup" in names:
         # sum over tokens of C_T, in integers: the exact rows a de-duplicated dispatch must send

@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -180,7 +181,7 @@ def contender_spec(name: str, settings: StepSettings) -> dict:
             "occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_capacity]"
         )
     parts = match.group(1)
-    spec = {"name": name, "kind": "occult_ep", "exchange": "flat"}
+    spec: dict[str, Any] = {"name": name, "kind": "occult_ep", "exchange": "flat"}
     if "_per_expert" in parts:
         spec["exchange"] = "per_expert"
     if "_two_stage" in parts:
@@ -471,7 +472,7 @@ def _cost_model(routing, settings: StepSettings, clusters) -> dict:
     backward, over all MoE layers) on each cluster, for the same global batch and for the same tokens
     per device as measured here (the step's routing repeated, spread over the cluster's devices)."""
     bytes_per_row = settings.hidden * (2 if settings.dtype == "bfloat16" else 4)
-    out = {"bytes_per_row": bytes_per_row, "clusters": []}
+    out: dict[str, Any] = {"bytes_per_row": bytes_per_row, "clusters": []}
     for name in clusters:
         shape = get_cluster(name)
         d = shape.num_devices
@@ -482,7 +483,7 @@ def _cost_model(routing, settings: StepSettings, clusters) -> dict:
             continue
         per_device = settings.experts // d
         dev_E = torch.arange(settings.experts) // per_device
-        variants = {"per_expert": None, "dedup": None}
+        variants: dict[str, int | None] = {"per_expert": None, "dedup": None}  # label -> device budget
         for m in (1, 2, 4, 8):
             if m < d and m * per_device >= settings.top_k:
                 variants[f"dedup_budget{m}"] = m

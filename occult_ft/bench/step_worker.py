@@ -76,7 +76,7 @@ class PhaseClock:
         self.barrier, self.cuda = barrier, cuda
         self.times: dict[str, float] = defaultdict(float)
         self._saved: list[tuple[object, str, object]] = []
-        self._handles = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._inside = 0
         self._open: dict[int, float] = {}
         for name, module in model.named_modules():
@@ -298,6 +298,7 @@ def run_occult_ep(spec: dict, rank: int, world: int, records: list) -> tuple[nn.
         profile_tokens=spec["seq_len"],
     )
     trainer = OccultTrainer(spec["model_dir"], args=args, train_dataset=_dataset(spec))
+    assert trainer.model is not None
     clock = PhaseClock(_unwrapped(trainer.model), spec["barrier"], spec["device"] == "cuda")
     losses = _train_with_trainer(trainer, clock, spec, records)
     clock.close()
@@ -348,10 +349,10 @@ class _DeepSpeedBlock(nn.Module):
         )  # fmt: skip
         per = ExpertLayout(e, world).experts_per_device
         with torch.no_grad():
-            self.moe.deepspeed_moe.gate.wg.weight.copy_(block.gate.weight)
+            self.moe.deepspeed_moe.gate.wg.weight.copy_(block.gate.weight)  # type: ignore[union-attr]
             for i, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
-                expert.gate_up.weight.copy_(block.experts.gate_up_proj[rank * per + i])
-                expert.down.weight.copy_(block.experts.down_proj[rank * per + i])
+                expert.gate_up.weight.copy_(block.experts.gate_up_proj[rank * per + i])  # type: ignore[index, union-attr]
+                expert.down.weight.copy_(block.experts.down_proj[rank * per + i])  # type: ignore[index, union-attr]
         self.gate = self.moe.deepspeed_moe.gate  # timed as the router
 
     def forward(self, hidden_states):

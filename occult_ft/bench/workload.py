@@ -257,7 +257,7 @@ def model_workload(
         i = layer.index
         logits_TE = torch.cat(capture.logits[i])[:max_tokens]
         scores_TE = (
-            layer.arch.selection_scores(layer.router, logits_TE.to(layer.router.weight.device)).float().cpu()
+            layer.arch.selection_scores(layer.router, logits_TE.to(layer.router.weight.device)).float().cpu()  # type: ignore[arg-type]
         )
         gate = _model_gate(layer, logits_TE)
         out.append(

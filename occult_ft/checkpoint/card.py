@@ -252,6 +252,7 @@ def _placement(s: CheckpointSummary) -> tuple[list[tuple[str, Any]], list[str]]:
             "them with the placement recorded in `occult_config.json` before attaching the adapter."
         )
     if s.pruned:
+        assert p is not None  # s.pruned: a budget restricts the routing
         limits = []
         if m is not None and m < (d or m + 1):
             limits.append(f"at most {m} of the {d} devices")
@@ -282,7 +283,7 @@ def _comm_rows(s: CheckpointSummary) -> list[tuple[str, Any]]:
         rows.append(("per-expert dispatch (rows per token)", k))
         rows.append(("random placement, uniform routing", random_placement_comm_complexity(e, k, d)))
         rows.append(("lower bound ceil(k*D/E)", comm_complexity_lower_bound(e, k, d)))
-        if s.pruned:
+        if s.pruned and b.pruning is not None:
             rows.append(("upper bound with the budget", min(b.pruning.device_budget, k, d)))
     return rows
 

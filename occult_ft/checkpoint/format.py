@@ -267,7 +267,7 @@ class OccultBlock:
         """The block of a model placed by `placement` and pruned by `pruning` (D and N taken from them
         when not given; a pruning config without a budget is recorded as no pruning)."""
         record = placement if isinstance(placement, PlacementRecord) or placement is None else None
-        if placement is not None and record is None:
+        if isinstance(placement, Placement):
             record = PlacementRecord.from_placement(placement)
         if num_devices is None:
             num_devices = (
@@ -343,7 +343,7 @@ class OccultBlock:
         if get("max_devices_per_token") is not None or get("max_nodes_per_token") is not None:
             try:
                 pruning = PruningConfig(
-                    num_devices=num_devices,
+                    num_devices=num_devices,  # type: ignore[arg-type]  # PruningConfig refuses a bad value
                     max_devices_per_token=get("max_devices_per_token"),
                     criterion=get("criterion") or "score",
                     gate_weights=get("gate_weights") or "model",

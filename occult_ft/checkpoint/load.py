@@ -168,9 +168,9 @@ def describe_budget(pruning: PruningConfig) -> str:
 def _warn_if_pruned(model: nn.Module, path: str) -> None:
     """Say so when a pruned checkpoint is about to route without its budget (stock loading)."""
     block = model_block(model)
-    if block is None or not block.pruned:
+    if block is None or not block.pruned or block.pruning is None:
         return
-    if not get_arch(model).native_routing_matches(model.config.to_dict(), block.pruning):
+    if not get_arch(model).native_routing_matches(model.config.to_dict(), block.pruning):  # type: ignore[operator, union-attr]
         logging.get_logger("occult_ft").warning(
             f"{path} is an occult_ft checkpoint pruned to {describe_budget(block.pruning)} "
             f"({block.pruning.criterion}); loaded here with its original top-k routing. Load it with "
@@ -256,5 +256,5 @@ def _from_adapter(path: str, dtype=None, is_trainable: bool = False, **kwargs) -
         apply_occult(model, placement, block.pruning, similarity, similarity_placed=True)
         model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
     record_block(model, block.with_changes(placed=True, expert_order="placed"))
-    model.occult_adapter_block = block
+    model.occult_adapter_block = block  # type: ignore[assignment]
     return model

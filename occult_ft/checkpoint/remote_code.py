@@ -141,12 +141,16 @@ def _module_body(module) -> str:
 def _absolute_imports(modules, plain=()) -> list[str]:
     """The top-level absolute imports of `modules` and the modules `plain`, merged (what the copied code
     and the adapter use)."""
-    plain, froms = set(plain), {}
+    plain, froms = set(plain), dict[str, set[str]]()
     for module in modules:
         for node in ast.parse(inspect.getsource(module)).body:
             if isinstance(node, ast.Import):
                 plain.update(a.name if a.asname is None else f"{a.name} as {a.asname}" for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and node.module not in (None, "__future__")
+            ):
                 names = froms.setdefault(node.module, set())
                 names.update(a.name if a.asname is None else f"{a.name} as {a.asname}" for a in node.names)
     lines = [f"import {name}" for name in sorted(plain)]

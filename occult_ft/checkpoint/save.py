@@ -62,7 +62,11 @@ def occult_config_fields(config, block: OccultBlock, save_dir: str | os.PathLike
     set_auto_map(config, remote)
     try:
         yield config
-        if remote and os.path.isfile(os.path.join(os.fspath(save_dir), "config.json")):
+        if (
+            remote
+            and save_dir is not None
+            and os.path.isfile(os.path.join(os.fspath(save_dir), "config.json"))
+        ):
             write_remote_code(save_dir, config)  # only where this process saved the config
     finally:
         for name, value in saved.items():
@@ -135,7 +139,7 @@ def record_block(model: nn.Module, block: OccultBlock | None) -> None:
 def _transformers_model(model: nn.Module) -> nn.Module:
     base = unwrap_model(model)
     if hasattr(base, "get_base_model"):  # a PEFT model: the transformers model inside
-        base = base.get_base_model()
+        base = base.get_base_model()  # type: ignore[operator]
     return base
 
 
@@ -144,7 +148,7 @@ def attach_occult_save(model: nn.Module) -> None:
     returns) write a complete pruned checkpoint of the live model described by the block in its config."""
     base = _transformers_model(model)
     if "save_pretrained" not in vars(base):
-        base.save_pretrained = types.MethodType(_save_pretrained_with_occult, base)
+        base.save_pretrained = types.MethodType(_save_pretrained_with_occult, base)  # type: ignore[assignment]
 
 
 def save_pruned(
@@ -196,7 +200,7 @@ def save_pruned(
     tables = similarity if similarity is not None else router_similarity(base)
     with atomic_directory(out_dir) as tmp:
         with occult_config_fields(base.config, block, tmp):
-            type(base).save_pretrained(base, tmp)
+            type(base).save_pretrained(base, tmp)  # type: ignore[attr-defined]
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_similarity(tmp, tables)

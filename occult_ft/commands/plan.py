@@ -93,7 +93,7 @@ def _expert_parallel_size(rest: list[str]) -> int:
     from .train import config_parser, load_recipe, split_recipe
 
     recipe, flags = split_recipe(rest)
-    value = 1
+    value: int | str = 1
     if recipe is not None:
         value = load_recipe(recipe, config_parser()).get("expert_parallel_size", 1)
     for i, token in enumerate(flags):
@@ -110,7 +110,7 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
 
 
-def format_plan(plan, model: str) -> str:
+def format_plan(plan, model: str | None) -> str:
     s = plan.setup
     gb = plan.breakdown_bytes
     machines = f" ({s.nodes} nodes x {s.gpus_per_node})" if s.gpus_per_node and s.nodes > 1 else ""
@@ -161,7 +161,7 @@ def run(args) -> int:
     nodes, per_node = own.get("--nodes"), own.get("--gpus-per-node")
     if (nodes is None) != (per_node is None):
         raise ValueError("--nodes and --gpus-per-node go together, e.g. --nodes 4 --gpus-per-node 8")
-    if nodes is not None and (nodes < 1 or per_node < 1):
+    if nodes is not None and per_node is not None and (nodes < 1 or per_node < 1):
         raise ValueError(
             f"--nodes {nodes} --gpus-per-node {per_node} must both be positive, e.g. --nodes 4 --gpus-per-node 8"
         )

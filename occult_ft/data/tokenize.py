@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import cast
 
 from .loading import IGNORE_INDEX, DataError, check_rows, dataset_columns, dataset_layout
 
@@ -162,10 +163,10 @@ def _examples(batch: dict, layout: str, tokenizer, eos: int, response_only: bool
     if plain:
         prompt_ids = _encode(tokenizer, [prompts[i] for i in plain], eos, True)
         output_ids = _encode(tokenizer, [str(completions[i]) for i in plain], eos, False)
-        for i, p, o in zip(plain, prompt_ids, output_ids):
-            labels = ([IGNORE_INDEX] * len(p) if response_only else list(p)) + o + [eos]
-            out[i] = (p + o + [eos], labels)
-    return out
+        for i, p_ids, o in zip(plain, prompt_ids, output_ids):
+            labels = ([IGNORE_INDEX] * len(p_ids) if response_only else list(p_ids)) + o + [eos]
+            out[i] = (p_ids + o + [eos], labels)
+    return cast("list[tuple[list, list]]", out)  # every row is filled: chat rows above, plain ones here
 
 
 def pack_examples(lengths: Sequence[int], capacity: int) -> list[list[int]]:

@@ -14,6 +14,7 @@ twice) are refused. Saving is atomic (`occult_ft.fileio`: a temporary sibling, t
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,7 +274,7 @@ class Placement:
         atomic_write_text(path, self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> Placement:
+    def load(cls, path: str | os.PathLike) -> Placement:
         """Read and validate a placement file; every problem raises a one-line `PlacementError`."""
         path = Path(path)
         if not path.is_file():

@@ -165,7 +165,7 @@ def _cost_series(predictions: Any) -> list[dict]:
     elif isinstance(predictions, Mapping):
         for key, result in predictions.items():
             entries = [_entry(name, v, "exchange_ms") for name, v in result.items()]
-            devices = {v.get("num_devices") for v in result.values() if isinstance(v, Mapping)}
+            devices: set[Any] = {v.get("num_devices") for v in result.values() if isinstance(v, Mapping)}
             if len(devices) != 1 or None in devices:
                 raise ValueError(
                     f"cost-model result of {key!r} does not record its num_devices; build it with "

@@ -137,7 +137,7 @@ def plot_quality_tradeoff(
     pruned = [r for r in rows if r.get("max_devices_per_token") is not None]
     if not pruned and baseline is None:
         raise ValueError("no rows to plot; pass rows with max_devices_per_token and the metric")
-    by_criterion: dict[str, list[dict]] = {}
+    by_criterion: dict[str, list[Mapping[str, Any]]] = {}
     for r in pruned:
         by_criterion.setdefault(str(r["criterion"]), []).append(r)
     with_cc = any("comm_complexity" in r for r in pruned)

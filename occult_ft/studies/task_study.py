@@ -28,6 +28,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict
+from typing import Any
 
 from ..apply import placed_copy
 from ..checkpoint.load import load_model_and_tokenizer
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 # sizes that fit 2 shared CPU cores (about a minute per fine-tuning); the CLI flags override them
-TASK_SETTINGS = {
+TASK_SETTINGS: dict[str, Any] = {
     "steps": 150,
     "batch_size": 8,
     "seq_len": 48,

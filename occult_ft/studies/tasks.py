@@ -88,7 +88,8 @@ def make_task_rows(task: str, count: int, seed: int = 0) -> list[dict]:
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"count={count!r} must be a positive integer")
     rng = random.Random(f"{task}:{seed}")
-    rows, seen = [], set()
+    rows: list[dict] = []
+    seen: set[str] = set()
     while len(rows) < count:
         row = _GENERATORS[task](rng)
         if row["instruction"] not in seen:

@@ -158,14 +158,14 @@ def check_checkpoint_model(model, checkpoint: str) -> None:
     its config.json (a full checkpoint) or its block (a LoRA adapter) must describe `model`."""
     base = unwrap_model(model)
     if hasattr(base, "get_base_model"):
-        base = base.get_base_model()
-    ours = base.config.to_dict()
+        base = base.get_base_model()  # type: ignore[operator]
+    ours = base.config.to_dict()  # type: ignore[operator, union-attr]
     ours["num_experts"] = config_num_experts(ours)
     path = os.path.join(checkpoint, "config.json")
     if os.path.isfile(path):
         theirs = read_json_object(path)
         theirs["num_experts"] = config_num_experts(theirs)
-        fields = (*_SHAPE_FIELDS, "num_experts")
+        fields: tuple[str, ...] = (*_SHAPE_FIELDS, "num_experts")
     else:
         block = read_block(checkpoint)
         theirs, fields = {"model_type": block.model_type if block else None}, ("model_type",)
@@ -208,7 +208,7 @@ def _load_full_checkpoint(trainer, path: str) -> bool:
     if not os.path.isfile(os.path.join(path, "config.json")):
         return False
     base = unwrap_model(trainer.model)
-    loaded = type(base).from_pretrained(path, dtype=next(base.parameters()).dtype)
+    loaded = type(base).from_pretrained(path, dtype=next(base.parameters()).dtype)  # type: ignore[attr-defined]
     state = loaded.state_dict()
     if trainer.expert_parallel is not None:
         state = shard_state_dict(base, state)

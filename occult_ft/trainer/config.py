@@ -111,7 +111,7 @@ class OccultConfig(TrainingArguments):
             "help": "Log loss and routing metrics every this many optimizer steps (a float < 1 is a share of all steps)."
         },
     )
-    bf16: bool | None = field(
+    bf16: bool | None = field(  # type: ignore[assignment]  # None: auto, resolved in __post_init__
         default=None,
         metadata={
             "help": "bf16 mixed precision; default (unset): on when the GPU supports bf16, off on CPU."
@@ -404,7 +404,7 @@ class OccultConfig(TrainingArguments):
                 "for exact receive buffers"
             )
         check_exchange_settings(
-            self.exchange, self.nodes, self.exchange_chunks, 1 if capacity == "auto" else capacity
+            self.exchange, self.nodes, self.exchange_chunks, 1 if isinstance(capacity, str) else capacity
         )
         if self.train_mode not in TRAIN_MODES:
             raise _choice_error("train_mode", self.train_mode, TRAIN_MODES)
@@ -471,7 +471,9 @@ class OccultConfig(TrainingArguments):
         if self.exchange_capacity == "auto":
             batch = max(self.per_device_train_batch_size, self.per_device_eval_batch_size)
             return batch * self.seq_len
-        return self.exchange_capacity
+        return typing.cast(
+            "int | None", self.exchange_capacity
+        )  # __post_init__ leaves an int, None or "auto"
 
     def _force_non_reentrant_checkpointing(self) -> None:
         """The balance loss needs router probabilities attached to the graph inside checkpointed layers:
@@ -495,7 +497,7 @@ class OccultConfig(TrainingArguments):
             setattr(self, name, kwargs)
 
 
-def _plain_kinds(annotation) -> tuple[tuple[type, ...], bool] | None:
+def _plain_kinds(annotation) -> tuple[type, bool] | None:
     """(allowed types, None allowed) of a field annotated with bool / int / float / str, optionally
     `| None`; None for richer annotations (lists, dicts, enums), which are left to TrainingArguments."""
     optional = False
@@ -607,7 +609,7 @@ def _check_layout_against_the_model_config(args: OccultConfig) -> None:
     if not num_experts or not top_k:
         return
     PruningConfig(
-        args.devices, args.max_devices_per_token, args.criterion, args.gate_weights, args.nodes,
+        args.devices, args.max_devices_per_token, args.criterion, args.gate_weights, args.nodes,  # type: ignore[arg-type]  # PruningConfig checks devices
         args.max_nodes_per_token,
     ).check(num_experts, int(top_k))  # fmt: skip
     ep = args.expert_parallel_size

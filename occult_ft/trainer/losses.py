@@ -37,6 +37,7 @@ Shape legend: T tokens, E experts, K experts per token, D devices.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 
@@ -100,19 +101,22 @@ def balance_loss(
         ids_TK = ids_TK.to(p_TE.device)
         slot_w_N = keep_T[:, None].expand_as(ids_TK).reshape(-1)
         counts_E = counts_E.scatter_add(0, ids_TK.reshape(-1), slot_w_N)
+        assert probs_E is not None and rows is not None  # created with counts_E
         probs_E = probs_E + (p_TE * keep_T[:, None]).sum(dim=0)
         rows = rows + keep_T.sum()
         if expert_device is not None:
+            assert num_devices  # checked above
             device_parts.append(device_balance_term(p_TE, ids_TK, expert_device[index], num_devices, keep_T))
-    if counts_E is None:
+    if counts_E is None or probs_E is None or rows is None:  # all three are created together
         return None
     denom = rows.clamp_min(1.0)  # every token masked: counts are 0, so the loss is 0
     expert_term = counts_E.numel() * ((counts_E / denom) * (probs_E / denom)).sum()
     if not device_parts:
         return expert_term
-    g_D = sum(part[0] for part in device_parts)
-    q_D = sum(part[1] for part in device_parts)
+    g_D = cast(torch.Tensor, sum(part[0] for part in device_parts))  # device_parts is not empty
+    q_D = cast(torch.Tensor, sum(part[1] for part in device_parts))
     reach = g_D.sum().clamp_min(1e-20)  # rows over all layers = C * rows
+    assert num_devices  # device_parts needs expert_device, which needs num_devices
     device_term = num_devices * ((g_D / reach) * (q_D / denom)).sum()
     return 0.5 * (expert_term + top_k * device_term)
 

@@ -175,7 +175,7 @@ def set_train_mode(model: nn.Module, mode: str) -> None:
 def _disable_model_aux_loss(base: nn.Module) -> None:
     """The model's own balance loss ignores pruning: turn it off (the trainer adds the pruning-aware one)."""
     if hasattr(base, "router_aux_loss_coef"):
-        base.router_aux_loss_coef = 0.0
+        base.router_aux_loss_coef = 0.0  # type: ignore[assignment]
 
 
 # ---- the whole preparation ------------------------------------------------------------------------------
@@ -235,6 +235,7 @@ def prepare_model(
     profile = None
     model_type = layers[0].arch.model_type
     if already_placed:
+        assert block is not None
         placed_devices = block.num_devices
         if placed_devices is not None and int(placed_devices) != args.devices:
             raise ValueError(
@@ -295,13 +296,14 @@ def prepare_model(
     expert_device = {
         layer.index: router.occult_expert_device.detach().clone() for layer, router in pruned_routers(model)
     }
+    base_block = adapter_block or block
     setup = OccultSetup(
         pruning=pruning,
         placement=placement,
         similarity=similarity,
         expert_device=expert_device
         or {layer.index: contiguous_expert_device(num_experts, args.devices) for layer in layers},
-        base_placed=(adapter_block or block).placed if (adapter_block or block) is not None else False,
+        base_placed=base_block.placed if base_block is not None else False,
         base_model=name,
     )
     return model, setup
