@@ -252,6 +252,7 @@ def nodes_report():
     )
 
 
+@pytest.mark.slow
 def test_two_stage_rows_crossing_nodes_are_the_node_level_count(nodes_report):
     r, b = nodes_report, by_name(nodes_report)
     assert r["nodes"] == 2 and list(b) == NODE_BACKENDS.split(",")
@@ -285,6 +286,7 @@ def test_two_stage_rows_crossing_nodes_are_the_node_level_count(nodes_report):
     assert preds["occult_two_stage"]["cross_node_MB"] == pytest.approx(2 * remote_node_rows * 32 / 1e6)
 
 
+@pytest.mark.slow
 def test_bench_on_a_tiny_saved_model(tmp_path, tiny_tokenizer, text_file):
     model_dir = save_tiny_model(tmp_path / "olmoe", "olmoe", tiny_tokenizer)
     plot = tmp_path / "bench.png"

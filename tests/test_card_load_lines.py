@@ -138,6 +138,7 @@ def full_checkpoints(tmp_path_factory, tiny_tokenizer):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["pruned", "placed", "native"])
 def test_full_checkpoint_cards_load_as_they_say(full_checkpoints, kind, tmp_path):
     path = full_checkpoints[kind]

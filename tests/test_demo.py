@@ -48,7 +48,7 @@ def test_embedded_model_has_structured_routing():
     model, tok = load_model_and_tokenizer("embedded")
     assert model.config.model_type == "olmoe" and model.config.num_experts == 32
     prof = profile_model(model, data_batches(tok, "embedded", 64, 8, 4096), progress=False)
-    placed = compute_placement(prof, 4)
+    placed = compute_placement(prof, 4, algorithm="search")  # the structure, not the solver, is tested here
     ids = prof.topk_ids()
     cc = routing_report(ids, {i: placed.expert_device(i) for i in ids}, 4, 32).comm_complexity
     assert cc < 0.9 * random_placement_comm_complexity(32, 4, 4)

@@ -304,6 +304,7 @@ def remote(tmp_path_factory):
     return dict(got=got, ref=ref, stock=stock, remote_code=remote_code, seconds=time.perf_counter() - start)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", SUPPORTED)
 def test_remote_code_routes_like_occult_ft(remote, model_type):
     got = remote["got"][model_type]

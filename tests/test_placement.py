@@ -274,6 +274,7 @@ def tiny_profile(num_experts=16, layers=(1, 3), tokens=256):
     )
 
 
+@pytest.mark.slow
 def test_compute_placement_round_trips_through_json(tmp_path):
     placement = compute_placement(tiny_profile(), num_devices=4, num_nodes=2, time_limit=5.0)
     path = tmp_path / "placement.json"
@@ -427,6 +428,7 @@ def test_permute_experts_rejects_a_placement_for_another_model():
         permute_experts(model, sequential_placement(64, 4, [0, 1]))
 
 
+@pytest.mark.slow
 def test_group_limited_models_are_placed_in_whole_routing_groups():
     """DeepSeek-V3 with n_group=4, topk_group=2: the profile records group size 4 and every placement
     moves whole groups, so the placed model is the same function (pruned or not)."""
@@ -543,6 +545,7 @@ def test_an_option_the_algorithm_does_not_take_is_a_one_line_error(algorithm, op
         assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", sorted(PLACEMENT_ALGORITHMS))
 @pytest.mark.parametrize("num_nodes", [1, 2])
 def test_every_registered_algorithm_runs_through_compute_placement(algorithm, num_nodes):
@@ -757,6 +760,7 @@ def test_a_pair_move_is_the_best_split_of_the_two_devices():
 
 
 # ---- the solver at layer level ----------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("routing", ["skewed", "planted_small_groups"])
 def test_solver_is_never_worse_than_search_and_keeps_the_same_bound(routing):
     ids = ROUTINGS[routing]()
@@ -827,6 +831,7 @@ def test_the_pruned_devices_are_those_of_the_routers_pruning_rule(max_devices):
     assert figures["removed_share"] == pytest.approx(1 - kept_TK.float().mean().item())
 
 
+@pytest.mark.slow
 def test_placement_under_a_budget_keeps_the_pruned_load_bound_and_removes_fewer_choices():
     ids = random_routing(32, top_k=4, tokens=1500, skew=0.5, seed=8)  # occult's pruned imbalance: 2.54
     profile = SimpleNamespace(
@@ -857,6 +862,7 @@ def test_placement_under_a_budget_keeps_the_pruned_load_bound_and_removes_fewer_
 
 
 # ---- figures, held-out tokens and the version-2 file --------------------------------------------------------
+@pytest.mark.slow
 def test_compute_placement_reports_bound_gap_and_held_out_figures(tmp_path):
     ids = random_routing(16, top_k=3, tokens=2048, skew=1.0, seed=9)
     profile = SimpleNamespace(
@@ -935,6 +941,7 @@ def test_a_version_1_file_with_free_metrics_still_loads(tmp_path):
     assert placement.groups[0] == [[0, 1, 2, 3], [4, 5, 6, 7]] and placement.figures(0) is None
 
 
+@pytest.mark.slow
 def test_place_command_prints_and_stores_the_figures(tmp_path, capsys):
     from occult_ft.cli import main
     from occult_ft.profiling import LayerProfile, Profile
@@ -970,6 +977,7 @@ def test_place_command_prints_and_stores_the_figures(tmp_path, capsys):
     assert "max_load_imbalance=0.9 must be a number >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_figure_table_reads_stored_figures_and_says_when_there_are_none():
     from occult_ft.commands.place import format_figures
 

@@ -155,6 +155,7 @@ def run(tmp_path_factory):
     return dict(dirs=dirs, ref=ref, unpruned=unpruned, got=torch.load(results), stderr=proc.stderr)
 
 
+@pytest.mark.slow
 def test_the_subprocess_cannot_import_occult_ft(run):
     assert run["got"]["occult_ft_importable"] is False
 
