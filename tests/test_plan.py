@@ -237,7 +237,7 @@ def test_plan_bad_inputs_are_one_line(capsys, extra, message):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--nodes", "4"], "--nodes and --gpus-per-node go together"),
+        (["--gpus-per-node", "8"], "--gpus-per-node needs --nodes"),
         (["--nodes", "0", "--gpus-per-node", "8"], "must both be positive"),
         (
             ["--nodes", "4", "--gpus-per-node", "8", "--gpus", "16"],
@@ -250,6 +250,16 @@ def test_plan_bad_node_layouts_are_one_line(capsys, extra, message):
     assert main(["plan", "recipes/glm-4.7.yaml", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_nodes_alone_is_the_recipe_field_as_in_train(capsys):
+    """`--nodes 2` without --gpus-per-node spans the expert-parallel group over 2 nodes (the README's
+    two-node line for Qwen3-30B-A3B), as `occult-ft train --nodes 2` would."""
+    argv = ["recipes/qwen3-30b-a3b.yaml", "--gpus", "16", "--expert_parallel_size", "16", "--devices", "16"]
+    out = plan_json(capsys, *argv, "--nodes", "2", "--exchange", "two_stage")
+    assert out["setup"]["exchange"] == "two_stage" and out["setup"]["ep_nodes"] == 2
+    flat = plan_json(capsys, *argv)
+    assert out["per_gpu_gb"] > flat["per_gpu_gb"]  # the inter-node staging buffers
 
 
 def plan_json(capsys, *argv) -> dict:

@@ -62,7 +62,10 @@ def test_trainer_still_calls_the_hook(name):
 def test_the_installed_transformers_is_inside_the_tested_range():
     import pathlib
 
-    import tomllib
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the same parser, as the `tomli` package (a dev dependency there)
+        import tomli as tomllib
 
     pyproject = tomllib.loads((pathlib.Path(__file__).parent.parent / "pyproject.toml").read_text())
     spec = next(d for d in pyproject["project"]["dependencies"] if d.startswith("transformers"))

@@ -12,9 +12,10 @@ recipe's local model directory, a config shipped with occult_ft for the recipes'
 Recipe fields and --field overrides are read as by `occult-ft train`. --gpus defaults to the recipe's
 expert_parallel_size; a multi-node launch is given as --nodes N --gpus-per-node G (N * G GPUs; the
 expert-parallel group then spans expert_parallel_size / G nodes, with the two-stage exchange's
-inter-node buffers when the recipe uses it; here --nodes is the machines, while the recipe's own `nodes`
-field, read from the recipe, says how many of them the group spans, and a note tells when the two
-disagree). --gpu-memory defaults to 80 (GB of 2**30 bytes).
+inter-node buffers when the recipe uses it; there --nodes is the machines, while the recipe's own `nodes`
+field says how many of them the group spans, and a note tells when the two disagree). Without
+--gpus-per-node, `--nodes N` is that recipe field, as in `occult-ft train` (with --gpus for the GPUs).
+--gpu-memory defaults to 80 (GB of 2**30 bytes).
 Activations are an estimate.
 """
 
@@ -85,6 +86,10 @@ def _take_own(argv: list[str], fields: list[str] | None = None) -> tuple[dict, l
         else:
             rest.append(token)
         i += 1
+    if "--nodes" in own and "--gpus-per-node" not in own:
+        # without --gpus-per-node, --nodes is the recipe field, as in `occult-ft train`: the nodes the
+        # expert-parallel group spans
+        rest += ["--nodes", str(own.pop("--nodes"))]
     return own, rest
 
 
@@ -160,7 +165,7 @@ def run(args) -> int:
     ep = _expert_parallel_size(rest)
     nodes, per_node = own.get("--nodes"), own.get("--gpus-per-node")
     if (nodes is None) != (per_node is None):
-        raise ValueError("--nodes and --gpus-per-node go together, e.g. --nodes 4 --gpus-per-node 8")
+        raise ValueError("--gpus-per-node needs --nodes (the machines), e.g. --nodes 4 --gpus-per-node 8")
     if nodes is not None and per_node is not None and (nodes < 1 or per_node < 1):
         raise ValueError(
             f"--nodes {nodes} --gpus-per-node {per_node} must both be positive, e.g. --nodes 4 --gpus-per-node 8"

@@ -42,7 +42,7 @@ __all__ = [
 
 TRAIN_MODES = ("full", "moe", "lora")
 DEFAULT_EXCHANGE_CHUNKS = 1
-"""Default `exchange_chunks`: measured with benchmarks/layer_overlap.py (see docs/readme-parts/perf.md)."""
+"""Default `exchange_chunks`: measured with benchmarks/layer_overlap.py (README, "Results": overlap)."""
 PLACEMENT_MODES = ("auto", "sequential")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
