@@ -402,9 +402,11 @@ def run(args) -> int:
     try:
         trainer, metrics = train(config)
         if trainer.is_world_process_zero():
-            what = "LoRA adapter" if config.train_mode == "lora" else "model"
+            pruned = config.max_devices_per_token is not None or config.max_nodes_per_token is not None
+            what = "LoRA adapter" if config.train_mode == "lora" else "pruned model" if pruned else "model"
             print(
-                f"{what} in {config.output_dir} (occult_ft.from_pretrained({config.output_dir!r})); metrics:"
+                f"saved the {what} to {config.output_dir} (load it with "
+                f"occult_ft.from_pretrained({config.output_dir!r})); metrics:"
             )
             for key in sorted(metrics):
                 value = metrics[key]
