@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-fast test-gpu bench-gpu lint style clean
+.PHONY: install demo test test-all test-fast test-gpu bench-gpu lint style clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ demo: $(BIN)/.installed
 	$(BIN)/occult-ft demo
 
 test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "slow and not extended"
+
+test-all: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m "not slow"
 	$(BIN)/python -m pytest -q -m slow
 
