@@ -274,12 +274,12 @@ def test_a_saved_adapter_works_in_stock_peft_on_the_stock_base(tiny_olmoe_dir, r
 
 
 # ---- expert parallelism: the expert LoRA factors shard with the experts ------------------------------
-def _lora_with_random_b(seed: int = 0):
-    """A tiny OLMoE LoRA model (r=2, E=8) whose lora_B is random (PEFT starts it at zero, which would make
+def _lora_with_random_b(seed: int = 0, model_type: str = "olmoe"):
+    """A tiny LoRA model (r=2, E=8) whose lora_B is random (PEFT starts it at zero, which would make
     every delta zero and the checks below vacuous)."""
     from occult_ft.integrations.peft import apply_lora
 
-    model = apply_lora(AutoModelForCausalLM.from_config(tiny_config("olmoe")), r=2, alpha=4, seed=seed)
+    model = apply_lora(AutoModelForCausalLM.from_config(tiny_config(model_type)), r=2, alpha=4, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -288,24 +288,47 @@ def _lora_with_random_b(seed: int = 0):
     return model
 
 
-@pytest.mark.parametrize("start, count", [(0, 4), (4, 4), (2, 2), (7, 1)])
-def test_sharded_expert_lora_gives_the_delta_of_its_own_experts(start, count):
+@pytest.mark.parametrize(
+    "model_type, start, count",
+    [
+        ("olmoe", 0, 4),
+        ("olmoe", 4, 4),
+        ("olmoe", 2, 2),
+        ("olmoe", 7, 1),
+        ("gpt_oss", 3, 1),
+        ("gpt_oss", 2, 2),
+    ],
+)
+def test_sharded_expert_lora_gives_the_delta_of_its_own_experts(model_type, start, count):
+    """Also with one expert left on a rank, where PEFT's own delta is 2-D (its nn.Linear path), which does
+    not fit GPT-OSS's (1, in, out) expert tensors: the delta stays per expert, shaped like the weight."""
     from occult_ft.integrations.peft import expert_lora_wrappers, shard_expert_lora
-    from occult_ft.models import find_moe_layers
+    from occult_ft.models import base_experts, find_moe_layers
 
-    model = _lora_with_random_b()
-    experts = find_moe_layers(model)[0].experts
+    model = _lora_with_random_b(model_type=model_type)
+    layer = find_moe_layers(model)[0]
+    experts = layer.experts
     wrappers = expert_lora_wrappers(experts)
     assert [w.parameter_name for w in wrappers] == ["down_proj", "gate_up_proj"]  # outermost first
-    full = [w.get_delta_weight("default").clone() for w in wrappers]  # (8, out, in) each
+    full = [w.get_delta_weight("default").clone() for w in wrappers]  # (8, ...) each
+    base = base_experts(experts)
+    for name in ("down_proj", "gate_up_proj", "down_proj_bias", "gate_up_proj_bias"):  # a rank's block only
+        if not hasattr(base, name):
+            continue
+        setattr(base, name, torch.nn.Parameter(getattr(base, name).detach()[start : start + count].clone()))
+    base.num_experts = count
     new = shard_expert_lora(experts, start, count)
     assert len(new) == 4 and all(p.occult_expert_shard and p.requires_grad for p in new)
     for wrapper, delta in zip(wrappers, full):
         assert wrapper.num_experts == count and wrapper.lora_A["default"].weight.shape[0] == 2 * count
         assert wrapper.lora_B["default"].weight.shape[1] == 2 * count
-        want = delta[start : start + count]
-        # with one expert left PEFT takes its nn.Linear path: a 2-D delta that broadcasts over the (1, out, in) weight
-        torch.testing.assert_close(wrapper.get_delta_weight("default").reshape(want.shape), want)
+        got = wrapper.get_delta_weight("default")
+        assert got.shape == getattr(base, wrapper.parameter_name).shape
+        torch.testing.assert_close(got, delta[start : start + count])
+    # the forward folds the deltas into the local weights (PEFT's parametrisation): shapes must agree
+    hidden = torch.randn(5, model.config.hidden_size)
+    index = torch.full((5, 2), 0, dtype=torch.long)
+    experts(hidden, index, torch.full((5, 2), 0.5))
     with pytest.raises(ValueError, match="already sharded"):
         shard_expert_lora(experts, start, count)
 

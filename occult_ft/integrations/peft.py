@@ -188,6 +188,26 @@ def seeded_lora_init(peft_model: nn.Module, seed: int) -> None:
             cast(torch.Tensor, linear.weight).copy_(full[start : start + rows].to(linear.weight.dtype))
 
 
+def _expert_delta_weight(self, adapter_name, *args, **kwargs) -> torch.Tensor:
+    """PEFT's `ParamWrapper.get_delta_weight` of the multi-expert case, for any number of experts: with one
+    expert left on a rank PEFT takes its `nn.Linear` path, a 2-D (out, in) delta that does not fit a
+    (1, in, out) expert tensor (GPT-OSS's layout)."""
+    a = self.lora_A[adapter_name].weight
+    b = self.lora_B[adapter_name].weight
+    a_ERI = a.reshape(self.num_experts, -1, a.shape[-1])
+    b_ORE = b.reshape(b.shape[0], -1, self.num_experts)
+    equation = "o r e, e r i -> e o i" if self._did_swap_in_out_features else "o r e, e r i -> e i o"
+    delta = torch.einsum(equation, b_ORE, a_ERI) * self.scaling[adapter_name]
+    param = self.get_param()
+    return delta.to(param.device, param.dtype) if param.dtype.is_floating_point else delta.to(param.device)
+
+
+def _keep_expert_delta(wrapper: Any) -> None:
+    """A 3-D expert wrapper left with one expert computes its delta per expert, as with several."""
+    if int(wrapper.num_experts) == 1 and getattr(wrapper, "_param_ndim", 3) == 3:
+        wrapper.get_delta_weight = _expert_delta_weight.__get__(wrapper)
+
+
 def adopt_local_expert_lora(experts: nn.Module) -> list[nn.Parameter]:
     """Mark the expert LoRA factors of an experts module that was sharded before LoRA was applied (its
     factors already cover only this rank's experts) as shards of the full-E factors, like
@@ -198,6 +218,7 @@ def adopt_local_expert_lora(experts: nn.Module) -> list[nn.Parameter]:
     factors = []
     for wrapper in expert_lora_wrappers(experts):
         wrapper.occult_lora_shard = (shard.num_experts, shard.rank * shard.experts_per_device)
+        _keep_expert_delta(wrapper)
         for adapter in wrapper.lora_A.keys():
             for which in ("lora_A", "lora_B"):
                 weight = getattr(wrapper, which)[adapter].weight
@@ -266,6 +287,7 @@ def shard_expert_lora(experts: nn.Module, start: int, count: int) -> list[nn.Par
             new.append(_replace_weight(wrapper.lora_B[adapter], b, "in_features", count * rank))
         wrapper.num_experts = count
         wrapper.occult_lora_shard = (num_experts, start)
+        _keep_expert_delta(wrapper)
     return new
 
 
@@ -317,6 +339,7 @@ def unshard_expert_lora(experts: nn.Module, group, num_devices: int) -> None:
                 linear.weight = nn.Parameter(value, requires_grad=linear.weight.requires_grad)
                 setattr(linear, attr, value.shape[0] if which == "lora_A" else value.shape[1])
         wrapper.num_experts = shard[0]
+        wrapper.__dict__.pop("get_delta_weight", None)  # `_keep_expert_delta`'s override, if any
         del wrapper.occult_lora_shard
 
 

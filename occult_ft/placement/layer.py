@@ -313,6 +313,8 @@ def compute_placement(
         figures = _figures(ids[fit], dev_E, num_devices, num_nodes, budget)
         tokens = max(1, figures["tokens"])
         bound = None if result.lower_bound is None else result.lower_bound / tokens
+        if bound is not None:  # an LP bound may exceed the placement it proves by the solver's tolerance
+            bound = min(bound, figures["comm_complexity"])
         figures.update(
             lower_bound=bound,
             gap=None if not bound else figures["comm_complexity"] / bound - 1.0,
