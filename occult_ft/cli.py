@@ -218,14 +218,13 @@ def _quiet_libraries() -> None:
     Nothing is imported here (an error found before any model loads must come at once): transformers
     reads the environment when it is imported, and is told directly when it already is. A user's own
     TRANSFORMERS_VERBOSITY wins. Progress bars stay on: every phase that takes a while shows one."""
-    if "TRANSFORMERS_VERBOSITY" in os.environ:
-        pass  # the user's choice
-    elif "transformers" in sys.modules:
-        from transformers.utils import logging as hf_logging
+    if "TRANSFORMERS_VERBOSITY" not in os.environ:  # otherwise the user's choice stands
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()
-    else:
-        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+            hf_logging.set_verbosity_error()
+        else:
+            os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     # PEFT reads a deprecated transformers property on every adapter: nothing a user can change
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated")
 
