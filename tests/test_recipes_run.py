@@ -150,6 +150,7 @@ def test_recipe_runs_as_written_at_tiny_width(name, tmp_path):
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",
+        "OCCULT_FT_DEBUG": "1",
         "OCCULT_FT_CACHE": str(tmp_path / "cache"),
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
@@ -164,7 +165,9 @@ def test_recipe_runs_as_written_at_tiny_width(name, tmp_path):
     for agent, (_, stderr) in zip(agents, results):
         errors = [line for line in stderr.splitlines() if "error" in line.lower()]
         assert agent.returncode == 0, "\n".join(errors)[-3000:] or stderr[-3000:]
-    assert "saved the pruned model" in stdout
+    assert (
+        "saved the LoRA adapter" if recipe["train_mode"] == "lora" else "saved the pruned model"
+    ) in stdout
 
     import occult_ft
     from occult_ft.checkpoint import read_block
