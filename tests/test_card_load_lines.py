@@ -139,7 +139,8 @@ def full_checkpoints(tmp_path_factory, tiny_tokenizer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["pruned", "placed", "native"])
+#: `placed` loads like `native` (the stock auto class): it runs in `make test-all`
+@pytest.mark.parametrize("kind", ["pruned", pytest.param("placed", marks=pytest.mark.extended), "native"])
 def test_full_checkpoint_cards_load_as_they_say(full_checkpoints, kind, tmp_path):
     path = full_checkpoints[kind]
     card = push_to_cache(path, f"me/{kind}", tmp_path / "cache")
@@ -234,7 +235,8 @@ def test_adapter_configs_name_the_base_portably(adapters):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["hub", "embedded", "local"])
+#: `embedded` names its base like `hub` (a name, not a path): it runs in `make test-all`
+@pytest.mark.parametrize("kind", ["hub", pytest.param("embedded", marks=pytest.mark.extended), "local"])
 def test_adapter_cards_load_as_they_say(adapters, kind, tmp_path):
     cache = tmp_path / "cache"
     shutil.copytree(adapters["cache"], cache)  # the Hub base, where there is one

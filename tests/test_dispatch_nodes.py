@@ -279,6 +279,7 @@ def test_two_nodes_of_two_devices_match_flat_exchange(world4, name):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 8 processes; the 2 x 2 layout above runs the same exchange in `make test`
 @pytest.mark.parametrize("name", list(CASES_2X4))
 def test_two_nodes_of_four_devices_match_flat_exchange(world8, name):
     assert not _failures(world8, name), _failures(world8, name)

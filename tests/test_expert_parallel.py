@@ -585,6 +585,7 @@ def test_lora_on_two_processes_reproduces_the_single_process_lora_run(lora_world
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # LoRA under EP on 2 processes and plain EP on 4 run in `make test`
 @pytest.mark.parametrize("name, size", [("plain", 4), ("pruned", 2)])
 def test_lora_on_four_processes_reproduces_the_single_process_lora_run(
     lora_world4, lora_reference, name, size

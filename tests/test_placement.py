@@ -25,6 +25,7 @@ from occult_ft.placement import (
     PlacementError,
     coactivation_matrix,
     compute_placement,
+    merge_placements,
     permute_experts,
     place_layer,
     register_algorithm,
@@ -287,6 +288,77 @@ def test_compute_placement_round_trips_through_json(tmp_path):
     for layer in (1, 3):
         order, device = placement.expert_order(layer), placement.expert_device(layer)
         assert torch.equal(device[order], torch.arange(16) // 4)  # new id j sits on device j // (E/D)
+
+
+@pytest.mark.parametrize("budget", [{}, {"max_devices_per_token": 1, "criterion": "score"}])
+def test_placing_shares_of_the_layers_and_merging_them_is_placing_them_all(budget):
+    """What the trainer does over its processes (layer i on rank i % world): the same groups and per-layer
+    figures, the overall figures recomputed over every layer."""
+    profile = tiny_profile(layers=(0, 1, 3, 4, 6), tokens=1024)
+    options = dict(
+        num_devices=4, algorithm="search", holdout=0.5, bound_time_limit=0, **budget
+    )  # no timed bound
+    whole = compute_placement(profile, **options)
+    shares = [
+        compute_placement(profile, layers=[0, 3, 6], **options),
+        compute_placement(profile, layers=[1, 4], **options),
+    ]
+    assert sorted(shares[1].groups) == [1, 4]
+    merged = merge_placements(reversed(shares))
+    assert merged.groups == whole.groups
+    drop = ("seconds",)
+    for layer, figures in whole.metrics["layers"].items():
+        got = merged.metrics["layers"][layer]
+        assert {k: v for k, v in got.items() if k not in drop} == {
+            k: v for k, v in figures.items() if k not in drop
+        }
+    assert list(merged.metrics["layers"]) == ["0", "1", "3", "4", "6"]
+    for key in ("comm_complexity", "comm_complexity_sequential", "load_imbalance", "held_out", "holdout"):
+        assert merged.metrics[key] == pytest.approx(whole.metrics[key]), key
+    assert merged.metrics.get("max_devices_per_token") == budget.get("max_devices_per_token")
+
+
+def _place_on_ranks(rank, world, broken_layer):
+    from occult_ft.trainer.prepare import place_across_ranks
+
+    profile = tiny_profile(layers=(0, 1, 2))
+    if broken_layer is not None:  # an expert id the model does not have: only its rank's share fails
+        profile.layers[broken_layer].topk_ids[0, 0] = 99
+    try:
+        placement = place_across_ranks(profile, 4, 1, "search", bound_time_limit=0)
+    except Exception as err:  # noqa: BLE001 - what each rank saw
+        return f"{type(err).__name__}: {err}"
+    return placement.groups, placement.metrics["comm_complexity"]
+
+
+@pytest.mark.slow
+def test_processes_place_a_share_of_the_layers_each_and_all_apply_the_same_placement():
+    try:
+        from .dist_utils import run_distributed
+    except ImportError:
+        from dist_utils import run_distributed
+
+    whole = compute_placement(
+        tiny_profile(layers=(0, 1, 2)), num_devices=4, algorithm="search", bound_time_limit=0
+    )
+    results = run_distributed(_place_on_ranks, 2, None)
+    assert results[0] == results[1] == (whole.groups, pytest.approx(whole.metrics["comm_complexity"]))
+    failed = run_distributed(_place_on_ranks, 2, 1)  # layer 1 is rank 1's: rank 0 must not wait forever
+    assert failed[0] == failed[1] and "99" in failed[0], failed
+
+
+def test_merge_placements_refuses_overlapping_or_mismatched_shares():
+    profile = tiny_profile(layers=(0, 1))
+    a = compute_placement(profile, num_devices=4, algorithm="occult", layers=[0])
+    with pytest.raises(PlacementError, match=r"layers \[0\] are in two parts"):
+        merge_placements([a, a])
+    b = compute_placement(profile, num_devices=2, algorithm="occult", layers=[1])
+    with pytest.raises(PlacementError, match="num_devices 2 != 4"):
+        merge_placements([a, b])
+    with pytest.raises(PlacementError, match=r"layers=\[2\]: place profiled layers"):
+        compute_placement(profile, num_devices=4, algorithm="occult", layers=[2])
+    with pytest.raises(PlacementError, match="at least one"):
+        merge_placements([])
 
 
 def test_sequential_placement_is_the_identity_order():

@@ -10,7 +10,8 @@ weight permutation that makes a placed model contiguous.
     lns.py         pair moves: two devices re-solved exactly at a time
     solver.py      `solver` (the default): search, pair moves, the exact model; hierarchical with bounds
     pruned.py      the routing after a `max_devices_per_token` budget, and the local search on it
-    layer.py       `place_layer`, `solve_layer`, `compute_placement` (per-layer figures), `sequential_placement`
+    layer.py       `place_layer`, `solve_layer`, `compute_placement` (per-layer figures, or a share of the
+                   layers), `merge_placements`, `sequential_placement`
     file.py        `Placement` and its JSON file
     permute.py     `permute_experts`
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 from .algorithms import DEFAULT_ALGORITHM, PLACEMENT_ALGORITHMS, PlacementAlgorithm, register_algorithm
 from .core import DEFAULT_LOAD_IMBALANCE, LayerResult, PlacementError, coactivation_matrix
 from .file import PLACEMENT_FORMAT, PLACEMENT_VERSION, Placement
-from .layer import compute_placement, place_layer, sequential_placement, solve_layer
+from .layer import compute_placement, merge_placements, place_layer, sequential_placement, solve_layer
 from .partition import scipy_available
 from .permute import permute_experts
 from .pruned import PRUNING_CRITERIA
@@ -48,6 +49,7 @@ __all__ = [
     "place_layer",
     "solve_layer",
     "compute_placement",
+    "merge_placements",
     "register_algorithm",
     "scipy_available",
     "sequential_placement",

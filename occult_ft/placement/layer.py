@@ -49,6 +49,7 @@ __all__ = [
     "BOUND_TIME_LIMIT",
     "HOLDOUT_BLOCK",
     "compute_placement",
+    "merge_placements",
     "place_layer",
     "sequential_placement",
     "solve_layer",
@@ -232,9 +233,10 @@ def compute_placement(
     criterion: str = "score",
     holdout: float = 0.0,
     bound_time_limit: float = BOUND_TIME_LIMIT,
+    layers: Iterable[int] | None = None,
     **options,
 ) -> Placement:
-    """Place every profiled layer.
+    """Place every profiled layer (or the profiled `layers` listed).
 
     Args:
         profile: object with `model`, `model_type`, `num_experts`, `top_k` and `layers`
@@ -252,6 +254,8 @@ def compute_placement(
             on the rest and the figures are given for both (0 = place on all tokens).
         bound_time_limit: seconds per layer for the HiGHS lower bound of an algorithm that gives none
             (0 = no bound); `solver` brings its own.
+        layers: place only these profiled layers (None = all), e.g. one process's share of the layers;
+            `merge_placements` joins the shares into the placement of every layer.
 
     Returns:
         A `Placement` whose `metrics` hold the per-layer figures (module docstring) and their token-weighted
@@ -267,6 +271,12 @@ def compute_placement(
         raise PlacementError(f"holdout={holdout!r} must be a share of the tokens in [0, 1), e.g. 0.5 or 0")
     if not profile.layers:
         raise PlacementError("profile has no MoE layers; profile the model with `occult-ft profile` first")
+    todo = sorted(profile.layers) if layers is None else sorted({int(i) for i in layers})
+    unknown = [i for i in todo if i not in profile.layers]
+    if unknown or not todo:
+        raise PlacementError(
+            f"layers={unknown or todo!r}: place profiled layers, a non-empty subset of {sorted(profile.layers)}"
+        )
     group_size = int(getattr(profile, "group_size", 1) or 1) if algorithm != "sequential" else 1
     per_device = num_experts // num_devices
     if group_size > 1 and per_device % group_size and group_size % per_device:
@@ -280,7 +290,7 @@ def compute_placement(
     if max_load_imbalance is not None:
         options["max_load_imbalance"] = max_load_imbalance
     groups, per_layer = {}, {}
-    for layer in sorted(profile.layers):
+    for layer in todo:
         ids = profile.layers[layer].topk_ids.long()
         fit, held = split_holdout(ids.shape[0], holdout)
         try:
@@ -339,6 +349,52 @@ def compute_placement(
         algorithm,
         groups,
         _overall(per_layer, max_load_imbalance, holdout, budget),
+    )
+
+
+def merge_placements(parts: Iterable[Placement]) -> Placement:
+    """One placement of the layers of `parts` (shares of one `compute_placement` call: same model, sizes,
+    algorithm and settings, each layer in one part), with the overall figures recomputed over them."""
+    parts = list(parts)
+    if not parts:
+        raise PlacementError("merge_placements needs at least one placement")
+    first = parts[0]
+    keys = ("model_type", "num_experts", "num_devices", "num_nodes", "algorithm")
+    settings = ("max_load_imbalance", "holdout", "max_devices_per_token", "criterion")
+    groups: dict[int, list[list[int]]] = {}
+    per_layer: dict[str, dict] = {}
+    for part in parts:
+        for key in keys + settings:
+            mine = getattr(part, key) if key in keys else part.metrics.get(key)
+            theirs = getattr(first, key) if key in keys else first.metrics.get(key)
+            if mine != theirs:
+                raise PlacementError(
+                    f"merge_placements: {key} {mine!r} != {theirs!r}; merge shares of one call"
+                )
+        twice = sorted(set(groups) & set(part.groups))
+        if twice:
+            raise PlacementError(f"merge_placements: layers {twice} are in two parts; give each layer once")
+        groups.update(part.groups)
+        per_layer.update(part.metrics.get("layers", {}))
+    metrics = first.metrics
+    budget = None
+    if metrics.get("max_devices_per_token") is not None:
+        budget = (metrics["max_devices_per_token"], metrics["criterion"])
+    ordered = {str(k): per_layer[str(k)] for k in sorted(groups) if str(k) in per_layer}
+    overall = (
+        _overall(ordered, metrics.get("max_load_imbalance"), metrics.get("holdout", 0.0), budget)
+        if len(ordered) == len(groups)
+        else {}
+    )
+    return Placement(
+        first.model,
+        first.model_type,
+        first.num_experts,
+        first.num_devices,
+        first.num_nodes,
+        first.algorithm,
+        groups,
+        overall,
     )
 
 

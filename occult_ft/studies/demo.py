@@ -69,7 +69,8 @@ def _prepare(s: DemoSettings):
         ("sequential", "occult", "search"), desc="placing", unit="algorithm", disable=not s.progress
     ):
         t = time.perf_counter()
-        placements[algo] = compute_placement(profile, s.devices, algorithm=algo)
+        # no timed lower bound (3 s a layer each): the demo compares algorithms; `occult-ft place` proves gaps
+        placements[algo] = compute_placement(profile, s.devices, algorithm=algo, bound_time_limit=0)
         placements[algo].metrics["seconds"] = time.perf_counter() - t
         placements[algo].save(os.path.join(s.output_dir, f"placement-{algo}.json"))
     return model, tokenizer, _eval_batches(tokenizer, s), profile, placements

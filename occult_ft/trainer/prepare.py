@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ from ..fileio import read_json_object
 from ..integrations.peft import apply_lora, is_peft_model
 from ..metrics import contiguous_expert_device
 from ..models.registry import find_moe_layers, unwrap_model
-from ..placement import PRUNING_CRITERIA, compute_placement
+from ..placement import PRUNING_CRITERIA, Placement, compute_placement, merge_placements
 from ..profiling import profile_model
 from ..routing import PruningConfig, pruned_routers, router_similarity, set_recording
 from .checkpointing import check_checkpoint_model
@@ -153,6 +154,32 @@ def _broadcast(obj):
     return obj
 
 
+def place_across_ranks(profile: Any, *args: Any, **kwargs: Any) -> Placement:
+    """`compute_placement` with the layers shared out over the processes (layer i on rank i % world) and
+    the shares gathered, so every rank applies the same placement and start-up takes 1/world of the time
+    one process would. A rank whose share fails raises on every rank (no rank is left waiting)."""
+    if not (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    ):
+        return compute_placement(profile, *args, **kwargs)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    mine = sorted(profile.layers)[rank::world]
+    share: object = None
+    try:
+        if mine:
+            share = compute_placement(profile, *args, layers=mine, **kwargs)
+    except Exception as err:  # noqa: BLE001 - sent to every rank, raised there
+        share = err
+    shares: list = [None] * world
+    torch.distributed.all_gather_object(shares, share)
+    for failed in shares:
+        if isinstance(failed, Exception):
+            raise failed
+    return merge_placements(s for s in shares if s is not None)
+
+
 # ---- what trains ------------------------------------------------------------------------------------
 def set_train_mode(model: nn.Module, mode: str) -> None:
     """`full`: every parameter trains; `moe`: only the MoE blocks (routers, routed and shared experts)."""
@@ -260,15 +287,13 @@ def prepare_model(
             if args.max_devices_per_token is not None and args.max_nodes_per_token is None:
                 if args.criterion in PRUNING_CRITERIA:
                     budget = dict(max_devices_per_token=args.max_devices_per_token, criterion=args.criterion)
-            placement = _broadcast(
-                compute_placement(
-                    profile,
-                    args.devices,
-                    args.nodes,
-                    args.placement_algorithm,
-                    max_load_imbalance=args.max_load_imbalance,
-                    **budget,
-                )
+            placement = place_across_ranks(
+                profile,
+                args.devices,
+                args.nodes,
+                args.placement_algorithm,
+                max_load_imbalance=args.max_load_imbalance,
+                **budget,
             )
         placement = resolve_placement(
             placement if placement is not None else args.placement, base, args.devices
