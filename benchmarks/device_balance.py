@@ -29,6 +29,7 @@ import torch
 from occult_ft.checkpoint.load import load_model_and_tokenizer
 from occult_ft.data import load_text_dataset
 from occult_ft.evaluation import data_batches, evaluate_model
+from occult_ft.fileio import atomic_write_text
 from occult_ft.metrics import contiguous_expert_device, routing_report
 from occult_ft.models import find_moe_layers
 from occult_ft.placement import compute_placement
@@ -114,8 +115,7 @@ def main(argv=None) -> int:
             f"{r['load_imbalance_worst_layer']:.3f}"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        atomic_write_text(args.json, json.dumps(results, indent=1))
     return 0
 
 

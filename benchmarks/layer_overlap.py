@@ -170,8 +170,9 @@ def main(argv=None) -> int:
             f"(target <= 1.15 x max: {target})"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        from occult_ft.fileio import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(report, indent=1))
     return 0
 
 

@@ -18,6 +18,7 @@ import json
 import sys
 
 from occult_ft.bench.step import DEFAULT_CONTENDERS, SHAPES, StepSettings, format_step_report, run_train_step
+from occult_ft.fileio import atomic_write_text
 
 
 def main(argv=None) -> int:
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
             progress=lambda m: print(m, file=sys.stderr),
         )
         reports[shape] = report
+        if args.json:  # written before anything is printed: a measurement is never lost to the table
+            atomic_write_text(args.json, json.dumps(reports, indent=1))
         print(format_step_report(report), flush=True)
         print()
         if args.plot:
@@ -90,9 +93,6 @@ def main(argv=None) -> int:
             path = args.plot if len(args.shape or SHAPES) == 1 else args.plot.replace(".png", f"-{shape}.png")
             plot_train_step(report, path)
             print(f"wrote {path}", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(reports, f, indent=1)
     return 0
 
 

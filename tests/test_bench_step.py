@@ -188,6 +188,14 @@ def test_the_report_reads_as_a_table_and_draws(tmp_path):
     }
     text = format_step_report(report)
     assert "occult_ep" in text and "2.00x" in text and "not measured: ImportError: no" in text
+    # without data parallel (e.g. `--contenders occult_ep,occult_ep_chunks2`) there is no loss to compare
+    alone = [
+        {**_summarise(n, [_run([[0.5], [0.5]], phases, [5.0])], s), "measured": True, "ours": True}
+        for n in ("occult_ep", "occult_ep_chunks2")
+    ]
+    _compare(alone)
+    text = format_step_report(report | {"contenders": alone})
+    assert "occult_ep_chunks2" in text and "e-" not in text.split("phases")[0]
     from occult_ft.plots import plot_train_step
 
     plot_train_step(report, tmp_path / "step.png")

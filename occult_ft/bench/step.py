@@ -554,7 +554,7 @@ def format_step_report(report: dict) -> str:
         syncs = r.get("syncs_per_layer")
         lines.append(
             f"{r['contender']:<28} {r['tokens_per_s']:>9.0f} {r['step_s']:>8.3f} {spread:>15} {vs:>8} "
-            f"{r['peak_mb']:>9.0f} {peak_vs:>6} {loss if loss is None else format(loss, '.1e'):>10} "
+            f"{r['peak_mb']:>9.0f} {peak_vs:>6} {'-' if loss is None else format(loss, '.1e'):>10} "
             f"{'-' if syncs is None else format(syncs, '.2f'):>11}"
         )
     keys = [

@@ -21,6 +21,7 @@ pruning config, the similarity tables and each layer's expert -> device map.
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,7 +172,11 @@ def place_across_ranks(profile: Any, *args: Any, **kwargs: Any) -> Placement:
         if mine:
             share = compute_placement(profile, *args, layers=mine, **kwargs)
     except Exception as err:  # noqa: BLE001 - sent to every rank, raised there
-        share = err
+        try:
+            pickle.dumps(err)
+            share = err
+        except Exception:  # noqa: BLE001 - an error that cannot travel still stops every rank
+            share = RuntimeError(f"rank {rank}: {type(err).__name__}: {err}")
     shares: list = [None] * world
     torch.distributed.all_gather_object(shares, share)
     for failed in shares:
