@@ -142,13 +142,18 @@ def _profile(model, dataset, collate, args, name: str):
     return profile
 
 
-def _broadcast(obj):
-    """Rank 0's object on every process (profiling on GPUs may differ in the last bit between ranks)."""
-    if (
+def _distributed() -> bool:
+    """A process group of more than one process is running."""
+    return (
         torch.distributed.is_available()
         and torch.distributed.is_initialized()
         and torch.distributed.get_world_size() > 1
-    ):
+    )
+
+
+def _broadcast(obj):
+    """Rank 0's object on every process (profiling on GPUs may differ in the last bit between ranks)."""
+    if _distributed():
         holder = [obj]
         torch.distributed.broadcast_object_list(holder, src=0)
         return holder[0]
@@ -159,11 +164,7 @@ def place_across_ranks(profile: Any, *args: Any, **kwargs: Any) -> Placement:
     """`compute_placement` with the layers shared out over the processes (layer i on rank i % world) and
     the shares gathered, so every rank applies the same placement and start-up takes 1/world of the time
     one process would. A rank whose share fails raises on every rank (no rank is left waiting)."""
-    if not (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    ):
+    if not _distributed():
         return compute_placement(profile, *args, **kwargs)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     mine = sorted(profile.layers)[rank::world]
