@@ -1,4 +1,5 @@
-"""MkDocs hooks of the documentation site (mkdocs.yml: `hooks:`): one copy of every page.
+"""MkDocs hooks of the documentation site (mkdocs.yml: `hooks:`): one copy of every page; and a griffe
+extension (mkdocs.yml: the python handler's `extensions:`) that documents dataclass fields by their help.
 
 The README and a few other Markdown files of the repository (`extra.repo_pages` in mkdocs.yml: repository
 path -> page of the site) are pages of the site as they are, without a copy in docs/. Their links, and the
@@ -10,9 +11,14 @@ repository file the site does not hold (a recipe, a notebook, a script) into its
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import importlib
 import posixpath
 import re
 from pathlib import Path
+
+import griffe
 
 ROOT = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"(!?)\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^)\s]+)\)")
@@ -86,3 +92,30 @@ def on_page_markdown(markdown, page, config, files):
     uri = page.file.src_uri
     repo_path = by_page.get(uri, f"{docs_prefix(config)}/{uri}")
     return rewrite_links(markdown, repo_path, uri, config, files)
+
+
+class FieldHelp(griffe.Extension):
+    """A dataclass field declared `field(..., metadata={"help": ...})` (`OccultConfig`, the pattern of
+    `TrainingArguments` that the command line reads) gets its help string as its docstring in the API
+    reference. The help is read from the imported class, so help strings built at import time come out
+    as users see them in `--help`."""
+
+    def on_class_members(self, *, node, cls, agent, **kwargs) -> None:
+        if not isinstance(node, ast.ClassDef) or not any(_is_help_field(stmt) for stmt in node.body):
+            return
+        klass = getattr(importlib.import_module(cls.module.path), cls.name)
+        for spec in dataclasses.fields(klass):
+            member = cls.members.get(spec.name)
+            if member is not None and not member.docstring and spec.metadata.get("help"):
+                member.docstring = griffe.Docstring(spec.metadata["help"], parent=member)
+
+
+def _is_help_field(stmt: ast.stmt) -> bool:
+    """`name: type = field(..., metadata=...)`."""
+    call = stmt.value if isinstance(stmt, ast.AnnAssign) else None
+    return (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Name)
+        and call.func.id == "field"
+        and any(keyword.arg == "metadata" for keyword in call.keywords)
+    )
