@@ -44,7 +44,7 @@ def on_files(files, config):
     return files
 
 
-def site_target(target: str, page_repo_path: str, page_uri: str, config, files) -> str | None:
+def site_target(target: str, page_repo_path: str, page_uri: str, config) -> str | None:
     """The link `target` of a page (at `page_repo_path` in the repository, `page_uri` on the site) as a
     link between site pages; None for a repository file the site does not hold; a target that exists
     nowhere is returned as it is, so that mkdocs reports it."""
@@ -66,14 +66,14 @@ def site_target(target: str, page_repo_path: str, page_uri: str, config, files) 
     return relative + sep + anchor
 
 
-def rewrite_links(markdown: str, page_repo_path: str, page_uri: str, config, files) -> str:
+def rewrite_links(markdown: str, page_repo_path: str, page_uri: str, config) -> str:
     """`markdown` with its relative links pointed at site pages (code blocks left as they are)."""
 
     def one(match: re.Match) -> str:
         bang, text, target = match.groups()
         if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("/"):
             return match.group(0)  # a URL or an absolute path
-        new = site_target(target, page_repo_path, page_uri, config, files)
+        new = site_target(target, page_repo_path, page_uri, config)
         if new is None:
             return text if not bang else match.group(0)
         return f"{bang}[{text}]({new})"
@@ -91,7 +91,7 @@ def on_page_markdown(markdown, page, config, files):
     by_page = {uri: repo_path for repo_path, uri in repo_pages(config).items()}
     uri = page.file.src_uri
     repo_path = by_page.get(uri, f"{docs_prefix(config)}/{uri}")
-    return rewrite_links(markdown, repo_path, uri, config, files)
+    return rewrite_links(markdown, repo_path, uri, config)
 
 
 class FieldHelp(griffe.Extension):
