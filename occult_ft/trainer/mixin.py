@@ -125,6 +125,10 @@ class OccultTrainerMixin(Trainer):
         peft_config=None,
         **kwargs,
     ):
+        # a trainer above that does not pass these on to Trainer.__init__ (TRL's) sets them beforehand
+        options = getattr(self, "occult_init_options", {})
+        placement = placement if placement is not None else options.get("placement")
+        peft_config = peft_config if peft_config is not None else options.get("peft_config")
         if not isinstance(args, OccultArguments):
             raise TypeError(
                 f"args must be an OccultConfig or OccultSFTConfig, got {type(args).__name__}; build one of them"
