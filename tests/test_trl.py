@@ -205,11 +205,31 @@ def test_bad_occult_fields_fail_alike_in_both_configs(overrides, message, tmp_pa
         (dict(distill_coef=0.5), "fused LM head, which builds no logits"),
         (dict(exchange_capacity="auto", max_length=None), "max_length is None"),
         (dict(gradient_checkpointing_kwargs={"use_reentrant": True}), "gives the balance loss no gradient"),
+        (dict(label_smoothing_factor=0.1), "second forward without gradient"),
     ],
 )
 def test_what_does_not_compose_with_sft_is_refused_in_one_line(overrides, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         OccultSFTConfig(output_dir=str(tmp_path), use_cpu=True, **overrides)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(compute_loss_func=lambda *a, **k: None), "second forward without gradient"),
+        (dict(quantization_config=object()), "quantized weights do not allow"),
+        (dict(args=None), "args must be an OccultSFTConfig"),
+    ],
+)
+def test_trainer_arguments_that_do_not_compose_are_refused_before_loading(kwargs, message, tmp_path):
+    from transformers import TrainingArguments
+
+    if "args" in kwargs:
+        kwargs = {"args": TrainingArguments(output_dir=str(tmp_path))}
+    else:
+        kwargs = {"args": OccultSFTConfig(output_dir=str(tmp_path), use_cpu=True), **kwargs}
+    with pytest.raises((ValueError, TypeError), match=message):
+        OccultSFTTrainer("embedded", train_dataset=shape_rows("text"), **kwargs)
 
 
 def test_sft_config_pickles_without_the_hub_token(tmp_path):

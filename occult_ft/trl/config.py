@@ -11,7 +11,10 @@ their meaning and defaults (`max_length`, `packing`, `completion_only_loss`, `as
 - `router_aux_loss_coef` is 0: the model's own auxiliary loss recomputes top-k from the raw router
   logits and so ignores the pruning; `balance_loss_coef` weighs the pruning-aware one instead;
 - `distill_coef` must stay 0: SFTTrainer's loss runs through TRL's fused LM head, which builds no logits,
-  so there is no student distribution to distil into (use `OccultTrainer` for distillation).
+  so there is no student distribution to distil into (use `OccultTrainer` for distillation);
+- `label_smoothing_factor` must stay 0: SFTTrainer then computes the loss from one forward and its
+  metrics from a second one without gradient, whose routing would replace the one the balance loss
+  needs (the same holds for a `compute_loss_func`, refused by `OccultSFTTrainer`).
 """
 
 from __future__ import annotations
@@ -67,6 +70,11 @@ class OccultSFTConfig(OccultArguments, SFTConfig):
             raise ValueError(
                 f"distill_coef={self.distill_coef!r}: SFTTrainer computes its loss with TRL's fused LM head, which "
                 "builds no logits to distil into; set distill_coef=0 or train with OccultTrainer"
+            )
+        if self.label_smoothing_factor > 0:
+            raise ValueError(
+                f"label_smoothing_factor={self.label_smoothing_factor!r}: SFTTrainer then runs a second forward "
+                "without gradient, whose routing replaces the one the balance loss needs; set it to 0"
             )
         if self.exchange_capacity == "auto" and self.max_length is None:
             raise ValueError(

@@ -65,6 +65,17 @@ class OccultSFTTrainer(SFTTrainer, OccultTrainerMixin):
                 f"args must be an OccultSFTConfig, got {type(args).__name__}; build one with OccultSFTConfig(...) "
                 "(it takes every SFTConfig field)"
             )
+        if kwargs.get("compute_loss_func") is not None:
+            raise ValueError(
+                "compute_loss_func: SFTTrainer then takes its metrics from a second forward without gradient, "
+                "whose routing replaces the one the balance loss needs; subclass OccultSFTTrainer and override "
+                "compute_loss instead"
+            )
+        if kwargs.get("quantization_config") is not None:
+            raise ValueError(
+                "quantization_config: occult_ft permutes and shards the expert weights, which quantized "
+                "weights do not allow; train in bf16/fp32 (LoRA keeps the memory low)"
+            )
         model = model if model is not None else args.model_name_or_path
         if model is None:
             raise ValueError("OccultSFTTrainer needs a model (a transformers MoE model or a model path)")
