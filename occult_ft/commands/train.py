@@ -485,13 +485,10 @@ def run(args) -> int:
     finished = False
     try:
         if trainer_name == "trl":
-            from ..trl.pipeline import train_sft
-
-            trainer, metrics = train_sft(config)
+            from ..trl.pipeline import train_sft as run_training
         else:
-            from ..trainer import train
-
-            trainer, metrics = train(config)
+            from ..trainer import train as run_training  # type: ignore[assignment]
+        trainer, metrics = run_training(config)
         if trainer.is_world_process_zero():
             pruned = config.max_devices_per_token is not None or config.max_nodes_per_token is not None
             what = "LoRA adapter" if config.train_mode == "lora" else "pruned model" if pruned else "model"

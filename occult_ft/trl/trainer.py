@@ -97,7 +97,7 @@ class OccultSFTTrainer(SFTTrainer, OccultTrainerMixin):
         # TRL's __init__ does not pass these through to Trainer.__init__: the mixin reads them there
         self.occult_init_options = {"placement": placement, "peft_config": peft_config}
         super().__init__(
-            model=model,
+            model=model,  # type: ignore[arg-type]  # a PreTrainedModel (or PEFT model) by now
             args=args,
             data_collator=data_collator,
             train_dataset=train_dataset,
