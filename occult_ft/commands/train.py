@@ -217,14 +217,14 @@ def format_help(parser, trainer: str = "occult") -> str:
     from ..cli import HelpFormatter
 
     base: type = TrainingArguments
-    title, link = (
+    base_name, link = (
         "transformers.TrainingArguments",
         "https://huggingface.co/docs/transformers/main_classes/trainer",
     )
     if trainer == "trl":
         from trl import SFTConfig
 
-        base, title, link = SFTConfig, "trl.SFTConfig", "https://huggingface.co/docs/trl/sft_trainer"
+        base, base_name, link = SFTConfig, "trl.SFTConfig", "https://huggingface.co/docs/trl/sft_trainer"
 
     display = argparse.ArgumentParser(
         prog="occult-ft train",
@@ -254,7 +254,7 @@ def format_help(parser, trainer: str = "occult") -> str:
             for action in actions.get(name, ()):
                 group._add_action(action)
             shown.add(name)
-    group = display.add_argument_group(f"inherited from {title}", f"the trainer's own settings ({link})")
+    group = display.add_argument_group(f"inherited from {base_name}", f"the trainer's own settings ({link})")
     for name, acts in actions.items():
         if name not in shown:
             for action in acts:
