@@ -450,6 +450,17 @@ def test_cli_trainer_flag_refuses_an_unknown_trainer_and_sft_fields_without_trl(
     assert "--trainer trl" in capsys.readouterr().err
 
 
+def test_train_help_with_trainer_trl_lists_the_occult_fields_then_sftconfigs(capsys):
+    from occult_ft.cli import main
+
+    assert main(["train", "--trainer", "trl", "--help"]) == 0
+    text = capsys.readouterr().out
+    titles = ["Occult: placement and pruning:", "Occult: training:", "inherited from trl.SFTConfig:"]
+    where = [text.index(t) for t in titles]
+    assert where == sorted(where)
+    assert text.index("--max_devices_per_token") < where[2] < text.index("--completion_only_loss")
+
+
 # ---- expert parallelism on 2 gloo processes ----------------------------------------------------------------
 def _ep_worker(spec_path: str) -> None:
     """Both trainers on this rank with expert_parallel_size=2; rank 0 writes their step logs."""
