@@ -514,7 +514,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-def test_two_process_expert_parallel_sft_equals_occult_trainer_and_the_single_process_run(tmp_path):
+def test_two_process_expert_parallel_sft_equals_occult_trainer(tmp_path):
     from dist_utils import free_port
 
     import occult_ft
