@@ -458,6 +458,27 @@ def test_cli_train_with_trainer_trl_runs_a_recipe_with_sft_fields(tmp_path):
     assert json.loads((out / "config.json").read_text())["occult"]["max_devices_per_token"] == 1
 
 
+def test_recipe_data_becomes_rows_of_trls_shapes(tmp_path):
+    """Alpaca rows become prompt-completion rows (occult_ft's prompt template: completion-only loss in
+    TRL); text rows come under `dataset_text_field`."""
+    from occult_ft.data import format_prompt
+    from occult_ft.trl.pipeline import load_sft_rows
+
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text(
+        json.dumps({"instruction": "Add 2 and 3.", "input": "", "output": "5"}) + "\n"
+        + json.dumps({"instruction": "Name a colour.", "input": "one word", "output": "blue"}) + "\n"
+    )  # fmt: skip
+    cfg = OccultSFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, dataset_text_field="body")
+    rows = load_sft_rows(str(alpaca), None, cfg)
+    assert rows.column_names == ["prompt", "completion"]
+    assert rows[1] == {"prompt": format_prompt("Name a colour.", "one word"), "completion": "blue"}
+    text = tmp_path / "text.txt"
+    text.write_text("first document\n\nsecond document\n")
+    rows = load_sft_rows(str(text), None, cfg)
+    assert rows.column_names == ["body"] and rows[0]["body"] == "first document"
+
+
 def test_cli_trainer_flag_refuses_an_unknown_trainer_and_sft_fields_without_trl(tmp_path, capsys):
     from occult_ft.cli import main
 

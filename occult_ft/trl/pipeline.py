@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from datasets import IterableDataset
 
-from ..data import format_prompt, load_text_dataset
+from ..data import DataError, format_prompt, load_text_dataset
 from ..data.loading import dataset_columns, dataset_layout
 from ..plan import check_fits_before_loading
 from ..trainer.pipeline import announcer, finish_run
@@ -35,13 +35,24 @@ def load_sft_rows(source: str, split: str | None, config: OccultSFTConfig, evalu
     if source == "embedded" and split is None:
         split = "eval" if evaluation else "train"
     field = config.dataset_text_field
-    rows = load_text_dataset(
-        source,
-        split=split,
-        text_field=field if field not in ("text", "content") else None,
-        streaming=config.streaming and not evaluation,
-        skip_invalid_rows=config.skip_invalid_rows,
-    )
+    streaming = config.streaming and not evaluation
+
+    def read(text_field: str | None):
+        return load_text_dataset(
+            source,
+            split=split,
+            text_field=text_field,
+            streaming=streaming,
+            skip_invalid_rows=config.skip_invalid_rows,
+        )
+
+    if field in ("text", "content"):
+        rows = read(None)
+    else:
+        try:  # `dataset_text_field` names the text of plain-text rows; other shapes do not have it
+            rows = read(field)
+        except DataError:
+            rows = read(None)
     columns = dataset_columns(rows)
     layout = dataset_layout(columns)
     if layout == "instruction":
