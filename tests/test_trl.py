@@ -21,8 +21,8 @@ import torch
 
 pytest.importorskip("trl", reason="occult_ft.trl needs TRL: pip install 'occult-ft[trl]'")
 
-from helpers import safety_timeout  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from helpers import safety_timeout  # noqa: E402
 
 from occult_ft.embedded import embedded_model_path  # noqa: E402
 from occult_ft.metrics import contiguous_expert_device, devices_per_token  # noqa: E402
