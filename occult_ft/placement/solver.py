@@ -184,13 +184,17 @@ def solver_hierarchical(
     time_limit: float = SOLVER_TIME_LIMIT,
     seed: int = 0,
 ) -> LayerResult:
-    """Nodes, then the devices of each node, bounds at both levels (module docstring).
+    """Nodes, then the devices of each node, bounds at both levels.
 
     Two node partitions compete: the solver's (node loads within the bound) and occult's; each is refined
     device by device, node after node, every device kept within the bound over all D devices (the other
     nodes' loads as they stand). The automatic bound is max(1.25, hierarchical occult's imbalance), so
     occult's partition with occult's devices always qualifies; among the partitions that keep the bound
     the one with the fewest nodes, then devices, per token wins.
+
+    The node level is solved like a layer (node loads within the bound, a node-level lower bound). The
+    device-level lower bound holds for the chosen node partition: each node's device-level model within
+    the cap beta * (total) / D that every better placement keeps.
     """
     check_solver_options(max_load_imbalance, time_limit, seed)
     if not scipy_available():
