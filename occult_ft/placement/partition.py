@@ -95,6 +95,8 @@ class TokenSets:
         """(U, k) int64 experts of each set, padded with m (sets hold at most k experts)."""
         if self._ids is None:
             k = int(self.X.sum(axis=1).max(initial=0))
+            # each row's members first (False sorts before True in ~X), in expert order; then the
+            # non-members among the first k positions become the pad m (an index one past the columns)
             order = np.argsort(~self.X, axis=1, kind="stable")[:, :k]
             self._ids = np.where(np.take_along_axis(self.X, order, axis=1), order, self.X.shape[1])
         return self._ids
@@ -119,6 +121,7 @@ class TokenSets:
             padded = np.concatenate([G, np.zeros((G.shape[0], 1), bool)], axis=1)
             return np.array([float(self.w @ row[self.ids].any(axis=1)) for row in padded])
         out = np.empty(G.shape[0])
+        # groups per matmul: the (U, step) hit matrix stays near 2**24 entries (64 MiB of float32)
         step = max(1, (1 << 24) // max(1, self.X.shape[0]))
         for lo in range(0, G.shape[0], step):
             hits = (self.Xf @ G[lo : lo + step].T.astype(np.float32)) > 0.5
@@ -551,8 +554,8 @@ def _column_generation(
             pool.art[short] *= 4.0  # the artificial is still in use: let its dual rise
             pool.add(sets, _heuristic_columns(sets, pool, inside, x, pi, pi, size, cap))
             continue
-        tol = max(1e-6, 1e-6 * value)
-        if value - best < tol:
+        tol = max(1e-6, 1e-6 * value)  # relative (1e-6 of the LP value), at least 1e-6
+        if value - best < tol:  # the Lagrangian bound meets the LP value: the LP is solved
             lp.converged = True
             break
         rounds += 1
@@ -565,10 +568,11 @@ def _column_generation(
             ).sum(axis=0)
         smooth = alpha * center + (1.0 - alpha) * pi
         added = pool.add(sets, _heuristic_columns(sets, pool, inside, x, smooth, pi, size, cap))
-        if added and rounds % 8:
+        if added and rounds % 8:  # heuristic columns found: exact pricing only every 8th round
             continue
         # exact pricing at the smoothed duals: a bound, the centre, and a column if one prices negative
-        budget = min(deadline, time.perf_counter() + 5.0)
+        budget = min(deadline, time.perf_counter() + 5.0)  # 5 s per exact pricing: the bound stays valid
+        # threshold -tol/n: when no column prices below it, n min(0, rc) >= -tol, the bound within tol
         best_rc, groups, lb_rc, complete = price(
             sets, smooth, 1.0, size, cap, -tol / num_groups, deadline=budget
         )
