@@ -714,13 +714,6 @@ def test_save_replaces_the_file_atomically_and_leaves_no_temporary(tmp_path):
         placement.save(tmp_path)
 
 
-def test_benchmark_placement_moved_to_the_benchmarks_folder():
-    import occult_ft.placement
-
-    with pytest.raises(AttributeError, match="benchmarks/placement_time.py"):
-        occult_ft.placement.benchmark_placement  # noqa: B018
-
-
 # ---- the exact solver against brute force -------------------------------------------------------------------
 def equal_partitions(items, size):
     """Every partition of `items` into groups of `size` (unordered groups), by brute force."""

@@ -1,26 +1,23 @@
 """The model card (README.md) of an occult_ft checkpoint directory, built from what the directory records.
 
-The card is a template shipped with the package, `occult_ft/templates/model_card.md` (Jinja2, as
-TRL renders its cards), filled from the directory's records:
+The card is the Jinja2 template `occult_ft/templates/model_card.md` (as TRL renders its cards), filled by
+`build_model_card` in named steps:
 
-    metadata   base_model, library_name (transformers | peft), tags (moe, occult, expert-parallelism,
-               the model type, lora), license and datasets when they are known
-    body       base model; placement (algorithm, devices D, nodes); the budget max_devices_per_token M;
-               criterion; gate weights; comm_complexity before / after with the reference points
-               (k rows per token for per-expert dispatch, the lower bound ceil(k*D/E), random placement);
-               the training run's settings; evaluation results; how to load it; an optional figure;
-               the Occult citation
+    _card_data    metadata: base_model, library_name (transformers | peft), tags (moe, occult,
+                  expert-parallelism, the model type, lora), license and datasets when they are known
+    _card_text    the opening sentence: the base model and what was done to it
+    _card_tables  placement (algorithm, devices D, nodes), the budget max_devices_per_token M, criterion,
+                  gate weights; comm_complexity before / after beside the reference points (k rows per
+                  token for per-expert dispatch, the lower bound ceil(k*D/E), random placement); the
+                  run's settings; evaluation results
+    _loading      how to load it: a pruned full checkpoint needs `occult_ft.from_pretrained` (stock
+                  transformers loads the same weights with the original top-k routing); an unpruned one,
+                  or one whose budget sits in its config (`n_group` / `topk_group`), routes identically
+                  in stock transformers. tests/test_card_load_lines.py runs every load line a card shows.
 
-How to load: a pruned full checkpoint needs `occult_ft.from_pretrained`, which reactivates the pruned
-routing; plain `AutoModelForCausalLM.from_pretrained` gives the same weights with the original top-k
-routing. An unpruned checkpoint (placement only: the same function as the base model), or one whose
-budget is written in the model's own config (`n_group` / `topk_group`, DeepSeek-V2/V3), routes
-identically in stock transformers. Every load line a card shows is executed by tests/test_hub.py.
-
-How a checkpoint names its base model (`base_model_reference`): by Hub id when there is one (a model
-read from the Hub cache included), `embedded` for the shipped model, else the path it was trained
-from; a card for the Hub names a local base by its folder name and says how to point at a copy
-(`set_adapter_base`). Uploading the card with the checkpoint is `occult_ft.hub`'s job.
+The base model is named by `base_model_reference`: its Hub id when there is one (a snapshot of the Hub
+cache included), `embedded` for the shipped model, else its path; a card for the Hub names a local base
+by its folder name and says how to point at a copy (`set_adapter_base`). Uploading is `occult_ft.hub`'s.
 """
 
 from __future__ import annotations
@@ -353,18 +350,37 @@ def build_model_card(
         ValueError: missing directory, a directory that is not a checkpoint, invalid JSON, a figure that
             is missing or not a PNG.
     """
-    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub import ModelCard
 
     s = describe_checkpoint(checkpoint_dir)
     if base_model:
         s.base_model = base_model
     base = _base(s.base_model)
-    hub_base = base["name"] if base["kind"] == "hub" else None
+    # from here on the summary names the base as the card does (a local path by its folder name)
     s.base_model = base["name"] if base["kind"] != "unknown" else None
-    on_hub = repo_id is not None
     repo = repo_id or os.path.basename(os.path.abspath(s.path))
+    context = {
+        "card_data": _card_data(s, base, license).to_yaml(),
+        "title": repo.split("/")[-1],
+        "repo": repo,
+        "on_hub": repo_id is not None,
+        "base": base,
+        **_card_text(s, base),
+        **_card_tables(s, eval_results),
+        "figure": figure_name(s.path, figure) if figure is not None else None,
+        **_loading(s),
+        "citation": OCCULT_CITATION,
+    }
+    return ModelCard(_render(context))
+
+
+def _card_data(s: CheckpointSummary, base: dict, license: str | None):
+    """The card's YAML metadata (`huggingface_hub.ModelCardData`): base model, library, license, tags,
+    datasets; `base` is `_base`'s description of the base model."""
+    from huggingface_hub import ModelCardData
+
+    hub_base = base["name"] if base["kind"] == "hub" else None
     recorded = s.block.extra if s.block is not None else {}
-    license = license or recorded.get("license") or KNOWN_LICENSES.get(hub_base or "")
     tags = list(CARD_TAGS)
     if s.model_type:
         tags.append(s.model_type)
@@ -372,17 +388,21 @@ def build_model_card(
         tags += ["lora", "peft"]
     if s.pruned:
         tags.append("collaboration-pruning")
-    dataset = _hub_id(recorded.get("dataset"))
-    data = ModelCardData(
+    dataset = _hub_id(recorded.get("dataset"))  # only a Hub dataset id links to a dataset page
+    return ModelCardData(
         base_model=hub_base,
         library_name="peft" if s.kind == "adapter" else "transformers",
-        license=license,
+        license=license or recorded.get("license") or KNOWN_LICENSES.get(hub_base or ""),
         tags=tags,
         datasets=[dataset] if dataset else None,
         pipeline_tag="text-generation",
     )
-    if hub_base:
-        base_text = f"[`{hub_base}`](https://huggingface.co/{hub_base})"
+
+
+def _card_text(s: CheckpointSummary, base: dict) -> dict[str, str]:
+    """The card's opening sentence: what the directory is, its base model, and what was done to it."""
+    if base["kind"] == "hub":
+        base_text = f"[`{base['name']}`](https://huggingface.co/{base['name']})"
     elif base["kind"] == "embedded":
         base_text = "occult_ft's embedded OLMoE (`embedded`, shipped with the package)"
     else:
@@ -396,46 +416,51 @@ def build_model_card(
         action = "with collaboration-aware expert placement (the same function as the base model, permuted experts)"
     else:
         action = "fine-tuned"
+    return {
+        "what": "LoRA adapter" if s.kind == "adapter" else "checkpoint",
+        "base_text": base_text,
+        "action": action,
+    }
+
+
+def _card_tables(s: CheckpointSummary, eval_results: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The rows of the card's tables: placement and budget (with the notes under it), the adapter's
+    settings, the other recorded settings, comm_complexity and evaluation."""
     placement_rows, placement_notes = _placement(s)
     adapter_rows = []
     if s.kind == "adapter" and s.adapter:
         keys = ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "target_parameters")
         adapter_rows = [(k, s.adapter[k]) for k in (*keys, "modules_to_save") if s.adapter.get(k) is not None]
+    recorded = s.block.extra if s.block is not None else {}
+    # nested values (the comm_complexity dicts, eval) have tables of their own or are not shown
     other_rows = [
         (k, v)
         for k, v in sorted(recorded.items())
         if k not in _EXTRA_SHOWN and not isinstance(v, (dict, list))
     ]
-    content = _render(
-        {
-            "card_data": data.to_yaml(),
-            "title": repo.split("/")[-1],
-            "what": "LoRA adapter" if s.kind == "adapter" else "checkpoint",
-            "base_text": base_text,
-            "action": action,
-            "placement_rows": placement_rows,
-            "placement_notes": placement_notes,
-            "adapter_rows": adapter_rows,
-            "other_rows": other_rows,
-            "comm_rows": _comm_rows(s),
-            "eval_rows": _eval_rows(s, eval_results),
-            "figure": figure_name(s.path, figure) if figure is not None else None,
-            "repo": repo,
-            "on_hub": on_hub,
-            "kind": s.kind,
-            "base": base,
-            "has_tokenizer": s.has_tokenizer,
-            "pruned": s.pruned,
-            "needs_occult_ft": s.needs_occult_ft,
-            "remote_code": s.remote_code,
-            "native_routing": s.native_routing,
-            "expert_order_original": s.block is not None and s.block.expert_order == "original",
-            "citation": OCCULT_CITATION,
-            # the transformers class that loads this model type (a multimodal MoE is not a causal LM)
-            "auto_class": auto_model_class(s.model_type).__name__ if s.model_type else "AutoModelForCausalLM",
-        }
-    )
-    return ModelCard(content)
+    return {
+        "placement_rows": placement_rows,
+        "placement_notes": placement_notes,
+        "adapter_rows": adapter_rows,
+        "other_rows": other_rows,
+        "comm_rows": _comm_rows(s),
+        "eval_rows": _eval_rows(s, eval_results),
+    }
+
+
+def _loading(s: CheckpointSummary) -> dict[str, Any]:
+    """What the card's "How to load" section chooses between (see the module docstring)."""
+    return {
+        "kind": s.kind,
+        "has_tokenizer": s.has_tokenizer,
+        "pruned": s.pruned,
+        "needs_occult_ft": s.needs_occult_ft,
+        "remote_code": s.remote_code,
+        "native_routing": s.native_routing,
+        "expert_order_original": s.block is not None and s.block.expert_order == "original",
+        # the transformers class that loads this model type (a multimodal MoE is not a causal LM)
+        "auto_class": auto_model_class(s.model_type).__name__ if s.model_type else "AutoModelForCausalLM",
+    }
 
 
 def write_model_card(

@@ -55,12 +55,3 @@ __all__ = [
     "sequential_placement",
     "permute_experts",
 ]
-
-
-def __getattr__(name: str):
-    if name == "benchmark_placement":
-        raise AttributeError(
-            "occult_ft.placement.benchmark_placement moved to benchmarks/placement_time.py; run "
-            "`python benchmarks/placement_time.py [--tokens N]`"
-        )
-    raise AttributeError(f"module 'occult_ft.placement' has no attribute {name!r}")

@@ -4,7 +4,7 @@ Each algorithm is a solver `solve(x_TE, num_devices, *, <options>) -> groups[d]`
 device d) registered once in `PLACEMENT_ALGORITHMS`. Its keyword-only parameters are its options, read
 from the signature: an option it does not take is a one-line `PlacementError`, never swallowed. An
 entry may also bring its own hierarchical (nodes, then devices) placement; otherwise the solver runs at
-both levels (`core.two_level`).
+both levels (`core.two_level`). Every entry also takes `max_load_imbalance` (`PlacementAlgorithm.place`).
 
     sequential    device d holds experts [d*E/D, (d+1)*E/D): what every framework does.
     occult        the paper's greedy, farthest-point style: device 0 is seeded with the most co-selected
@@ -19,8 +19,6 @@ both levels (`core.two_level`).
     search        (`search.py`) swap local search from the best of the three.
     solver        (default; `solver.py`) set partitioning on HiGHS with a proven lower bound, started from
                   `search`; falls back to `search` when scipy is missing.
-
-Every entry also takes `max_load_imbalance` (`PlacementAlgorithm.place`).
 """
 
 from __future__ import annotations
@@ -85,6 +83,7 @@ class PlacementAlgorithm:
             raise TypeError(
                 f"placement algorithm {self.name!r}: solve must name its options, not take *args/**kw"
             )
+        # the keyword-only parameters are the options: `check_options` and its hints read them from here
         options = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
         if self.hierarchical is not None:
             hier = inspect.signature(self.hierarchical).parameters.values()
@@ -120,6 +119,7 @@ class PlacementAlgorithm:
         self.check_options(options)
         if topk_ids_TK.dim() != 2:
             raise PlacementError(f"topk_ids must be (tokens, top_k), got shape {tuple(topk_ids_TK.shape)}")
+        # -1 marks an empty slot (a token routed to fewer than k experts); any other id must be an expert
         if topk_ids_TK.numel() and (int(topk_ids_TK.max()) >= num_experts or int(topk_ids_TK.min()) < -1):
             bad = int(topk_ids_TK.max()) if int(topk_ids_TK.max()) >= num_experts else int(topk_ids_TK.min())
             raise PlacementError(
@@ -135,16 +135,16 @@ class PlacementAlgorithm:
         else:  # the same solver and options at both levels
             out = two_level(topk_ids_TK, num_experts, num_devices, num_nodes, partial(self.solve, **options))
         result = out if isinstance(out, LayerResult) else LayerResult(out)
-        result.groups = [sorted(g) for g in result.groups]
-        if (
-            bound is not None
-        ):  # also checks the algorithms that take it (hierarchical search keeps it per node)
+        result.groups = [sorted(g) for g in result.groups]  # one spelling per placement: files compare equal
+        # also checks the algorithms that take the bound: hierarchical search keeps it per node, and the
+        # whole layer's devices must keep it too
+        if bound is not None:
             x_TE = incidence(topk_ids_TK, num_experts)
             dev_E = torch.empty(num_experts, dtype=torch.long)
             for d, group in enumerate(result.groups):
                 dev_E[group] = d
             found = imbalance(device_loads(x_TE, dev_E, num_devices))
-            if found > bound * (1 + 1e-9):
+            if found > bound * (1 + 1e-9):  # relative slack: a placement exactly at the bound keeps it
                 raise PlacementError(
                     f"placement algorithm {self.name!r} gives load imbalance {found:.3f} > max_load_imbalance="
                     f"{bound}; use algorithm 'solver' or 'search' (they keep the bound) or raise max_load_imbalance"
@@ -187,6 +187,7 @@ def occult(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
     per = num_experts // num_devices
     if per == 1 or num_devices == 1:
         return sequential(x_TE, num_devices)
+    # co_EE[a, b]: tokens selecting both a and b; the diagonal is each expert's own token count (its load)
     co_EE = (x_TE.T @ x_TE).double()
     load_E = co_EE.diagonal().clone()
     co_EE.fill_diagonal_(0.0)
@@ -194,14 +195,14 @@ def occult(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
     # device 0: the most co-selected pair (argmax over the upper triangle, first on ties; the +1 lets a
     # zero-count pair beat the zeroed lower triangle)
     pair_scores = torch.triu(co_EE + 1.0, diagonal=1)
-    a, b = divmod(int(pair_scores.argmax()), num_experts)
+    a, b = divmod(int(pair_scores.argmax()), num_experts)  # flat index of the (E, E) matrix -> (row, col)
     groups = [[a, b]] + [[] for _ in range(num_devices - 1)]
     placed[[a, b]] = True
     # devices 1..D-1: the unplaced expert least co-selected with all placed ones (ties: highest load)
     for d in range(1, num_devices):
         score_E = co_EE[:, placed].sum(dim=1).masked_fill(placed, float("inf"))
         ties = score_E == score_E.min()
-        e = int(load_E.masked_fill(~ties, -1.0).argmax())
+        e = int(load_E.masked_fill(~ties, -1.0).argmax())  # -1: below any load, so never a non-tie
         groups[d].append(e)
         placed[e] = True
     # fill round-robin: each device takes the unplaced expert of highest mean co-selection with it
@@ -209,6 +210,7 @@ def occult(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
         for group in groups:
             if len(group) == per:
                 continue
+            # mean, not sum: a device's score does not grow with how many members it already has
             mean_E = co_EE[:, group].mean(dim=1).masked_fill(placed, -1.0)
             e = int(mean_E.argmax())
             group.append(e)
@@ -221,19 +223,19 @@ def greedy_pairs(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
     per = num_experts // num_devices
     if per == 1 or num_devices == 1:
         return sequential(x_TE, num_devices)
-    co_EE = (x_TE.T @ x_TE).double()
+    co_EE = (x_TE.T @ x_TE).double()  # co-selection counts, as in `occult`
     load = co_EE.diagonal().tolist()
-    rows, cols = torch.triu_indices(num_experts, num_experts, offset=1)
+    rows, cols = torch.triu_indices(num_experts, num_experts, offset=1)  # each pair a < b once
     counts = co_EE[rows, cols]
     order = torch.argsort(counts, descending=True, stable=True)
-    order = order[counts[order] > 0]
+    order = order[counts[order] > 0]  # a pair never selected together gives no reason to merge
     group_of = list(range(num_experts))  # expert -> group id
     members: dict[int, list[int]] = {e: [e] for e in range(num_experts)}
     for a, b in zip(rows[order].tolist(), cols[order].tolist()):
         ga, gb = group_of[a], group_of[b]
         if ga == gb or len(members[ga]) + len(members[gb]) > per:
             continue
-        for e in members[gb]:
+        for e in members[gb]:  # union: gb's members join ga (groups stay at most `per` experts)
             group_of[e] = ga
         members[ga].extend(members.pop(gb))
     # first-fit decreasing into D devices of `per`; a group that fits nowhere is split, heaviest first

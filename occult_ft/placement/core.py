@@ -99,6 +99,7 @@ def incidence(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     ids = topk_ids_TK.long().cpu()
     ids = torch.where(ids >= 0, ids, num_experts)  # -1 -> spare column E, dropped below
     x = torch.zeros(ids.shape[0], num_experts + 1).scatter_add_(1, ids, torch.ones(ids.shape))
+    # clamp: an expert listed twice in one row (padded or repeated ids) still counts once
     x = x[:, :num_experts].clamp_(max=1.0)
     return x[x.sum(dim=1) > 0].contiguous()
 
@@ -114,7 +115,7 @@ def coactivation_matrix(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Te
         (E, E) int64: [a, b] = tokens that selected both a and b; the diagonal is each expert's load.
     """
     x = incidence(topk_ids_TK, num_experts).double()
-    return (x.T @ x).round().long()
+    return (x.T @ x).round().long()  # float64 sums of 0/1 products: exact integers below 2**53
 
 
 def device_to_groups(dev_E: torch.Tensor, num_devices: int) -> list[list[int]]:
@@ -124,6 +125,7 @@ def device_to_groups(dev_E: torch.Tensor, num_devices: int) -> list[list[int]]:
 def device_loads(x_TE: torch.Tensor, dev_E: torch.Tensor, num_devices: int) -> torch.Tensor:
     """(D,) tokens of x_TE reaching each device (the rows it receives under de-duplicated dispatch)."""
     onehot_ED = torch.nn.functional.one_hot(dev_E, num_devices).float()
+    # (T, E) @ (E, D): the token's experts on each device; > 0: one row however many of them are there
     return ((x_TE @ onehot_ED) > 0).sum(dim=0)
 
 
@@ -187,8 +189,9 @@ def two_level(
     for node, members in enumerate(node_groups):
         sub_x = node_incidence(ids, num_experts, members)
         extra = {} if seed is None else {"seed": seed + node + 1}
-        sub = solve(sub_x, num_devices // num_nodes, **extra)
+        sub = solve(sub_x, num_devices // num_nodes, **extra)  # D/N devices per node, ids local to it
         sub_groups = sub.groups if isinstance(sub, LayerResult) else sub
+        # node n's devices come n-th, so device d is on node d // (D/N); local ids back to expert ids
         groups.extend(sorted(members[i] for i in g) for g in sub_groups)
     return groups
 
@@ -208,7 +211,7 @@ def level_totals(
     dev_E = torch.empty(x_TE.shape[1], dtype=torch.long)
     for d, group in enumerate(groups):
         dev_E[group] = d
-    return (
-        devices_total(x_TE, dev_E // (num_devices // num_nodes), num_nodes),
+    return (  # a tuple: compared lexicographically, nodes first
+        devices_total(x_TE, dev_E // (num_devices // num_nodes), num_nodes),  # node of a device: d // (D/N)
         devices_total(x_TE, dev_E, num_devices),
     )

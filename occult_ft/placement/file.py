@@ -65,15 +65,16 @@ def _check_figures(figures, where: str) -> None:
         if value is None:
             continue
         if kind is _NUMBER:
+            # bool is an int subclass (True would pass as 1); value == value is False only for NaN
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-            ok = ok and abs(value) != float("inf")
+            ok = ok and abs(value) != float("inf")  # JSON has no infinity either: the file stays portable
         else:
             ok = isinstance(value, cast(type, kind))
         if not ok:
             raise PlacementError(
                 f"{where} figure {key!r} is {value!r}, not a {getattr(kind, '__name__', kind)}; {RERUN}"
             )
-        if kind is dict:
+        if kind is dict:  # held_out and pruned hold figures of the same kinds, one level down
             _check_figures(value, f"{where} {key}")
 
 
@@ -81,7 +82,7 @@ def _check_metrics(metrics, layers: set[int]) -> None:
     """Version-2 metrics: an object whose `layers` (if any) are figures of this placement's layers."""
     if not isinstance(metrics, dict):
         raise PlacementError(f"placement metrics are {type(metrics).__name__}, not an object; {RERUN}")
-    per_layer = metrics.get("layers", {})
+    per_layer = metrics.get("layers", {})  # a hand-written file may carry no figures at all
     if not isinstance(per_layer, dict):
         raise PlacementError(f"placement metrics 'layers' must map layer index -> figures; {RERUN}")
     _check_layer_keys(per_layer, "placement metrics")
@@ -97,6 +98,7 @@ def _check_layer_keys(mapping: dict, where: str) -> None:
     """Layer keys are integers, each naming a different layer ("1" and "01" both name layer 1)."""
     seen: dict[int, str] = {}
     for key in mapping:
+        # JSON object keys are strings: "-1" passes here and fails later as a layer the model lacks
         if not isinstance(key, str) or not key.lstrip("-").isdigit():
             raise PlacementError(f"{where} has layer key {key!r}, not an integer; {RERUN}")
         if int(key) in seen:
@@ -125,6 +127,7 @@ def _check_listed_experts(groups: dict, num_experts: int) -> None:
             raise PlacementError(
                 f"placement layer {layer} is {type(layer_groups).__name__}, not a list of device groups; {RERUN}"
             )
+        # a group that is not a list counts 0 here; `_check_groups` names it
         listed = sum(len(g) if isinstance(g, list) else 0 for g in layer_groups)
         if listed != num_experts:
             raise PlacementError(
@@ -136,7 +139,7 @@ def _check_groups(groups, num_experts: int, num_devices: int, where: str) -> lis
     if not isinstance(groups, list) or len(groups) != num_devices:
         n = len(groups) if isinstance(groups, list) else type(groups).__name__
         raise PlacementError(f"{where} has {n} device groups but num_devices={num_devices}; {RERUN}")
-    per, seen = num_experts // num_devices, set()
+    per, seen = num_experts // num_devices, set()  # E/D experts per device; `seen`: each expert once
     for d, group in enumerate(groups):
         if not isinstance(group, list) or not all(is_int(e) for e in group):
             raise PlacementError(f"{where} device {d} is not a list of expert ids: {group!r}; {RERUN}")
@@ -145,7 +148,7 @@ def _check_groups(groups, num_experts: int, num_devices: int, where: str) -> lis
                 f"{where} device {d} holds {len(group)} experts; each of the {num_devices} devices must hold "
                 f"{num_experts}/{num_devices}={per}; {RERUN}"
             )
-        for e in group:
+        for e in group:  # D groups of E/D distinct ids in 0..E-1: together exactly a permutation of E
             if not 0 <= e < num_experts:
                 raise PlacementError(f"{where} has expert id {e} outside 0..{num_experts - 1}; {RERUN}")
             if e in seen:
@@ -185,11 +188,13 @@ class Placement:
                 )
         if not isinstance(self.groups, dict) or not self.groups:
             raise PlacementError(f"placement has no layers; {RERUN}")
+        # before validate_sizes and _check_groups, which take time and memory in E
         _check_listed_experts(self.groups, self.num_experts)
         try:
             validate_sizes(self.num_experts, self.num_devices, self.num_nodes)
         except PlacementError as err:
             raise PlacementError(f"placement {err}") from None
+        # keys as ints in layer order, each group sorted: two equal placements compare equal
         self.groups = {
             int(layer): _check_groups(groups, self.num_experts, self.num_devices, f"placement layer {layer}")
             for layer, groups in sorted(self.groups.items())
@@ -248,11 +253,14 @@ class Placement:
             num_nodes=self.num_nodes,
             algorithm=self.algorithm,
         )
+        # written by hand rather than json.dumps(indent=...), which would give every expert id a line of
+        # its own (E x layers lines); one line per device group keeps a diff of two placements readable
         lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + ['  "layers": {']
         for i, layer in enumerate(self.layers):
             body = ",\n".join(f"      {json.dumps(g)}" for g in self.groups[layer])
             lines.append(f'    "{layer}": [\n{body}\n    ]' + ("," if i < len(self.groups) - 1 else ""))
         try:
+            # allow_nan=False: json.dumps would otherwise write NaN, which no strict JSON reader takes
             metrics = json.dumps(self.metrics, indent=2, allow_nan=False).replace("\n", "\n  ")
         except ValueError:
             raise PlacementError(
@@ -280,6 +288,7 @@ class Placement:
         if not path.is_file():
             raise PlacementError(f"placement file '{path}' not found; create it with `occult-ft place`")
         try:
+            # object_pairs_hook sees every key, so a layer given twice is an error, not the last copy
             data = json.loads(path.read_text(), object_pairs_hook=_refuse_duplicate_keys)
         except PlacementError as err:
             raise PlacementError(f"placement file '{path}': {err}") from None
@@ -294,6 +303,7 @@ class Placement:
                 f"'{path}' is not an occult_ft placement file (format={found!r}, expected "
                 f"{PLACEMENT_FORMAT!r}); {RERUN}"
             )
+        # True == 1 in Python: a version `true` would otherwise read as version 1
         if data.get("version") not in READABLE_VERSIONS or isinstance(data.get("version"), bool):
             raise PlacementError(
                 f"'{path}' has placement version {data.get('version')!r}; this occult_ft reads versions "
@@ -306,7 +316,7 @@ class Placement:
             raise PlacementError(f"placement file '{path}': 'layers' must map layer index -> groups; {RERUN}")
         try:
             _check_layer_keys(data["layers"], "placement file")
-            if data["version"] >= 2:
+            if data["version"] >= 2:  # version 1 kept free-form metrics: they are read unchecked
                 _check_metrics(data.get("metrics") or {}, {int(k) for k in data["layers"]})
         except PlacementError as err:
             raise PlacementError(

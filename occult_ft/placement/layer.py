@@ -109,19 +109,20 @@ def split_holdout(num_tokens: int, holdout: float) -> tuple[torch.Tensor, torch.
     """(fit, held-out) token indices: block b of `HOLDOUT_BLOCK` tokens is held out when
     floor((b + 1) h) > floor(b h), so the held-out blocks are spread evenly (every other one for h = 0.5).
     With fewer than two blocks nothing is held out."""
-    blocks = -(-num_tokens // HOLDOUT_BLOCK)
+    blocks = -(-num_tokens // HOLDOUT_BLOCK)  # ceil: a last partial block counts as one
     if holdout <= 0 or blocks < 2:
         return torch.arange(num_tokens), torch.zeros(0, dtype=torch.long)
     out_B = torch.tensor([floor((b + 1) * holdout) > floor(b * holdout) for b in range(blocks)])
-    if bool(out_B.all()):
+    if bool(out_B.all()):  # h >= 1 holds out every block (b = 0 is kept for any h < 1): keep one
         out_B[0] = False
-    out_T = out_B.repeat_interleave(HOLDOUT_BLOCK)[:num_tokens]
+    out_T = out_B.repeat_interleave(HOLDOUT_BLOCK)[:num_tokens]  # (T,) bool, the last block cut short
     return (~out_T).nonzero().flatten(), out_T.nonzero().flatten()
 
 
 def _figures(ids_TK, dev_E, num_devices, num_nodes, budget) -> dict:
     """comm_complexity (sequential and placed) and load imbalance of one token set (and node level, pruned)."""
     num_experts = dev_E.shape[0]
+    # the sequential placement, the reference every figure is read against: expert e on device e // (E/D)
     seq_E = torch.arange(num_experts) // (num_experts // num_devices)
     out: dict[str, Any] = dict(
         tokens=int(ids_TK.shape[0]),
@@ -131,7 +132,7 @@ def _figures(ids_TK, dev_E, num_devices, num_nodes, budget) -> dict:
     )
     if num_nodes > 1:
         out["node_complexity"] = node_comm_complexity(ids_TK, dev_E, num_devices, num_nodes)
-    if budget is not None:
+    if budget is not None:  # budget = (max_devices_per_token, criterion)
         out["pruned"] = dict(max_devices_per_token=budget[0], criterion=budget[1]) | pruned_figures(
             ids_TK, dev_E, num_devices, budget[0]
         )
@@ -141,6 +142,8 @@ def _figures(ids_TK, dev_E, num_devices, num_nodes, budget) -> dict:
 def _auto_bound(x_TE: torch.Tensor, num_devices: int) -> float:
     """The automatic bound max(1.25, occult's imbalance) on these tokens."""
     dev = expert_device_from_groups(occult(x_TE, num_devices), x_TE.shape[1])
+    # (T, E) @ (E, D) counts each token's experts per device; > 0: the token sends one row to that device,
+    # so the column sums are the rows each device receives (de-duplicated dispatch)
     loads = ((x_TE @ torch.nn.functional.one_hot(dev, num_devices).float()) > 0).sum(dim=0)
     return resolve_load_bound(None, float(loads.max()) / float(loads.double().mean()) if loads.sum() else 0.0)
 
@@ -176,11 +179,13 @@ def _place_one(
         result = solve_layer(ids_TK, num_experts, num_devices, algorithm, num_nodes, **plain)
         dev_E = expert_device_from_groups(result.groups, num_experts)
         pruned = pruned_figures(ids_TK, dev_E, num_devices, budget[0])
+        # the automatic bound under a budget: occult's imbalance on the pruned routing, as without one
         occ = expert_device_from_groups(occult(x_TE, num_devices), num_experts)
         beta = resolve_load_bound(
             explicit, pruned_figures(ids_TK, occ, num_devices, budget[0])["load_imbalance"]
         )
         if algorithm == "solver":
+            # a quarter of the solver's own budget again: the pruned refinement is a local search
             seconds = 0.25 * options.get("time_limit", SOLVER_TIME_LIMIT)
             result.groups = refine_pruned(
                 ids_TK, result.groups, num_devices, budget[0], beta, deadline=time.perf_counter() + seconds
@@ -194,6 +199,8 @@ def _place_one(
                 f"{pruned['load_imbalance']:.3f} > max_load_imbalance={explicit}; use algorithm 'solver' "
                 "(it keeps the bound on the pruned routing) or raise max_load_imbalance"
             )
+    # a bound for the algorithms that prove none; not under a budget (the objective changes) nor for a
+    # hierarchical placement (its device objective is per node)
     if result.lower_bound is None and budget is None and num_nodes == 1 and bound_seconds > 0:
         result.lower_bound = _lower_bound(x_TE, result.groups, num_devices, beta, bound_seconds)
     return dict(result=result, load_bound=beta, seconds=time.perf_counter() - started)
@@ -206,6 +213,7 @@ def _place_in_routing_groups(ids_TK, num_experts, num_devices, group_size, algor
     devices (on the tokens' experts inside it). No bound is reported (the units change the objective)."""
     per_device = num_experts // num_devices
     if per_device % group_size == 0:
+        # expert e of routing group u = e // group_size: the groups are placed as experts of their own
         unit_groups = place_layer(
             ids_TK // group_size, num_experts // group_size, num_devices, algorithm, num_nodes, **options
         )
@@ -215,6 +223,7 @@ def _place_in_routing_groups(ids_TK, num_experts, num_devices, group_size, algor
     span = group_size // per_device  # devices per routing group
     groups: list[list[int]] = []
     for q in range(num_experts // group_size):
+        # (T, K) ids local to group q (0..group_size-1), -1 for the experts outside it
         local = torch.where(ids_TK // group_size == q, ids_TK - q * group_size, -1)
         inside = local.max(dim=1).values >= 0  # tokens with at least one expert in this group
         sub = place_layer(local[inside], group_size, span, algorithm, **options)
@@ -277,8 +286,11 @@ def compute_placement(
         raise PlacementError(
             f"layers={unknown or todo!r}: place profiled layers, a non-empty subset of {sorted(profile.layers)}"
         )
+    # DeepSeek group-limited routing: contiguous blocks of group_size experts must stay whole (sequential
+    # keeps every block whole anyway)
     group_size = int(getattr(profile, "group_size", 1) or 1) if algorithm != "sequential" else 1
     per_device = num_experts // num_devices
+    # whole groups per device, or each group split evenly over group_size / per_device devices
     if group_size > 1 and per_device % group_size and group_size % per_device:
         num_group = num_experts // group_size
         raise PlacementError(
@@ -292,7 +304,7 @@ def compute_placement(
     groups, per_layer = {}, {}
     for layer in todo:
         ids = profile.layers[layer].topk_ids.long()
-        fit, held = split_holdout(ids.shape[0], holdout)
+        fit, held = split_holdout(ids.shape[0], holdout)  # placed on `fit`; `held` is only measured
         try:
             if group_size > 1:
                 started = time.perf_counter()
@@ -322,12 +334,13 @@ def compute_placement(
         dev_E = expert_device_from_groups(result.groups, num_experts)
         figures = _figures(ids[fit], dev_E, num_devices, num_nodes, budget)
         tokens = max(1, figures["tokens"])
+        # the algorithms bound the summed devices over the tokens; per token it bounds comm_complexity
         bound = None if result.lower_bound is None else result.lower_bound / tokens
         if bound is not None:  # an LP bound may exceed the placement it proves by the solver's tolerance
             bound = min(bound, figures["comm_complexity"])
         figures.update(
             lower_bound=bound,
-            gap=None if not bound else figures["comm_complexity"] / bound - 1.0,
+            gap=None if not bound else figures["comm_complexity"] / bound - 1.0,  # 0.0: proven optimal
             optimal=bool(result.optimal),
             load_bound=placed["load_bound"],
             seconds=placed["seconds"],
@@ -381,6 +394,7 @@ def merge_placements(parts: Iterable[Placement]) -> Placement:
     if metrics.get("max_devices_per_token") is not None:
         budget = (metrics["max_devices_per_token"], metrics["criterion"])
     ordered = {str(k): per_layer[str(k)] for k in sorted(groups) if str(k) in per_layer}
+    # a part without per-layer figures (e.g. a hand-written file) leaves the overall figures unknown
     overall = (
         _overall(ordered, metrics.get("max_load_imbalance"), metrics.get("holdout", 0.0), budget)
         if len(ordered) == len(groups)
@@ -401,7 +415,7 @@ def merge_placements(parts: Iterable[Placement]) -> Placement:
 def _overall(per_layer: dict, max_load_imbalance, holdout: float, budget) -> dict:
     """Token-weighted means over the layers (max for load imbalance) and the settings."""
 
-    def mean(rows, key):
+    def mean(rows, key):  # weighted by each layer's tokens: a layer profiled on more tokens counts more
         tokens = sum(r["tokens"] for r in rows)
         return sum(r[key] * r["tokens"] for r in rows) / tokens if tokens else 0.0
 
@@ -409,6 +423,7 @@ def _overall(per_layer: dict, max_load_imbalance, holdout: float, budget) -> dic
     out = dict(
         comm_complexity_sequential=mean(rows, "comm_complexity_sequential"),
         comm_complexity=mean(rows, "comm_complexity"),
+        # the worst layer: the slowest device of any layer sets the step time
         load_imbalance=max(r["load_imbalance"] for r in rows),
         lower_bound=mean(rows, "lower_bound") if all(r["lower_bound"] is not None for r in rows) else None,
         max_load_imbalance=max_load_imbalance,

@@ -69,31 +69,35 @@ def pair_move(
     f = len(free_a)
     kept_a, kept_b = dev_E == a, dev_E == b
     kept_a[free_a], kept_b[free_b] = False, False
+    # (U,) whether each set already reaches a / b through the experts that stay there
     reach_a, reach_b = X[:, kept_a].any(axis=1), X[:, kept_b].any(axis=1)
+    # (U,) the set's freed experts as a bit mask: bit i = freed[i] (2f <= 16 bits, int64 is ample)
     bits = X[:, freed].astype(np.int64) @ (np.int64(1) << np.arange(2 * f, dtype=np.int64))
     base_a, base_b = float(w @ reach_a), float(w @ reach_b)
-    live = bits != 0
+    live = bits != 0  # a set holding no freed expert loads a and b the same under every way
+    # sets with the same (mask, reach a, reach b) load the devices alike: merged into P patterns
     key = np.stack([bits[live], reach_a[live], reach_b[live]], axis=1)  # type: ignore[index]
     pats, inv = np.unique(key, axis=0, return_inverse=True)
     wp = np.bincount(inv.ravel(), weights=w[live], minlength=len(pats))
     mask, ra, rb = pats[:, 0], pats[:, 1].astype(bool), pats[:, 2].astype(bool)
     ways = _splits(f)
-    full = (1 << (2 * f)) - 1
+    full = (1 << (2 * f)) - 1  # all 2f bits: full ^ way is the experts that go to b
+    # (W,) a's load under each way: the kept experts' tokens plus the patterns a way's experts newly reach
     load_a = base_a + _hits(mask, ways) @ (wp * ~ra)
     load_b = base_b + _hits(mask, full ^ ways) @ (wp * ~rb)
     others = np.delete(loads_D, [a, b])
-    total = others.sum() + load_a + load_b
+    total = others.sum() + load_a + load_b  # (W,) summed load: the mean the bound is relative to
     top = np.maximum(np.maximum(load_a, load_b), others.max(initial=0.0))
     ok = top <= max_load + 1e-9
     if bound is not None:
         ok &= top <= bound.beta * total / bound.num_devices * (1 + 1e-9) + 1e-9
-    change = load_a + load_b - loads_D[a] - loads_D[b]
+    change = load_a + load_b - loads_D[a] - loads_D[b]  # the objective moves only on devices a and b
     change[~ok] = np.inf
     best = int(np.argmin(change))
-    if not change[best] < -0.5:
+    if not change[best] < -0.5:  # token counts: an improvement is at least 1 (also rejects inf)
         return None
     new = dev_E.copy()
-    to_a = (ways[best] >> np.arange(2 * f)) & 1
+    to_a = (ways[best] >> np.arange(2 * f)) & 1  # (2f,) the way's bits back to one flag per freed expert
     new[freed[to_a == 1]], new[freed[to_a == 0]] = a, b
     new_loads = loads_D.astype(np.float64).copy()
     new_loads[a], new_loads[b] = load_a[best], load_b[best]
@@ -101,8 +105,8 @@ def pair_move(
 
 
 def _loads(sets: TokenSets, dev_E: np.ndarray, num_devices: int) -> np.ndarray:
-    onehot = np.eye(num_devices, dtype=np.float32)[dev_E]
-    return sets.w @ ((sets.Xf @ onehot) > 0.5)
+    onehot = np.eye(num_devices, dtype=np.float32)[dev_E]  # (E, D)
+    return sets.w @ ((sets.Xf @ onehot) > 0.5)  # (D,) tokens reaching each device
 
 
 def improve_pairs(
@@ -134,6 +138,7 @@ def improve_pairs(
     while time.perf_counter() < deadline:
         reach = (sets.Xf @ np.eye(num_devices, dtype=np.float32)[dev_E]) > 0.5
         shared = (reach * sets.w[:, None]).T @ reach  # tokens reaching both devices
+        # pairs sharing the most tokens first (most to gain); the seeded draw orders ties
         pairs = sorted(combinations(range(num_devices), 2), key=lambda p: (-shared[p], rng.random()))
         improved = False
         for a, b in pairs:
@@ -155,5 +160,6 @@ def _pick(sets: TokenSets, dev_E: np.ndarray, a: int, b: int, f: int, rng) -> np
     if len(members) == f:
         return members
     reach_b = sets.X[:, dev_E == b].any(axis=1)
+    # 1 +: an expert sharing no token with b can still be drawn
     score = 1.0 + sets.w @ (sets.X[:, members] & reach_b[:, None])  # type: ignore[index]
     return np.sort(rng.choice(members, f, replace=False, p=score / score.sum()))

@@ -1,43 +1,29 @@
 """Set partitioning on HiGHS: one layer's (or a few devices') experts split into equal groups, to proven
 optimality where the instance allows it, and always with a valid lower bound.
 
-Formulation. The profiled tokens are merged into distinct expert sets S with weights w_S (`TokenSets`). A
-column is a group g of s experts; its cost c_g = sum_S w_S [S meets g] is the number of tokens that reach
-the device holding g, i.e. that device's load (rows it receives). A partition's cost, sum_g c_g, is the
-objective: summed distinct devices per token (comm_complexity times T). The master problem over n groups:
+Sections of this file:
+    tokens and column costs   `TokenSets` (profiled tokens merged into distinct expert sets), `LoadBound`,
+                              `PartitionResult`
+    pricing                   `price`: branch and bound for the group of least reduced cost
+                              (`_BranchAndBound`), with the swap descent and greedy starts that try first
+    the master problem        `_Pool` of columns, the LP relaxation and the exact MILP with the load-bound
+                              rows (`_solve_lp`, `_solve_milp`)
+    the search                `_column_generation`, `_dive`, and `_PartitionSearch`, the steps of
+                              `solve_partition` (the formulation and the steps are on that class)
 
-    min  sum_g c_g x_g
-    s.t. sum_{g containing e} x_g = 1                 every expert e                       (duals pi_e)
-         z - sum_g c_g x_g = 0                         z: the summed load                    (dual mu)
-         D c_g x_g - beta z <= beta offset             the load bound, rows for the columns
-                                                       that can break it (`LoadBound`)
-         c_g <= max_load                               columns above an absolute cap are left out
-         x_g in {0, 1}
-
-`LoadBound` is max over all D devices of load <= beta * mean load: with `offset` (summed) and `other_max`
-(largest) loads of devices outside the sub-problem (both 0 for a whole layer) it reads c_g <= beta
-(offset + z) / D for the groups placed and other_max <= beta (offset + z) / D, a lower bound on z.
-
-Solution (`solve_partition`), within a deadline:
-  1. column generation on the LP relaxation: heuristic pricing (swap descent on reduced cost from the
-     basis columns) and, when it finds nothing, exact pricing by branch and bound (`price`);
-  2. the Lagrangian bound z_LP + n * min(0, lowest reduced cost) is valid at any iteration where the
-     lowest reduced cost has a valid lower bound (exact pricing gives one, also when it stops early);
-  3. the MILP over the generated columns gives an incumbent; then every column whose reduced cost is
-     at most (incumbent - z_LP) is enumerated (reduced-cost fixing: no other column can be in a
-     better solution) and the MILP over those proves the optimum (when their number fits
-     `ENUMERATION_LIMIT` and HiGHS finishes in time).
-All costs are token counts (integers), so an incumbent less than 1 above the bound is optimal.
+A column is a group g of s experts; its cost c_g = sum_S w_S [S meets g] counts the tokens that reach
+the device holding g (that device's load). A partition's cost, sum_g c_g, is the objective: summed
+distinct devices per token (comm_complexity times T). All costs are token counts (integers), so an
+incumbent less than 1 above the bound is optimal.
 
 Shape legend: U distinct token sets, m experts of the sub-problem, n groups of s experts (n s = m),
-k columns in the pool.
+k columns in the pool; pi (m,) duals of the partition rows, rc(g) = c(g) - pi(g) a reduced cost.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -109,6 +95,8 @@ class TokenSets:
         """(U, k) int64 experts of each set, padded with m (sets hold at most k experts)."""
         if self._ids is None:
             k = int(self.X.sum(axis=1).max(initial=0))
+            # each row's members first (False sorts before True in ~X), in expert order; then the
+            # non-members among the first k positions become the pad m (an index one past the columns)
             order = np.argsort(~self.X, axis=1, kind="stable")[:, :k]
             self._ids = np.where(np.take_along_axis(self.X, order, axis=1), order, self.X.shape[1])
         return self._ids
@@ -133,6 +121,7 @@ class TokenSets:
             padded = np.concatenate([G, np.zeros((G.shape[0], 1), bool)], axis=1)
             return np.array([float(self.w @ row[self.ids].any(axis=1)) for row in padded])
         out = np.empty(G.shape[0])
+        # groups per matmul: the (U, step) hit matrix stays near 2**24 entries (64 MiB of float32)
         step = max(1, (1 << 24) // max(1, self.X.shape[0]))
         for lo in range(0, G.shape[0], step):
             hits = (self.Xf @ G[lo : lo + step].T.astype(np.float32)) > 0.5
@@ -273,80 +262,120 @@ def price(
     Returns:
         (best rc found, groups, lower bound of min rc (valid also when stopped early), complete).
     """
-    X, w, m = sets.X, sets.w, sets.X.shape[1]
-    share_root = w / np.maximum(X.sum(axis=1), 1) @ X if alpha >= 0 else w @ X
-    order = np.argsort(alpha * share_root - pi, kind="stable")
-    Xo, pio = X[:, order], pi[order]
-    best = [np.inf]
-    found: list[list[int]] = []
-    lower = [np.inf]
-    state = {"nodes": 0, "stopped": False}
+    search = _BranchAndBound(sets, pi, alpha, size, cap, threshold, collect, deadline, limit, exclude)
+    search.visit([], 0.0, 0.0, search.X, sets.w, 0, np.inf)
+    return float(search.best), search.groups(), float(search.lower), not search.stopped
 
-    def node_bound(r, base_c, base_pi, Xu, wu, i) -> float:
+
+class _BranchAndBound:
+    """The search tree of one `price` call.
+
+    A node is (P chosen, candidates j >= i in `order`, r = size - |P| still to choose), with Xu (U', m)
+    and wu (U',) the token sets P does not meet yet: a set P already meets adds nothing more to c, so a
+    child drops the sets its new expert meets. `lower` is the least bound over the nodes pruned or left
+    unvisited (and the leaves), a valid lower bound of min rc even when the deadline stops the search.
+    """
+
+    def __init__(self, sets: TokenSets, pi, alpha, size, cap, threshold, collect, deadline, limit, exclude):
+        X, w = sets.X, sets.w
+        self.m = X.shape[1]
+        # candidates in order of their fair share of the cost less their dual: cheap groups are reached
+        # first, so `best` falls early and the bound prunes more of the tail
+        share_root = w / np.maximum(X.sum(axis=1), 1) @ X if alpha >= 0 else w @ X
+        self.order = np.argsort(alpha * share_root - pi, kind="stable")
+        self.X, self.pi = X[:, self.order], pi[self.order]  # columns and duals in the search order
+        self.alpha, self.size, self.cap, self.threshold = alpha, size, cap, threshold
+        self.collect, self.deadline, self.limit, self.exclude = collect, deadline, limit, exclude
+        self.best = np.inf
+        self.found: list[list[int]] = []  # positions in `order`: the best group, or every group collected
+        self.lower = np.inf
+        self.nodes = 0
+        self.stopped = False
+
+    def node_bound(
+        self, r: int, base_c: float, base_pi: float, Xu: np.ndarray, wu: np.ndarray, i: int
+    ) -> float:
+        """A lower bound of rc over the completions of the node (see `price`)."""
         XC = Xu[:, i:]
-        cand_pi = pio[i:]
+        cand_pi = self.pi[i:]
+        alpha = self.alpha
+        # np.partition(v, r - 1)[:r] holds the r smallest entries of v (unsorted): their sum is the best
+        # any r candidates can add under a bound that is a sum over candidates
         if alpha >= 0:
-            cnt = XC.sum(axis=1)
+            cnt = XC.sum(axis=1)  # |S & C|: candidates each set could still be met by
             keep = cnt > 0
-            share = (wu[keep] / cnt[keep]) @ XC[keep]
+            share = (wu[keep] / cnt[keep]) @ XC[keep]  # (m - i,) each candidate's share of the sets left
             vals = alpha * share - cand_pi
             return alpha * base_c - base_pi + np.partition(vals, r - 1)[:r].sum()
         gain = wu @ XC  # marginal gain of each candidate given P: c(P + R) <= c(P) + sum of gains, <= cap
         by_gain = alpha * base_c - base_pi + np.partition(alpha * gain - cand_pi, r - 1)[:r].sum()
-        by_cap = alpha * cap - base_pi + np.partition(-cand_pi, r - 1)[:r].sum()  # minus the r largest pi
+        by_cap = (
+            alpha * self.cap - base_pi + np.partition(-cand_pi, r - 1)[:r].sum()
+        )  # minus the r largest pi
         return max(by_gain, by_cap)
 
-    def rec(P: list[int], base_c: float, base_pi: float, Xu: np.ndarray, wu: np.ndarray, i: int, path: float):
-        if state["stopped"]:
+    def visit(
+        self, P: list[int], base_c: float, base_pi: float, Xu: np.ndarray, wu: np.ndarray, i: int, path: float
+    ) -> None:
+        """Search the node; `path` is the least bound on the way down (what a stop leaves unproven)."""
+        if self.stopped:
             return
-        state["nodes"] += 1
-        if state["nodes"] % 256 == 0 and time.perf_counter() > deadline:
-            state["stopped"] = True
-            lower[0] = min(lower[0], path)
+        self.nodes += 1
+        # the clock is read every 256 nodes only: a node takes microseconds, so the deadline slips by
+        # milliseconds at most
+        if self.nodes % 256 == 0 and time.perf_counter() > self.deadline:
+            self.stopped = True
+            self.lower = min(self.lower, path)
             return
-        r = size - len(P)
+        r = self.size - len(P)
         if r == 0:
-            val = alpha * base_c - base_pi
-            if exclude and not collect:
-                g = np.zeros(m, bool)
-                g[order[P]] = True
-                if np.packbits(g).tobytes() in exclude:
-                    lower[0] = min(lower[0], 0.0)
-                    return
-            lower[0] = min(lower[0], val)
-            if collect:
-                if val <= threshold + _EPS:
-                    found.append(list(P))
-                    if len(found) > limit:
-                        state["stopped"] = True
-            elif val < best[0]:
-                best[0] = val
-                found[:] = [list(P)]
+            self._leaf(P, self.alpha * base_c - base_pi)
             return
-        if m - i < r:
+        if self.m - i < r:  # fewer candidates left than experts to choose
             return
-        bound = node_bound(r, base_c, base_pi, Xu, wu, i)
-        cut = threshold + _EPS if collect else min(best[0], threshold)
-        if (bound > cut) if collect else (bound >= cut):
-            lower[0] = min(lower[0], bound)
+        bound = self.node_bound(r, base_c, base_pi, Xu, wu, i)
+        if self._prunes(bound):
+            self.lower = min(self.lower, bound)
             return
-        for j in range(i, m - r + 1):
+        for j in range(i, self.m - r + 1):  # j: the next expert; at least r - 1 must remain after it
             col = Xu[:, j]
             c_new = base_c + float(wu[col].sum())
-            if c_new > cap + 1e-9:  # cost only grows with the group: no column below
+            if c_new > self.cap + 1e-9:  # cost only grows with the group: no column below
                 continue
-            rec(P + [j], c_new, base_pi + pio[j], Xu[~col], wu[~col], j + 1, min(path, bound))
-            if state["stopped"]:
-                lower[0] = min(lower[0], bound)
+            self.visit(P + [j], c_new, base_pi + self.pi[j], Xu[~col], wu[~col], j + 1, min(path, bound))
+            if self.stopped:  # the siblings left unvisited are covered by this node's bound
+                self.lower = min(self.lower, bound)
                 return
 
-    rec([], 0.0, 0.0, Xo, w, 0, np.inf)
-    groups = []
-    for P in found[:limit] if collect else found:
-        g = np.zeros(m, bool)
-        g[order[P]] = True
-        groups.append(g)
-    return float(best[0]), groups, float(lower[0]), not state["stopped"]
+    def _prunes(self, bound: float) -> bool:
+        if self.collect:  # every group up to the threshold is wanted, ties included
+            return bound > self.threshold + _EPS
+        return bound >= min(self.best, self.threshold)
+
+    def _leaf(self, P: list[int], val: float) -> None:
+        if self.exclude and not self.collect:
+            if np.packbits(self._mask(P)).tobytes() in self.exclude:
+                # a column of the master: its reduced cost is >= 0 at the master's duals
+                self.lower = min(self.lower, 0.0)
+                return
+        self.lower = min(self.lower, val)
+        if self.collect:
+            if val <= self.threshold + _EPS:
+                self.found.append(list(P))
+                if len(self.found) > self.limit:  # one past the limit: the enumeration is incomplete
+                    self.stopped = True
+        elif val < self.best:
+            self.best = val
+            self.found[:] = [list(P)]
+
+    def _mask(self, P: list[int]) -> np.ndarray:
+        """(m,) bool: the group of the positions P, in the experts' own order."""
+        g = np.zeros(self.m, bool)
+        g[self.order[P]] = True
+        return g
+
+    def groups(self) -> list[np.ndarray]:
+        return [self._mask(P) for P in (self.found[: self.limit] if self.collect else self.found)]
 
 
 # ---- the master problem ----------------------------------------------------------------------------------
@@ -525,8 +554,8 @@ def _column_generation(
             pool.art[short] *= 4.0  # the artificial is still in use: let its dual rise
             pool.add(sets, _heuristic_columns(sets, pool, inside, x, pi, pi, size, cap))
             continue
-        tol = max(1e-6, 1e-6 * value)
-        if value - best < tol:
+        tol = max(1e-6, 1e-6 * value)  # relative (1e-6 of the LP value), at least 1e-6
+        if value - best < tol:  # the Lagrangian bound meets the LP value: the LP is solved
             lp.converged = True
             break
         rounds += 1
@@ -539,10 +568,11 @@ def _column_generation(
             ).sum(axis=0)
         smooth = alpha * center + (1.0 - alpha) * pi
         added = pool.add(sets, _heuristic_columns(sets, pool, inside, x, smooth, pi, size, cap))
-        if added and rounds % 8:
+        if added and rounds % 8:  # heuristic columns found: exact pricing only every 8th round
             continue
         # exact pricing at the smoothed duals: a bound, the centre, and a column if one prices negative
-        budget = min(deadline, time.perf_counter() + 5.0)
+        budget = min(deadline, time.perf_counter() + 5.0)  # 5 s per exact pricing: the bound stays valid
+        # threshold -tol/n: when no column prices below it, n min(0, rc) >= -tol, the bound within tol
         best_rc, groups, lb_rc, complete = price(
             sets, smooth, 1.0, size, cap, -tol / num_groups, deadline=budget
         )
@@ -611,15 +641,8 @@ def solve_partition(
     seconds: float = 60.0,
     seed: int = 0,
 ) -> PartitionResult:
-    """Split the m experts of `sets` into `num_groups` groups of m / num_groups at least summed cost.
-
-    The load bound enters through caps. An optimum z* has every group within beta (offset + z*) / D, at
-    most the cap of the incumbent UB, so the LP over the columns within that cap bounds z* from below;
-    and no partition of value below z exists when the LP within cap(z) is >= z (such a partition stays
-    within cap(its value) <= cap(z)), which a bisection on z raises further. Incumbents come from the
-    starts, a dive on the LP and the exact MILP (band rows, see `_solve_milp`) over the generated columns;
-    the last step enumerates every column a better partition could use (reduced-cost fixing) and solves
-    the exact MILP over them.
+    """Split the m experts of `sets` into `num_groups` groups of m / num_groups at least summed cost
+    (`_PartitionSearch` holds the formulation and the steps).
 
     Args:
         sets: the sub-problem's token sets (local expert ids 0..m-1).
@@ -632,123 +655,236 @@ def solve_partition(
         The best partition found with a proven lower bound (status "infeasible" and no groups when no start
         keeps the bounds and none was found).
     """
-    started = time.perf_counter()
-    deadline = started + seconds
     m = sets.num_experts
-    size = m // num_groups
-    integral = bool(np.all(sets.w == np.round(sets.w)))
+    if num_groups == 1 or m // num_groups == 1 or sets.X.shape[0] == 0:
+        return _single_cost(sets, num_groups, bound, max_load)
+    search = _PartitionSearch(sets, num_groups, bound=bound, max_load=max_load, seconds=seconds, seed=seed)
+    return search.run(starts)
 
-    def keeps(cost: np.ndarray) -> bool:
-        return bool(cost.max(initial=0.0) <= max_load + 1e-9) and (bound is None or bound.keeps(cost))
 
-    if num_groups == 1 or size == 1 or sets.X.shape[0] == 0:  # one cost for every partition
-        G = np.ones((1, m), bool) if num_groups == 1 else np.eye(m, dtype=bool)
-        cost = sets.cover(G)
-        value = float(cost.sum())
-        if keeps(cost):
-            return PartitionResult(_to_groups(G), value, value, True, "optimal")
-        return PartitionResult([], np.inf, value, False, "infeasible")
+def _keeps(cost: np.ndarray, bound: LoadBound | None, max_load: float) -> bool:
+    """Whether groups of these costs keep the absolute cap and the load bound."""
+    return bool(cost.max(initial=0.0) <= max_load + 1e-9) and (bound is None or bound.keeps(cost))
 
-    state: dict[str, Any] = {"G": None, "best": np.inf, "lower": sets.trivial_bound(size)}  # G: (n, m) bool
-    if bound is not None:
-        state["lower"] = max(state["lower"], bound.min_total())
 
-    def offer(G: np.ndarray | None) -> None:
-        if G is None or len(G) != num_groups:
+def _single_cost(
+    sets: TokenSets, num_groups: int, bound: LoadBound | None, max_load: float
+) -> PartitionResult:
+    """One group, groups of one expert, or no tokens: every partition costs the same (one group: each
+    token once; singletons: each token |S| times; no tokens: 0), so any partition is optimal."""
+    m = sets.num_experts
+    G = np.ones((1, m), bool) if num_groups == 1 else np.eye(m, dtype=bool)
+    cost = sets.cover(G)
+    value = float(cost.sum())
+    if _keeps(cost, bound, max_load):
+        return PartitionResult(_to_groups(G), value, value, True, "optimal")
+    return PartitionResult([], np.inf, value, False, "infeasible")
+
+
+class _PartitionSearch:
+    """The partition search of `solve_partition`: the incumbent (`G`, `best`), the proven lower bound
+    (`lower`), the column pool, and the steps of `run`.
+
+    The master problem over n groups (x_g = 1: group g is one device's experts):
+
+        min  sum_g c_g x_g
+        s.t. sum_{g containing e} x_g = 1                 every expert e                       (duals pi_e)
+             z - sum_g c_g x_g = 0                         z: the summed load                    (dual mu)
+             D c_g x_g - beta z <= beta offset             the load bound, rows for the columns
+                                                           that can break it (`LoadBound`)
+             c_g <= max_load                               columns above an absolute cap are left out
+             x_g in {0, 1}
+
+    `LoadBound` is max over all D devices of load <= beta * mean load: with `offset` (summed) and
+    `other_max` (largest) loads of devices outside the sub-problem (both 0 for a whole layer) it reads
+    c_g <= beta (offset + z) / D for the groups placed and other_max <= beta (offset + z) / D, a lower
+    bound on z.
+
+    The load bound enters through caps. An optimum z* has every group within beta (offset + z*) / D, at
+    most the cap of the incumbent UB, so the LP over the columns within that cap bounds z* from below;
+    and no partition of value below z exists when the LP within cap(z) is >= z (such a partition stays
+    within cap(its value) <= cap(z)), which a bisection on z raises further.
+
+    Steps (`run`), within the deadline:
+      1. `_root`: column generation on the LP relaxation within the incumbent's cap (heuristic pricing,
+         then exact pricing by `price`); its Lagrangian bound sum(pi) + n min(0, least rc) is valid at
+         any iteration where the least rc has a valid lower bound; a dive on the LP gives an incumbent;
+      2. `_milp_over_pool`: the exact MILP over the generated columns, another incumbent;
+      3. `_raise_bound` (with a load bound only): the bisection on z above;
+      4. `_fix_and_prove`: every column whose reduced cost is at most (incumbent - z_LP) is enumerated
+         (reduced-cost fixing: no other column can be in a better solution) and the MILP over those
+         proves the optimum (when their number fits `ENUMERATION_LIMIT` and HiGHS finishes in time).
+    """
+
+    def __init__(
+        self,
+        sets: TokenSets,
+        num_groups: int,
+        *,
+        bound: LoadBound | None,
+        max_load: float,
+        seconds: float,
+        seed: int,
+    ):
+        self.sets, self.num_groups, self.bound, self.max_load = sets, num_groups, bound, max_load
+        self.m = sets.num_experts
+        self.size = self.m // num_groups
+        self.seconds = seconds
+        self.deadline = time.perf_counter() + seconds
+        # integer token counts: costs are integers, so a gap below 1 is closed
+        self.integral = bool(np.all(sets.w == np.round(sets.w)))
+        self.G: np.ndarray | None = None  # (n, m) bool: the incumbent
+        self.best = np.inf  # its summed cost
+        self.lower = sets.trivial_bound(self.size)
+        if bound is not None:  # the devices outside the sub-problem alone force z this high
+            self.lower = max(self.lower, bound.min_total())
+        self.pool = _Pool(self.m, sets)
+        self.rng = np.random.default_rng(seed)
+
+    def run(self, starts: list[list[list[int]]]) -> PartitionResult:
+        for groups in starts:
+            G = np.zeros((self.num_groups, self.m), bool)
+            for i, g in enumerate(groups):
+                G[i, g] = True
+            self.offer(G)
+        if self.G is not None:  # the incumbent's columns seed the pool: the LP starts feasible
+            self.pool.add(self.sets, list(self.G))
+        top = self._root()
+        if self.closed():
+            return self.result("optimal")
+        if top is None or time.perf_counter() > self.deadline:
+            return self.result("time limit")
+        self._milp_over_pool()
+        if self.bound is not None:
+            top = self._raise_bound()
+        # reduced-cost fixing needs the LP's duals with a proven least reduced cost, and a second to run
+        if (
+            self.closed()
+            or top is None
+            or not np.isfinite(top.lb_rc)
+            or time.perf_counter() > self.deadline - 1.0
+        ):
+            return self.result("time limit")
+        return self._fix_and_prove(top)
+
+    # -- incumbent and bounds
+    def offer(self, G: np.ndarray | None) -> None:
+        """Take the partition G (n, m) as the incumbent when it keeps the bounds and is cheaper."""
+        if G is None or len(G) != self.num_groups:
             return
-        cost = sets.cover(G)
-        if keeps(cost) and cost.sum() < state["best"] - 1e-9:
-            state["G"], state["best"] = G.copy(), float(cost.sum())
+        cost = self.sets.cover(G)
+        if _keeps(cost, self.bound, self.max_load) and cost.sum() < self.best - 1e-9:
+            self.G, self.best = G.copy(), float(cost.sum())
 
-    for groups in starts:
-        G = np.zeros((num_groups, m), bool)
-        for i, g in enumerate(groups):
-            G[i, g] = True
-        offer(G)
+    def cap(self, z: float) -> float:
+        """The largest group cost a partition of summed cost z may hold."""
+        return min(self.max_load, self.bound.cap(z) if self.bound is not None else np.inf)
 
-    def cap(z: float) -> float:
-        return min(max_load, bound.cap(z) if bound is not None else np.inf)
+    def upper(self) -> float:
+        if np.isfinite(self.best):
+            return self.best
+        # no incumbent yet: every token on each of min(|S|, n) groups is the most any partition costs
+        return float(self.sets.w @ np.minimum(self.sets.X.sum(axis=1), self.num_groups))
 
-    def upper() -> float:
-        if np.isfinite(state["best"]):
-            return state["best"]
-        return float(sets.w @ np.minimum(sets.X.sum(axis=1), num_groups))  # every token on every group
+    def closed(self) -> bool:
+        gap = self.best - self.lower
+        return gap < (1.0 - 1e-6 if self.integral else 1e-6 * max(1.0, self.best))
 
-    def closed() -> bool:
-        return state["best"] - state["lower"] < (1.0 - 1e-6 if integral else 1e-6 * max(1.0, state["best"]))
-
-    def done(status: str) -> PartitionResult:
-        best, lower = state["best"], min(state["lower"], state["best"])
-        if state["G"] is None:
+    def result(self, status: str) -> PartitionResult:
+        best, lower = self.best, min(self.lower, self.best)
+        if self.G is None:
             return PartitionResult([], np.inf, lower, False, "infeasible")
-        if closed():
-            return PartitionResult(_to_groups(state["G"]), best, best, True, "optimal")
-        return PartitionResult(_to_groups(state["G"]), best, lower, False, status)
+        if self.closed():
+            return PartitionResult(_to_groups(self.G), best, best, True, "optimal")
+        return PartitionResult(_to_groups(self.G), best, lower, False, status)
 
-    pool = _Pool(m, sets)
-    if state["G"] is not None:
-        pool.add(sets, list(state["G"]))
-    rng = np.random.default_rng(seed)
+    # -- the steps
+    def _lp_at(self, z: float) -> _LP | None:
+        return _column_generation(self.sets, self.num_groups, self.pool, self.cap(z), self.rng, self.deadline)
 
-    def lp_at(z: float) -> _LP | None:
-        return _column_generation(sets, num_groups, pool, cap(z), rng, deadline)
-
-    def learn(lp: _LP | None) -> None:
+    def _learn(self, lp: _LP | None) -> None:
         if lp is not None and np.isfinite(lp.bound):
-            state["lower"] = max(state["lower"], lp.bound)
+            self.lower = max(self.lower, lp.bound)
 
-    def milp_over_pool() -> bool:
-        inside = pool.cost <= cap(upper()) + 1e-9
-        chosen, _, dual, proven = _solve_milp(
-            pool.G[inside], pool.cost[inside], bound, state["lower"], 0.9 * (deadline - time.perf_counter())
+    def _root(self) -> _LP | None:
+        """Step 1: the LP within the incumbent's cap, its bound, and a dive on it."""
+        top = self._lp_at(self.upper())
+        self._learn(top)
+        if top is not None and not self.closed():
+            self.offer(
+                _dive(
+                    self.sets,
+                    self.num_groups,
+                    top,
+                    self.pool,
+                    self.cap(self.upper()),
+                    self.rng,
+                    self.deadline,
+                )
+            )
+        return top
+
+    def _milp_over_pool(self) -> bool:
+        """Step 2: the exact MILP over the pool's columns within the incumbent's cap; True when proven."""
+        inside = self.pool.cost <= self.cap(self.upper()) + 1e-9
+        G, cost = self.pool.G[inside], self.pool.cost[inside]
+        # 90% of the time left: the steps after it still get a slice
+        chosen, _, _, proven = _solve_milp(
+            G, cost, self.bound, self.lower, 0.9 * (self.deadline - time.perf_counter())
         )
         if chosen is not None:
-            offer(pool.G[inside][chosen])
+            self.offer(G[chosen])
         return proven
 
-    top = lp_at(upper())
-    learn(top)
-    if top is not None and not closed():
-        offer(_dive(sets, num_groups, top, pool, cap(upper()), rng, deadline))
-    if closed():
-        return done("optimal")
-    if top is None or time.perf_counter() > deadline:
-        return done("time limit")
-    milp_over_pool()
-    if bound is not None:  # raise the bound: the largest z whose cap's LP is >= z
-        lo, hi = state["lower"], upper()
-        reserve = deadline - 0.3 * seconds
-        while hi - lo > max(1.0, 1e-4 * hi) and not closed() and time.perf_counter() < reserve:
+    def _raise_bound(self) -> _LP | None:
+        """Step 3: bisection for the largest z whose cap's LP is >= z (a lower bound of the optimum),
+        diving on the LPs below; returns the LP within the incumbent's cap, priced again."""
+        lo, hi = self.lower, self.upper()
+        reserve = self.deadline - 0.3 * self.seconds  # 30% of the budget is kept for step 4
+        while hi - lo > max(1.0, 1e-4 * hi) and not self.closed() and time.perf_counter() < reserve:
             mid = 0.5 * (lo + hi)
-            got = lp_at(mid)
+            got = self._lp_at(mid)
             if got is None or not np.isfinite(got.bound):
                 break
-            if got.bound >= mid:
-                lo = state["lower"] = max(state["lower"], mid)
+            if got.bound >= mid:  # no partition costs less than mid
+                lo = self.lower = max(self.lower, mid)
             else:
                 hi = mid
-                offer(_dive(sets, num_groups, got, pool, cap(mid), rng, reserve))
-        top = lp_at(upper())
-        learn(top)
-    if closed() or top is None or not np.isfinite(top.lb_rc) or time.perf_counter() > deadline - 1.0:
-        return done("time limit")
-    # reduced-cost fixing: a column of a better partition has rc <= best - z_LP - (n - 1) min(0, lb_rc)
-    delta = state["best"] - float(top.pi.sum()) - (num_groups - 1) * min(0.0, top.lb_rc)
-    _, enumerated, _, complete = price(
-        sets, top.pi, 1.0, size, cap(upper()), delta, collect=True, deadline=deadline
-    )
-    if not complete:
-        milp_over_pool()
-        return done("gap (too many columns to enumerate)" if time.perf_counter() < deadline else "time limit")
-    G = np.array(enumerated).reshape(-1, m)
-    if state["G"] is not None:
-        G = np.vstack([G, state["G"]])
-    cost = sets.cover(G)
-    chosen, val, dual, proven = _solve_milp(
-        G, cost, bound, state["lower"], 0.9 * (deadline - time.perf_counter())
-    )
-    if chosen is not None:
-        offer(G[chosen])
-    # every better partition is among the enumerated columns: the MILP's bound there bounds the problem
-    state["lower"] = max(state["lower"], min(state["best"], val if proven else dual))
-    return done("optimal" if proven else "time limit")
+                self.offer(
+                    _dive(self.sets, self.num_groups, got, self.pool, self.cap(mid), self.rng, reserve)
+                )
+        top = self._lp_at(self.upper())
+        self._learn(top)
+        return top
+
+    def _fix_and_prove(self, top: _LP) -> PartitionResult:
+        """Step 4: reduced-cost fixing and the MILP over every column a better partition could use."""
+        # a column of a better partition has rc <= best - z_LP - (n - 1) min(0, lb_rc): the other n - 1
+        # columns each have rc >= lb_rc, and the n reduced costs sum to (its cost) - sum(pi)
+        delta = self.best - float(top.pi.sum()) - (self.num_groups - 1) * min(0.0, top.lb_rc)
+        _, enumerated, _, complete = price(
+            self.sets,
+            top.pi,
+            1.0,
+            self.size,
+            self.cap(self.upper()),
+            delta,
+            collect=True,
+            deadline=self.deadline,
+        )
+        if not complete:
+            self._milp_over_pool()
+            late = time.perf_counter() >= self.deadline
+            return self.result("time limit" if late else "gap (too many columns to enumerate)")
+        G = np.array(enumerated).reshape(-1, self.m)
+        if self.G is not None:
+            G = np.vstack([G, self.G])
+        cost = self.sets.cover(G)
+        chosen, val, dual, proven = _solve_milp(
+            G, cost, self.bound, self.lower, 0.9 * (self.deadline - time.perf_counter())
+        )
+        if chosen is not None:
+            self.offer(G[chosen])
+        # every better partition is among the enumerated columns: the MILP's bound there bounds the problem
+        self.lower = max(self.lower, min(self.best, val if proven else dual))
+        return self.result("optimal" if proven else "time limit")

@@ -22,6 +22,8 @@ def _check_group_routing(layer, order_E: torch.Tensor) -> None:
         return
     num_group = layer.num_experts // size
     blocks = {frozenset(range(g * size, (g + 1) * size)) for g in range(num_group)}
+    # the new block j holds original experts order_E[j*size:(j+1)*size]: each must be one whole old block
+    # (blocks may change places; the router's group scores then follow them)
     moved = {frozenset(order_E[j * size : (j + 1) * size].tolist()) for j in range(num_group)}
     if moved != blocks:
         raise PlacementError(
@@ -52,4 +54,7 @@ def permute_experts(model: nn.Module, placement: Placement) -> None:
                     f"layer {layer.index} {path} has {tensor.shape[dim]} rows on dim {dim}, expected "
                     f"{placement.num_experts} experts; is this model sharded already?"
                 )
+            # new expert j = original order_E[j] along the expert dim (the router's rows included, so each
+            # token still picks the same experts under their new ids); index_select copies first, so the
+            # in-place write reads no row it already overwrote
             tensor.copy_(tensor.index_select(dim, order_E.to(tensor.device)))

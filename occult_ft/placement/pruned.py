@@ -74,12 +74,15 @@ def admitted_devices(
     """
     dev_TK = expert_device_E[topk_ids_TK.long()]
     k = dev_TK.shape[1]
+    # a slot is a token's first choice on its device when no earlier slot (a better choice) is on that
+    # device; the first M such slots are the M devices the budget admits, in the router's order
     same_TKK = dev_TK[:, :, None] == dev_TK[:, None, :]
     earlier_KK = torch.tril(torch.ones(k, k, dtype=torch.bool), diagonal=-1)  # [j, i]: i before j
     first_TK = ~(same_TKK & earlier_KK).any(dim=2)
-    admit_TK = first_TK & (first_TK.cumsum(dim=1) <= max_devices)
+    admit_TK = first_TK & (first_TK.cumsum(dim=1) <= max_devices)  # cumsum: distinct devices so far
     reach_TD = torch.zeros(dev_TK.shape[0], num_devices, dtype=torch.bool)
     reach_TD[torch.arange(dev_TK.shape[0])[:, None].expand_as(dev_TK)[admit_TK], dev_TK[admit_TK]] = True
+    # a selection is kept when its device was admitted (by that device's first slot, perhaps another one)
     return reach_TD, reach_TD.gather(1, dev_TK)
 
 
@@ -93,6 +96,7 @@ def pruned_figures(
     reach_TD, kept_TK = admitted_devices(topk_ids_TK, expert_device_E, num_devices, max_devices)
     return dict(
         comm_complexity=float(reach_TD.sum()) / reach_TD.shape[0],
+        # column sums: rows each device receives, one per token reaching it (de-duplicated dispatch)
         load_imbalance=imbalance(reach_TD.sum(dim=0)),
         removed_share=1.0 - float(kept_TK.float().mean()),
     )
@@ -106,18 +110,21 @@ class PrunedState:
     """
 
     def __init__(self, topk_ids_TK: torch.Tensor, dev_E: torch.Tensor, num_devices: int, max_devices: int):
+        # rows stay ordered (best first): the budget admits devices in that order, so two tokens with the
+        # same experts in another order can prune differently and are not merged
         rows_RK, counts_R = torch.unique(topk_ids_TK.long(), dim=0, return_counts=True)
         self.ids_RK, self.w_R = rows_RK, counts_R.double()
         self.num_devices, self.max_devices = num_devices, max_devices
+        # per expert, the distinct rows that select it: the only rows a swap involving it can change
         self.rows_of = [(rows_RK == e).any(dim=1).nonzero().flatten() for e in range(int(dev_E.shape[0]))]
         self.reset(dev_E)
 
     def _measure(self, ids_RK: torch.Tensor, w_R: torch.Tensor, dev_E: torch.Tensor):
         reach_RD, kept_RK = admitted_devices(ids_RK, dev_E, self.num_devices, self.max_devices)
-        removed = float(w_R @ (~kept_RK).sum(dim=1).double())
+        removed = float(w_R @ (~kept_RK).sum(dim=1).double())  # token-weighted selections pruned away
         dev_RK = dev_E[ids_RK]
         plain_RD = torch.zeros_like(reach_RD).scatter_(1, dev_RK, True)
-        unpruned = float(w_R @ plain_RD.sum(dim=1).double())
+        unpruned = float(w_R @ plain_RD.sum(dim=1).double())  # summed devices before pruning: tie-break
         return removed, unpruned, w_R @ reach_RD.double()
 
     def reset(self, dev_E: torch.Tensor) -> None:
@@ -132,6 +139,7 @@ class PrunedState:
         dev = self.dev_E.clone()
         dev[a], dev[b] = self.dev_E[b], self.dev_E[a]
         removed1, unpruned1, load1 = self._measure(ids, w, dev)
+        # the rows not holding a or b load the devices as before: only this subset's share is replaced
         return removed1 - removed0, unpruned1 - unpruned0, self.load_D - load0 + load1
 
     def apply(self, a: int, b: int, load_D: torch.Tensor, d_removed: float, d_unpruned: float) -> None:
@@ -164,7 +172,7 @@ def refine_pruned(
         dev_E[g] = d
     state = PrunedState(topk_ids_TK, dev_E, num_devices, max_devices)
     gen = torch.Generator().manual_seed(seed)
-    pairs = [(a, b) for a in range(num_experts) for b in range(a + 1, num_experts)]
+    pairs = [(a, b) for a in range(num_experts) for b in range(a + 1, num_experts)]  # E (E - 1) / 2 swaps
 
     def sweep(balance: bool) -> bool:
         moved = False
@@ -172,7 +180,7 @@ def refine_pruned(
             if time.perf_counter() > deadline:
                 return moved
             a, b = pairs[i]
-            if state.dev_E[a] == state.dev_E[b]:
+            if state.dev_E[a] == state.dev_E[b]:  # same device: the swap changes nothing
                 continue
             d_removed, d_unpruned, load = state.swap_effect(a, b)
             now, after = imbalance(state.load_D), imbalance(load)
@@ -183,12 +191,15 @@ def refine_pruned(
                     if after <= bound * (1 + 1e-9):
                         return True
                 continue
+            # both changes are token counts (integers): +-0.5 compares them without float noise; fewer
+            # removed selections first, then fewer devices before pruning
             better = d_removed < -0.5 or (abs(d_removed) < 0.5 and d_unpruned < -0.5)
             if better and after <= bound * (1 + 1e-9):
                 state.apply(a, b, load, d_removed, d_unpruned)
                 moved = True
         return moved
 
+    # phase 1: reach the load bound (any swap that lowers the imbalance); phase 2: improve within it
     while imbalance(state.load_D) > bound * (1 + 1e-9):
         if not sweep(balance=True) or time.perf_counter() > deadline:
             if imbalance(state.load_D) > bound * (1 + 1e-9):

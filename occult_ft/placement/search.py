@@ -1,30 +1,20 @@
-"""`search`, the default placement algorithm: swap local search from the best constructive start.
+"""`search`: swap local search from the best constructive start (the fallback of `solver` without scipy).
 
-`search` starts from the best of occult, greedy_pairs and sequential on the exact objective (summed
-distinct devices per token), then does local search over expert swaps between devices, plus `restarts`
-perturb-and-descend rounds (iterated local search, seeded: same seed, same result). A swap is taken only
-if it keeps the device load imbalance (max/mean tokens per device) within the load bound and lowers the
-exact objective, or leaves it equal while putting more
-co-selected pairs on one device (this crosses the plateaus of the distinct-device count). The objective
-never rises, so on one level `search` is never worse than `occult` or `greedy_pairs` (whichever of them
-keeps the bound). Swap deltas are exact and vectorised: see `SwapState`.
+    SwapState            exact, vectorised swap deltas of the summed distinct devices per token
+    search               one level: the best of occult, greedy_pairs and sequential on the exact
+                         objective, then swaps between devices plus `restarts` perturb-and-descend rounds
+                         (iterated local search, seeded: same seed, same result)
+    search_hierarchical  N nodes: three candidates, never worse than hierarchical occult at either level
+
+A swap is taken only if it keeps the device load imbalance (max/mean tokens per device) within the load
+bound and lowers the exact objective, or leaves it equal while putting more co-selected pairs on one
+device (this crosses the plateaus of the distinct-device count). The objective never rises, so on one
+level `search` is never worse than `occult` or `greedy_pairs` (whichever of them keeps the bound).
 
 The load bound is `max_load_imbalance`: None (the default) keeps max(1.25, occult's imbalance), so occult is
 always admissible; a number is kept strictly. When no start keeps a strict bound, swaps that lower the
 imbalance most are taken first (`SwapState.rebalance`); a bound that cannot be reached is a one-line
 `PlacementError` naming the lowest imbalance found.
-
-Hierarchical placement (N nodes, `_search_hierarchical`) builds three candidates:
-    nodes_first   search at the node level (distinct nodes per token), then within each node
-    occult_nodes  occult's node partition, then search within each node
-    devices_first search on the D devices (distinct devices per token), then search over whole devices
-                  onto the N nodes
-and measures each, and hierarchical `occult` (occult at both levels), on the exact summed node-level and
-device-level costs. A candidate is admissible when it is no worse than hierarchical occult at BOTH
-levels; occult_nodes always is (same node partition, and within each node search is never worse than
-occult). The result is the admissible candidate with the lowest (node-level, device-level) cost,
-compared lexicographically (first listed on ties). So hierarchical `search` is never worse than
-hierarchical `occult` in node-level comm_complexity AND in device-level comm_complexity, on every layer.
 
 Shape legend: T tokens, E experts, D devices; x_TE (T, E) 0/1 incidence, count_TD (T, D) experts of the
 token on each device, dev_E (E,) device of each expert.
@@ -311,8 +301,21 @@ def search_hierarchical(
     max_swaps: int | None = None,
     max_search_tokens: int | None = None,
 ) -> list[list[int]]:
-    """Nodes, then devices, never worse than hierarchical occult at either level (module docstring). The
-    load bound is kept at each level (node loads; device loads within each node)."""
+    """Nodes, then devices, never worse than hierarchical occult at either level. The load bound is kept
+    at each level (node loads; device loads within each node).
+
+    Three candidates:
+        nodes_first   search at the node level (distinct nodes per token), then within each node
+        occult_nodes  occult's node partition, then search within each node
+        devices_first search on the D devices (distinct devices per token), then search over whole devices
+                      onto the N nodes
+    each measured, with hierarchical `occult` (occult at both levels), on the exact summed node-level and
+    device-level costs. A candidate is admissible when it is no worse than hierarchical occult at BOTH
+    levels; occult_nodes always is (same node partition, and within each node search is never worse than
+    occult). The result is the admissible candidate with the lowest (node-level, device-level) cost,
+    compared lexicographically (first listed on ties), so it is never worse than hierarchical `occult` in
+    node-level comm_complexity AND in device-level comm_complexity, on every layer.
+    """
     check_search_options(max_load_imbalance, seed, restarts, max_swaps, max_search_tokens)
     solve = partial(
         search,
@@ -331,6 +334,7 @@ def search_hierarchical(
     ]
     reference = level_totals(x_TE, two_level(*args, occult, node_groups=occult_nodes), num_devices, num_nodes)
     totals = [level_totals(x_TE, groups, num_devices, num_nodes) for groups in candidates]
+    # totals are token counts (integers): + 0.5 compares them without float noise
     admissible = [i for i, t in enumerate(totals) if all(c <= r + 0.5 for c, r in zip(t, reference))]
     return candidates[min(admissible, key=lambda i: totals[i])]  # occult_nodes is always admissible
 
@@ -340,7 +344,7 @@ def _devices_first(x_TE: torch.Tensor, num_devices: int, num_nodes: int, solve, 
     the tokens reaching any of its experts). Groups are returned node by node."""
     groups = solve(x_TE, num_devices, seed=seed)
     onehot_ED = torch.nn.functional.one_hot(expert_device_from_groups(groups, x_TE.shape[1]), num_devices)
-    reach_TD = ((x_TE @ onehot_ED.float()) > 0).float()
+    reach_TD = ((x_TE @ onehot_ED.float()) > 0).float()  # (T, D): devices become the units placed on nodes
     return [groups[d] for node in solve(reach_TD, num_nodes, seed=seed) for d in node]
 
 

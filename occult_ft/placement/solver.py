@@ -1,27 +1,21 @@
 """`solver`, the default placement algorithm: `search`, then exact re-solves of device pairs, then the set
 partitioning model on HiGHS (`partition.py`), with a proven lower bound on every layer.
 
-Per layer, within `time_limit` seconds:
-  1. `search` under the same load bound (so `solver` is never worse than `search`: every later stage
-     only takes an improvement that keeps the bound);
-  2. pair moves (`lns.improve_pairs`): two devices re-solved exactly at a time (all their experts when
-     E/D <= 8, else 8 of each);
-  3. when the layer fits the exact model (E <= `EXACT_MAX_EXPERTS` and E/D <= `EXACT_MAX_GROUP`): column
-     generation, the dive, the MILP and reduced-cost fixing of `solve_partition`, which also gives the
-     lower bound; pair moves again on what is left of the time when optimality is not proven.
-  Larger layers (DeepSeek-V3: 256 experts) keep the pair moves until a sweep finds nothing or
-  `LARGE_LAYER_SHARE` of the time is up, and report the trivial bound (each token reaches at least
-  ceil(k / (E/D)) devices).
+    solver               one layer, within `time_limit` seconds:
+                           1. `search` under the same load bound (so `solver` is never worse than
+                              `search`: every later stage only takes an improvement that keeps the bound);
+                           2. pair moves (`lns.improve_pairs`): two devices re-solved exactly at a time;
+                           3. when the layer fits the exact model (E <= `EXACT_MAX_EXPERTS`, E/D <=
+                              `EXACT_MAX_GROUP`): `solve_partition`, which also gives the lower bound, and
+                              pair moves again on the time left when optimality is not proven. Larger
+                              layers (DeepSeek-V3: 256 experts) keep the pair moves for `LARGE_LAYER_SHARE`
+                              of the time and report the trivial bound ceil(k / (E/D)) devices per token
+    solver_hierarchical  N nodes: the node level solved the same way, then each node's devices within the
+                         bound over all D devices (`_devices_in_nodes`)
 
 The load bound is `max_load_imbalance` (max/mean rows per device, `metrics.load_imbalance`): None keeps
 max(1.25, occult's imbalance), a number is kept strictly. Without scipy, `solver` runs `search` and says
 so once (a warning and the layer's note); install the `solver` extra for the exact model.
-
-Hierarchical (N nodes, `solver_hierarchical`): the node level is solved the same way (node loads within
-the bound, node-level lower bound); each node's devices are then solved with the bound over all D devices
-(the other nodes' loads as the offset, nodes revisited until every device keeps it). The device-level
-lower bound holds for that node partition: each node's device-level model within the cap
-beta * (total) / D that every better placement keeps.
 
 Shape legend: T tokens, E experts, D devices, N nodes.
 """
@@ -69,10 +63,10 @@ SOLVER_TIME_LIMIT = (
     30.0  # seconds per layer (the harder layers of a 32-expert model prove optimal in 10-60 s)
 )
 EXACT_MAX_EXPERTS = 128  # the exact model's pricing enumerates groups of these many experts at most
-EXACT_MAX_GROUP = 16
+EXACT_MAX_GROUP = 16  # and at most this many experts per device (the group size `price` searches)
 LARGE_LAYER_SHARE = 0.25  # of time_limit for the pair moves of a layer too large for the exact model:
 # DeepSeek-V3 width, 60 layers at the default 30 s (7.5 s each, plus search), stays under 10 minutes
-_warned = {"scipy": False}
+_warned = {"scipy": False}  # the missing-scipy warning is given once per process, the note on every layer
 
 
 def check_solver_options(max_load_imbalance, time_limit, seed) -> None:
@@ -123,8 +117,8 @@ def solver(
             device_loads(x_TE, expert_device_from_groups(occult(x_TE, num_devices), num_experts), num_devices)
         ),
     )
-    bound = LoadBound(beta, num_devices)
-    sets = TokenSets.from_incidence(x_TE)
+    bound = LoadBound(beta, num_devices)  # a whole layer: no other devices, offset 0
+    sets = TokenSets.from_incidence(x_TE)  # identical tokens merged once for every later stage
     try:
         start = search(x_TE, num_devices, max_load_imbalance=beta, seed=seed)
     except PlacementError:  # a strict bound search cannot reach: the exact model may still find one
@@ -133,6 +127,8 @@ def solver(
     per = num_experts // num_devices
     large = num_experts > EXACT_MAX_EXPERTS or per > EXACT_MAX_GROUP
     if dev is not None:
+        # 20% of the time for pair moves before the exact model, which takes the rest (a layer too large
+        # for it: LARGE_LAYER_SHARE, and no more)
         share = LARGE_LAYER_SHARE if large else 0.2
         dev = improve_pairs(
             sets, dev, num_devices, bound=bound, deadline=started + share * time_limit, seed=seed
@@ -154,6 +150,7 @@ def solver(
         num_devices,
         starts,
         bound=bound,
+        # 90% of what is left, at least a second: the last pair moves get the remainder
         seconds=max(1.0, 0.9 * (deadline - time.perf_counter())),
         seed=seed,
     )
@@ -164,6 +161,7 @@ def solver(
         )
     groups = res.groups
     if not res.optimal and time.perf_counter() < deadline:
+        # a new seed: the pair order differs from the first round, which already stopped improving
         dev = improve_pairs(
             sets,
             expert_device_from_groups(groups, num_experts).numpy(),
@@ -186,13 +184,17 @@ def solver_hierarchical(
     time_limit: float = SOLVER_TIME_LIMIT,
     seed: int = 0,
 ) -> LayerResult:
-    """Nodes, then the devices of each node, bounds at both levels (module docstring).
+    """Nodes, then the devices of each node, bounds at both levels.
 
     Two node partitions compete: the solver's (node loads within the bound) and occult's; each is refined
     device by device, node after node, every device kept within the bound over all D devices (the other
     nodes' loads as they stand). The automatic bound is max(1.25, hierarchical occult's imbalance), so
     occult's partition with occult's devices always qualifies; among the partitions that keep the bound
     the one with the fewest nodes, then devices, per token wins.
+
+    The node level is solved like a layer (node loads within the bound, a node-level lower bound). The
+    device-level lower bound holds for the chosen node partition: each node's device-level model within
+    the cap beta * (total) / D that every better placement keeps.
     """
     check_solver_options(max_load_imbalance, time_limit, seed)
     if not scipy_available():
@@ -205,6 +207,7 @@ def solver_hierarchical(
     reference = two_level(topk_ids_TK, num_experts, num_devices, num_nodes, occult, node_groups=occult_nodes)
     ref_dev = expert_device_from_groups(reference, num_experts)
     beta = resolve_load_bound(max_load_imbalance, imbalance(device_loads(x_TE, ref_dev, num_devices)))
+    # a third of the time for the node level, a third for each candidate node partition's devices
     nodes = solver(
         x_TE, num_nodes, max_load_imbalance=max_load_imbalance, time_limit=time_limit / 3, seed=seed
     )
@@ -217,7 +220,7 @@ def solver_hierarchical(
             continue
         groups, device_lower = got
         totals = level_totals(x_TE, groups, num_devices, num_nodes)
-        if best is None or totals < best[0]:
+        if best is None or totals < best[0]:  # (summed nodes, summed devices): nodes first
             best = (totals, groups, device_lower)
     if best is None:
         raise PlacementError(
@@ -236,6 +239,7 @@ def _devices_in_nodes(topk_ids_TK, num_experts, num_devices, node_groups, start,
     subs = [TokenSets.from_incidence(x) for x in subs_x]
     local = []
     for n, g in enumerate(members):
+        # device d of node n is device n * (D/N) + d over all D
         if start is not None:  # the given devices of this node, in local ids
             index = {e: i for i, e in enumerate(g)}
             local.append([sorted(index[e] for e in grp) for grp in start[n * per_node : (n + 1) * per_node]])
@@ -249,7 +253,7 @@ def _devices_in_nodes(topk_ids_TK, num_experts, num_devices, node_groups, start,
         return subs[n].cover(G)
 
     loads = [loads_of(n) for n in range(num_nodes)]
-    share = seconds / (3 * num_nodes)
+    share = seconds / (3 * num_nodes)  # two rounds over the nodes, then the bounds: a third each
 
     def keeps() -> bool:
         every = np.concatenate(loads)
