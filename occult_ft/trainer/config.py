@@ -26,6 +26,7 @@ from transformers import TrainingArguments
 from ..configs import load_model_config
 from ..dispatch import EXCHANGES, check_exchange_settings
 from ..fileio import check_output_path
+from ..hub_access import offline_refusal
 from ..integrations.deepspeed import check_deepspeed_config
 from ..models.registry import config_num_experts, config_top_k, get_arch
 from ..placement import PLACEMENT_ALGORITHMS
@@ -408,6 +409,9 @@ class OccultConfig(TrainingArguments):
         )
         if self.train_mode not in TRAIN_MODES:
             raise _choice_error("train_mode", self.train_mode, TRAIN_MODES)
+        refusal = offline_refusal("push_to_hub=True") if self.push_to_hub else None
+        if refusal is not None:  # refused before training, not by the push after it
+            raise ValueError(f"{refusal}; or leave push_to_hub off and `occult-ft push` the result later")
         if self.model_dtype not in MODEL_DTYPES:
             raise _choice_error("model_dtype", self.model_dtype, MODEL_DTYPES)
         if not self.balance_loss_coef >= 0:
