@@ -215,9 +215,10 @@ class OccultConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Capacity-bounded receive buffers for the flat exchange (no host synchronisation per "
-            "layer; every rank sends D x C rows, padded): C rows per device, or 'auto' = the most tokens a "
+            "layer; every rank sends D x C rows, padded): C rows per device, at least the most tokens a "
             "rank routes in one forward (max(per_device_train_batch_size, per_device_eval_batch_size) x "
-            "seq_len), the bound no routing can overflow. Unset: exact buffers (one host sync per layer)."
+            "seq_len, the bound no routing can overflow; checked whatever the layout), or 'auto' = that "
+            "bound. Unset: exact buffers (one host sync per layer)."
         },
     )
     placement: str = field(
@@ -407,6 +408,14 @@ class OccultConfig(TrainingArguments):
         check_exchange_settings(
             self.exchange, self.nodes, self.exchange_chunks, 1 if isinstance(capacity, str) else capacity
         )
+        if isinstance(capacity, int) and capacity < self.tokens_per_forward():
+            # whatever the layout: a recipe checked on one process must not fail at the first step of a launch
+            raise ValueError(
+                f"exchange_capacity={capacity} rows per device is below the {self.tokens_per_forward()} tokens a "
+                f"rank can route in one forward (max(per_device_train_batch_size={self.per_device_train_batch_size}, "
+                f"per_device_eval_batch_size={self.per_device_eval_batch_size}) x seq_len={self.seq_len}), so rows "
+                f"could be lost; set it to at least {self.tokens_per_forward()}, 'auto', or leave it unset"
+            )
         if self.train_mode not in TRAIN_MODES:
             raise _choice_error("train_mode", self.train_mode, TRAIN_MODES)
         refusal = offline_refusal("push_to_hub=True") if self.push_to_hub else None
@@ -470,11 +479,15 @@ class OccultConfig(TrainingArguments):
                     f"processes or set --expert_parallel_size to a divisor of {world}"
                 )
 
+    def tokens_per_forward(self) -> int:
+        """The most tokens a rank routes in one forward, max(per_device_train_batch_size,
+        per_device_eval_batch_size) x seq_len: the bound a capacity must reach (`exchange_capacity` 'auto')."""
+        return max(self.per_device_train_batch_size, self.per_device_eval_batch_size) * self.seq_len
+
     def exchange_capacity_rows(self) -> int | None:
         """Rows per device of the capacity-bounded exchange (`exchange_capacity`), None for exact buffers."""
         if self.exchange_capacity == "auto":
-            batch = max(self.per_device_train_batch_size, self.per_device_eval_batch_size)
-            return batch * self.seq_len
+            return self.tokens_per_forward()
         return typing.cast(
             "int | None", self.exchange_capacity
         )  # __post_init__ leaves an int, None or "auto"
