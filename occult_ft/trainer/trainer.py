@@ -66,10 +66,16 @@ from .expert_parallel import (
     setup_expert_parallel,
 )
 from .guards import check_step
-from .loading import check_seq_len, load_training_model, may_move_to
+from .loading import (
+    check_seq_len,
+    load_precision,
+    load_training_model,
+    may_move_to,
+    round_keeping_residuals,
+)
 from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
-from .optim import choose_optimizer
+from .optim import CompensatedAdamW, choose_optimizer
 from .prepare import OccultSetup, prepare_model, resolve_checkpoint
 from .sharded_load import can_load_sharded, load_sharded_training_model
 
@@ -121,15 +127,18 @@ class OccultTrainer(Trainer):
         if model is None:
             raise ValueError("OccultTrainer needs a model (a transformers MoE model or a model path)")
         check_before_loading(args)
+        checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        # a float32 checkpoint of a 16-bit CompensatedAdamW run: prepared in float32, rounded below
+        precision = load_precision(model, args) if isinstance(model, str) and checkpoint is None else None
         if isinstance(model, str):
             one_stage = (
                 getattr(args, "exchange", "flat") != "two_stage"
             )  # two-stage shards with its node groups
             if args.expert_parallel_size > 1 and one_stage and can_load_sharded(model):
                 # each rank reads only its own expert block from the safetensors files
-                model, tokenizer = load_sharded_training_model(model, args, placement)
+                model, tokenizer = load_sharded_training_model(model, args, placement, dtype=precision)
             else:
-                model, tokenizer = load_training_model(model, args)
+                model, tokenizer = load_training_model(model, args, dtype=precision)
             processing_class = processing_class if processing_class is not None else tokenizer
         train_dataset = tokenize_for_training(train_dataset, processing_class, args)
         if isinstance(eval_dataset, dict):
@@ -143,14 +152,17 @@ class OccultTrainer(Trainer):
             data_collator = make_collator(
                 pad_token_id=pad_token_id(processing_class, unwrap_model(model)), flatten=flat_packing(model)
             )
-        if may_move_to(args, model):
+        if precision is None and may_move_to(args, model):  # a float32 model moves once rounded
             model = model.to(args.device)
-        checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
         model, setup = prepare_model(model, args, train_dataset, data_collator, placement, checkpoint)
         self.occult: OccultSetup = setup
         self.expert_parallel: ExpertParallelGroups | None = None
         if args.expert_parallel_size > 1:
             self.expert_parallel = setup_expert_parallel(model, args)
+        # what rounding the float32 start to model_dtype lost: CompensatedAdamW starts from it
+        self._load_rounding = (
+            round_keeping_residuals(model, getattr(torch, args.model_dtype)) if precision is not None else {}
+        )
         super().__init__(
             model=model,
             args=args,
@@ -299,6 +311,10 @@ class OccultTrainer(Trainer):
         optimizer = super().create_optimizer(*args, **kwargs)
         if self.expert_parallel is not None and self.is_deepspeed_enabled:
             split_moe_param_groups(optimizer)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if isinstance(inner, CompensatedAdamW) and self._load_rounding:
+            inner.seed_compensation(self._load_rounding)
+        self._load_rounding = {}  # the optimizer holds them now (or never will)
         return optimizer
 
     # ---- logging ------------------------------------------------------------------------------
