@@ -18,7 +18,16 @@ import functools
 import os
 import re
 
-__all__ = ["moe_family", "family_folder", "loads_as", "auto_model_class", "architecture_model_type"]
+from .arch import UnsupportedModelError
+
+__all__ = [
+    "PUBLISHED_AS",
+    "moe_family",
+    "family_folder",
+    "loads_as",
+    "auto_model_class",
+    "architecture_model_type",
+]
 
 _DECORATOR = re.compile(r"^@use_experts_implementation\b", re.MULTILINE)
 _MODEL_TYPE = re.compile(r'^\s+model_type(?:\s*:\s*str)?\s*=\s*"([^"]+)"', re.MULTILINE)
@@ -107,8 +116,6 @@ def architecture_model_type(config: dict, source: str = "config.json") -> str | 
             transformers type nor in `PUBLISHED_AS` (nothing is read or copied from such a config).
     """
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    from .arch import UnsupportedModelError
 
     model_type = config.get("model_type")
     if isinstance(model_type, str) and model_type in CONFIG_MAPPING_NAMES:

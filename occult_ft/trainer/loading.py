@@ -60,7 +60,7 @@ def round_keeping_residuals(model: nn.Module, dtype: torch.dtype) -> dict[nn.Par
     trainable parameter rounded, what the rounding lost (float32 value - rounded value, in `dtype`), for
     `CompensatedAdamW.seed_compensation`."""
     base = unwrap_model(model)
-    config = base.config  # type: ignore[union-attr]
+    config = base.config
     with torch.device("meta"):
         reference = auto_model_class(config).from_config(config, dtype=dtype)
     wanted = {name: p.dtype for name, p in reference.named_parameters()}
