@@ -343,9 +343,11 @@ def test_a_gpu_run_that_cannot_fit_stops_before_loading_with_the_plans_suggestio
     monkeypatch.setenv("WORLD_SIZE", "4")
 
     def no_loading(*args, **kwargs):
-        raise AssertionError("the model must not be loaded")
+        raise AssertionError("nothing of the model must be read")
 
-    monkeypatch.setattr(pipeline, "load_training_model", no_loading)
+    # the tokenizer is the first thing train() reads, the model (by OccultTrainer) comes later
+    monkeypatch.setattr(pipeline, "load_training_tokenizer", no_loading)
+    monkeypatch.setattr(pipeline, "OccultTrainer", no_loading)
     with pytest.raises(ValueError, match=r"needs about \d+\.\d GB per GPU .* the GPUs have 24 GB") as err:
         pipeline.train(config)
     assert "\n" not in str(err.value)
