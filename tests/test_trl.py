@@ -585,3 +585,36 @@ def test_two_process_expert_parallel_sft_equals_occult_trainer(tmp_path):
     loaded = occult_ft.from_pretrained(spec["out"] + "/trl")
     ids = torch.tensor([tokenizer()("Question 1: what is two plus three? It is five.")["input_ids"]])
     assert budget_held(loaded, ids, budget=2) <= 2
+
+
+def test_a_float32_checkpoint_of_a_bf16_moe_run_seeds_the_compensation_in_both_trainers(
+    tmp_path, tiny_tokenizer
+):
+    """Both trainers load a float32 checkpoint of a bf16 `moe` run in float32, prepare it, round it as a
+    bf16 load would, and start `CompensatedAdamW` from what the rounding lost (`mixin.load_run_model`)."""
+    from helpers import save_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft.trainer.optim import CompensatedAdamW
+
+    path = save_tiny_model(tmp_path / "m", "olmoe", tiny_tokenizer)
+    exact = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+    run = dict(train_mode="moe", model_dtype="bfloat16", placement="sequential", max_steps=1)
+    rows = shape_rows("text").select(range(8))
+    trainers = [
+        OccultSFTTrainer(path, args=sft_config(tmp_path / "trl", **run), train_dataset=rows),
+        OccultTrainer(path, args=OccultConfig(output_dir=str(tmp_path / "o"), seq_len=64, **{**COMMON, **run}),
+                      train_dataset=rows),
+    ]  # fmt: skip
+    for trainer in trainers:
+        optimizer = trainer.create_optimizer()
+        inner = getattr(optimizer, "optimizer", optimizer)
+        assert isinstance(inner, CompensatedAdamW), type(trainer).__name__
+        seeded = 0
+        for name, p in trainer.model.named_parameters():
+            if p.requires_grad and p.dtype == torch.bfloat16:
+                torch.testing.assert_close(p, exact[name].bfloat16(), rtol=0, atol=0)
+                lost = (exact[name] - p.float()).bfloat16()
+                assert torch.equal(inner.state[p]["compensation"], lost), name
+                seeded += int(bool(lost.any()))
+        assert seeded > 0, type(trainer).__name__
