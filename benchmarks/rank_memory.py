@@ -1,6 +1,6 @@
 """Peak resident memory of each rank when an expert-parallel run loads its model: old path vs sharded.
 
-    python benchmarks/rank_memory.py [--paths old new] [--dir DIR] [--nproc 4]
+    python benchmarks/rank_memory.py [--paths old new trainer] [--dir DIR] [--nproc 4]
 
 Builds a Mixtral-shaped random model once (8 experts, top-2, bf16, ~2 GB: hidden 1024, 10 layers,
 expert intermediate 3584, vocab 32000), saves it with `save_pretrained`, then for each path launches
@@ -9,7 +9,9 @@ expert intermediate 3584, vocab 32000), saves it with `save_pretrained`, then fo
 
 * `baseline`: everything imported, the process group and the expert-parallel groups built, no model;
 * `old`: `load_training_model` (the whole model) + `setup_expert_parallel` (cut to this rank's block);
-* `new`: `load_sharded_training_model` (only this rank's block is ever read) + `setup_expert_parallel`.
+* `new`: `load_sharded_training_model` (only this rank's block is ever read) + `setup_expert_parallel`;
+* `trainer`: `OccultTrainer(path, args)` as `occult-ft train` builds it (`train_mode` moe, before the
+  optimizer exists: its states are the run's, not the load's).
 
 Each rank reports its peak resident set (`VmHWM` of /proc/self/status). The figure compared with the
 target is peak - baseline (the baseline's mean over ranks), against
@@ -19,6 +21,7 @@ target is peak - baseline (the baseline's mean over ranks), against
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -98,6 +101,15 @@ def worker(mode: str, directory: str, out: str) -> None:
     elif mode == "new":
         model, _ = load_sharded_training_model(directory, args)
         setup_expert_parallel(model, args)
+    elif mode == "trainer":
+        from transformers import default_data_collator
+
+        from occult_ft.trainer import OccultTrainer
+
+        # no data is read (placement sequential), so the collator is only a stand-in for a tokenizer's pad id
+        moe = dataclasses.replace(args, train_mode="moe")
+        trainer = OccultTrainer(directory, args=moe, data_collator=default_data_collator)
+        assert trainer.expert_parallel is not None
     gc.collect()
     dist.barrier()
     result = {"peak": _status("VmHWM"), "rss": _status("VmRSS")}
@@ -120,10 +132,12 @@ def launch(mode: str, directory: str, nproc: int) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--paths", nargs="+", default=["old", "new"], choices=["old", "new"])
+    ap.add_argument(
+        "--paths", nargs="+", default=["old", "new", "trainer"], choices=["old", "new", "trainer"]
+    )
     ap.add_argument("--dir", default=None, help="where the model is saved (default: a new temp dir)")
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--worker", choices=["baseline", "old", "new"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["baseline", "old", "new", "trainer"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:

@@ -32,7 +32,7 @@ from .checkpoint.card import (
 )
 from .evaluation import FIGURE_NAME, make_comm_complexity_figure, measure_checkpoint
 from .fileio import read_json_object
-from .hub_access import hub_endpoint, hub_unreachable
+from .hub_access import hub_endpoint, hub_unreachable, offline_refusal
 from .plots import comm_complexity_figure
 
 __all__ = [
@@ -96,8 +96,11 @@ class HubPushError(ValueError):
 
 
 def check_endpoint(step: str = "reaching the Hub") -> str:
-    """The endpoint (HF_ENDPOINT or https://huggingface.co) after checking that it answers, once and
-    quickly; a `HubPushError` naming it otherwise."""
+    """The endpoint (HF_ENDPOINT or https://huggingface.co) after checking that offline mode is off
+    (HF_HUB_OFFLINE) and that it answers, once and quickly; a `HubPushError` saying which otherwise."""
+    refusal = offline_refusal("pushing to the Hub")
+    if refusal is not None:
+        raise HubPushError(f"{refusal}; nothing was uploaded and nothing written into the folder")
     endpoint = hub_endpoint()
     reason = hub_unreachable()
     if reason is not None:

@@ -11,7 +11,16 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["hub_endpoint", "hub_cache", "is_cached", "offline_requested", "hub_unreachable", "go_offline"]
+__all__ = [
+    "hub_endpoint",
+    "hub_cache",
+    "is_cached",
+    "offline_requested",
+    "offline_variable",
+    "offline_refusal",
+    "hub_unreachable",
+    "go_offline",
+]
 
 
 def hub_endpoint() -> str:
@@ -51,11 +60,28 @@ def is_cached(repo_id: str, kind: str = "models") -> bool:
     return kind == "datasets" and _non_empty(os.path.join(_datasets_cache(), repo_id.replace("/", "___")))
 
 
+def offline_variable() -> str | None:
+    """The variable that turns offline mode on, read as huggingface_hub reads it (HF_HUB_OFFLINE when set
+    and non-empty, else TRANSFORMERS_OFFLINE; a true value is 1, ON, YES or TRUE), or None."""
+    var = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
+    return var if os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE") else None
+
+
 def offline_requested() -> bool:
     """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set to a true value."""
-    return any(
-        os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE")
-        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    return offline_variable() is not None
+
+
+def offline_refusal(what: str) -> str | None:
+    """The one line refusing `what` (e.g. "pushing to the Hub") in offline mode, else None: which variable
+    turned it on and how to turn it off. Said before anything tries the network, whose own error would
+    blame name resolution."""
+    var = offline_variable()
+    if var is None:
+        return None
+    return (
+        f"{what}: offline mode is on ({var}={os.environ[var]}), so the Hub is not contacted; unset {var} "
+        f"(or set {var}=0) to go online, then run it again"
     )
 
 

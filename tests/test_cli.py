@@ -333,6 +333,41 @@ def test_unsupported_model_type_is_one_line(tmp_path, capsys, tiny_tokenizer, te
     assert code == 2 and "model_type 'llama' is not supported" in error_line(err)
 
 
+def test_an_unknown_model_type_is_refused_on_every_path(pipeline, tmp_path, capsys):
+    """A config.json whose model_type is no known type (here one carrying code, with the architectures of
+    a real class) is refused in one line naming it by every command that reads a model config, before
+    anything is written; a type published as another architecture (Kimi-K2's kimi_k2) still reads."""
+    from occult_ft.models.family import architecture_model_type
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in os.listdir(pipeline["model"]):
+        os.link(os.path.join(pipeline["model"], name), bad / name)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").unlink()  # a new file, not the shared model's (hard link)
+    config["model_type"] = "__import__('os').system('touch PWNED')"
+    (bad / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    for argv in (
+        ["prune", bad, "--placement", "sequential", "--devices", 4, "--out", out],
+        ["profile", bad, "--data", pipeline["data"], "--out", out],
+        ["analyze", bad, "--data", pipeline["data"], "--devices", 4],
+        ["eval", bad, "--data", pipeline["data"]],
+        ["plan", "--model_name_or_path", bad],
+        ["push", bad, "--repo-id", "me/bad", "--dry-run", "--no-figure"],
+        ["train", "--model_name_or_path", bad, "--dataset", pipeline["data"], "--output_dir", out,
+         "--max_steps", 1, "--use_cpu", "true", "--report_to", "none"],
+    ):  # fmt: skip
+        capsys.readouterr()
+        code = run_cli(*argv)
+        line = error_line(capsys.readouterr().err.strip())
+        assert code == 2 and "model_type \"__import__('os')" in line and "is not a model type" in line, argv
+        assert str(bad / "config.json") in line, argv
+        assert not out.exists() and not os.path.exists("PWNED"), argv
+    assert architecture_model_type({"model_type": "kimi_k2"}) == "deepseek_v3"
+    assert architecture_model_type({"model_type": "olmoe"}) is None
+
+
 def test_placement_for_another_model_is_rejected(pipeline, tmp_path, capsys, tiny_tokenizer):
     other = save_tiny_model(tmp_path / "m16", "olmoe", tiny_tokenizer, num_experts=16)
     code = run_cli("prune", other, "--placement", pipeline["placement"], "--out", tmp_path / "o")

@@ -15,10 +15,10 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
 from occult_ft.cli import COMMANDS, build_parser, main
 from occult_ft.commands import _choices
+from occult_ft.commands._common import read_yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -193,7 +193,7 @@ def test_one_default_pruning_criterion_everywhere():
         assert action.default == default, name
     for recipe in os.listdir(os.path.join(ROOT, "recipes")):
         if recipe.endswith(".yaml") and recipe != "models.yaml":
-            fields = yaml.safe_load(open(os.path.join(ROOT, "recipes", recipe))) or {}
+            fields = read_yaml(os.path.join(ROOT, "recipes", recipe)) or {}
             if fields.get("max_devices_per_token") is None and fields.get("max_nodes_per_token") is not None:
                 # a node-only budget kept in the model's own group fields (DeepSeek-V3.2): the criterion is
                 # the model's group ranking, so stock transformers routes as trained

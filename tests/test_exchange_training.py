@@ -54,8 +54,36 @@ def test_auto_capacity_is_the_most_tokens_a_rank_routes(tmp_path):
         per_device_eval_batch_size=6,
     )
     assert cfg.exchange_capacity_rows() == 6 * cfg.seq_len  # the eval batch is the larger one
-    assert run_config(str(tmp_path), 1, exchange_capacity="96").exchange_capacity_rows() == 96
+    assert run_config(str(tmp_path), 1, exchange_capacity="200").exchange_capacity_rows() == 200
     assert run_config(str(tmp_path), 1).exchange_capacity_rows() is None
+
+
+def test_a_capacity_below_the_tokens_a_rank_routes_is_refused_whatever_the_layout(tmp_path, capsys):
+    """exchange_capacity C must reach the tokens a rank routes in one forward, max(train batch, eval
+    batch) x seq_len (the bound `auto` takes): checked when the config is built, with expert parallelism
+    off too, so a recipe that passes on one process does not fail at the first step of a launch."""
+    from occult_ft.cli import main
+
+    # run_config: one process, train batch 8, eval batch 8 (default), seq_len 16: 8 x 16 = 128 tokens
+    for overrides in (dict(), dict(expert_parallel_size=1, devices=4)):
+        with pytest.raises(
+            ValueError, match="exchange_capacity=127 rows per device is below the 128 tokens"
+        ) as err:
+            run_config(str(tmp_path), 1, exchange_capacity=127, **overrides)
+        assert "set it to at least 128, 'auto'" in str(err.value) and "\n" not in str(err.value)
+    assert run_config(str(tmp_path), 1, exchange_capacity=128).exchange_capacity_rows() == 128
+    # the larger of the two batch sizes counts: an eval batch of 16 raises the bound to 256
+    with pytest.raises(ValueError, match="below the 256 tokens .*per_device_eval_batch_size=16"):
+        run_config(str(tmp_path), 1, exchange_capacity=128, per_device_eval_batch_size=16)
+    # through the CLI, as a user meets it: one line, before any model or data is read
+    code = main(
+        ["train", "--exchange_capacity", "1", "--dataset", "embedded", "--output_dir", str(tmp_path / "o")]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.splitlines()[-1].startswith(
+        "occult-ft train: error: exchange_capacity=1 rows"
+    ), err
+    assert "loading" not in err and not (tmp_path / "o").exists()
 
 
 # ---- training runs ----------------------------------------------------------------------------------

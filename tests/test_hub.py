@@ -30,12 +30,16 @@ def _offline(monkeypatch):
 
 @pytest.fixture
 def endpoint_up(monkeypatch):
-    """HF_ENDPOINT pointing at a local HTTP server that answers (what `check_endpoint` asks for)."""
+    """HF_ENDPOINT pointing at a local HTTP server that answers (what `check_endpoint` asks for), offline
+    mode off; `endpoint_up.requests` counts the requests it got."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+    requests = []
+
     class Answer(BaseHTTPRequestHandler):
         def do_HEAD(self):
+            requests.append(self.path)
             self.send_response(200)
             self.end_headers()
 
@@ -45,7 +49,15 @@ def endpoint_up(monkeypatch):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
-    yield os.environ["HF_ENDPOINT"]
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+
+    class Endpoint(str):
+        pass
+
+    endpoint = Endpoint(os.environ["HF_ENDPOINT"])
+    endpoint.requests = requests  # type: ignore[attr-defined]
+    yield endpoint
     server.shutdown()
 
 
@@ -535,6 +547,46 @@ def test_a_push_to_an_unreachable_endpoint_fails_first_naming_it_and_writes_noth
     with pytest.raises(hub.HubPushError, match=f"the Hub at {endpoint_down} cannot be reached"):
         hub.push_checkpoint(path, "me/x")
     assert tree(path) == before
+
+
+@pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_a_push_in_offline_mode_says_so_and_how_to_go_online_before_anything(
+    pruned_dir, tmp_path, capsys, monkeypatch, endpoint_up, variable
+):
+    """`push` with HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1) says that offline mode is on and how to
+    turn it off, before the endpoint is asked, the figure measured or anything written; the Python entry
+    points and a training run with push_to_hub say the same (the run before it trains)."""
+    from occult_ft.trainer import OccultConfig
+
+    monkeypatch.setenv(variable, "1")
+    path = _copy_checkpoint(pruned_dir, tmp_path / "ckpt")
+    before = tree(path)
+    assert cli_main(["push", path, "--repo-id", "me/x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith("occult-ft push: error: pushing to the Hub: offline mode is on") and "\n" not in err
+    ), err
+    assert f"({variable}=1)" in err and f"unset {variable} (or set {variable}=0)" in err, err
+    assert endpoint_up.requests == [] and tree(path) == before  # nothing asked, measured or written
+    for call in (
+        lambda: hub.push_checkpoint(path, "me/x"),
+        lambda: hub.push_after_training(path, "me/x"),
+    ):
+        with pytest.raises(
+            hub.HubPushError,
+            match=f"offline mode is on \\({variable}=1\\), so the Hub is not contacted; unset {variable}",
+        ):
+            call()
+    with pytest.raises(ValueError, match=f"push_to_hub=True: offline mode is on \\({variable}=1\\)"):
+        OccultConfig(output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="me/x", use_cpu=True)
+    assert endpoint_up.requests == [] and tree(path) == before
+    # a dry run contacts nothing, so offline mode is no obstacle to it
+    assert cli_main(["push", path, "--repo-id", "me/x", "--dry-run", "--no-figure"]) == 0
+    monkeypatch.setenv(variable, "0")
+    if variable == "TRANSFORMERS_OFFLINE":  # HF_HUB_OFFLINE, when set, decides (as in huggingface_hub)
+        monkeypatch.setenv(variable, "1")
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert hub.check_endpoint() == endpoint_up and len(endpoint_up.requests) == 1  # online: it asks
 
 
 def test_an_upload_that_fails_names_the_step_and_the_endpoint(pruned_dir, tmp_path):

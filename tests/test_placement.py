@@ -265,6 +265,40 @@ def test_invalid_requests_raise_one_line_placement_error(kwargs, message):
     assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
 
 
+def _wrong_type_calls():
+    ids = random_routing(8, tokens=16)
+    layer = SimpleNamespace(topk_ids=ids)
+    return [
+        (lambda: compute_placement({"not": "a profile"}, 4), r"profile is a dict \(\{'not': 'a profile'\}\) with no num_experts or layers; pass an occult_ft.profiling.Profile"),
+        (lambda: compute_placement(None, 4), r"profile is a NoneType \(None\)"),
+        (lambda: compute_placement(SimpleNamespace(num_experts="8", layers={0: layer}), 4), "profile.num_experts='8' must be a positive integer"),
+        (lambda: compute_placement(SimpleNamespace(num_experts=8, layers=[layer]), 4), "profile.layers is a list; it must map layer index"),
+        (lambda: compute_placement(SimpleNamespace(num_experts=8, layers={0: ids}), 4), r"profile.layers\[0\] has no topk_ids"),
+        (lambda: compute_placement(SimpleNamespace(num_experts=8, layers={0: SimpleNamespace(topk_ids=ids.tolist())}), 4),
+         r"profile.layers\[0\].topk_ids is a list .*; pass a \(tokens, top_k\) integer torch.Tensor"),
+        (lambda: place_layer(ids.tolist(), 8, 4), "topk_ids_TK is a list"),
+        (lambda: solve_layer(ids.float(), 8, 4), "topk_ids_TK is a 2-D torch.float32 tensor"),
+        (lambda: PLACEMENT_ALGORITHMS["occult"].place(ids[:, 0], 8, 4), "topk_ids_TK is a 1-D torch.int64 tensor"),
+        (lambda: place_layer(ids, "8", 4), "num_experts='8' must be a positive integer"),
+        (lambda: coactivation_matrix(ids.tolist(), 8), "topk_ids_TK is a list"),
+        (lambda: sequential_placement(8.0, 4, [0]), "num_experts=8.0 must be a positive integer"),
+        (lambda: merge_placements(None), "merge_placements takes a list of Placements, not a NoneType"),
+        (lambda: merge_placements([{"layers": {}}]), "part 0 is a dict"),
+        (lambda: permute_experts(None, {"groups": {}}), "placement is a dict .*; pass a Placement"),
+        (lambda: Placement.load({"format": "x"}), "Placement.load takes the path of a placement file, not a dict"),
+    ]  # fmt: skip
+
+
+def test_public_entry_points_name_an_argument_of_the_wrong_type_in_one_line():
+    """Each public entry point of occult_ft.placement given the wrong kind of object (a dict for a profile,
+    a list for a routing tensor, a float for a count) names the argument and what it must be, instead of
+    an AttributeError or TypeError from deep inside."""
+    for call, message in _wrong_type_calls():
+        with pytest.raises(PlacementError, match=message) as info:
+            call()
+        assert "\n" not in str(info.value)
+
+
 # ---- the placement file -----------------------------------------------------------------------------------
 def tiny_profile(num_experts=16, layers=(1, 3), tokens=256):
     return SimpleNamespace(

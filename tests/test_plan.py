@@ -7,11 +7,11 @@ import re
 
 import pytest
 import torch
-import yaml
 from helpers import SAMPLE_TEXT
 from transformers import AutoConfig, TrainerCallback
 
 from occult_ft.cli import main
+from occult_ft.commands._common import read_yaml
 from occult_ft.plan import count_params, load_model_config, plan_for_config, shipped_config_path
 from occult_ft.trainer import OccultConfig, OccultTrainer
 
@@ -164,8 +164,8 @@ def header_plan(name: str) -> tuple[list[str], float]:
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_plan_reads_recipes_offline_and_counts_the_published_sizes(capsys, name):
-    facts = yaml.safe_load(open("recipes/models.yaml"))["models"]
-    recipe = yaml.safe_load(open(f"recipes/{name}.yaml"))
+    facts = read_yaml("recipes/models.yaml", "model facts")["models"]
+    recipe = read_yaml(f"recipes/{name}.yaml")
     assert shipped_config_path(recipe["model_name_or_path"]), name
     args, _ = header_plan(name) if name not in RECIPES[:6] else ([f"recipes/{name}.yaml"], None)
     assert main(["plan", *args, "--json"]) == 0, name
@@ -186,7 +186,7 @@ def test_headers_state_the_plans_per_gpu_total(capsys, name):
     assert main(["plan", *args, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["per_gpu_gb"] == pytest.approx(stated, abs=0.05), (name, out["per_gpu_gb"])
-    recipe = yaml.safe_load(open(f"recipes/{name}.yaml"))
+    recipe = read_yaml(f"recipes/{name}.yaml")
     if recipe.get("nodes", 1) > 1:  # a multi-node recipe is planned as launched: nodes x GPUs per node
         assert "--nodes" in args and int(args[args.index("--nodes") + 1]) == recipe["nodes"]
         assert out["setup"]["nodes"] == recipe["nodes"] and out["setup"]["exchange"] == "two_stage"
@@ -343,9 +343,11 @@ def test_a_gpu_run_that_cannot_fit_stops_before_loading_with_the_plans_suggestio
     monkeypatch.setenv("WORLD_SIZE", "4")
 
     def no_loading(*args, **kwargs):
-        raise AssertionError("the model must not be loaded")
+        raise AssertionError("nothing of the model must be read")
 
-    monkeypatch.setattr(pipeline, "load_training_model", no_loading)
+    # the tokenizer is the first thing train() reads, the model (by OccultTrainer) comes later
+    monkeypatch.setattr(pipeline, "load_training_tokenizer", no_loading)
+    monkeypatch.setattr(pipeline, "OccultTrainer", no_loading)
     with pytest.raises(ValueError, match=r"needs about \d+\.\d GB per GPU .* the GPUs have 24 GB") as err:
         pipeline.train(config)
     assert "\n" not in str(err.value)

@@ -12,17 +12,17 @@ import typing
 from pathlib import Path
 
 import pytest
-import yaml
 from helpers import safety_timeout
 from transformers import HfArgumentParser
 
+from occult_ft.commands._common import read_yaml
 from occult_ft.hub import KNOWN_LICENSES
 from occult_ft.models import supported_model_types
 from occult_ft.routing import PruningConfig
 from occult_ft.trainer.config import OccultConfig
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
-MODELS = yaml.safe_load((RECIPES_DIR / "models.yaml").read_text())["models"]
+MODELS = read_yaml(str(RECIPES_DIR / "models.yaml"), "model facts")["models"]
 RECIPES = sorted(p.name for p in RECIPES_DIR.glob("*.yaml") if p.name != "models.yaml")
 EXPECTED = {
     "tiny.yaml",
@@ -65,7 +65,7 @@ def processes(match) -> tuple[int, int] | None:
 
 
 def load(name: str) -> dict:
-    return yaml.safe_load((RECIPES_DIR / name).read_text())
+    return read_yaml(str(RECIPES_DIR / name))
 
 
 def header(name: str) -> list[str]:

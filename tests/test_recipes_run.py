@@ -24,8 +24,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from helpers import build_tokenizer, safety_timeout, save_tiny_model
+
+from occult_ft.commands._common import read_yaml
 
 try:
     from .dist_utils import free_port
@@ -34,7 +35,7 @@ except ImportError:
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
-MODELS = yaml.safe_load((RECIPES / "models.yaml").read_text())["models"]
+MODELS = read_yaml(str(RECIPES / "models.yaml"), "model facts")["models"]
 REAL = sorted(p.name for p in RECIPES.glob("*.yaml") if p.name not in ("models.yaml", "tiny.yaml"))
 INSTRUCTIONS = ROOT / "occult_ft" / "embedded" / "corpus" / "instructions.jsonl"
 #: the multi-node recipes' scaled layout: 2 nodes of 2 processes
@@ -105,7 +106,7 @@ IN_CI = ("olmoe-1b-7b.yaml", "mixtral-8x7b.yaml", "glm-4.7.yaml")
     "name", [n if n in IN_CI else pytest.param(n, marks=pytest.mark.extended) for n in REAL]
 )
 def test_recipe_runs_as_written_at_tiny_width(name, tmp_path):
-    recipe = yaml.safe_load((RECIPES / name).read_text())
+    recipe = read_yaml(str(RECIPES / name))
     facts = MODELS[recipe["model_name_or_path"]]
     model = _tiny_model(facts, tmp_path / "model", recipe["seq_len"])
     words = _launch_line(

@@ -667,6 +667,8 @@ def test_push_to_hub_from_training_uploads_the_pruned_checkpoint_with_the_occult
             return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
 
     monkeypatch.setattr(hf_hub, "_hf_api", FakeApi())
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # online as far as occult_ft's check goes
+        monkeypatch.delenv(var, raising=False)
     cfg = make_config(
         tmp_path / "run",
         model_name_or_path=tiny_olmoe_dir,

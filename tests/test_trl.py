@@ -204,6 +204,10 @@ def test_bad_occult_fields_fail_alike_in_both_configs(overrides, message, tmp_pa
         (dict(router_aux_loss_coef=0.01), "the model's own balance loss ignores the pruning"),
         (dict(distill_coef=0.5), "fused LM head, which builds no logits"),
         (dict(exchange_capacity="auto", max_length=None), "max_length is None"),
+        (
+            dict(exchange_capacity=4096, max_length=None),
+            "max_length=None leaves the rows a rank routes unbounded",
+        ),
         (dict(gradient_checkpointing_kwargs={"use_reentrant": True}), "gives the balance loss no gradient"),
         (dict(label_smoothing_factor=0.1), "second forward without gradient"),
     ],
@@ -248,6 +252,21 @@ def test_the_trl_hooks_overridden_still_exist_with_our_arguments():
     # the method order the mixin relies on: its __init__ runs where Trainer.__init__ would
     order = OccultSFTTrainer.__mro__
     assert order.index(SFTTrainer) < order.index(OccultTrainerMixin) == order.index(Trainer) - 1
+
+
+def test_exchange_capacity_is_checked_against_each_configs_row_length(tmp_path):
+    """The capacity bound is batch x the row length each config trains with: seq_len for OccultConfig,
+    TRL's max_length for OccultSFTConfig; below it is refused when the config is built, at it accepted."""
+    common = dict(
+        output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=2, per_device_eval_batch_size=1
+    )
+    for config, row in ((OccultConfig, dict(seq_len=32)), (OccultSFTConfig, dict(max_length=32))):
+        name = next(iter(row))
+        with pytest.raises(ValueError, match=rf"exchange_capacity=63 .* below the 64 tokens .* x {name}=32"):
+            config(exchange_capacity=63, **row, **common)
+        cfg = config(exchange_capacity=64, **row, **common)
+        assert cfg.tokens_per_forward() == 64 and cfg.exchange_capacity_rows() == 64
+        assert config(exchange_capacity="auto", **row, **common).exchange_capacity_rows() == 64
 
 
 def test_sft_config_pickles_without_the_hub_token(tmp_path):
@@ -566,3 +585,36 @@ def test_two_process_expert_parallel_sft_equals_occult_trainer(tmp_path):
     loaded = occult_ft.from_pretrained(spec["out"] + "/trl")
     ids = torch.tensor([tokenizer()("Question 1: what is two plus three? It is five.")["input_ids"]])
     assert budget_held(loaded, ids, budget=2) <= 2
+
+
+def test_a_float32_checkpoint_of_a_bf16_moe_run_seeds_the_compensation_in_both_trainers(
+    tmp_path, tiny_tokenizer
+):
+    """Both trainers load a float32 checkpoint of a bf16 `moe` run in float32, prepare it, round it as a
+    bf16 load would, and start `CompensatedAdamW` from what the rounding lost (`mixin.load_run_model`)."""
+    from helpers import save_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft.trainer.optim import CompensatedAdamW
+
+    path = save_tiny_model(tmp_path / "m", "olmoe", tiny_tokenizer)
+    exact = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+    run = dict(train_mode="moe", model_dtype="bfloat16", placement="sequential", max_steps=1)
+    rows = shape_rows("text").select(range(8))
+    trainers = [
+        OccultSFTTrainer(path, args=sft_config(tmp_path / "trl", **run), train_dataset=rows),
+        OccultTrainer(path, args=OccultConfig(output_dir=str(tmp_path / "o"), seq_len=64, **{**COMMON, **run}),
+                      train_dataset=rows),
+    ]  # fmt: skip
+    for trainer in trainers:
+        optimizer = trainer.create_optimizer()
+        inner = getattr(optimizer, "optimizer", optimizer)
+        assert isinstance(inner, CompensatedAdamW), type(trainer).__name__
+        seeded = 0
+        for name, p in trainer.model.named_parameters():
+            if p.requires_grad and p.dtype == torch.bfloat16:
+                torch.testing.assert_close(p, exact[name].bfloat16(), rtol=0, atol=0)
+                lost = (exact[name] - p.float()).bfloat16()
+                assert torch.equal(inner.state[p]["compensation"], lost), name
+                seeded += int(bool(lost.any()))
+        assert seeded > 0, type(trainer).__name__

@@ -35,9 +35,11 @@ import torch
 from torch import nn
 
 from ..fileio import atomic_save, atomic_write_text, load_safetensors, read_json_object
+from ..models.family import architecture_model_type
 from ..models.registry import config_num_experts, lookup_arch, unwrap_model
 from ..placement import Placement
 from ..routing import PruningConfig
+from .convert import DEEPSEEK_MODEL_TYPE
 
 __all__ = [
     "OCCULT_KEY",
@@ -511,6 +513,8 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike) -> CheckpointSummary:
         summary.model_type = block.model_type if block else None
     elif os.path.isfile(config_file):
         config = read_json_object(config_file)
+        if config.get("model_type") != DEEPSEEK_MODEL_TYPE:  # converted on load; any other unknown type:
+            architecture_model_type(config, config_file)  # refused in one line naming it
         summary = CheckpointSummary(path, "full", block=block, config=config)
         summary.base_model = (block and block.base_model) or config.get("_name_or_path") or None
         summary.model_type = config.get("model_type")

@@ -100,14 +100,15 @@ def load_tokenizer(*sources: str | None):
 
 def read_model_config(path: str):
     """(config, aliased) of a model directory or Hub id. A config.json whose model_type transformers does
-    not know but whose `architectures` names a transformers class (Kimi-K2: `kimi_k2` with
-    `DeepseekV3ForCausalLM`) is read as that class's type (aliased=True), without remote code."""
+    not know is read as the architecture it is published as (`models.family.PUBLISHED_AS`; Kimi-K2:
+    `kimi_k2` with `DeepseekV3ForCausalLM`, aliased=True) without remote code, and any other unknown
+    model_type is a one-line `UnsupportedModelError` naming it."""
     from transformers import AutoConfig
 
     file = os.path.join(path, "config.json")
     if os.path.isfile(file):
         raw = read_json_object(file)
-        known = architecture_model_type(raw)
+        known = architecture_model_type(raw, file)
         if known is not None:
             skip = ("model_type", "auto_map", "architectures", "transformers_version")
             fields = {k: v for k, v in raw.items() if k not in skip}

@@ -13,6 +13,9 @@ import re
 import sys
 
 __all__ = [
+    "YAML_MAX_BYTES",
+    "YAML_MAX_NODES",
+    "read_yaml",
     "standalone",
     "load_data",
     "load_args_data",
@@ -26,6 +29,91 @@ __all__ = [
     "check_hub_sources",
     "quiet_deepspeed_accelerator",
 ]
+
+
+#: A recipe is a few KB of `field: value` lines (the shipped ones: under 4 KB, under 300 YAML nodes).
+YAML_MAX_BYTES = 1 << 20
+#: The most YAML nodes a file may hold once its aliases are expanded: an alias bomb (nine lists of nine
+#: aliases to the previous one) is a few hundred bytes that expand to 9**9 leaves
+YAML_MAX_NODES = 100_000
+
+
+def _expanded_nodes(root, limit: int) -> int | None:
+    """Nodes of a composed YAML document with every alias expanded, counted without expanding anything
+    (each distinct node once: 1 + its children's counts, capped at limit + 1); None for an alias that
+    refers to a node containing it (a cycle, which expands forever)."""
+    import yaml
+
+    def children(node):
+        if isinstance(node, yaml.SequenceNode):
+            return node.value
+        if isinstance(node, yaml.MappingNode):
+            return [part for pair in node.value for part in pair]
+        return ()
+
+    counts: dict[int, int] = {}
+    open_: set[int] = set()  # nodes whose subtree is being counted (a node met again inside is a cycle)
+    stack = [(root, False)]
+    while stack:  # iterative post-order: a deep document cannot exhaust the Python stack here
+        node, closing = stack.pop()
+        key = id(node)
+        if closing:
+            open_.discard(key)
+            counts[key] = min(limit + 1, 1 + sum(counts[id(c)] for c in children(node)))
+            continue
+        if key in counts:
+            continue
+        if key in open_:
+            return None
+        open_.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children(node) if id(c) not in counts)
+    return counts[id(root)]
+
+
+def read_yaml(path: str, what: str = "recipe"):
+    """The content of a YAML (or JSON) file, read with safe tags only and bounded: a file over
+    `YAML_MAX_BYTES`, aliases that expand past `YAML_MAX_NODES` nodes (an alias bomb) or refer to
+    themselves, nesting deeper than Python's stack, or invalid YAML is a one-line ValueError naming the
+    file (`what` names its role) and the fix, raised before anything is expanded. Every YAML occult_ft reads
+    goes through here."""
+    import yaml
+
+    from ..fileio import read_text
+
+    if os.path.isfile(path) and os.path.getsize(path) > YAML_MAX_BYTES:
+        raise ValueError(
+            f"{what} {path!r} is {os.path.getsize(path)} bytes, over the {YAML_MAX_BYTES} a {what} may hold; "
+            "a recipe is a short mapping of field: value lines"
+        )
+    text = read_text(path)  # one line naming the file when it is missing or not UTF-8 text
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_nodes(node, YAML_MAX_NODES)
+        if size is None:
+            raise ValueError(
+                f"{what} {path!r} has an alias (*name) inside the value it names (&name), which expands "
+                "forever; write the value out"
+            )
+        if size > YAML_MAX_NODES:
+            raise ValueError(
+                f"{what} {path!r} expands to more than {YAML_MAX_NODES} YAML nodes through its aliases "
+                "(&name / *name), an alias bomb; write the values out without aliases"
+            )
+        return loader.construct_document(node)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"{what} {path!r} is not valid YAML{where}") from None
+    except RecursionError:
+        raise ValueError(
+            f"{what} {path!r} nests its values too deeply to read; a recipe is a mapping of field: value"
+        ) from None
+    finally:
+        loader.dispose()
 
 
 def positive_int(text: str) -> int:

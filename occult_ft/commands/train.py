@@ -33,7 +33,7 @@ import os
 import sys
 from pathlib import Path
 
-from ._common import check_hub_sources, quiet_deepspeed_accelerator, standalone
+from ._common import check_hub_sources, quiet_deepspeed_accelerator, read_yaml, standalone
 
 __all__ = [
     "add_parser",
@@ -351,25 +351,23 @@ def _current_name(name: str, actions) -> str:
     return name
 
 
-def load_recipe(path: str, parser) -> dict:
-    import yaml
-
+def read_recipe(path: str) -> dict:
+    """The mapping of fields a recipe file holds, read bounded (`_common.read_yaml`: an alias bomb is one
+    line at once); nothing heavy is imported, so a bad recipe is refused before torch and transformers load."""
     if not os.path.isfile(path):
         raise ValueError(
             f"recipe {path!r} does not exist; pass a YAML file of OccultConfig fields or a shipped recipe "
             f"name ({', '.join(sorted(shipped_recipes()))})"
         )
-    from ..fileio import read_text
-
-    text = read_text(path)  # one line naming the recipe when it is not UTF-8 text
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ValueError(f"recipe {path!r} is not valid YAML{where}") from None
+    data = read_yaml(path, "recipe") or {}
     if not isinstance(data, dict):
         raise ValueError(f"recipe {path!r} holds a {type(data).__name__}; expected a mapping of field: value")
+    return data
+
+
+def load_recipe(path: str, parser, data: dict | None = None) -> dict:
+    """The recipe's fields as parser defaults (`data`: what `read_recipe` read, else it is read here)."""
+    data = read_recipe(path) if data is None else data
     actions = {a.dest: a for a in parser._actions}
     names = field_names(parser)
     values = {}
@@ -404,18 +402,21 @@ def parse_config(argv: list[str], trainer: str | None = None):
     """
     if trainer is None:
         trainer, argv = split_trainer(argv)
-    parser = config_parser(trainer)
     if any(token in ("-h", "--help") for token in argv):
-        print(format_help(parser, trainer))
+        quiet_deepspeed_accelerator()
+        print(format_help(config_parser(trainer), trainer))
         return None
+    recipe, rest = split_recipe(argv)
+    data = read_recipe(recipe) if recipe is not None else None  # before the imports below
+    quiet_deepspeed_accelerator()  # before transformers imports DeepSpeed (--deepspeed)
+    parser = config_parser(trainer)
     import torch
 
     # progress bars by default (the CLI quiets library logging); no pinned memory without an accelerator
     # (the DataLoader warns on every CPU run otherwise)
     parser.set_defaults(disable_tqdm=False, dataloader_pin_memory=torch.accelerator.is_available())
-    recipe, rest = split_recipe(argv)
     if recipe is not None:
-        parser.set_defaults(**load_recipe(recipe, parser))
+        parser.set_defaults(**load_recipe(recipe, parser, data))
     actions = {a.dest: a for a in parser._actions}
     for i, token in enumerate(rest):
         if token.startswith("--"):
@@ -467,13 +468,12 @@ def missing_extras(config) -> list[str]:
 
 
 def run(args) -> int:
-    quiet_deepspeed_accelerator()
     import importlib.util
 
     trainer_name, argv = split_trainer(list(args.argv))
     if trainer_name == "trl" and importlib.util.find_spec("trl") is None:
         raise ImportError("--trainer trl needs trl, which is not installed: pip install 'occult-ft[trl]'")
-    config = parse_config(argv, trainer_name)
+    config = parse_config(argv, trainer_name)  # a recipe is read (bounded) before torch is imported
     if config is None:
         return 0
     missing = missing_extras(config)

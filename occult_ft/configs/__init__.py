@@ -21,9 +21,10 @@ __all__ = ["as_config", "load_model_config", "shipped_config_path"]
 _CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def as_config(cfg):
+def as_config(cfg, source: str = "config.json"):
     """A `PretrainedConfig` from a config or a config.json dict; DeepSeek-MoE as its qwen2_moe conversion, a
-    config whose model_type transformers does not know as its `architectures` class's type (Kimi-K2)."""
+    config whose model_type transformers does not know as the architecture it is published as (Kimi-K2;
+    `models.family.PUBLISHED_AS`); any other unknown model_type is a one-line `UnsupportedModelError`."""
     if not isinstance(cfg, dict):
         return cfg
     from transformers import AutoConfig
@@ -31,11 +32,9 @@ def as_config(cfg):
     d = dict(cfg)
     if d.get("model_type") == DEEPSEEK_MODEL_TYPE:
         d = convert_config(d)
-    known = architecture_model_type(d)
+    known = architecture_model_type(d, source)
     if known is not None:  # Kimi-K2: its own kimi_k2 is the DeepseekV3 architecture
         d["model_type"] = known
-    if "model_type" not in d:
-        raise ValueError("the model config has no model_type; pass a model's config.json")
     kind = d.pop("model_type")
     for key in ("auto_map", "transformers_version", "architectures"):
         d.pop(key, None)
@@ -48,28 +47,34 @@ def shipped_config_path(model_id: str) -> str | None:
     return path if "/" in model_id and os.path.isfile(path) else None
 
 
-def _read_json(path: str) -> dict:
+def _config_file(path: str) -> str:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"config {path!r} does not exist; pass a config.json file or a model directory")
-    return read_json_object(path)  # one line naming the file when it is not a JSON object
+    return path
+
+
+def _read_config(path: str):
+    """The config of a config.json file or a model directory (its file named in every error)."""
+    file = _config_file(path)
+    return as_config(read_json_object(file), file)  # one line naming the file when it is not a JSON object
 
 
 def load_model_config(model: str | None, config: str | None = None):
     """The model's config: `config` (a config.json or directory) if given, else a local model directory,
     a config shipped for the Hub id, or the Hub (AutoConfig). DeepSeek-MoE gives its qwen2_moe conversion."""
     if config:
-        return as_config(_read_json(config))
+        return _read_config(config)
     if not model:
         raise ValueError("no model: set model_name_or_path in the recipe or pass --config PATH")
 
     path = resolve_model_path(model)
     if os.path.isdir(path):
-        return as_config(_read_json(path))
+        return _read_config(path)
     shipped = shipped_config_path(model)
     if shipped:
-        return as_config(_read_json(shipped))
+        return _read_config(shipped)
     try:
         from huggingface_hub import hf_hub_download
 

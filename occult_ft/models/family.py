@@ -18,7 +18,16 @@ import functools
 import os
 import re
 
-__all__ = ["moe_family", "family_folder", "loads_as", "auto_model_class", "architecture_model_type"]
+from .arch import UnsupportedModelError
+
+__all__ = [
+    "PUBLISHED_AS",
+    "moe_family",
+    "family_folder",
+    "loads_as",
+    "auto_model_class",
+    "architecture_model_type",
+]
 
 _DECORATOR = re.compile(r"^@use_experts_implementation\b", re.MULTILINE)
 _MODEL_TYPE = re.compile(r'^\s+model_type(?:\s*:\s*str)?\s*=\s*"([^"]+)"', re.MULTILINE)
@@ -90,21 +99,37 @@ def auto_model_class(config_or_type):
     return transformers.AutoModelForCausalLM
 
 
-def architecture_model_type(config: dict) -> str | None:
-    """For a config.json (dict) whose own `model_type` transformers does not know but whose
-    `architectures` names a transformers class (Kimi-K2: `kimi_k2`, `DeepseekV3ForCausalLM`), the model
-    type of that class (`deepseek_v3`); None when the config's own type is known or nothing matches."""
-    from transformers.models.auto import modeling_auto
+#: Model types that transformers does not know, published with the config of a transformers architecture,
+#: read as that architecture without remote code (Kimi-K2's config.json says `kimi_k2` and names
+#: `DeepseekV3ForCausalLM`). Any other type transformers does not know is refused: add a type here only
+#: when its config and weights are exactly the named architecture's.
+PUBLISHED_AS = {"kimi_k2": "deepseek_v3"}
+
+
+def architecture_model_type(config: dict, source: str = "config.json") -> str | None:
+    """The transformers model type a config.json (dict) is read as when its own `model_type` is not one
+    transformers knows: a `PUBLISHED_AS` type's architecture (`kimi_k2` -> `deepseek_v3`). None when the
+    config's own type is a transformers type. `source` names the file in messages.
+
+    Raises:
+        UnsupportedModelError: one line naming a `model_type` that is missing, not a string or neither a
+            transformers type nor in `PUBLISHED_AS` (nothing is read or copied from such a config).
+    """
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    if config.get("model_type") in CONFIG_MAPPING_NAMES:
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING_NAMES:
         return None
-    by_class: dict[str, str] = {}  # class name -> model type
-    for mapping in (
-        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-    ):
-        for model_type, class_name in mapping.items():
-            by_class.setdefault(class_name, model_type)
-    names = config.get("architectures") or []
-    return next((by_class[n] for n in names if isinstance(n, str) and n in by_class), None)
+    if isinstance(model_type, str) and model_type in PUBLISHED_AS:
+        return PUBLISHED_AS[model_type]
+    if model_type is None:
+        raise UnsupportedModelError(
+            f'{source} has no model_type; it must name the model\'s transformers type, e.g. "olmoe"'
+        )
+    shown = repr(model_type)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise UnsupportedModelError(
+        f"{source}: model_type {shown} is not a model type transformers knows (nor one occult_ft reads "
+        f"as one: {', '.join(sorted(PUBLISHED_AS))}); set model_type in config.json to the model's "
+        'transformers type, e.g. "olmoe" (occult_ft.models.supported_model_types() lists the types occult_ft supports)'
+    )

@@ -35,6 +35,7 @@ from .core import (
     PlacementError,
     Solver,
     check_load_bound,
+    check_routing,
     device_loads,
     imbalance,
     incidence,
@@ -113,6 +114,7 @@ class PlacementAlgorithm:
         max/mean device load within it while it optimises); any other algorithm's result is checked against
         it, and a placement above the bound is a one-line `PlacementError`.
         """
+        check_routing(topk_ids_TK)
         validate_sizes(num_experts, num_devices, num_nodes)
         bound = options.pop("max_load_imbalance", None)
         check_load_bound(bound)

@@ -24,6 +24,8 @@ __all__ = [
     "PlacementError",
     "Solver",
     "check_load_bound",
+    "check_profile",
+    "check_routing",
     "coactivation_matrix",
     "device_loads",
     "device_to_groups",
@@ -34,6 +36,7 @@ __all__ = [
     "is_int",
     "level_totals",
     "resolve_load_bound",
+    "shown",
     "node_incidence",
     "two_level",
     "validate_sizes",
@@ -57,8 +60,18 @@ def divisors(n: int) -> str:
     return ", ".join(str(d) for d in small + [n // d for d in reversed(small) if d * d != n])
 
 
+def shown(value, width: int = 60) -> str:
+    """`repr(value)` cut to `width` characters, for messages that quote what a caller passed."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def validate_sizes(num_experts: int, num_devices: int, num_nodes: int) -> None:
-    """D must divide E and N must divide D (a one-line `PlacementError` otherwise)."""
+    """E is a positive integer, D must divide E and N must divide D (a one-line `PlacementError` otherwise)."""
+    if not is_int(num_experts) or num_experts < 1:
+        raise PlacementError(
+            f"num_experts={shown(num_experts)} must be a positive integer (routed experts per layer)"
+        )
     if not is_int(num_devices) or num_devices < 1 or num_experts % num_devices:
         raise PlacementError(
             f"devices={num_devices} does not divide the {num_experts} experts; use one of {divisors(num_experts)}"
@@ -67,6 +80,43 @@ def validate_sizes(num_experts: int, num_devices: int, num_nodes: int) -> None:
         raise PlacementError(
             f"nodes={num_nodes} does not divide devices={num_devices}; use one of {divisors(num_devices)}"
         )
+
+
+def check_routing(topk_ids_TK, where: str = "topk_ids_TK") -> None:
+    """A (T, K) integer tensor of expert ids (a one-line `PlacementError` naming `where` otherwise)."""
+    if not isinstance(topk_ids_TK, torch.Tensor):
+        raise PlacementError(
+            f"{where} is a {type(topk_ids_TK).__name__} ({shown(topk_ids_TK)}); pass a (tokens, top_k) integer "
+            "torch.Tensor of expert ids, e.g. a profile's layers[i].topk_ids"
+        )
+    if topk_ids_TK.dim() != 2 or topk_ids_TK.dtype.is_floating_point or topk_ids_TK.dtype.is_complex:
+        raise PlacementError(
+            f"{where} is a {topk_ids_TK.dim()}-D {topk_ids_TK.dtype} tensor; pass a (tokens, top_k) integer "
+            "tensor of expert ids (-1 = empty slot)"
+        )
+
+
+def check_profile(profile, where: str = "profile") -> None:
+    """A routing profile (`occult_ft.profiling.Profile`, or an object with its `num_experts` and `layers`:
+    layer index -> object with a (T, K) integer `topk_ids`); a one-line `PlacementError` otherwise."""
+    need = "pass an occult_ft.profiling.Profile (Profile.load(PATH) of `occult-ft profile`'s file, or profile_model)"
+    missing = [a for a in ("num_experts", "layers") if not hasattr(profile, a)]
+    if missing:
+        raise PlacementError(
+            f"{where} is a {type(profile).__name__} ({shown(profile)}) with no {' or '.join(missing)}; {need}"
+        )
+    if not is_int(profile.num_experts) or profile.num_experts < 1:
+        raise PlacementError(
+            f"{where}.num_experts={shown(profile.num_experts)} must be a positive integer; {need}"
+        )
+    if not isinstance(profile.layers, dict):
+        raise PlacementError(
+            f"{where}.layers is a {type(profile.layers).__name__}; it must map layer index -> layer profile; {need}"
+        )
+    for index, layer in profile.layers.items():
+        if not hasattr(layer, "topk_ids"):
+            raise PlacementError(f"{where}.layers[{index!r}] has no topk_ids; {need}")
+        check_routing(layer.topk_ids, f"{where}.layers[{index!r}].topk_ids")
 
 
 def check_load_bound(max_load_imbalance) -> None:
@@ -114,6 +164,11 @@ def coactivation_matrix(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Te
     Returns:
         (E, E) int64: [a, b] = tokens that selected both a and b; the diagonal is each expert's load.
     """
+    check_routing(topk_ids_TK)
+    if not is_int(num_experts) or num_experts < 1:
+        raise PlacementError(
+            f"num_experts={shown(num_experts)} must be a positive integer (routed experts per layer)"
+        )
     x = incidence(topk_ids_TK, num_experts).double()
     return (x.T @ x).round().long()  # float64 sums of 0/1 products: exact integers below 2**53
 

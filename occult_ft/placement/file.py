@@ -284,6 +284,11 @@ class Placement:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Placement:
         """Read and validate a placement file; every problem raises a one-line `PlacementError`."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise PlacementError(
+                f"Placement.load takes the path of a placement file, not a {type(path).__name__}; "
+                "create one with `occult-ft place`"
+            )
         path = Path(path)
         if not path.is_file():
             raise PlacementError(f"placement file '{path}' not found; create it with `occult-ft place`")

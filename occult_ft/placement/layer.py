@@ -36,8 +36,10 @@ from .core import (
     LayerResult,
     PlacementError,
     check_load_bound,
+    check_profile,
     incidence,
     resolve_load_bound,
+    shown,
     validate_sizes,
 )
 from .file import Placement
@@ -270,7 +272,8 @@ def compute_placement(
         A `Placement` whose `metrics` hold the per-layer figures (module docstring) and their token-weighted
         overall values.
     """
-    num_experts = int(profile.num_experts)
+    check_profile(profile)
+    num_experts = profile.num_experts
     validate_sizes(num_experts, num_devices, num_nodes)
     entry = get_algorithm(algorithm)
     check_load_bound(max_load_imbalance)
@@ -368,9 +371,19 @@ def compute_placement(
 def merge_placements(parts: Iterable[Placement]) -> Placement:
     """One placement of the layers of `parts` (shares of one `compute_placement` call: same model, sizes,
     algorithm and settings, each layer in one part), with the overall figures recomputed over them."""
+    if isinstance(parts, Placement) or not isinstance(parts, Iterable):
+        raise PlacementError(
+            f"merge_placements takes a list of Placements, not a {type(parts).__name__} ({shown(parts)})"
+        )
     parts = list(parts)
     if not parts:
         raise PlacementError("merge_placements needs at least one placement")
+    for i, part in enumerate(parts):
+        if not isinstance(part, Placement):
+            raise PlacementError(
+                f"merge_placements: part {i} is a {type(part).__name__} ({shown(part)}); pass the Placements "
+                "that compute_placement returned for shares of the layers"
+            )
     first = parts[0]
     keys = ("model_type", "num_experts", "num_devices", "num_nodes", "algorithm")
     settings = ("max_load_imbalance", "holdout", "max_devices_per_token", "criterion")

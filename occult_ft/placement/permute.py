@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..models import find_moe_layers
-from .core import PlacementError
+from .core import PlacementError, shown
 from .file import Placement
 
 __all__ = ["permute_experts"]
@@ -42,6 +42,11 @@ def permute_experts(model: nn.Module, placement: Placement) -> None:
         model: a supported transformers MoE model (PEFT/DDP wrappers are unwrapped).
         placement: a `Placement` matching the model (`check_model` is called first).
     """
+    if not isinstance(placement, Placement):
+        raise PlacementError(
+            f"placement is a {type(placement).__name__} ({shown(placement)}); pass a Placement "
+            "(Placement.load(PATH) of `occult-ft place`'s file, or compute_placement's result)"
+        )
     layers = find_moe_layers(model)
     placement.check_model(layers[0].num_experts, [layer.index for layer in layers], layers[0].arch.model_type)
     for layer in layers:

@@ -31,6 +31,7 @@ from transformers import TrainingArguments
 from ..configs import load_model_config
 from ..dispatch import EXCHANGES, check_exchange_settings
 from ..fileio import check_output_path
+from ..hub_access import offline_refusal
 from ..integrations.deepspeed import check_deepspeed_config
 from ..models.registry import config_num_experts, config_top_k, get_arch
 from ..placement import PLACEMENT_ALGORITHMS
@@ -166,9 +167,10 @@ class OccultArguments(_ArgumentsBase):
         default=None,
         metadata={
             "help": "Capacity-bounded receive buffers for the flat exchange (no host synchronisation per "
-            "layer; every rank sends D x C rows, padded): C rows per device, or 'auto' = the most tokens a "
+            "layer; every rank sends D x C rows, padded): C rows per device, at least the most tokens a "
             "rank routes in one forward (max(per_device_train_batch_size, per_device_eval_batch_size) x "
-            "seq_len), the bound no routing can overflow. Unset: exact buffers (one host sync per layer)."
+            "seq_len (max_length with --trainer trl), the bound no routing can overflow; checked whatever "
+            "the layout), or 'auto' = that bound. Unset: exact buffers (one host sync per layer)."
         },
     )
     placement: str = field(
@@ -368,8 +370,27 @@ class OccultArguments(_ArgumentsBase):
         check_exchange_settings(
             self.exchange, self.nodes, self.exchange_chunks, 1 if isinstance(capacity, str) else capacity
         )
+        if isinstance(capacity, int):
+            # whatever the layout: a recipe checked on one process must not fail at the first step of a launch
+            row, bound = self.row_length_field, self.tokens_per_forward()
+            if bound is None:
+                raise ValueError(
+                    f"exchange_capacity={capacity} bounds the rows a device receives, but {row}=None leaves "
+                    f"the rows a rank routes unbounded; set {row}, or leave exchange_capacity unset"
+                )
+            if capacity < bound:
+                raise ValueError(
+                    f"exchange_capacity={capacity} rows per device is below the {bound} tokens a rank can route "
+                    f"in one forward (max(per_device_train_batch_size={self.per_device_train_batch_size}, "
+                    f"per_device_eval_batch_size={self.per_device_eval_batch_size}) x {row}="
+                    f"{self.tokens_per_row()}), so rows could be lost; set it to at least {bound}, 'auto', or "
+                    "leave it unset"
+                )
         if self.train_mode not in TRAIN_MODES:
             raise _choice_error("train_mode", self.train_mode, TRAIN_MODES)
+        refusal = offline_refusal("push_to_hub=True") if self.push_to_hub else None
+        if refusal is not None:  # refused before training, not by the push after it
+            raise ValueError(f"{refusal}; or leave push_to_hub off and `occult-ft push` the result later")
         if self.model_dtype not in MODEL_DTYPES:
             raise _choice_error("model_dtype", self.model_dtype, MODEL_DTYPES)
         if not self.balance_loss_coef >= 0:
@@ -428,13 +449,21 @@ class OccultArguments(_ArgumentsBase):
                     f"processes or set --expert_parallel_size to a divisor of {world}"
                 )
 
+    def tokens_per_forward(self) -> int | None:
+        """The most tokens a rank routes in one forward, max(per_device_train_batch_size,
+        per_device_eval_batch_size) x `tokens_per_row()` (seq_len; TRL's max_length): the bound a capacity
+        must reach (`exchange_capacity` 'auto'); None when rows are unbounded (max_length=None)."""
+        tokens = self.tokens_per_row()
+        if tokens is None:
+            return None
+        return max(self.per_device_train_batch_size, self.per_device_eval_batch_size) * tokens
+
     def exchange_capacity_rows(self) -> int | None:
         """Rows per device of the capacity-bounded exchange (`exchange_capacity`), None for exact buffers."""
         if self.exchange_capacity == "auto":
-            batch = max(self.per_device_train_batch_size, self.per_device_eval_batch_size)
-            tokens = self.tokens_per_row()
-            assert tokens is not None  # refused up front without a row length (OccultSFTConfig)
-            return batch * tokens
+            bound = self.tokens_per_forward()
+            assert bound is not None  # refused up front without a row length (OccultSFTConfig)
+            return bound
         return typing.cast(
             "int | None", self.exchange_capacity
         )  # __post_init__ leaves an int, None or "auto"

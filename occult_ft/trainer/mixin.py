@@ -72,10 +72,16 @@ from .expert_parallel import (
     setup_expert_parallel,
 )
 from .guards import check_step
-from .loading import check_seq_len, load_training_model, may_move_to
+from .loading import (
+    check_seq_len,
+    load_precision,
+    load_training_model,
+    may_move_to,
+    round_keeping_residuals,
+)
 from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
-from .optim import choose_optimizer
+from .optim import CompensatedAdamW, choose_optimizer
 from .prepare import OccultSetup, prepare_model, resolve_checkpoint
 from .sharded_load import can_load_sharded, load_sharded_training_model
 
@@ -84,13 +90,25 @@ logger = logging.get_logger(__name__)
 __all__ = ["OccultTrainerMixin", "load_run_model"]
 
 
-def load_run_model(path: str, args: OccultArguments, placement=None) -> tuple[nn.Module, object]:
-    """(model, tokenizer) of a run from a path, Hub id or `embedded`: under expert parallelism (one-stage
-    exchange) each rank reads only its own expert block from the safetensors files."""
+def load_run_model(
+    path: str, args: OccultArguments, placement=None
+) -> tuple[nn.Module, object, torch.dtype | None]:
+    """(model, tokenizer, round_to) of a run from a path, Hub id or `embedded`: under expert parallelism
+    (one-stage exchange) each rank reads only its own expert block from the safetensors files.
+
+    A float32 checkpoint of a 16-bit run that `CompensatedAdamW` will train, not resumed
+    (`loading.load_precision`), is loaded in float32 and `round_to` is `model_dtype`: the mixin prepares
+    it in float32, then rounds it and seeds the optimizer's compensation with what the rounding lost
+    (pass `round_to` on to `OccultTrainerMixin.__init__`). Otherwise `round_to` is None."""
+    resumed = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir) is not None
+    precision = None if resumed else load_precision(path, args)
+    round_to = getattr(torch, args.model_dtype) if precision is not None else None
     one_stage = getattr(args, "exchange", "flat") != "two_stage"  # two-stage shards with its node groups
     if args.expert_parallel_size > 1 and one_stage and can_load_sharded(path):
-        return load_sharded_training_model(path, args, placement)
-    return load_training_model(path, args)
+        model, tokenizer = load_sharded_training_model(path, args, placement, dtype=precision)
+    else:
+        model, tokenizer = load_training_model(path, args, dtype=precision)
+    return model, tokenizer, round_to
 
 
 class OccultTrainerMixin(Trainer):
@@ -104,6 +122,8 @@ class OccultTrainerMixin(Trainer):
         placement: a `Placement` that overrides `args.placement`.
         peft_config: a `peft.PeftConfig` applied after placement and pruning (instead of the LoRA config
             `train_mode="lora"` builds).
+        round_to: the dtype a float32 model is rounded to after placement, pruning and sharding, what the
+            rounding lost seeding `CompensatedAdamW`'s compensation (`load_run_model` says when).
         kwargs: passed on to `transformers.Trainer`.
 
     Attributes:
@@ -123,12 +143,14 @@ class OccultTrainerMixin(Trainer):
         *,
         placement=None,
         peft_config=None,
+        round_to: torch.dtype | None = None,
         **kwargs,
     ):
         # a trainer above that does not pass these on to Trainer.__init__ (TRL's) sets them beforehand
         options = getattr(self, "occult_init_options", {})
         placement = placement if placement is not None else options.get("placement")
         peft_config = peft_config if peft_config is not None else options.get("peft_config")
+        round_to = round_to if round_to is not None else options.get("round_to")
         if not isinstance(args, OccultArguments):
             raise TypeError(
                 f"args must be an OccultConfig or OccultSFTConfig, got {type(args).__name__}; build one of them"
@@ -136,7 +158,7 @@ class OccultTrainerMixin(Trainer):
         if not isinstance(model, nn.Module):
             raise TypeError(f"{type(self).__name__} places a loaded model; got {type(model).__name__}")
         check_seq_len(model, args.tokens_per_row(), args.row_length_field)
-        if may_move_to(args, model):
+        if round_to is None and may_move_to(args, model):  # a float32 model moves once rounded
             model = model.to(args.device)
         checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
         model, setup = prepare_model(
@@ -146,6 +168,8 @@ class OccultTrainerMixin(Trainer):
         self.expert_parallel: ExpertParallelGroups | None = None
         if args.expert_parallel_size > 1:
             self.expert_parallel = setup_expert_parallel(model, args)
+        # what rounding the float32 start to model_dtype lost: CompensatedAdamW starts from it
+        self._load_rounding = round_keeping_residuals(model, round_to) if round_to is not None else {}
         super().__init__(
             model=model,
             args=args,
@@ -300,10 +324,15 @@ class OccultTrainerMixin(Trainer):
 
     def create_optimizer(self, *args, **kwargs):
         """`Trainer.create_optimizer`; under DeepSpeed with expert parallelism the expert shards go into
-        DeepSpeed's MoE param groups (`occult_ft.integrations.deepspeed.split_moe_param_groups`)."""
+        DeepSpeed's MoE param groups (`occult_ft.integrations.deepspeed.split_moe_param_groups`); a
+        `CompensatedAdamW` starts from what rounding a float32 start lost (`round_to`)."""
         optimizer = super().create_optimizer(*args, **kwargs)
         if self.expert_parallel is not None and self.is_deepspeed_enabled:
             split_moe_param_groups(optimizer)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if isinstance(inner, CompensatedAdamW) and self._load_rounding:
+            inner.seed_compensation(self._load_rounding)
+        self._load_rounding = {}  # the optimizer holds them now (or never will)
         return optimizer
 
     # ---- logging ------------------------------------------------------------------------------

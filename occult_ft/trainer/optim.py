@@ -14,6 +14,13 @@ Per parameter (`p` as stored, `c` its compensation, `u` the AdamW step computed 
     p     = round(exact)                              (to the parameter's dtype)
     c     = exact - p                                 (what the rounding lost; stored in p's dtype)
 
+So `p` is always the nearest 16-bit value to `p + c`: the saved 16-bit weights are already the best a
+16-bit checkpoint can hold of the compensated trajectory (`tests/test_optim.py`). What the weights can
+lose is their start: a float32 checkpoint loaded as bf16 is rounded before the first step, and every
+later update smaller than half a bf16 step from that rounded start is then lost against the float32 run.
+`OccultTrainer` therefore loads such a checkpoint in float32, prepares it, rounds it and seeds `c` with
+what the rounding lost (`seed_compensation`; `occult_ft.trainer.loading.round_keeping_residuals`).
+
 The moments `exp_avg` and `exp_avg_sq` are float32 whatever the parameter's dtype (a bf16
 `exp_avg_sq` loses its 0.1% updates the same way). Float32 parameters get no compensation buffer and
 follow `torch.optim.AdamW` exactly. Memory per trainable parameter: 16-bit weight 2 + gradient 2 +
@@ -70,6 +77,20 @@ class CompensatedAdamW(torch.optim.Optimizer):
             raise ValueError(f"eps={eps!r} must be >= 0")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
+    @torch.no_grad()
+    def seed_compensation(self, residuals) -> int:
+        """Start the compensation of 16-bit parameters with what rounding them to 16 bits lost
+        (`residuals`: parameter -> float32 value - rounded value, e.g. from
+        `occult_ft.trainer.loading.round_keeping_residuals`), so that the weights follow the float32
+        trajectory from the unrounded start. Before the first step only; returns the parameters seeded."""
+        seeded = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in residuals and is_low_precision(p) and "step" not in self.state[p]:
+                    self.state[p]["compensation"] = residuals[p].to(device=p.device, dtype=p.dtype).clone()
+                    seeded += 1
+        return seeded
+
     def load_state_dict(self, state_dict: dict) -> None:
         """`Optimizer.load_state_dict`, keeping the moments float32 (torch casts every floating-point
         state to its parameter's dtype, which would turn them bf16 on resume)."""
@@ -96,11 +117,11 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("CompensatedAdamW does not support sparse gradients")
                 state = self.state[p]
-                if not state:
+                if "step" not in state:  # a seeded compensation (`seed_compensation`) is kept
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                    if is_low_precision(p):
+                    if is_low_precision(p) and "compensation" not in state:
                         state["compensation"] = torch.zeros_like(p)
                 state["step"] += 1
                 step = float(state["step"])

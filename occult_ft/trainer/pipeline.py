@@ -1,8 +1,10 @@
 """`train(config)`: the whole Occult fine-tuning run behind `occult-ft train` and the demo.
 
-Load the model and tokenizer -> load and tokenize the data -> build an `OccultTrainer` (placement,
-pruning, train mode) -> train (resuming if asked) -> save the final pruned checkpoint to
-`config.output_dir` -> evaluate on `config.eval_dataset` when given.
+Load the tokenizer -> load and tokenize the data -> build an `OccultTrainer` from the model's path (it
+loads the model: under expert parallelism each rank reads only its experts; a float32 checkpoint of a
+16-bit run keeps what rounding it lost; then placement, pruning, train mode) -> `finish_run`: train
+(resuming if asked) -> save the final pruned checkpoint to `config.output_dir` -> evaluate on
+`config.eval_dataset` when given.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from datasets import IterableDataset
 from ..data import DataError, load_text_dataset, tokenize_for_training
 from ..plan import check_fits_before_loading
 from .config import OccultArguments, OccultConfig
-from .loading import check_seq_len, load_training_model
+from .loading import load_training_tokenizer
 from .trainer import OccultTrainer
 
 __all__ = ["train", "load_run_dataset", "finish_run", "announcer"]
@@ -70,9 +72,7 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
     say = announcer(config)
 
     check_fits_before_loading(config)  # GPU runs: the memory plan, before any weight is downloaded
-    say(f"loading the model {config.model_name_or_path!r}")
-    model, tokenizer = load_training_model(config.model_name_or_path, config)
-    check_seq_len(model, config.seq_len)
+    tokenizer = load_training_tokenizer(config.model_name_or_path)
     say(
         f"loading and tokenizing {config.dataset!r} (seq_len {config.seq_len}, packing "
         f"{'on' if config.packing else 'off'})"
@@ -83,10 +83,11 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
         eval_dataset = load_run_dataset(
             config.eval_dataset, config.eval_dataset_split, tokenizer, config, evaluation=True
         )
+    say(f"loading the model {config.model_name_or_path!r}")
     if config.placement == "auto" or config.criterion == "similarity":
         say(f"placing and pruning the experts (profiling up to {config.profile_tokens} training tokens)")
     trainer = OccultTrainer(
-        model=model,
+        model=config.model_name_or_path,  # loaded by the trainer: sharded under expert parallelism
         args=config,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,

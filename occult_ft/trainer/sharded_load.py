@@ -440,14 +440,15 @@ def _same_order(a, b) -> bool:
     return a.layers == b.layers and all(torch.equal(a.expert_order(i), b.expert_order(i)) for i in a.layers)
 
 
-def load_sharded_training_model(path: str, args, placement=None) -> tuple[nn.Module, Any]:
+def load_sharded_training_model(path: str, args, placement=None, dtype=None) -> tuple[nn.Module, Any]:
     """(model, tokenizer) for `OccultTrainer` under expert parallelism: this rank's shard only.
 
     The placement read is `placement` (a `Placement`), else `args.placement` when it is a file or
     "sequential"; `auto` reads the sequential layout first (`prepare_model` profiles it under expert
     parallelism and `place_sharded` re-reads the new block). A placed occult_ft checkpoint is read in
     its stored order and gets its pruned routing back, as `occult_ft.from_pretrained` does.
-    Collective on first use (builds the expert-parallel groups): call it on every rank.
+    Collective on first use (builds the expert-parallel groups): call it on every rank. Loaded in
+    `dtype` when given, else `args.model_dtype`.
     """
 
     path = local_model_dir(path)
@@ -461,7 +462,8 @@ def load_sharded_training_model(path: str, args, placement=None) -> tuple[nn.Mod
         placement = None
     elif placement is None and args.placement != "auto":
         placement = args.placement
-    dtype = None if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
+    if dtype is None:
+        dtype = None if args.model_dtype == "auto" else getattr(torch, args.model_dtype)
     model = load_sharded_model(
         path, groups.ep_ranks.index(groups.rank), size, placement, dtype=dtype, group=groups.ep_group
     )

@@ -1,11 +1,12 @@
 """`OccultTrainer`: a `transformers.Trainer` that fine-tunes an MoE under a device budget per token.
 
 It reads models by path (`embedded`, a Hub id, a pruned checkpoint, a LoRA adapter; each rank reads only
-its experts under expert parallelism) and raw rows of every layout `occult_ft.data` knows, tokenized
-and packed by `occult_ft.data.tokenize_for_training` with `seq_len` / `packing` / `response_only`; the
-Occult behaviour itself (placement, pruning, the balance loss, routing metrics, pruned checkpoints,
-resumption, expert parallelism) is `occult_ft.trainer.mixin.OccultTrainerMixin`, which
-`occult_ft.trl.OccultSFTTrainer` shares.
+its experts under expert parallelism; a float32 checkpoint of a 16-bit run is prepared in float32, then
+rounded, what the rounding lost seeding `CompensatedAdamW`: `mixin.load_run_model`) and raw rows of
+every layout `occult_ft.data` knows, tokenized and packed by `occult_ft.data.tokenize_for_training`
+with `seq_len` / `packing` / `response_only`; the Occult behaviour itself (placement, pruning, the
+balance loss, routing metrics, pruned checkpoints, resumption, expert parallelism) is
+`occult_ft.trainer.mixin.OccultTrainerMixin`, which `occult_ft.trl.OccultSFTTrainer` shares.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ class OccultTrainer(OccultTrainerMixin):
         if model is None:
             raise ValueError("OccultTrainer needs a model (a transformers MoE model or a model path)")
         check_before_loading(args)
+        round_to = None
         if isinstance(model, str):
-            model, tokenizer = load_run_model(model, args, placement)
+            model, tokenizer, round_to = load_run_model(model, args, placement)
             processing_class = processing_class if processing_class is not None else tokenizer
         train_dataset = tokenize_for_training(train_dataset, processing_class, args)
         if isinstance(eval_dataset, dict):
@@ -85,5 +87,6 @@ class OccultTrainer(OccultTrainerMixin):
             eval_dataset=eval_dataset,
             processing_class=processing_class,
             placement=placement,
+            round_to=round_to,
             **kwargs,
         )

@@ -3,7 +3,8 @@
 Method order: OccultSFTTrainer -> SFTTrainer -> TRL's base trainer -> OccultTrainerMixin -> Trainer.
 
 - `__init__`: a model given by path is read by occult_ft's loader (`embedded`, pruned checkpoints with
-  their routing, occult_ft LoRA adapters, each rank's experts only under expert parallelism); TRL then
+  their routing, occult_ft LoRA adapters, each rank's experts only under expert parallelism; a float32
+  checkpoint of a 16-bit run in float32, rounded by the mixin once prepared); TRL then
   prepares the data (chat templates, prompt-completion masks, packing, `dataset_text_field`) and builds
   its collator; when it reaches `Trainer.__init__`, the mixin profiles that prepared data, places and
   prunes the model, applies LoRA (a `peft_config` is held back from TRL and applied here, after the
@@ -80,13 +81,14 @@ class OccultSFTTrainer(SFTTrainer, OccultTrainerMixin):
         if model is None:
             raise ValueError("OccultSFTTrainer needs a model (a transformers MoE model or a model path)")
         check_before_loading(args)
+        round_to = None
         if isinstance(model, str):
             if args.model_init_kwargs:
                 raise ValueError(
                     f"model_init_kwargs={args.model_init_kwargs!r}: occult_ft reads the model {model!r} itself "
                     "(pruned checkpoints, expert shards); set model_dtype, or pass a loaded model"
                 )
-            model, tokenizer = load_run_model(model, args, placement)
+            model, tokenizer, round_to = load_run_model(model, args, placement)
             processing_class = processing_class if processing_class is not None else tokenizer
         if peft_config is not None:
             if args.train_mode == "moe":
@@ -95,7 +97,7 @@ class OccultSFTTrainer(SFTTrainer, OccultTrainerMixin):
                 )
             args.train_mode = "lora"  # what the checkpoints record
         # TRL's __init__ does not pass these through to Trainer.__init__: the mixin reads them there
-        self.occult_init_options = {"placement": placement, "peft_config": peft_config}
+        self.occult_init_options = {"placement": placement, "peft_config": peft_config, "round_to": round_to}
         super().__init__(
             model=model,  # type: ignore[arg-type]  # a PreTrainedModel (or PEFT model) by now
             args=args,
