@@ -14,7 +14,7 @@ On construction the model is placed, pruned and set up for its `train_mode` (see
   evaluation reports the same routing metrics (prefixed `eval_`) plus `eval_perplexity`;
 - checkpoints are pruned checkpoints: a full run writes a standard HF checkpoint whose `config.json`
   carries the `occult` block (placement provenance, budget, criterion) plus
-  `occult_similarity.safetensors`; a LoRA run writes the adapter directory plus `occult_config.json`.
+  `occult_similarity.tables`; a LoRA run writes the adapter directory plus `occult_config.json`.
   `occult_ft.from_pretrained(dir)` loads either with the pruned routing active;
 - resuming takes the placement and similarity tables from the checkpoint, so a resumed run ends where
   the uninterrupted one does;
