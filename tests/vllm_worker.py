@@ -1,0 +1,58 @@
+"""Serve checkpoints with vLLM and record what it computed (run by tests/test_vllm.py with the Python of
+vLLM's own environment, `make vllm-env`; not a test module).
+
+    python tests/vllm_worker.py JOBS.json RESULTS.json
+
+JOBS.json: {"checkpoints": [{"name", "path", "prompts": [[token ids]], "max_tokens"}], "engine": {...}}.
+For each checkpoint one engine starts (the slow part, ~1 minute on 2 busy cores), then all its prompts
+run in one batch: prompt logprobs of every prompt token (the logprob of the token that follows, as
+`occult_ft.from_pretrained(DIR)`'s logits give it), greedy tokens, and the plugin's routing counts
+(`OCCULT_FT_VLLM_ROUTING_STATS`). A checkpoint that fails to load records its error's last line.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import traceback
+
+
+def run_one(job: dict, engine: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    stats = job["path"].rstrip("/") + ".routing.json"
+    os.environ["OCCULT_FT_VLLM_ROUTING_STATS"] = stats  # read by the engine core it spawns
+    if os.path.exists(stats):
+        os.remove(stats)
+    try:
+        llm = LLM(model=job["path"], dtype="float32", seed=0, **engine)
+    except Exception as exc:  # the refusal is the result
+        lines = [line for line in traceback.format_exception_only(exc)[-1].strip().splitlines() if line]
+        return {"error": f"{type(exc).__name__}: {lines[-1] if lines else exc}"}
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], prompt_logprobs=0, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params)
+    result = {"prompt_logprobs": [], "tokens": []}
+    for ids, out in zip(job["prompts"], outputs):
+        # entry i (i >= 1) holds the logprob of prompt token i given tokens < i
+        result["prompt_logprobs"].append(
+            [entry[tok].logprob for tok, entry in zip(ids[1:], out.prompt_logprobs[1:])]
+        )
+        result["tokens"].append(list(out.outputs[0].token_ids))
+    del llm
+    gc.collect()
+    result["routing"] = json.load(open(stats)) if os.path.exists(stats) else None
+    return result
+
+
+def main() -> None:
+    jobs = json.load(open(sys.argv[1]))
+    results = {job["name"]: run_one(job, jobs.get("engine", {})) for job in jobs["checkpoints"]}
+    with open(sys.argv[2], "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":  # vLLM's engine core is a spawned process: it re-imports this file
+    main()
