@@ -3,7 +3,8 @@ vLLM's own environment, `make vllm-env`; not a test module).
 
     python tests/vllm_worker.py JOBS.json RESULTS.json
 
-JOBS.json: {"checkpoints": [{"name", "path", "prompts": [[token ids]], "max_tokens"}], "engine": {...}}.
+JOBS.json: {"checkpoints": [{"name", "path", "prompts": [[token ids]], "max_tokens", "trust"?}], "engine": {...}}
+(`trust`: trust_remote_code).
 For each checkpoint one engine starts (the slow part, ~1 minute on 2 busy cores), then all its prompts
 run in one batch: prompt logprobs of every prompt token (the logprob of the token that follows, as
 `occult_ft.from_pretrained(DIR)`'s logits give it), greedy tokens, and the plugin's routing counts
@@ -16,7 +17,6 @@ import gc
 import json
 import os
 import sys
-import traceback
 
 
 def run_one(job: dict, engine: dict) -> dict:
@@ -28,10 +28,11 @@ def run_one(job: dict, engine: dict) -> dict:
     if os.path.exists(stats):
         os.remove(stats)
     try:
-        llm = LLM(model=job["path"], dtype="float32", seed=0, **engine)
+        llm = LLM(
+            model=job["path"], dtype="float32", seed=0, trust_remote_code=job.get("trust", False), **engine
+        )
     except Exception as exc:  # the refusal is the result
-        lines = [line for line in traceback.format_exception_only(exc)[-1].strip().splitlines() if line]
-        return {"error": f"{type(exc).__name__}: {lines[-1] if lines else exc}"}
+        return {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}  # one line
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], prompt_logprobs=0, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params)
     result = {"prompt_logprobs": [], "tokens": []}
@@ -49,9 +50,12 @@ def run_one(job: dict, engine: dict) -> dict:
 
 def main() -> None:
     jobs = json.load(open(sys.argv[1]))
-    results = {job["name"]: run_one(job, jobs.get("engine", {})) for job in jobs["checkpoints"]}
-    with open(sys.argv[2], "w") as f:
-        json.dump(results, f)
+    results = {}
+    for job in jobs["checkpoints"]:  # written after each engine, so a slow run shows its progress
+        results[job["name"]] = run_one(job, jobs.get("engine", {}))
+        with open(sys.argv[2] + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(sys.argv[2] + ".tmp", sys.argv[2])
 
 
 if __name__ == "__main__":  # vLLM's engine core is a spawned process: it re-imports this file

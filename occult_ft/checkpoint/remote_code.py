@@ -308,6 +308,15 @@ _share_weight_conversions()
 class {cls}(_StockModel):
     """`{base}` with the pruned routing of the checkpoint's `occult` block."""
 
+    # vLLM's Transformers backend would rebuild the stock model from this config and route it with the
+    # unpruned top-k: these two answers make vLLM refuse the checkpoint instead (occult_ft's vLLM plugin
+    # serves it). They only keep `set_attn_implementation` from switching attention after loading.
+    _supports_attention_backend = False
+
+    @classmethod
+    def _can_set_attn_implementation(cls):
+        return False
+
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         self._occult_routing = _install(self)
