@@ -18,6 +18,8 @@ embedded model ties them); the served class ties it to the input embeddings when
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from vllm.model_executor.layers.fused_moe.config import RoutingMethodType
 from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
@@ -100,17 +102,26 @@ def install_routing(model: torch.nn.Module, model_config) -> ServedRouting | Non
     return routing
 
 
-def _served_class(base: type, name: str) -> type:
+def _tie_embeddings(model: Any) -> None:
+    """vLLM's OLMoE builds its own `lm_head` whatever the config says: share the input embeddings, as
+    the other vLLM models do for `tie_word_embeddings` (a tied checkpoint stores no `lm_head`)."""
+    model.lm_head = model.lm_head.tie_weights(model.model.embed_tokens)
+
+
+def _served_class(base: Any, name: str) -> type:
     """`base` (a vLLM causal-LM class) whose MoE layers route with the checkpoint's budget."""
 
-    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
-        base.__init__(self, vllm_config=vllm_config, prefix=prefix, **kwargs)
-        config = vllm_config.model_config.hf_config
-        if base is OlmoeForCausalLM and getattr(config, "tie_word_embeddings", False):
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        self.occult_routing = install_routing(self, vllm_config.model_config)
+    class Served(base):
+        def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
+            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+            config = vllm_config.model_config.hf_config
+            if base is OlmoeForCausalLM and getattr(config, "tie_word_embeddings", False):
+                _tie_embeddings(self)
+            self.occult_routing = install_routing(self, vllm_config.model_config)
 
-    return type(name, (base,), {"__init__": __init__, "__module__": __name__, "__qualname__": name})
+    Served.__name__ = Served.__qualname__ = name  # vLLM's registry and logs name the class
+    Served.__module__ = __name__
+    return Served
 
 
 OccultMixtralForCausalLM = _served_class(MixtralForCausalLM, "OccultMixtralForCausalLM")
