@@ -68,7 +68,8 @@ DEVICES = 4
 EXPERTS = 16
 #: vLLM's CPU attention takes head widths such as 64 (not the tiny configs' 16)
 SERVABLE = dict(num_attention_heads=1, num_key_value_heads=1, head_dim=64, num_experts_per_tok=4)
-MLA = dict(qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64, kv_lora_rank=32)
+#: vLLM's CPU MLA decode kernel takes one latent width: kv_lora_rank + qk_rope_head_dim = 512 + 64
+MLA = dict(qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, kv_lora_rank=512)
 ENGINE = {"gpu_memory_utilization": 0.1, "enforce_eager": True, "max_model_len": 64}
 
 

@@ -34,7 +34,10 @@ def run_one(job: dict, engine: dict) -> dict:
     except Exception as exc:  # the refusal is the result
         return {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}  # one line
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], prompt_logprobs=0, ignore_eos=True)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params)
+    try:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params)
+    except Exception as exc:  # an engine that dies in its first step: the next checkpoint still runs
+        return {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
     result = {"prompt_logprobs": [], "tokens": []}
     for ids, out in zip(job["prompts"], outputs):
         # entry i (i >= 1) holds the logprob of prompt token i given tokens < i
