@@ -75,6 +75,7 @@ MLA = dict(qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, kv_lora_rank
 VLLM_FIELDS = {
     "deepseek_v3": dict(topk_method="noaux_tc"),
     "gpt_oss": dict(
+        sliding_window=32,  # wider than prompt + generation (18 tokens): the window edge is not under test
         rope_parameters=dict(
             rope_type="yarn",
             rope_theta=10000.0,
@@ -82,7 +83,7 @@ VLLM_FIELDS = {
             original_max_position_embeddings=64,
             beta_fast=32.0,
             beta_slow=1.0,
-        )
+        ),
     ),
 }
 ENGINE = {"gpu_memory_utilization": 0.1, "enforce_eager": True, "max_model_len": 64}
