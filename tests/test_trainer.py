@@ -299,7 +299,7 @@ def test_full_checkpoint_reloads_with_pruned_routing_and_the_same_logits(tiny_ol
     block = json.load(open(os.path.join(out, "config.json")))["occult"]
     assert block["placed"] and block["max_devices_per_token"] == 1 and block["criterion"] == "similarity"
     assert block["placement"]["algorithm"] == "search" and sorted(block["placement"]["layers"]) == ["0", "1"]
-    assert os.path.isfile(os.path.join(out, "occult_similarity.safetensors"))
+    assert os.path.isfile(os.path.join(out, "occult_similarity.tables"))
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
     # stock transformers with trust_remote_code routes with the budget too (tests/test_remote_code.py)
     assert os.path.isfile(os.path.join(out, "occult_pruned_routing.py"))

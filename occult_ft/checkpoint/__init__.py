@@ -12,7 +12,8 @@ pruned routing active:
 
 `placement.layers` records which original experts each device holds (provenance; the weights are
 already permuted). The similarity criterion's tables live beside the weights in
-`occult_similarity.safetensors` (already in placed order). A LoRA adapter directory carries the same
+`occult_similarity.tables` (safetensors bytes, already in placed order; a name that no `*.safetensors`
+glob takes for a weight shard). A LoRA adapter directory carries the same
 block in `occult_config.json`; there `placed` is false and loading permutes the base model first.
 DeepSeek-V3 with `device_topk_sum` (and DeepSeek-V2 with `device_max`) also get the native
 `n_group`/`topk_group` fields, so stock transformers routes identically without occult_ft. Every other
@@ -32,6 +33,7 @@ from .convert import DEEPSEEK_MODEL_TYPE, ConversionError, convert_config, conve
 from .format import (
     ADAPTER_OCCULT_FILE,
     BLOCK_VERSION,
+    LEGACY_SIMILARITY_FILES,
     OCCULT_KEY,
     REMOTE_CODE_FILE,
     SIMILARITY_FILE,
@@ -58,6 +60,7 @@ from .save import (
 __all__ = [
     "OCCULT_KEY",
     "SIMILARITY_FILE",
+    "LEGACY_SIMILARITY_FILES",
     "ADAPTER_OCCULT_FILE",
     "REMOTE_CODE_FILE",
     "BLOCK_VERSION",

@@ -1,5 +1,5 @@
 """The checkpoint format: the `occult` block of config.json (or `occult_config.json` of a LoRA adapter),
-the similarity tables file and the files a checkpoint directory holds. The one reader and writer of them.
+the similarity tables file (`occult_similarity.tables`) and the files a checkpoint directory holds. The one reader and writer of them.
 
 The block is an `OccultBlock`, a frozen, versioned, self-validating record (as PEFT's configs are):
 
@@ -24,6 +24,7 @@ names the file. Other modules read blocks only through this class and `read_bloc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -44,6 +45,7 @@ from .convert import DEEPSEEK_MODEL_TYPE
 __all__ = [
     "OCCULT_KEY",
     "SIMILARITY_FILE",
+    "LEGACY_SIMILARITY_FILES",
     "ADAPTER_OCCULT_FILE",
     "REMOTE_MODULE",
     "REMOTE_CODE_FILE",
@@ -59,6 +61,7 @@ __all__ = [
     "model_block",
     "block_placement",
     "CheckpointSummary",
+    "similarity_file",
     "read_similarity",
     "write_similarity",
     "write_adapter_block",
@@ -67,7 +70,13 @@ __all__ = [
 ]
 
 OCCULT_KEY = "occult"
-SIMILARITY_FILE = "occult_similarity.safetensors"
+SIMILARITY_FILE = "occult_similarity.tables"
+"""The similarity tables (safetensors bytes). Its name must not end in `.safetensors` (nor `.bin`, `.pt`):
+serving engines and Hub downloads glob `*.safetensors` as weight shards, and vLLM read the tables as
+weights of a model named `layers` (issue 25)."""
+LEGACY_SIMILARITY_FILES = ("occult_similarity.safetensors",)
+"""Names earlier releases wrote the tables under (read, never written; removed when the tables are
+rewritten beside them)."""
 ADAPTER_OCCULT_FILE = "occult_config.json"
 REMOTE_MODULE = "occult_pruned_routing"
 REMOTE_CODE_FILE = f"{REMOTE_MODULE}.py"
@@ -411,22 +420,36 @@ def block_placement(block: OccultBlock | None, model_type: str | None = None) ->
 
 
 # ---- side files ----------------------------------------------------------------------------------
+def similarity_file(path: str) -> str | None:
+    """The similarity tables file of checkpoint directory `path` (today's name, else a name an earlier
+    release wrote), or None."""
+    for name in (SIMILARITY_FILE, *LEGACY_SIMILARITY_FILES):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            return file
+    return None
+
+
 def read_similarity(path: str) -> dict[int, torch.Tensor] | None:
     """The similarity criterion's tables saved beside a checkpoint (placed order), or None."""
-    file = os.path.join(path, SIMILARITY_FILE)
-    if not os.path.isfile(file):
+    file = similarity_file(path)
+    if file is None:
         return None
     return {int(k.split(".")[1]): v for k, v in load_safetensors(file).items()}
 
 
 def write_similarity(out_dir: str, similarity: dict[int, torch.Tensor] | None) -> None:
-    """Write the similarity tables (placed order) beside a checkpoint (nothing when None/empty)."""
+    """Write the similarity tables (placed order) beside a checkpoint (nothing when None/empty); a tables
+    file under an earlier release's name is removed, so no file there looks like a weight shard."""
     if not similarity:
         return
     from safetensors.torch import save_file
 
     tables = {f"layers.{i}": t.detach().float().contiguous().cpu() for i, t in similarity.items()}
     atomic_save(os.path.join(out_dir, SIMILARITY_FILE), lambda tmp: save_file(tables, tmp))
+    for name in LEGACY_SIMILARITY_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, name))
 
 
 def write_adapter_block(out_dir: str, block: OccultBlock) -> None:
@@ -458,7 +481,7 @@ class CheckpointSummary:
         num_experts: E routed experts per layer, when known.
         top_k: k experts per token, when known.
         native_routing: the budget is written in the model's own config (`n_group` / `topk_group`).
-        has_similarity: `occult_similarity.safetensors` is present.
+        has_similarity: the similarity tables file is present (`similarity_file`).
         has_tokenizer: tokenizer files are present.
         remote_code: config.json's `auto_map` sends `AutoModelForCausalLM` to the checkpoint's
             `occult_pruned_routing.py` (stock transformers routes with the budget under
@@ -532,7 +555,7 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike) -> CheckpointSummary:
         )
     if summary.num_experts is None and block is not None and block.placement is not None:
         summary.num_experts = block.placement.num_experts
-    summary.has_similarity = os.path.isfile(os.path.join(path, SIMILARITY_FILE))
+    summary.has_similarity = similarity_file(path) is not None
     summary.has_tokenizer = any(
         os.path.isfile(os.path.join(path, f))
         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

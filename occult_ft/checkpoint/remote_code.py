@@ -21,7 +21,7 @@ receives the router's own `(logits, weights, indices)` and call arguments and re
 result, which is what occult_ft's pruned router class computes. A multimodal model's file subclasses its
 image-text-to-text class and `auto_map` points `AutoModelForImageTextToText` at it. The `similarity`
 criterion reads
-`occult_similarity.safetensors` from the checkpoint (local folder or Hub repo); without it the file
+`occult_similarity.tables` (or an earlier release's `occult_similarity.safetensors`) from the checkpoint (local folder or Hub repo); without it the file
 warns and routes by `score`.
 
     needs_remote_code(pruning, native)   a full checkpoint with an active, non-native budget
@@ -35,10 +35,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import os
 
 from .. import metrics
-from ..fileio import atomic_write_text
+from ..fileio import atomic_write_text, read_json_object
 from ..models import arch as models_arch
 from ..models import registry
 from ..models.family import loads_as
@@ -196,17 +197,21 @@ def _read_tables(path, hub_kwargs):
         return None
     path = str(path)
     subfolder = hub_kwargs.get("subfolder") or ""
-    if os.path.isdir(path):
-        file = os.path.join(path, subfolder, SIMILARITY_FILE)
-        file = file if os.path.isfile(file) else None
-    else:
-        try:
-            from transformers.utils import cached_file
+    file = None
+    for name in (SIMILARITY_FILE, *LEGACY_SIMILARITY_FILES):  # today's name, then earlier releases'
+        if os.path.isdir(path):
+            file = os.path.join(path, subfolder, name)
+            file = file if os.path.isfile(file) else None
+        else:
+            try:
+                from transformers.utils import cached_file
 
-            kwargs = {{k: v for k, v in hub_kwargs.items() if k in _HUB_KWARGS and v is not None}}
-            file = cached_file(path, SIMILARITY_FILE, _raise_exceptions_for_missing_entries=False, **kwargs)
-        except Exception:  # offline, no such repo: the caller falls back to `score`
-            file = None
+                kwargs = {{k: v for k, v in hub_kwargs.items() if k in _HUB_KWARGS and v is not None}}
+                file = cached_file(path, name, _raise_exceptions_for_missing_entries=False, **kwargs)
+            except Exception:  # offline, no such repo: the caller falls back to `score`
+                file = None
+        if file is not None:
+            break
     if file is None:
         return None
     from safetensors.torch import load_file
@@ -303,6 +308,15 @@ _share_weight_conversions()
 class {cls}(_StockModel):
     """`{base}` with the pruned routing of the checkpoint's `occult` block."""
 
+    # vLLM's Transformers backend would rebuild the stock model from this config and route it with the
+    # unpruned top-k: these two answers make vLLM refuse the checkpoint instead (occult_ft's vLLM plugin
+    # serves it). They only keep `set_attn_implementation` from switching attention after loading.
+    _supports_attention_backend = False
+
+    @classmethod
+    def _can_set_attn_implementation(cls):
+        return False
+
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         self._occult_routing = _install(self)
@@ -360,13 +374,27 @@ def remote_code_source(model_type: str) -> str:
         f"# ---- the {model_type!r} entry of occult_ft's architecture registry ----",
         _arch_constant(arch),
         f"SIMILARITY_FILE = {format_.SIMILARITY_FILE!r}",
+        f"LEGACY_SIMILARITY_FILES = {format_.LEGACY_SIMILARITY_FILES!r}",
         _ADAPTER.format(cls=cls, base=base, model_type=model_type),
     ]
     return "\n\n".join(s.strip("\n") for s in sections) + "\n"
 
 
 def write_remote_code(save_dir: str | os.PathLike, config) -> str:
-    """Write `occult_pruned_routing.py` for `config.model_type` into a saved checkpoint; returns its path."""
-    path = os.path.join(os.fspath(save_dir), REMOTE_CODE_FILE)
+    """Write `occult_pruned_routing.py` for `config.model_type` into a saved checkpoint and name its class
+    in the saved config.json's `architectures`; returns the file's path.
+
+    The name is what keeps a serving engine that does not know the budget from serving the checkpoint
+    with the unpruned routing: vLLM picks its model class by `architectures`, has no `Occult<Base>` class
+    and refuses the checkpoint, unless occult_ft's plugin (`occult_ft.serving.vllm_plugin`) registered it.
+    transformers picks its class by `model_type` (the stock class without `trust_remote_code`, the remote
+    class with it, through `auto_map`), so the name changes nothing there; the remote class, saved again,
+    writes its own name."""
+    folder = os.fspath(save_dir)
+    path = os.path.join(folder, REMOTE_CODE_FILE)
     atomic_write_text(path, remote_code_source(config.model_type))
+    config_file = os.path.join(folder, "config.json")
+    saved = read_json_object(config_file)
+    saved["architectures"] = [remote_class_name(config.model_type)]
+    atomic_write_text(config_file, json.dumps(saved, indent=2, sort_keys=True) + "\n")
     return path

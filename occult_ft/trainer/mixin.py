@@ -24,7 +24,7 @@ experts over expert-parallel groups, before `Trainer.__init__` sees the model. I
   `eval_perplexity`;
 - checkpoints are pruned checkpoints: a full run writes a standard HF checkpoint whose `config.json`
   carries the `occult` block (placement provenance, budget, criterion) plus
-  `occult_similarity.safetensors`; a LoRA run writes the adapter directory plus `occult_config.json`.
+  `occult_similarity.tables`; a LoRA run writes the adapter directory plus `occult_config.json`.
   `occult_ft.from_pretrained(dir)` loads either with the pruned routing active (the Trainer hooks call
   `occult_ft.trainer.checkpointing`);
 - resuming takes the placement and similarity tables from the checkpoint, so a resumed run ends where
