@@ -44,7 +44,7 @@ from ..data import (
 )
 from ..data.batching import real_token_mask
 from ..evaluation import make_comm_complexity_figure
-from ..fileio import check_output_path, reading_directory
+from ..fileio import OutputPathError, check_output_path, reading_directory
 from ..integrations.deepspeed import split_moe_param_groups
 from ..models.registry import unwrap_model
 from ..routing import pruned_routers
@@ -374,12 +374,7 @@ class OccultTrainer(Trainer):
         Occult model card (README.md: placement, budget, measured comm_complexity, how to load) beside
         the model. The card's figure is only drawn on push, where the measurement is worth its cost."""
         if not _internal_call:  # a directory the user names: none of their files is overwritten
-            check_output_path(
-                output_dir if output_dir is not None else self.args.output_dir,
-                what="save_model's output_dir",
-                directory=True,
-                replace=False,
-            )
+            self._check_save_dir(output_dir if output_dir is not None else self.args.output_dir)
         self._occult_final_save = not _internal_call
         try:
             super().save_model(output_dir, _internal_call=_internal_call)
@@ -396,6 +391,27 @@ class OccultTrainer(Trainer):
             )
         except (OSError, ValueError) as exc:  # the weights are saved; a card must not fail the run
             logger.warning(f"saved the model without its model card: {exc}")
+
+    def _check_save_dir(self, output_dir: str) -> None:
+        """`check_output_path` of a directory `save_model` writes into, decided by the first process and
+        raised on every one: another rank can get here while the first is still writing (or rotating
+        away) the last checkpoint-N, and a rank left out of a refusal would wait in the save's gather."""
+        error = None
+        if self.is_world_process_zero():
+            try:
+                check_output_path(output_dir, what="save_model's output_dir", directory=True, replace=False)
+            except OutputPathError as exc:
+                error = str(exc)
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and self.args.world_size > 1
+        ):
+            holder = [error]
+            torch.distributed.broadcast_object_list(holder, src=0)
+            error = holder[0]
+        if error is not None:
+            raise OutputPathError(error)
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         save_checkpoint(self, output_dir, state_dict, final=getattr(self, "_occult_final_save", False))
