@@ -282,7 +282,7 @@ WRITTEN = (
     Written(r"runs", "TensorBoard", kind="folder", top=True),  # logging_dir: runs/DATE_HOST
     # DeepSpeed (`engine.save_checkpoint`): the state folder, the tag of the latest one, the converter
     Written(r"global_step\d+", "DeepSpeed", kind="folder"),
-    Written(r"latest|zero_to_fp32\.py", "DeepSpeed"),
+    Written(r"latest|zero_to_(fp32|torch)\.py", "DeepSpeed"),  # engine._copy_recovery_script: both
 )
 _WRITTEN_NAME = re.compile("|".join(f"(?:{w.pattern})" for w in WRITTEN))
 #: the key `occult_ft.checkpoint.convert` writes into the index metadata of a converted checkpoint

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from occult_ft.fileio import (
+    WRITTEN,
     OutputPathError,
     ReadError,
     atomic_directory,
@@ -24,6 +26,7 @@ from occult_ft.fileio import (
     foreign_entries,
     is_artifact,
     load_safetensors,
+    model_card_writer,
     read_json_object,
     read_text,
     recover_directory,
@@ -183,6 +186,118 @@ def test_file_and_directory_outputs_of_the_wrong_kind_are_refused(tmp_path):
         check_output_path(tmp_path / "f", what="--out", directory=True)
     check_output_path(tmp_path / "d", what="--out", directory=True)  # empty: fine
     check_output_path(tmp_path / "new", what="--out", directory=True)
+
+
+# ---- who owns what: one table for every writer of a run ------------------------------------------------
+PEFT_CARD = "---\nbase_model: base\nlibrary_name: peft\ntags:\n- lora\n---\n\n# Model Card for Model ID\n"
+OCCULT_CARD = "---\nlibrary_name: peft\ntags:\n- moe\n- occult\n---\n\n# Occult adapter\n"
+_CHECKPOINT = {  # what every checkpoint-N of a run can hold, whoever wrote it
+    "config.json": "{}", "generation_config.json": "{}", "model-00001-of-00002.safetensors": "",
+    "model-00002-of-00002.safetensors": "", "model.safetensors.index.json": "{}",
+    "pytorch_model.bin": "", "pytorch_model.bin.index.json": "{}",
+    "tokenizer.json": "{}", "tokenizer_config.json": "{}", "special_tokens_map.json": "{}",
+    "added_tokens.json": "{}", "vocab.json": "{}", "merges.txt": "", "tokenizer.model": "", "vocab.txt": "",
+    "cl100k.tiktoken": "", "chat_template.jinja": "", "chat_template.json": "{}",
+    "additional_chat_templates/tool.jinja": "", "processor_config.json": "{}",
+    "preprocessor_config.json": "{}", "modeling_deepseek.py": "", "configuration_deepseek.py": "",
+    "tokenization_deepseek.py": "",
+    "adapter_config.json": "{}", "adapter_model.safetensors": "", "adapter_model.bin": "", "README.md": PEFT_CARD,
+    "occult_config.json": "{}", "occult_similarity.safetensors": "", "occult_pruned_routing.py": "",
+    "optimizer_expert_shard_1_of_2.pt": "",
+    "training_args.bin": "", "trainer_state.json": "{}", "optimizer.pt": "", "optimizer.bin": "",
+    "optimizer_1.bin": "", "scheduler.pt": "", "scaler.pt": "", "rng_state_0.pth": "", "rng_state_1.pth": "",
+    "pytorch_model_fsdp_0/__0_0.distcp": "", "optimizer_0/__0_0.distcp": "", "pytorch_model_fsdp.bin": "",
+    "global_step4/mp_rank_00_model_states.pt": "", "global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt": "",
+    "latest": "global_step4", "zero_to_fp32.py": "", "zero_to_torch.py": "",
+}  # fmt: skip
+#: a run's output_dir as all its writers leave it (a LoRA run under DeepSpeed on 2 processes, logged to
+#: TensorBoard, with a full model beside to cover both kinds of result)
+RUN_LAYOUT = {
+    **_CHECKPOINT,
+    **{f"checkpoint-4/{k}": v for k, v in _CHECKPOINT.items()},
+    "checkpoint-2/adapter_config.json": "{}",
+    "checkpoint-2/README.md": PEFT_CARD,
+    "checkpoint-2/trainer_state.json": "{}",
+    "README.md": OCCULT_CARD,
+    "rng_state.pth": "",
+    "comm_complexity.png": "",
+    "all_results.json": "{}",
+    "train_results.json": "{}",
+    "eval_results.json": "{}",
+    "runs/Dec02_07-00-00_host/events.out.tfevents.1.host": "",
+}
+
+
+def _lay_out(root, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_every_entry_a_run_writes_is_the_runs(tmp_path):
+    """One entry per row of `WRITTEN` at least (checked), in a checkpoint folder and at the top."""
+    _lay_out(tmp_path / "run", RUN_LAYOUT)
+    names = {part for rel in RUN_LAYOUT for part in rel.split("/")[:-1] + [rel.split("/")[-1]]}
+    unused = [row.pattern for row in WRITTEN if not any(re.fullmatch(row.pattern, n) for n in names)]
+    assert unused == [], f"rows of WRITTEN without an example here: {unused}"
+    assert foreign_entries(tmp_path / "run") == [] and is_artifact(tmp_path / "run")
+    check_output_path(tmp_path / "run", what="output_dir", directory=True, replace=False)
+    check_output_path(tmp_path / "run", what="--out", directory=True)  # replaced whole: fine too
+
+
+#: (files laid into a run's output_dir, what is foreign, whether a run writing into it is refused)
+USER_FILES = {
+    "a README of the user's at the top": ({"README.md": "# my notes\n"}, ["README.md"], True),
+    "a README with front matter that no writer wrote": (
+        {"README.md": "---\ntitle: mine\n---\n# notes\n"}, ["README.md"], True),
+    "PEFT's card without an adapter beside it": ({"README.md": PEFT_CARD}, ["README.md"], True),
+    "a README of the user's in a checkpoint": (
+        {"checkpoint-1/README.md": "# what I saw\n"}, ["checkpoint-1/README.md"], True),
+    "notes in a checkpoint": ({"checkpoint-1/notes.txt": "x"}, ["checkpoint-1/notes.txt"], True),
+    "logs inside a checkpoint": ({"checkpoint-1/runs/x": ""}, ["checkpoint-1/runs/"], True),
+    "a checkpoint inside a checkpoint": ({"checkpoint-1/checkpoint-2/x": ""}, ["checkpoint-1/checkpoint-2/"], True),
+    "a folder at a file's name": ({"config.json/x": ""}, ["config.json/"], True),
+    "a file at DeepSpeed's folder name": ({"checkpoint-1/global_step3": ""}, ["checkpoint-1/global_step3"], True),
+    "a folder named like a checkpoint": ({"checkpoint-final/x": ""}, ["checkpoint-final/"], False),
+    "an unrelated folder": ({"notes/plan.md": "", "ds_config.json": "{}"}, ["ds_config.json", "notes/"], False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", USER_FILES)
+def test_a_users_file_is_still_the_users(tmp_path, case):
+    files, foreign, refused = USER_FILES[case]
+    run = tmp_path / "run"
+    _lay_out(run, {"trainer_state.json": "{}", "checkpoint-1/trainer_state.json": "{}", **files})
+    assert foreign_entries(run) == foreign
+    before = _tree(run)
+    with pytest.raises(OutputPathError, match="holds files occult_ft did not write"):
+        check_output_path(run, what="--out", directory=True)  # replacing it would lose them
+    if refused:  # the run would write over them
+        with pytest.raises(OutputPathError, match=r"holds files of yours that training would overwrite"):
+            check_output_path(run, what="output_dir", directory=True, replace=False)
+    else:  # training leaves them alone
+        check_output_path(run, what="output_dir", directory=True, replace=False)
+    assert _tree(run) == before
+
+
+def test_the_cards_peft_writes_are_recognised_as_peft_s(tmp_path):
+    """The real PEFT card, written fresh and written over an occult_ft card (a LoRA run's final save
+    writes PEFT's card first, then occult_ft's)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraConfig(target_modules=["0"], r=2))
+    model.save_pretrained(tmp_path / "fresh")
+    assert model_card_writer(tmp_path / "fresh" / "README.md") == "PEFT"
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "README.md").write_text(OCCULT_CARD)
+    model.save_pretrained(tmp_path / "final")
+    assert model_card_writer(tmp_path / "final" / "README.md") in ("PEFT", "occult_ft")
+    for folder in ("fresh", "final"):
+        (tmp_path / folder / "occult_config.json").write_text("{}")
+        assert foreign_entries(tmp_path / folder) == [] and is_artifact(tmp_path / folder)
+    (tmp_path / "fresh" / "adapter_config.json").unlink()  # a PEFT card alone is not PEFT's doing
+    assert foreign_entries(tmp_path / "fresh") == ["README.md"]
+    assert model_card_writer(tmp_path / "fresh" / "adapter_model.safetensors") is None
 
 
 # ---- the directory swap, killed at every step -------------------------------------------------------
