@@ -14,9 +14,19 @@ would give them (the umask applied; an existing file keeps its mode), not the pr
     umask_modes(path)                      files written private by a library (safetensors) get the
                                            modes of a plain open() / mkdir
 
-The directory swap, with `.NAME.tmp-*` (being written), `.NAME.new` (complete) and `.NAME.old`
-(retired) siblings of NAME; a process killed at any instant leaves one of these states, and
-`recover_directory` (run by the next write and by the model loader) always ends in the last one:
+The directory swap. On Linux the new copy and NAME are exchanged in one atomic step
+(`renameat2(RENAME_EXCHANGE)`, through ctypes), so NAME is at every instant the old artifact or the
+new one, for any reader (stock transformers, PEFT, `ls`, a copy script):
+
+    write .NAME.tmp-*             NAME = old       incomplete: removed by the next write, ignored by readers
+    exchange .NAME.tmp-* <-> NAME NAME = new       the old copy, now at .NAME.tmp-*, is removed by the next write
+    .NAME.tmp-* -> .NAME.old      NAME = new       .NAME.old is removed (by `recover_directory` if killed)
+    remove .NAME.old              NAME = new       what is left of .NAME.old is removed
+
+Where the call is unavailable (another OS, an old kernel or libc, a filesystem that answers EINVAL)
+the swap is journalled by names, `.NAME.new` (complete) and `.NAME.old` (retired): NAME is missing
+for a moment, and `recover_directory` (run by the next write and by the model loader) always ends a
+swap killed at any instant in the last state:
 
     write .NAME.tmp-*         NAME = old       incomplete: removed by the next write, ignored by readers
     .NAME.tmp-* -> .NAME.new  NAME = old       the new artifact is complete: the swap is finished
@@ -43,14 +53,19 @@ a pickle that holds code) is one `ReadError` line, `could not read FILE: reason;
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import errno
+import functools
 import glob
 import json
 import os
 import pickle
+import platform
 import re
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 
@@ -198,6 +213,66 @@ def recover_directory(out_dir: str | os.PathLike) -> None:
                 os.replace(retired, out_dir)
 
 
+# renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE): <fcntl.h>, <linux/fs.h>; its system call number
+# where libc has no wrapper (glibc < 2.28): <asm/unistd_64.h>, <asm/unistd_32.h>, and <asm-generic/unistd.h>
+# for arm64, riscv64 and loongarch64
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+_RENAMEAT2_SYSCALL = {
+    "x86_64": 316,
+    "i386": 353,
+    "i686": 353,
+    "aarch64": 276,
+    "riscv64": 276,
+    "loongarch64": 276,
+}
+# what a kernel, filesystem or sandbox that cannot exchange answers: the journal is used instead
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM, errno.ENOENT}
+
+
+@functools.cache
+def _renameat2(libc_wrapper: bool = True) -> Callable[[bytes, bytes, int], int] | None:
+    """`renameat2` relative to the working directory (0, or -1 with errno set): libc's wrapper, else
+    (or with `libc_wrapper=False`) the system call; None off Linux or with neither."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    wrapper = getattr(libc, "renameat2", None) if libc_wrapper else None
+    if wrapper is not None:
+        wrapper.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+        wrapper.restype = ctypes.c_int
+        return lambda a, b, flags: wrapper(_AT_FDCWD, a, _AT_FDCWD, b, flags)
+    number = _RENAMEAT2_SYSCALL.get(platform.machine())
+    if number is None:
+        return None
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+    return lambda a, b, flags: syscall(
+        ctypes.c_long(number),
+        ctypes.c_int(_AT_FDCWD),
+        ctypes.c_char_p(a),
+        ctypes.c_int(_AT_FDCWD),
+        ctypes.c_char_p(b),
+        ctypes.c_uint(flags),
+    )
+
+
+def _exchange_directories(a: str, b: str) -> bool:
+    """Exchange the directories `a` and `b` in one atomic step; False (nothing moved) where that is not
+    possible: no renameat2, a filesystem or sandbox refusing RENAME_EXCHANGE, or `b` missing."""
+    call = _renameat2()
+    if call is None:
+        return False
+    if call(os.fsencode(a), os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
 @contextlib.contextmanager
 def atomic_directory(out_dir: str | os.PathLike, what: str = "output") -> Iterator[str]:
     """Yield a temporary sibling directory; on success it replaces `out_dir` whole.
@@ -220,7 +295,12 @@ def atomic_directory(out_dir: str | os.PathLike, what: str = "output") -> Iterat
     try:
         yield tmp
         umask_modes(tmp)  # safetensors writes its files 0600
-        os.replace(tmp, new)  # complete: from here on every reader ends up with the new artifact
+        if _exchange_directories(tmp, out_dir):  # out_dir is the new artifact, tmp the old one
+            with contextlib.suppress(OSError):  # retired: recover_directory removes it, also if killed
+                os.replace(tmp, os.path.join(parent, f".{name}.old"))
+            shutil.rmtree(tmp, ignore_errors=True)  # in case it could not be retired by name
+        else:  # the journal: complete, and from here on every reader ends up with the new artifact
+            os.replace(tmp, new)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -3,9 +3,12 @@ every step), artifact permissions that follow the umask, and the one `could not 
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -15,6 +18,7 @@ import textwrap
 import pytest
 import torch
 
+import occult_ft.fileio as fileio
 from occult_ft.fileio import (
     WRITTEN,
     OutputPathError,
@@ -303,10 +307,10 @@ def test_the_cards_peft_writes_are_recognised_as_peft_s(tmp_path):
 # ---- the directory swap, killed at every step -------------------------------------------------------
 _KILLER = textwrap.dedent(
     """
-    import json, os, shutil, signal, sys
+    import ctypes, errno, json, os, shutil, signal, sys
     import occult_ft.fileio as fileio
 
-    target, step = sys.argv[1], int(sys.argv[2])
+    target, step, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     calls = {"n": 0}
 
     def tick():
@@ -314,7 +318,7 @@ _KILLER = textwrap.dedent(
         if calls["n"] == step:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    real_replace, real_remove = os.replace, os.remove
+    real_replace, real_remove, real_exchange = os.replace, os.remove, fileio._exchange_directories
 
     def replace(a, b):
         real_replace(a, b)
@@ -324,14 +328,27 @@ _KILLER = textwrap.dedent(
         real_remove(path, *args, **kwargs)
         tick()
 
+    def exchange(a, b):
+        done = real_exchange(a, b)
+        if done:
+            tick()
+        return done
+
+    if path == "journal":  # a filesystem that refuses RENAME_EXCHANGE: renameat2 answers EINVAL
+        def refused(a, b, flags):
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+
+        fileio._renameat2 = lambda: refused
     os.replace = replace
     os.remove = os.unlink = remove
+    fileio._exchange_directories = exchange
     with fileio.atomic_directory(target) as tmp:
         tick()  # step 1: the new copy is half written
         for name in ("config.json", "model.safetensors", "occult_similarity.safetensors"):
             with open(os.path.join(tmp, name), "w") as f:
                 f.write(json.dumps({"occult": "new"}) if name == "config.json" else "new")
-    print("finished")
+    print("finished", calls["n"])
     """
 )
 
@@ -344,24 +361,111 @@ def _version(path) -> str:
     return values.pop()
 
 
-@pytest.mark.parametrize("step", range(1, 9))
-def test_a_swap_killed_at_any_step_leaves_the_old_or_the_new_artifact(tmp_path, step):
-    """Steps: 1 half-written copy, 2 .new complete, 3 old retired (the target missing), 4 new in place,
-    5-7 the retired copy half removed, 8 past the end (the write finished)."""
+def _can_exchange(tmp_path) -> bool:
+    (tmp_path / "probe-a").mkdir()
+    (tmp_path / "probe-b").mkdir()
+    (tmp_path / "probe-a" / "a").write_text("")
+    done = fileio._exchange_directories(str(tmp_path / "probe-a"), str(tmp_path / "probe-b"))
+    assert done == (tmp_path / "probe-b" / "a").exists()  # exchanged, or nothing moved
+    shutil.rmtree(tmp_path / "probe-a")
+    shutil.rmtree(tmp_path / "probe-b")
+    return done
+
+
+#: steps of each swap at which the writer is killed: exchange 1 half-written copy, 2 exchanged (the old
+#: copy at .tmp-*), 3 retired (.old), 4-6 .old half removed, 7-8 past the end; journal 1 half-written
+#: copy, 2 .new complete, 3 old retired (the target missing), 4 new in place, 5-7 .old half removed, 8 past
+#: the end
+SWAPS = [("exchange", step) for step in range(1, 9)] + [("journal", step) for step in range(1, 9)]
+
+
+@pytest.mark.parametrize("path, step", SWAPS)
+def test_a_swap_killed_at_any_step_leaves_the_old_or_the_new_artifact(tmp_path, path, step):
+    if path == "exchange" and not _can_exchange(tmp_path):
+        pytest.skip("this filesystem or kernel cannot exchange directories (renameat2 RENAME_EXCHANGE)")
     target = tmp_path / "ckpt"
     _write_artifact(target, "old")
     done = subprocess.run(
-        [sys.executable, "-c", _KILLER, str(target), str(step)], capture_output=True, text=True
+        [sys.executable, "-c", _KILLER, str(target), str(step), path], capture_output=True, text=True
     )
     killed = done.returncode == -signal.SIGKILL
     assert killed or (done.returncode == 0 and "finished" in done.stdout), done.stderr
+    expected = "old" if step <= 1 else "new"
+    if path == "exchange":  # no recovery needed: the target is whole at every instant, for any reader
+        assert _version(target) == expected
+        if step == 2:  # killed right after the exchange: the old copy sits in the unfinished write
+            (old,) = [n for n in os.listdir(tmp_path) if n != "ckpt"]
+            assert ".tmp-" in old and _version(tmp_path / old) == "old"
+    elif step == 3:  # the journal's missing moment, which the next reader or write finishes
+        assert not target.exists() and (tmp_path / ".ckpt.new").is_dir()
     recover_directory(target)  # what a reader (occult_ft.from_pretrained, the next write) does first
-    seen = _version(target)
-    assert seen == ("old" if step <= 1 else "new")
+    assert _version(target) == expected
     left = [n for n in os.listdir(tmp_path) if n != "ckpt"]
     assert all(".tmp-" in n for n in left), left  # only an unfinished write, which the next one removes
     _write_artifact(target, "next")
     assert _version(target) == "next" and os.listdir(tmp_path) == ["ckpt"]
+
+
+@pytest.mark.parametrize("libc_wrapper", [True, False], ids=["libc", "syscall"])
+def test_renameat2_exchanges_through_libc_or_the_system_call(tmp_path, libc_wrapper):
+    call = fileio._renameat2(libc_wrapper)
+    if call is None or not _can_exchange(tmp_path):
+        pytest.skip("no renameat2 RENAME_EXCHANGE here")
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"in-{name}").write_text(name)
+    a, b = os.fsencode(tmp_path / "a"), os.fsencode(tmp_path / "b")
+    assert call(a, b, 2) == 0  # RENAME_EXCHANGE
+    assert os.listdir(tmp_path / "a") == ["in-b"] and os.listdir(tmp_path / "b") == ["in-a"]
+    assert call(a, b, 1 | 2) == -1 and ctypes.get_errno() == errno.EINVAL  # NOREPLACE with EXCHANGE
+    assert fileio._exchange_directories(str(tmp_path / "a"), str(tmp_path / "missing")) is False
+    assert os.listdir(tmp_path / "a") == ["in-b"]  # nothing moved: the journal takes over
+
+
+_KILLED_AFTER_THE_EXCHANGE = textwrap.dedent(
+    """
+    import os, signal, sys
+    import occult_ft.fileio as fileio
+    from occult_ft.cli import main
+
+    real_exchange = fileio._exchange_directories
+
+    def exchange(a, b):
+        done = real_exchange(a, b)
+        if done:  # the instant the previous swap had no target at all
+            os.kill(os.getpid(), signal.SIGKILL)
+        return done
+
+    fileio._exchange_directories = exchange
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_prune_out_killed_in_its_swap_leaves_a_model_stock_transformers_loads(tmp_path, tiny_olmoe_dir):
+    """`prune --out DIR` over an earlier output, killed right after the exchange: with no occult_ft reader
+    run since, DIR is the new pruned checkpoint for stock transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft.cli import main
+
+    if not _can_exchange(tmp_path):
+        pytest.skip("this filesystem or kernel cannot exchange directories (renameat2 RENAME_EXCHANGE)")
+    out = tmp_path / "pruned"
+    argv = ["prune", tiny_olmoe_dir, "--placement", "sequential", "--devices", "4", "--out", str(out)]
+    assert main(argv) == 0
+    again = [*argv, "--max-devices-per-token", "1", "--criterion", "score"]
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_AFTER_THE_EXCHANGE, *again], capture_output=True, text=True
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert json.loads((out / "config.json").read_text())["occult"]["max_devices_per_token"] == 1
+    model = AutoModelForCausalLM.from_pretrained(out)  # stock transformers, no recovery first
+    assert model.config.model_type == "olmoe"
+    (left,) = [n for n in os.listdir(tmp_path) if n != "pruned"]
+    assert left.startswith(".pruned.tmp-")  # the previous output, removed by the next write
+    assert main(again) == 0 and sorted(os.listdir(tmp_path)) == ["pruned"]
 
 
 def test_a_swap_interrupted_by_an_earlier_release_gets_its_old_artifact_back(tmp_path):
