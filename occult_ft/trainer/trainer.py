@@ -392,7 +392,7 @@ class OccultTrainer(Trainer):
         except (OSError, ValueError) as exc:  # the weights are saved; a card must not fail the run
             logger.warning(f"saved the model without its model card: {exc}")
 
-    def _check_save_dir(self, output_dir: str) -> None:
+    def _check_save_dir(self, output_dir: str | None) -> None:
         """`check_output_path` of a directory `save_model` writes into, decided by the first process and
         raised on every one: another rank can get here while the first is still writing (or rotating
         away) the last checkpoint-N, and a rank left out of a refusal would wait in the save's gather."""
