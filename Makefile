@@ -2,7 +2,8 @@
 #   make demo   - the whole pipeline on the embedded default model and corpus (CPU, a few minutes)
 #   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU): the fast tier, then the slow one
 #   make test-fast - the fast tier alone (no multi-process or training runs; a few minutes on 2 cores)
-#   make lint   - ruff check + ruff format --check + mypy occult_ft (CI runs it before the tests)
+#   make lint   - ruff check + ruff format --check + codespell + mypy occult_ft (CI runs it before the tests)
+#   make docs   - the documentation site into site/ (mkdocs build --strict: a broken link or reference fails)
 #   make style  - fix what make lint checks (ruff format + ruff check --fix)
 #   make test-gpu / make bench-gpu - the CUDA tests and the one-GPU layer benchmark (on a GPU machine)
 # Override TORCH to pick another torch build, e.g. make test TORCH="torch==2.11.0".
@@ -14,7 +15,7 @@ export HF_HUB_OFFLINE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-all test-fast test-gpu bench-gpu lint style clean
+.PHONY: install demo test test-all test-fast test-gpu bench-gpu lint style docs clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,11 +52,15 @@ bench-gpu: $(BIN)/.installed
 lint: $(BIN)/.installed
 	$(BIN)/ruff check $(wildcard $(LINT_PATHS))
 	$(BIN)/ruff format --check $(wildcard $(LINT_PATHS))
+	$(BIN)/codespell
 	$(BIN)/mypy occult_ft
 
 style: $(BIN)/.installed
 	$(BIN)/ruff format $(wildcard $(LINT_PATHS))
 	$(BIN)/ruff check --fix $(wildcard $(LINT_PATHS))
 
+docs: $(BIN)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .cache .pytest_cache
+	rm -rf $(VENV) .cache .pytest_cache site

@@ -1,5 +1,5 @@
 """Time to place DeepSeek-V3 width: 256 experts x 60 layers on 8 devices, top-8, on a synthetic profile
-with planted groups (the figure quoted in the README's "Placement on planted expert groups").
+with planted groups (the figure quoted in docs/results.md, "Placement on planted expert groups").
 
     python benchmarks/placement_time.py [--tokens 4096] [--algorithm search] [--nodes 1]
 """
@@ -51,7 +51,7 @@ def benchmark_placement(
     seed: int = 0,
     num_nodes: int = 1,
 ) -> float:
-    """Seconds that `compute_placement` takes on `synthetic_profile(...)` (not a test; for the README)."""
+    """Seconds that `compute_placement` takes on `synthetic_profile(...)` (not a test; for docs/results.md)."""
     profile = synthetic_profile(num_experts, num_layers, top_k, tokens, seed)
     start = time.perf_counter()
     compute_placement(profile, num_devices, num_nodes=num_nodes, algorithm=algorithm)
@@ -69,7 +69,9 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--algorithm", default=DEFAULT_ALGORITHM)
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (the README figures use 2)")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="torch CPU threads (the figures in docs/results.md use 2)"
+    )
     args = ap.parse_args()
     for name in ("tokens", "experts", "layers", "devices", "nodes", "top_k", "threads"):
         if getattr(args, name) < 1:

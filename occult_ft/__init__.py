@@ -22,8 +22,12 @@ command line start without importing torch.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 
-__version__ = "0.1.0"
+try:  # the version is written once, in pyproject.toml; the installed package's metadata carries it
+    __version__ = importlib.metadata.version("occult-ft")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 #: public name -> the module that defines it
 _EXPORTS = {

@@ -18,7 +18,7 @@ import traceback
 from datetime import timedelta
 
 import torch.multiprocessing as mp
-from conftest import safety_timeout
+from helpers import safety_timeout
 
 __all__ = ["free_port", "run_distributed"]
 
@@ -82,7 +82,7 @@ def run_distributed(
 ):
     """Run `fn(rank, world_size, *args)` on `world_size` processes (`backend`: gloo, or nccl with one GPU
     per rank); return [result of rank 0, ...]. `timeout` and `collective_timeout_s` are base figures,
-    scaled by `conftest.TIMEOUT_SCALE` (safety nets against a hang, not speed checks); callers pass
+    scaled by `helpers.TIMEOUT_SCALE` (safety nets against a hang, not speed checks); callers pass
     base figures too."""
     timeout, collective_timeout_s = safety_timeout(timeout), safety_timeout(collective_timeout_s)
     ctx = mp.get_context("spawn")

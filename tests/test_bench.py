@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import save_tiny_model
+from helpers import save_tiny_model
 
 from occult_ft.bench import (
     BenchSettings,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from helpers import save_tiny_model
 from transformers import AutoModelForCausalLM
 
 import occult_ft

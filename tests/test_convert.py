@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from conftest import build_tokenizer
+from helpers import build_tokenizer
 from safetensors.torch import save_file
 from torch import nn
 from torch.nn import functional as F

@@ -356,7 +356,7 @@ def test_packed_collator_pads_rows_and_marks_real_tokens(tokenizer):
 @pytest.mark.parametrize("model_type", ["olmoe", "mixtral"])
 @pytest.mark.parametrize("attn, flatten", [("sdpa", False), ("eager", False), ("sdpa", True)])
 def test_a_packed_batch_gives_the_per_token_losses_of_separate_examples(model_type, attn, flatten):
-    from conftest import build_tokenizer
+    from helpers import build_tokenizer
     from transformers import AutoModelForCausalLM
 
     from occult_ft.models import tiny_config

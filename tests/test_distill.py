@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import SAMPLE_TEXT
+from helpers import SAMPLE_TEXT
 
 from occult_ft.routing import (
     PruningConfig,

@@ -36,7 +36,7 @@ import traceback
 
 import pytest
 import torch
-from conftest import safety_timeout
+from helpers import safety_timeout
 
 try:
     from .dist_utils import free_port

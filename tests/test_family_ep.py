@@ -25,8 +25,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import build_tokenizer  # noqa: E402
 from dist_utils import free_port  # noqa: E402
+from helpers import build_tokenizer  # noqa: E402
 from test_expert_parallel import REL_TOL, train_case  # noqa: E402
 
 STEPS = 5

@@ -162,7 +162,7 @@ def test_gpu_layer_benchmark_on_cuda_agrees_across_kernels():
 
 
 # ---- the suite's core checks, parametrized over device (the CUDA case skips cleanly without a GPU) ------------
-from conftest import DEVICES  # noqa: E402
+from helpers import DEVICES  # noqa: E402
 
 try:
     from .dist_utils import process_group_backend, run_distributed

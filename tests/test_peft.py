@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import SAMPLE_TEXT, save_tiny_model
+from helpers import SAMPLE_TEXT, save_tiny_model
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 import occult_ft

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 import yaml
-from conftest import SAMPLE_TEXT
+from helpers import SAMPLE_TEXT
 from transformers import AutoConfig, TrainerCallback
 
 from occult_ft.cli import main

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import safety_timeout
+from helpers import safety_timeout
 from transformers import HfArgumentParser
 
 from occult_ft.hub import KNOWN_LICENSES

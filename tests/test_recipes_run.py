@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import build_tokenizer, safety_timeout, save_tiny_model
+from helpers import build_tokenizer, safety_timeout, save_tiny_model
 
 try:
     from .dist_utils import free_port

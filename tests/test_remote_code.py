@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from conftest import safety_timeout
+from helpers import safety_timeout
 from transformers import AutoModelForCausalLM
 
 from occult_ft import hub

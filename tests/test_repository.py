@@ -1,10 +1,13 @@
 """The repository itself: no text file carries a merge's conflict markers (one slipped into
-docs/DESIGN.md once, where no test read it)."""
+docs/DESIGN.md once, where no test read it), and the version is written in one place."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import pathlib
 import re
+
+import occult_ft
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SKIP = {
@@ -16,6 +19,7 @@ SKIP = {
     ".mypy_cache",
     ".ruff_cache",
     "build",
+    "site",
 }
 TEXT = {".py", ".md", ".yaml", ".yml", ".toml", ".json", ".txt", ".cfg", ".ipynb", ".sh", ""}
 MARKER = re.compile(r"^(<{7} |>{7} |={7}$)", re.MULTILINE)
@@ -46,3 +50,28 @@ def test_the_marker_pattern_finds_a_conflict():
     sample = "a\n<<<<<<< HEAD\nb\n=======\nc\n>>>>>>> branch\n"
     assert len(MARKER.findall(sample)) == 3
     assert not MARKER.findall("a line with ======= inside\n=== heading\n")
+
+
+def test_the_version_is_written_once_in_pyproject():
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the same parser, as the `tomli` package (a dev dependency there)
+        import tomli as tomllib
+    written = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert occult_ft.__version__ == importlib.metadata.version("occult-ft") == written
+    copies = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "occult_ft").rglob("*.py")
+        if f'"{written}"' in path.read_text(encoding="utf-8")
+    ]
+    assert not copies, f"the version {written} is written in {copies}; read it from importlib.metadata"
+
+
+def test_no_test_imports_conftest():
+    """Shared helpers are imported from tests/helpers.py; conftest.py holds fixtures, which pytest injects."""
+    found = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").glob("*.py")
+        if re.search(r"^\s*(from conftest import|import conftest)", path.read_text(encoding="utf-8"), re.M)
+    ]
+    assert not found, f"{found} import conftest; import the helper from tests/helpers.py"

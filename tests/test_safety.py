@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from helpers import save_tiny_model
 
 import occult_ft
 from occult_ft.cli import main

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 import torch
-from conftest import build_tokenizer, safety_timeout, save_tiny_model
 from dist_utils import free_port
+from helpers import build_tokenizer, safety_timeout, save_tiny_model
 
 from occult_ft.models import CORE_MODEL_TYPES, find_moe_layers
 from occult_ft.placement import Placement

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import yaml
-from conftest import SAMPLE_TEXT, safety_timeout, save_tiny_model
+from helpers import SAMPLE_TEXT, safety_timeout, save_tiny_model
 from transformers import TrainerCallback
 
 import occult_ft
