@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import safety_timeout
+from helpers import safety_timeout
 
 from occult_ft.cli import main
 from occult_ft.fileio import foreign_entries, is_artifact, model_card_writer
@@ -137,7 +137,9 @@ def test_an_expert_parallel_run_with_checkpoints_saves_and_resumes(
     assert done.returncode == 0, done.stderr[-3000:]
     assert_run_output(out, mode, [1, 2])
     if deepspeed:  # DeepSpeed's own state in every checkpoint, recognised as its
-        assert {"latest", "zero_to_fp32.py", "zero_to_torch.py", "global_step2"} <= set(os.listdir(out / "checkpoint-2"))
+        assert {"latest", "zero_to_fp32.py", "zero_to_torch.py", "global_step2"} <= set(
+            os.listdir(out / "checkpoint-2")
+        )
     else:  # one RNG state per process
         assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(out / "checkpoint-2"))
     resume = ["--resume_from_checkpoint", str(out / "checkpoint-1")]
