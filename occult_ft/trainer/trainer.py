@@ -393,25 +393,24 @@ class OccultTrainer(Trainer):
             logger.warning(f"saved the model without its model card: {exc}")
 
     def _check_save_dir(self, output_dir: str | None) -> None:
-        """`check_output_path` of a directory `save_model` writes into, decided by the first process and
-        raised on every one: another rank can get here while the first is still writing (or rotating
-        away) the last checkpoint-N, and a rank left out of a refusal would wait in the save's gather."""
+        """`check_output_path` of a directory `save_model` writes into, by the process that writes it:
+        the others may get here while it still writes (or rotates away) the last checkpoint-N. Under
+        expert parallelism every rank takes part in the save (the shards are gathered), so the first
+        process decides for all and each raises the same refusal rather than wait in the gather."""
+        if self.expert_parallel is None:  # only the writing process looks (a rank-0-only save stays fine)
+            if self.args.should_save:
+                check_output_path(output_dir, what="save_model's output_dir", directory=True, replace=False)
+            return
         error = None
         if self.is_world_process_zero():
             try:
                 check_output_path(output_dir, what="save_model's output_dir", directory=True, replace=False)
             except OutputPathError as exc:
                 error = str(exc)
-        if (
-            torch.distributed.is_available()
-            and torch.distributed.is_initialized()
-            and self.args.world_size > 1
-        ):
-            holder = [error]
-            torch.distributed.broadcast_object_list(holder, src=0)
-            error = holder[0]
-        if error is not None:
-            raise OutputPathError(error)
+        holder = [error]
+        torch.distributed.broadcast_object_list(holder, src=0)  # expert parallelism: a process group runs
+        if holder[0] is not None:
+            raise OutputPathError(holder[0])
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         save_checkpoint(self, output_dir, state_dict, final=getattr(self, "_occult_final_save", False))
