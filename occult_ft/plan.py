@@ -273,7 +273,7 @@ def _setup(args, model_config, gpus: int, gpu_memory_gb: float, gpus_per_node: i
         buckets=buckets,
         batch=int(args.per_device_train_batch_size),
         grad_accum=int(args.gradient_accumulation_steps),
-        seq_len=int(args.seq_len),
+        seq_len=int(args.tokens_per_row() if hasattr(args, "tokens_per_row") else args.seq_len),
         checkpointing=bool(args.gradient_checkpointing),
         budget=getattr(args, "max_devices_per_token", None),
         nodes=gpus // gpus_per_node if gpus_per_node else 1,

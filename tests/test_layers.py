@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("checkpoint",),  # the format and its writers (format, save, card, remote_code, convert)
     ("apply",),  # records blocks through checkpoint.format / checkpoint.save
     ("checkpoint.load", "configs"),  # loading re-applies a checkpoint's placement and budget
-    ("data", "evaluation", "plots", "trainer", "plan"),
+    ("data", "evaluation", "plots", "trainer", "trl", "plan"),  # trl: the trainer on TRL's SFTTrainer
     ("studies", "bench", "hub"),
     ("commands", "cli", "__main__", "__init__"),
 )

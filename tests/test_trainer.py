@@ -827,16 +827,16 @@ def test_train_streams_a_jsonl_file_and_needs_max_steps(tiny_olmoe_dir, tmp_path
 
 
 def test_long_phases_are_announced_only_while_progress_bars_are_on(tmp_path, capsys, monkeypatch):
-    from occult_ft.trainer.pipeline import _announcer
+    from occult_ft.trainer.pipeline import announcer
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     loud, quiet = make_config(tmp_path, disable_tqdm=False), make_config(tmp_path, disable_tqdm=True)
-    _announcer(loud)("loading the model 'x'")
-    _announcer(quiet)("silent")
+    announcer(loud)("loading the model 'x'")
+    announcer(quiet)("silent")
     assert capsys.readouterr().err == "occult-ft train: loading the model 'x' ...\n"
     monkeypatch.setenv("LOCAL_RANK", "1")  # other processes of a launch stay quiet
-    _announcer(loud)("not rank 0")
+    announcer(loud)("not rank 0")
     assert capsys.readouterr().err == ""
 
 

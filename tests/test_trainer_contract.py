@@ -1,4 +1,5 @@
-"""The private `transformers.Trainer` methods `OccultTrainer` overrides still exist, take the arguments
+"""The private `transformers.Trainer` methods `OccultTrainerMixin` (the Occult behaviour of `OccultTrainer`
+and `occult_ft.trl.OccultSFTTrainer`) overrides still exist, take the arguments
 ours take, and are still called by Trainer itself: a transformers release that renames one would
 otherwise silently switch off what the override does (e.g. global expert-parallel gradient clipping,
 expert shards in checkpoints)."""
@@ -13,7 +14,7 @@ import transformers
 from packaging.version import Version
 from transformers import Trainer
 
-from occult_ft.trainer import OccultTrainer
+from occult_ft.trainer import OccultTrainerMixin
 
 #: private Trainer hook -> what occult_ft's override does
 PRIVATE_HOOKS = {
@@ -33,10 +34,10 @@ def _trainer_source() -> str:
     return inspect.getsource(inspect.getmodule(Trainer))
 
 
-def test_occult_trainer_overrides_exactly_the_listed_private_hooks():
+def test_occult_trainer_mixin_overrides_exactly_the_listed_private_hooks():
     overridden = {
         name
-        for name, value in vars(OccultTrainer).items()
+        for name, value in vars(OccultTrainerMixin).items()
         if name.startswith("_") and not name.startswith("__") and callable(value) and hasattr(Trainer, name)
     }
     assert overridden == set(PRIVATE_HOOKS), "update PRIVATE_HOOKS when an override is added or removed"
@@ -48,7 +49,7 @@ def test_the_hook_exists_and_takes_our_arguments(name):
     assert theirs is not None, (
         f"transformers {transformers.__version__} has no Trainer.{name}: {PRIVATE_HOOKS[name]}"
     )
-    ours = inspect.signature(getattr(OccultTrainer, name)).parameters
+    ours = inspect.signature(getattr(OccultTrainerMixin, name)).parameters
     params = inspect.signature(theirs).parameters
     assert list(params) == list(ours), f"Trainer.{name}{inspect.signature(theirs)} changed its arguments"
 

@@ -10,6 +10,13 @@ repository's `recipes/`, installed with the package as `occult_ft/recipes/`).
     occult-ft train recipes/olmoe-1b-7b.yaml --learning_rate 1e-5 --max_steps 200
     occult-ft train --model_name_or_path embedded --dataset embedded --max_devices_per_token 2
 
+`--trainer trl` runs the recipe through TRL's SFTTrainer (`occult_ft.trl.OccultSFTTrainer`, needs
+`pip install 'occult-ft[trl]'`): its fields are `OccultSFTConfig`'s, i.e. TRL's `SFTConfig` fields
+(`max_length`, `packing`, `completion_only_loss`, `assistant_only_loss`, `dataset_text_field`, ...)
+plus the same Occult fields; `docs/trl.md` has an example.
+
+    occult-ft train --trainer trl sft-recipe.yaml
+
 Launchers work as with any Trainer script (they set the environment Trainer reads); the module
 `occult_ft.cli` and this one (`occult_ft.commands.train`) both accept the `--local_rank=N` that the
 `deepspeed` launcher inserts:
@@ -42,7 +49,12 @@ __all__ = [
     "missing_extras",
     "format_help",
     "FIELD_GROUPS",
+    "TRAINERS",
+    "split_trainer",
 ]
+
+#: `--trainer` values: occult_ft's own Trainer (OccultConfig) or TRL's SFTTrainer (OccultSFTConfig)
+TRAINERS = ("occult", "trl")
 
 _RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -128,17 +140,55 @@ def add_parser(sub):
         add_help=False,
     )
     p.add_argument(
-        "argv", nargs="*", help="RECIPE.yaml and/or --field value overrides (any OccultConfig field)"
+        "argv",
+        nargs="*",
+        help="[--trainer occult|trl] RECIPE.yaml and/or --field value overrides (any OccultConfig field; "
+        "with --trainer trl any OccultSFTConfig field)",
     )
     p.set_defaults(func=run)
     return p
 
 
-def config_parser():
-    """The `HfArgumentParser` of `OccultConfig` behind `occult-ft train` (errors raise ValueError)."""
+def config_class(trainer: str = "occult"):
+    """The config dataclass of a `--trainer` value: `OccultConfig`, or `OccultSFTConfig` for trl."""
+    if trainer == "trl":
+        from ..trl import OccultSFTConfig
+
+        return OccultSFTConfig
+    from ..trainer import OccultConfig
+
+    return OccultConfig
+
+
+def split_trainer(argv: list[str]) -> tuple[str, list[str]]:
+    """The `--trainer` value (default occult) and the other arguments.
+
+    Raises:
+        ValueError: an unknown trainer, named with the closest valid one.
+    """
+    rest, trainer = list(argv), "occult"
+    for i, token in enumerate(rest):
+        if token in ("--trainer", "--trainer=") or token.startswith("--trainer="):
+            if "=" in token:
+                trainer, rest = token.split("=", 1)[1], rest[:i] + rest[i + 1 :]
+            elif i + 1 < len(rest):
+                trainer, rest = rest[i + 1], rest[:i] + rest[i + 2 :]
+            else:
+                raise ValueError(f"--trainer needs a value: one of {', '.join(TRAINERS)}")
+            break
+    if trainer not in TRAINERS:
+        close = difflib.get_close_matches(trainer, TRAINERS, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"--trainer {trainer!r} is unknown; {hint}choose one of {', '.join(TRAINERS)}")
+    return trainer, rest
+
+
+def config_parser(trainer: str = "occult"):
+    """The `HfArgumentParser` of `OccultConfig` (or, for `trainer="trl"`, `OccultSFTConfig`) behind
+    `occult-ft train` (errors raise ValueError)."""
     from transformers import HfArgumentParser
 
-    from ..trainer import OccultConfig
+    config = config_class(trainer)
 
     class _Parser(HfArgumentParser):
         def error(self, message):  # one line through the CLI's error handling, not a usage dump
@@ -147,7 +197,7 @@ def config_parser():
     from ..cli import HelpFormatter
 
     return _Parser(
-        OccultConfig,
+        config,
         prog="occult-ft train",
         allow_abbrev=False,
         formatter_class=HelpFormatter,
@@ -155,15 +205,26 @@ def config_parser():
     )
 
 
-def format_help(parser) -> str:
+def format_help(parser, trainer: str = "occult") -> str:
     """`occult-ft train --help`: usage with the recipe, the Occult fields in `FIELD_GROUPS`, then the
-    fields inherited from `transformers.TrainingArguments`, every default shown once."""
+    fields inherited from `transformers.TrainingArguments` (with `--trainer trl`: from `trl.SFTConfig`),
+    every default shown once."""
     import argparse
     import dataclasses
 
     from transformers import TrainingArguments
 
     from ..cli import HelpFormatter
+
+    base: type = TrainingArguments
+    base_name, link = (
+        "transformers.TrainingArguments",
+        "https://huggingface.co/docs/transformers/main_classes/trainer",
+    )
+    if trainer == "trl":
+        from trl import SFTConfig
+
+        base, base_name, link = SFTConfig, "trl.SFTConfig", "https://huggingface.co/docs/trl/sft_trainer"
 
     display = argparse.ArgumentParser(
         prog="occult-ft train",
@@ -177,7 +238,7 @@ def format_help(parser) -> str:
         if action.dest != "help":
             actions.setdefault(action.dest, []).append(action)
     shown: set[str] = set()
-    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    inherited = {f.name for f in dataclasses.fields(base)}
     own = [name for name in actions if name not in inherited]
     groups = dict(FIELD_GROUPS)
     others = tuple(name for name in own if not any(name in names for names in groups.values()))
@@ -193,10 +254,7 @@ def format_help(parser) -> str:
             for action in actions.get(name, ()):
                 group._add_action(action)
             shown.add(name)
-    group = display.add_argument_group(
-        "inherited from transformers.TrainingArguments",
-        "the Trainer's own settings (https://huggingface.co/docs/transformers/main_classes/trainer)",
-    )
+    group = display.add_argument_group(f"inherited from {base_name}", f"the trainer's own settings ({link})")
     for name, acts in actions.items():
         if name not in shown:
             for action in acts:
@@ -210,9 +268,27 @@ def field_names(parser) -> list[str]:
 
 
 def _unknown(name: str, names: list[str], where: str) -> ValueError:
+    if _is_sft_field(name) and "max_length" not in names:
+        return ValueError(
+            f"unknown field {name!r} {where}; it is a TRL SFTConfig field: run with --trainer trl"
+        )
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else "; `occult-ft train --help` lists the fields"
     return ValueError(f"unknown field {name!r} {where}{hint}")
+
+
+def _is_sft_field(name: str) -> bool:
+    """A field of TRL's SFTConfig that is not a TrainingArguments field (False without TRL)."""
+    import dataclasses
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        return False
+    from transformers import TrainingArguments
+    from trl import SFTConfig
+
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return name in {f.name for f in dataclasses.fields(SFTConfig)} - inherited
 
 
 def shipped_recipes() -> dict[str, Path]:
@@ -319,15 +395,18 @@ def load_recipe(path: str, parser) -> dict:
     return values
 
 
-def parse_config(argv: list[str]):
-    """An `OccultConfig` from `[RECIPE] [--field value ...]`, or None after printing --help.
+def parse_config(argv: list[str], trainer: str | None = None):
+    """An `OccultConfig` (or, with `--trainer trl`, an `OccultSFTConfig`) from `[--trainer T] [RECIPE]
+    [--field value ...]`, or None after printing --help.
 
     Raises:
         ValueError: one line naming an unknown field (with the closest valid one) or a bad value.
     """
-    parser = config_parser()
+    if trainer is None:
+        trainer, argv = split_trainer(argv)
+    parser = config_parser(trainer)
     if any(token in ("-h", "--help") for token in argv):
-        print(format_help(parser))
+        print(format_help(parser, trainer))
         return None
     import torch
 
@@ -366,6 +445,8 @@ def missing_extras(config) -> list[str]:
     import importlib.util
 
     needs = []
+    if hasattr(config, "max_length"):  # an OccultSFTConfig: TRL's SFTTrainer runs it
+        needs.append(("trl", "trl", "--trainer trl"))
     if config.train_mode == "lora":
         needs.append(("peft", "peft", "train_mode=lora"))
     if config.deepspeed:
@@ -387,9 +468,12 @@ def missing_extras(config) -> list[str]:
 
 def run(args) -> int:
     quiet_deepspeed_accelerator()
-    from ..trainer import train
+    import importlib.util
 
-    config = parse_config(list(args.argv))
+    trainer_name, argv = split_trainer(list(args.argv))
+    if trainer_name == "trl" and importlib.util.find_spec("trl") is None:
+        raise ImportError("--trainer trl needs trl, which is not installed: pip install 'occult-ft[trl]'")
+    config = parse_config(argv, trainer_name)
     if config is None:
         return 0
     missing = missing_extras(config)
@@ -400,7 +484,11 @@ def run(args) -> int:
     )
     finished = False
     try:
-        trainer, metrics = train(config)
+        if trainer_name == "trl":
+            from ..trl.pipeline import train_sft as run_training
+        else:
+            from ..trainer import train as run_training  # type: ignore[assignment]
+        trainer, metrics = run_training(config)
         if trainer.is_world_process_zero():
             pruned = config.max_devices_per_token is not None or config.max_nodes_per_token is not None
             what = "LoRA adapter" if config.train_mode == "lora" else "pruned model" if pruned else "model"

@@ -133,10 +133,13 @@ def apply_lora(
     dropout: float = 0.0,
     attention: bool = True,
     seed: int | None = None,
+    config: Any = None,
 ):
     """Wrap `model` with LoRA adapters (call after placement and `apply_pruning`).
 
     Args:
+        config: a `peft.PeftConfig` used as given (TRL's `peft_config`) instead of the one
+            `build_lora_config(model, r, alpha, dropout, attention)` builds.
         seed: draw the random LoRA factors (`lora_A`) from `torch.manual_seed(seed)`, leaving the global
             random state as it was; the adapter then starts the same however many processes run and
             whatever they drew before (placement profiling, data loading). None: the global state.
@@ -146,7 +149,8 @@ def apply_lora(
     """
     from peft import get_peft_model
 
-    config = build_lora_config(model, r, alpha, dropout, attention)
+    if config is None:
+        config = build_lora_config(model, r, alpha, dropout, attention)
     if seed is None:
         return get_peft_model(model, config)
     with torch.random.fork_rng(devices=[]):

@@ -8,10 +8,11 @@ trainer, metrics = train(config)        # out/ is a pruned checkpoint: occult_ft
 """
 
 from ..data import tokenize_for_training
-from .config import MODEL_DTYPES, PLACEMENT_MODES, TRAIN_MODES, OccultConfig
+from .config import MODEL_DTYPES, PLACEMENT_MODES, TRAIN_MODES, OccultArguments, OccultConfig
 from .loading import load_training_model
 from .losses import balance_loss, balance_loss_factor
 from .meter import METRIC_NAMES, RoutingMeter
+from .mixin import OccultTrainerMixin
 from .pipeline import load_run_dataset, train
 from .prepare import OccultSetup, prepare_model, set_train_mode
 from .trainer import OccultTrainer
@@ -21,9 +22,11 @@ __all__ = [
     "METRIC_NAMES",
     "PLACEMENT_MODES",
     "TRAIN_MODES",
+    "OccultArguments",
     "OccultConfig",
     "OccultSetup",
     "OccultTrainer",
+    "OccultTrainerMixin",
     "RoutingMeter",
     "balance_loss",
     "balance_loss_factor",

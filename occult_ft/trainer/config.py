@@ -6,6 +6,10 @@ help string, so `HfArgumentParser` turns it into command-line flags and YAML rec
 data to use, how experts are placed on the `devices` expert-parallel devices, how many of those devices
 a token may reach (`max_devices_per_token`, the paper's pruning budget) and which parameters train.
 
+The Occult fields live in `OccultArguments`, shared with `occult_ft.trl.OccultSFTConfig` (the same
+fields on TRL's `SFTConfig`); `OccultConfig` adds occult_ft's own tokenisation fields (`seq_len`,
+`packing`, `response_only`, `text_field`).
+
 `__post_init__` checks every Occult field and raises a one-line `ValueError` that names the field, the
 bad value and the fix; unknown choices come with the closest valid spelling.
 """
@@ -20,6 +24,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from transformers import TrainingArguments
 
@@ -32,6 +37,7 @@ from ..placement import PLACEMENT_ALGORITHMS
 from ..routing import CRITERIA, GATE_WEIGHT_POLICIES, PruningConfig, check_pruning_settings
 
 __all__ = [
+    "OccultArguments",
     "OccultConfig",
     "TRAIN_MODES",
     "PLACEMENT_MODES",
@@ -58,65 +64,25 @@ def _choice_error(name: str, value, choices) -> ValueError:
     )
 
 
+if TYPE_CHECKING:  # mypy reads the shared fields' host attributes (use_cpu, max_steps, ...)
+    _ArgumentsBase = TrainingArguments
+else:
+    _ArgumentsBase = object
+
+
 @dataclass
-class OccultConfig(TrainingArguments):
-    r"""Configuration of an Occult fine-tuning run (`OccultTrainer` and `occult-ft train`).
+class OccultArguments(_ArgumentsBase):
+    """The Occult fields every Occult trainer's config shares, with one validation.
 
-    Besides every `transformers.TrainingArguments` field, it holds:
-
-    Model and data:
-        model_name_or_path: base model (local directory, Hub id, `embedded`, a pruned checkpoint or a
-            LoRA adapter directory written by `OccultTrainer`).
-        model_dtype: dtype the weights are loaded in.
-        dataset / dataset_split / text_field / streaming / skip_invalid_rows: training data, read by
-            `occult_ft.data.load_text_dataset` (rows that do not fit its layout are an error, or skipped
-            with a count printed).
-        eval_dataset / eval_dataset_split: optional held-out data.
-        seq_len / packing / response_only: tokenisation (`occult_ft.data.tokenize_dataset`).
-
-    Placement and pruning:
-        devices / nodes: the expert-parallel layout D (and N nodes) that placement and the budget refer to.
-        placement: `auto` (profile the training data, then `compute_placement`), `sequential` (keep the
-            model's expert order) or the path of a placement JSON from `occult-ft place`.
-        placement_algorithm: algorithm of `auto` placement; max_load_imbalance: its load bound.
-        profile_tokens: tokens of training data profiled for `auto` placement and similarity tables.
-        max_devices_per_token: the pruning budget M (None = no pruning, routing is only measured).
-        criterion / gate_weights: how tokens over budget are re-routed and weighted (`occult_ft.routing`).
-        balance_loss_coef: weight of the pruning-aware load-balancing loss (on the scale of the model's
-            own `router_aux_loss_coef`, see `occult_ft.trainer.losses`).
-        distill_coef / distill_temperature: distillation from the unpruned model (`trainer.distill`).
-
-    Training:
-        train_mode: `full`, `moe` (MoE blocks only: routers, experts, shared experts) or `lora`.
-        lora_r / lora_alpha / lora_dropout: LoRA settings (`train_mode="lora"`).
-        expert_parallel_size: processes that share one copy of the experts (1 = data parallel only);
-            it divides `devices` (one knob each: D is the layout placed and budgeted for, the EP size how
-            many processes hold it now).
+    `OccultConfig` (`OccultArguments` + `transformers.TrainingArguments`) and
+    `occult_ft.trl.OccultSFTConfig` (`OccultArguments` + `trl.SFTConfig`) both take these fields, so a
+    field has one name, one help string and one check whichever trainer reads it. `__post_init__`
+    resolves and checks them, then runs the host config's own `__post_init__`; a host adds its own
+    fields' checks in `_check_trainer_fields` and says how many tokens a training row holds in
+    `tokens_per_row`. Typed as a `TrainingArguments` for mypy; at run time a plain dataclass, so that
+    it adds fields without re-declaring the host's (a `TrainingArguments` base here would reset TRL's
+    defaults).
     """
-
-    # ---- sensible defaults for the inherited fields -------------------------------------------------
-    output_dir: str | None = field(
-        default="occult-output",
-        metadata={"help": "Directory for checkpoints and the final pruned model (default: occult-output)."},
-    )
-    learning_rate: float = field(
-        default=2e-5,
-        metadata={
-            "help": "Initial learning rate (AdamW). 2e-5 suits full/moe fine-tuning; LoRA usually wants ~2e-4."
-        },
-    )
-    logging_steps: float = field(
-        default=10,
-        metadata={
-            "help": "Log loss and routing metrics every this many optimizer steps (a float < 1 is a share of all steps)."
-        },
-    )
-    bf16: bool | None = field(  # type: ignore[assignment]  # None: auto, resolved in __post_init__
-        default=None,
-        metadata={
-            "help": "bf16 mixed precision; default (unset): on when the GPU supports bf16, off on CPU."
-        },
-    )
 
     # ---- model and data -------------------------------------------------------------------------
     model_name_or_path: str | None = field(
@@ -143,9 +109,6 @@ class OccultConfig(TrainingArguments):
         default=None,
         metadata={"help": "Split of `dataset` (default train; for 'embedded': train or instructions)."},
     )
-    text_field: str | None = field(
-        default=None, metadata={"help": "Field holding the text when it is neither 'text' nor 'content'."}
-    )
     eval_dataset: str | None = field(
         default=None,
         metadata={"help": "Optional held-out data (same forms as `dataset`), evaluated after training."},
@@ -166,17 +129,6 @@ class OccultConfig(TrainingArguments):
             "help": "Skip data rows that do not fit the layout the file is read with (a missing or non-text "
             "field), printing how many; default: such a row is an error naming the file, the row and the field."
         },
-    )
-    seq_len: int = field(default=512, metadata={"help": "Tokens per training example."})
-    packing: bool = field(
-        default=True,
-        metadata={
-            "help": "Pack examples into rows of seq_len tokens: plain text into full blocks; instruction, "
-            "prompt/completion and messages rows several per row, kept apart in attention."
-        },
-    )
-    response_only: bool = field(
-        default=True, metadata={"help": "Instruction rows: compute the loss on the response tokens only."}
     )
 
     # ---- placement and pruning ------------------------------------------------------------------
@@ -327,21 +279,34 @@ class OccultConfig(TrainingArguments):
             # sees no distributed setup on CPU and every process would train alone
             self.use_cpu = True
         _check_field_types(self)
-        if self.bf16 is None:
-            self.bf16 = _bf16_available() and not self.fp16 and not self.use_cpu
+        self._resolve_trainer_defaults()
         self._check_occult_fields()
         _check_run_length_and_output(self)
-        super().__post_init__()
+        super().__post_init__()  # the host config's (TrainingArguments, SFTConfig)
         self._force_non_reentrant_checkpointing()
 
-    def __deepcopy__(self, memo) -> OccultConfig:
+    # ---- what a host config adds --------------------------------------------------------------------
+    def _resolve_trainer_defaults(self) -> None:
+        """Defaults of the host's fields resolved before the checks (OccultConfig: bf16 = auto)."""
+
+    def _check_trainer_fields(self) -> None:
+        """The host's own fields' checks (OccultConfig: seq_len), run with the Occult fields' checks."""
+
+    #: the host's field that sets `tokens_per_row` (named in errors)
+    row_length_field: typing.ClassVar[str] = "seq_len"
+
+    def tokens_per_row(self) -> int | None:
+        """Tokens of one training row (OccultConfig: seq_len; OccultSFTConfig: max_length), None when unbounded."""
+        raise NotImplementedError
+
+    def __deepcopy__(self, memo) -> OccultArguments:
         """An in-memory copy keeps everything, secrets included (pickling drops them: `__getstate__`)."""
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
         copied.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
         return copied
 
-    def __copy__(self) -> OccultConfig:
+    def __copy__(self) -> OccultArguments:
         copied = type(self).__new__(type(self))
         copied.__dict__.update(self.__dict__)
         return copied
@@ -375,15 +340,12 @@ class OccultConfig(TrainingArguments):
             self.nodes,
             self.max_nodes_per_token,
         )
-        for name in ("seq_len", "profile_tokens", "lora_r", "expert_parallel_size"):
+        self._check_trainer_fields()
+        for name in ("profile_tokens", "lora_r", "expert_parallel_size"):
             positive(name)
         if self.streaming and self.max_steps <= 0:
             raise ValueError(
                 "streaming=True reads the data as it goes, so the run length is unknown; set max_steps"
-            )
-        if self.seq_len < 2:
-            raise ValueError(
-                f"seq_len={self.seq_len} is too short; use at least 2 tokens (typically 128-4096)"
             )
         if self.exchange not in EXCHANGES:
             raise _choice_error("exchange", self.exchange, EXCHANGES)
@@ -470,7 +432,9 @@ class OccultConfig(TrainingArguments):
         """Rows per device of the capacity-bounded exchange (`exchange_capacity`), None for exact buffers."""
         if self.exchange_capacity == "auto":
             batch = max(self.per_device_train_batch_size, self.per_device_eval_batch_size)
-            return batch * self.seq_len
+            tokens = self.tokens_per_row()
+            assert tokens is not None  # refused up front without a row length (OccultSFTConfig)
+            return batch * tokens
         return typing.cast(
             "int | None", self.exchange_capacity
         )  # __post_init__ leaves an int, None or "auto"
@@ -497,6 +461,98 @@ class OccultConfig(TrainingArguments):
             setattr(self, name, kwargs)
 
 
+@dataclass
+class OccultConfig(OccultArguments, TrainingArguments):
+    r"""Configuration of an Occult fine-tuning run (`OccultTrainer` and `occult-ft train`).
+
+    Besides every `transformers.TrainingArguments` field, it holds:
+
+    Model and data:
+        model_name_or_path: base model (local directory, Hub id, `embedded`, a pruned checkpoint or a
+            LoRA adapter directory written by `OccultTrainer`).
+        model_dtype: dtype the weights are loaded in.
+        dataset / dataset_split / text_field / streaming / skip_invalid_rows: training data, read by
+            `occult_ft.data.load_text_dataset` (rows that do not fit its layout are an error, or skipped
+            with a count printed).
+        eval_dataset / eval_dataset_split: optional held-out data.
+        seq_len / packing / response_only: tokenisation (`occult_ft.data.tokenize_dataset`).
+
+    Placement and pruning:
+        devices / nodes: the expert-parallel layout D (and N nodes) that placement and the budget refer to.
+        placement: `auto` (profile the training data, then `compute_placement`), `sequential` (keep the
+            model's expert order) or the path of a placement JSON from `occult-ft place`.
+        placement_algorithm: algorithm of `auto` placement; max_load_imbalance: its load bound.
+        profile_tokens: tokens of training data profiled for `auto` placement and similarity tables.
+        max_devices_per_token: the pruning budget M (None = no pruning, routing is only measured).
+        criterion / gate_weights: how tokens over budget are re-routed and weighted (`occult_ft.routing`).
+        balance_loss_coef: weight of the pruning-aware load-balancing loss (on the scale of the model's
+            own `router_aux_loss_coef`, see `occult_ft.trainer.losses`).
+        distill_coef / distill_temperature: distillation from the unpruned model (`trainer.distill`).
+
+    Training:
+        train_mode: `full`, `moe` (MoE blocks only: routers, experts, shared experts) or `lora`.
+        lora_r / lora_alpha / lora_dropout: LoRA settings (`train_mode="lora"`).
+        expert_parallel_size: processes that share one copy of the experts (1 = data parallel only);
+            it divides `devices` (one knob each: D is the layout placed and budgeted for, the EP size how
+            many processes hold it now).
+    """
+
+    # ---- sensible defaults for the inherited fields -------------------------------------------------
+    output_dir: str | None = field(
+        default="occult-output",
+        metadata={"help": "Directory for checkpoints and the final pruned model (default: occult-output)."},
+    )
+    learning_rate: float = field(
+        default=2e-5,
+        metadata={
+            "help": "Initial learning rate (AdamW). 2e-5 suits full/moe fine-tuning; LoRA usually wants ~2e-4."
+        },
+    )
+    logging_steps: float = field(
+        default=10,
+        metadata={
+            "help": "Log loss and routing metrics every this many optimizer steps (a float < 1 is a share of all steps)."
+        },
+    )
+    bf16: bool | None = field(  # type: ignore[assignment]  # None: auto, resolved in __post_init__
+        default=None,
+        metadata={
+            "help": "bf16 mixed precision; default (unset): on when the GPU supports bf16, off on CPU."
+        },
+    )
+
+    # ---- tokenisation (occult_ft.data) ------------------------------------------------------
+    text_field: str | None = field(
+        default=None, metadata={"help": "Field holding the text when it is neither 'text' nor 'content'."}
+    )
+    seq_len: int = field(default=512, metadata={"help": "Tokens per training example."})
+    packing: bool = field(
+        default=True,
+        metadata={
+            "help": "Pack examples into rows of seq_len tokens: plain text into full blocks; instruction, "
+            "prompt/completion and messages rows several per row, kept apart in attention."
+        },
+    )
+    response_only: bool = field(
+        default=True, metadata={"help": "Instruction rows: compute the loss on the response tokens only."}
+    )
+
+    def _resolve_trainer_defaults(self) -> None:
+        if self.bf16 is None:
+            self.bf16 = _bf16_available() and not self.fp16 and not self.use_cpu
+
+    def _check_trainer_fields(self) -> None:
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise ValueError(f"seq_len={self.seq_len!r} must be a positive integer")
+        if self.seq_len < 2:
+            raise ValueError(
+                f"seq_len={self.seq_len} is too short; use at least 2 tokens (typically 128-4096)"
+            )
+
+    def tokens_per_row(self) -> int | None:
+        return self.seq_len
+
+
 def _plain_kinds(annotation) -> tuple[type, bool] | None:
     """(allowed types, None allowed) of a field annotated with bool / int / float / str, optionally
     `| None`; None for richer annotations (lists, dicts, enums), which are left to TrainingArguments."""
@@ -511,7 +567,7 @@ def _plain_kinds(annotation) -> tuple[type, bool] | None:
     return members[0], optional
 
 
-def _check_field_types(config: OccultConfig) -> None:
+def _check_field_types(config: OccultArguments) -> None:
     """Every field annotated bool / int / float / str (or `| None`) holds a value of that type, so a
     recipe's `learning_rate: [1, 2]` or `OccultConfig(lora_alpha='32')` is one line naming the field,
     not a TypeError from a comparison deep inside (a float field takes an int: `lora_alpha=32`)."""
@@ -546,7 +602,7 @@ def _check_field_types(config: OccultConfig) -> None:
         )
 
 
-def _check_run_length_and_output(config: OccultConfig) -> None:
+def _check_run_length_and_output(config: OccultArguments) -> None:
     """A run that would take no optimizer step, and an empty output_dir, are refused up front."""
     if config.max_steps <= 0 and not (math.isfinite(config.num_train_epochs) and config.num_train_epochs > 0):
         raise ValueError(
@@ -560,7 +616,7 @@ def _check_run_length_and_output(config: OccultConfig) -> None:
         )
 
 
-def check_output_dir(args: OccultConfig) -> None:
+def check_output_dir(args: OccultArguments) -> None:
     """The run's `output_dir` must not hold files of the user's that training would overwrite (their
     README.md, a model occult_ft did not write): refused, naming them (`occult_ft.fileio`)."""
     if not hasattr(args, "output_dir"):  # a partial config (tests, other callers): nothing to check
@@ -571,7 +627,7 @@ def check_output_dir(args: OccultConfig) -> None:
     check_output_path(args.output_dir, *inputs, what="output_dir", directory=True, replace=False)
 
 
-def check_before_loading(args: OccultConfig) -> None:
+def check_before_loading(args: OccultArguments) -> None:
     """Refuse, before any model is loaded, the combinations the config alone shows cannot work.
 
     `__post_init__` already checks each field; this adds the checks that read other files: with a
@@ -592,7 +648,7 @@ def check_before_loading(args: OccultConfig) -> None:
     _check_layout_against_the_model_config(args)
 
 
-def _check_layout_against_the_model_config(args: OccultConfig) -> None:
+def _check_layout_against_the_model_config(args: OccultArguments) -> None:
     """The budget and the expert-parallel layout against the model's expert count and top-k, read from
     its config alone (a local directory, a config shipped for a recipe's model, or the Hub's config.json).
     Skipped when no config can be read here (e.g. offline): the model's own load then checks."""

@@ -14,12 +14,12 @@ from transformers import AutoTokenizer
 from ..checkpoint.load import from_pretrained
 from ..embedded import embedded_model_path
 from ..models.registry import unwrap_model
-from .config import OccultConfig, check_before_loading
+from .config import OccultArguments, check_before_loading
 
 __all__ = ["load_training_model", "check_seq_len", "may_move_to"]
 
 
-def load_training_model(path: str, args: OccultConfig) -> tuple[nn.Module, Any]:
+def load_training_model(path: str, args: OccultArguments) -> tuple[nn.Module, Any]:
     """(model, tokenizer) for `path`: a model dir or Hub id, `embedded`, a pruned checkpoint (pruning
     active) or an occult_ft LoRA adapter directory (loaded trainable)."""
     if path == "embedded":
@@ -47,17 +47,18 @@ def load_training_model(path: str, args: OccultConfig) -> tuple[nn.Module, Any]:
     return model, tokenizer
 
 
-def check_seq_len(model, seq_len: int) -> None:
-    """Refuse a `seq_len` above the model's `max_position_embeddings` (its losses would be silently wrong)."""
+def check_seq_len(model, seq_len: int | None, name: str = "seq_len") -> None:
+    """Refuse a row length (`seq_len`, TRL's `max_length`; None = unbounded, not checked) above the
+    model's `max_position_embeddings` (its losses would be silently wrong)."""
     config = getattr(unwrap_model(model), "config", None)
     limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and seq_len > limit:
+    if isinstance(limit, int) and seq_len is not None and seq_len > limit:
         raise ValueError(
-            f"seq_len={seq_len} exceeds the model's max_position_embeddings={limit}; set seq_len <= {limit}"
+            f"{name}={seq_len} exceeds the model's max_position_embeddings={limit}; set {name} <= {limit}"
         )
 
 
-def may_move_to(args: OccultConfig, model: nn.Module) -> bool:
+def may_move_to(args: OccultArguments, model: nn.Module) -> bool:
     """Whether the model may go to `args.device` before Trainer does (to profile there)."""
     if args.deepspeed or args.fsdp or getattr(model, "hf_device_map", None) or args.use_cpu:
         return False

@@ -14,11 +14,11 @@ from datasets import IterableDataset
 
 from ..data import DataError, load_text_dataset, tokenize_for_training
 from ..plan import check_fits_before_loading
-from .config import OccultConfig
+from .config import OccultArguments, OccultConfig
 from .loading import check_seq_len, load_training_model
 from .trainer import OccultTrainer
 
-__all__ = ["train", "load_run_dataset"]
+__all__ = ["train", "load_run_dataset", "finish_run", "announcer"]
 
 
 def load_run_dataset(
@@ -67,7 +67,7 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
         raise ValueError(
             "dataset is required: a .txt/.jsonl/.json file, a saved dataset, a Hub id or 'embedded'"
         )
-    say = _announcer(config)
+    say = announcer(config)
 
     check_fits_before_loading(config)  # GPU runs: the memory plan, before any weight is downloaded
     say(f"loading the model {config.model_name_or_path!r}")
@@ -93,6 +93,13 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
         processing_class=tokenizer,
         **trainer_kwargs,
     )
+    return trainer, finish_run(trainer, config, train_dataset, eval_dataset, say)
+
+
+def finish_run(trainer, config: OccultArguments, train_dataset, eval_dataset, say) -> dict[str, float]:
+    """The run after its trainer is built (shared with `occult_ft.trl`'s pipeline): train (resuming if
+    asked), refuse a run that took no step, save the final model to `config.output_dir`, evaluate on the
+    eval data, save metrics and state, push when asked. Returns the metrics."""
     if config.deepspeed:
         say("starting DeepSpeed (its first run on a machine builds CUDA ops, which can take minutes)")
     say("training")
@@ -115,11 +122,11 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
         trainer.save_metrics("all", metrics, combined=False)
         trainer.save_state()
     if config.push_to_hub:
-        trainer.push_to_hub()  # with the Occult model card (OccultTrainer.create_model_card)
-    return trainer, metrics
+        trainer.push_to_hub()  # with the Occult model card (OccultTrainerMixin.create_model_card)
+    return metrics
 
 
-def _announcer(config: OccultConfig):
+def announcer(config: OccultArguments, command: str = "train"):
     """`say(message)`: one `occult-ft train: ...` line on stderr for each long phase, from the first process
     only, while progress bars are on (`disable_tqdm` off); silent otherwise."""
     quiet = bool(config.disable_tqdm) or os.environ.get("LOCAL_RANK", "0") not in ("", "0")
@@ -127,6 +134,6 @@ def _announcer(config: OccultConfig):
 
     def say(message: str) -> None:
         if not quiet:
-            print(f"occult-ft train: {message} ...", file=sys.stderr, flush=True)
+            print(f"occult-ft {command}: {message} ...", file=sys.stderr, flush=True)
 
     return say

@@ -219,6 +219,7 @@ def prepare_model(
     collate=None,
     placement=None,
     checkpoint: str | None = None,
+    peft_config=None,
 ) -> tuple[nn.Module, OccultSetup]:
     """Place, prune and set up training of `model` as `args` (an `OccultConfig`) says.
 
@@ -229,6 +230,8 @@ def prepare_model(
         collate: batches rows for profiling (`occult_ft.data.make_collator`).
         placement: a `Placement` object overriding `args.placement`.
         checkpoint: a checkpoint being resumed: its placement and similarity tables are used.
+        peft_config: a `peft.PeftConfig` (TRL's `peft_config`) applied after placement and pruning,
+            instead of the LoRA config `train_mode="lora"` builds from `lora_r` / `lora_alpha`.
 
     Returns:
         (model, setup): the model to train (a `PeftModel` for `train_mode="lora"`) and its `OccultSetup`.
@@ -253,7 +256,13 @@ def prepare_model(
     pruning = PruningConfig(args.devices, budget, criterion, gate_weights, args.nodes, node_budget)
     pruning.check(num_experts, top_k)
     peft_model = is_peft_model(model)
-    if peft_model and args.train_mode != "lora":
+    lora = args.train_mode == "lora" or peft_config is not None
+    if peft_model and peft_config is not None:
+        raise ValueError(
+            "the model is already a LoRA (PEFT) model and a peft_config was given; pass the base model with "
+            "peft_config, or the PEFT model without it"
+        )
+    if peft_model and not lora:
         raise ValueError(
             f"train_mode={args.train_mode!r} but the model is a LoRA (PEFT) model; set train_mode='lora'"
         )
@@ -317,11 +326,16 @@ def prepare_model(
 
     apply_occult(base, pruning=pruning, similarity=similarity, similarity_placed=True)
     _disable_model_aux_loss(base)
-    if args.train_mode == "lora" and not peft_model:
+    if lora and not peft_model:
         model = apply_lora(
-            model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, seed=args.seed
+            model,
+            r=args.lora_r,
+            alpha=args.lora_alpha,
+            dropout=args.lora_dropout,
+            seed=args.seed,
+            config=peft_config,
         )
-    elif args.train_mode != "lora":
+    elif not lora:
         set_train_mode(model, args.train_mode)
     set_recording(model, True, keep_graph=args.balance_loss_coef > 0)
     expert_device = {
