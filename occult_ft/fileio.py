@@ -14,9 +14,19 @@ would give them (the umask applied; an existing file keeps its mode), not the pr
     umask_modes(path)                      files written private by a library (safetensors) get the
                                            modes of a plain open() / mkdir
 
-The directory swap, with `.NAME.tmp-*` (being written), `.NAME.new` (complete) and `.NAME.old`
-(retired) siblings of NAME; a process killed at any instant leaves one of these states, and
-`recover_directory` (run by the next write and by the model loader) always ends in the last one:
+The directory swap. On Linux the new copy and NAME are exchanged in one atomic step
+(`renameat2(RENAME_EXCHANGE)`, through ctypes), so NAME is at every instant the old artifact or the
+new one, for any reader (stock transformers, PEFT, `ls`, a copy script):
+
+    write .NAME.tmp-*             NAME = old       incomplete: removed by the next write, ignored by readers
+    exchange .NAME.tmp-* <-> NAME NAME = new       the old copy, now at .NAME.tmp-*, is removed by the next write
+    .NAME.tmp-* -> .NAME.old      NAME = new       .NAME.old is removed (by `recover_directory` if killed)
+    remove .NAME.old              NAME = new       what is left of .NAME.old is removed
+
+Where the call is unavailable (another OS, an old kernel or libc, a filesystem that answers EINVAL)
+the swap is journalled by names, `.NAME.new` (complete) and `.NAME.old` (retired): NAME is missing
+for a moment, and `recover_directory` (run by the next write and by the model loader) always ends a
+swap killed at any instant in the last state:
 
     write .NAME.tmp-*         NAME = old       incomplete: removed by the next write, ignored by readers
     .NAME.tmp-* -> .NAME.new  NAME = old       the new artifact is complete: the swap is finished
@@ -25,11 +35,14 @@ The directory swap, with `.NAME.tmp-*` (being written), `.NAME.new` (complete) a
     remove .NAME.old          NAME = new       what is left of .NAME.old is removed
 
 Where outputs may go (`check_output_path`, used by every command and by the trainer). An output is
-refused, in one line naming it, when it is empty or would overwrite an input. A directory replaced
-whole (a checkpoint) must be missing, empty or an artifact of this project (`is_artifact`: it holds
-nothing but what occult_ft, transformers, PEFT, Trainer and DeepSpeed write there, and a mark of
-occult_ft or of a training run), and is never the working directory; a directory written into (a
-training run's `output_dir`) must not hold files of the user's at the names the run writes (their
+refused, in one line naming it, when it is empty or would overwrite an input. Who owns an entry of an
+output directory is decided in one place, `WRITTEN`: every name transformers, PEFT, Trainer, DeepSpeed,
+TensorBoard and occult_ft write into a checkpoint or a run's `output_dir` (`checkpoint-N` folders are
+looked into; a README.md is ours only when it is occult_ft's model card, or PEFT's beside an adapter;
+`model_card_writer`); everything else is the user's (`foreign_entries`). A directory replaced whole (a
+checkpoint) must be missing, empty or an artifact of this project (`is_artifact`: nothing foreign, and a
+mark of occult_ft or of a training run), and is never the working directory; a directory written into
+(a training run's `output_dir`) must not hold files of the user's at the names the run writes (their
 README.md, a model occult_ft did not write). So a user's own files are never replaced.
 
 Reading (`reading`, `reading_directory`, `read_json_object`, `read_text`, `load_safetensors`,
@@ -40,20 +53,27 @@ a pickle that holds code) is one `ReadError` line, `could not read FILE: reason;
 from __future__ import annotations
 
 import contextlib
-import fnmatch
+import ctypes
+import dataclasses
+import errno
+import functools
 import glob
 import json
 import os
 import pickle
+import platform
+import re
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 
 __all__ = [
     "OutputPathError",
     "ReadError",
-    "ARTIFACT_ENTRIES",
+    "WRITTEN",
+    "Written",
     "CONVERTED_MARK",
     "atomic_write_text",
     "atomic_save",
@@ -63,6 +83,7 @@ __all__ = [
     "check_output_path",
     "foreign_entries",
     "is_artifact",
+    "model_card_writer",
     "reading",
     "reading_directory",
     "read_error",
@@ -192,6 +213,66 @@ def recover_directory(out_dir: str | os.PathLike) -> None:
                 os.replace(retired, out_dir)
 
 
+# renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE): <fcntl.h>, <linux/fs.h>; its system call number
+# where libc has no wrapper (glibc < 2.28): <asm/unistd_64.h>, <asm/unistd_32.h>, and <asm-generic/unistd.h>
+# for arm64, riscv64 and loongarch64
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+_RENAMEAT2_SYSCALL = {
+    "x86_64": 316,
+    "i386": 353,
+    "i686": 353,
+    "aarch64": 276,
+    "riscv64": 276,
+    "loongarch64": 276,
+}
+# what a kernel, filesystem or sandbox that cannot exchange answers: the journal is used instead
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM, errno.ENOENT}
+
+
+@functools.cache
+def _renameat2(libc_wrapper: bool = True) -> Callable[[bytes, bytes, int], int] | None:
+    """`renameat2` relative to the working directory (0, or -1 with errno set): libc's wrapper, else
+    (or with `libc_wrapper=False`) the system call; None off Linux or with neither."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    wrapper = getattr(libc, "renameat2", None) if libc_wrapper else None
+    if wrapper is not None:
+        wrapper.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+        wrapper.restype = ctypes.c_int
+        return lambda a, b, flags: wrapper(_AT_FDCWD, a, _AT_FDCWD, b, flags)
+    number = _RENAMEAT2_SYSCALL.get(platform.machine())
+    if number is None:
+        return None
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+    return lambda a, b, flags: syscall(
+        ctypes.c_long(number),
+        ctypes.c_int(_AT_FDCWD),
+        ctypes.c_char_p(a),
+        ctypes.c_int(_AT_FDCWD),
+        ctypes.c_char_p(b),
+        ctypes.c_uint(flags),
+    )
+
+
+def _exchange_directories(a: str, b: str) -> bool:
+    """Exchange the directories `a` and `b` in one atomic step; False (nothing moved) where that is not
+    possible: no renameat2, a filesystem or sandbox refusing RENAME_EXCHANGE, or `b` missing."""
+    call = _renameat2()
+    if call is None:
+        return False
+    if call(os.fsencode(a), os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
 @contextlib.contextmanager
 def atomic_directory(out_dir: str | os.PathLike, what: str = "output") -> Iterator[str]:
     """Yield a temporary sibling directory; on success it replaces `out_dir` whole.
@@ -214,74 +295,77 @@ def atomic_directory(out_dir: str | os.PathLike, what: str = "output") -> Iterat
     try:
         yield tmp
         umask_modes(tmp)  # safetensors writes its files 0600
-        os.replace(tmp, new)  # complete: from here on every reader ends up with the new artifact
+        if _exchange_directories(tmp, out_dir):  # out_dir is the new artifact, tmp the old one
+            with contextlib.suppress(OSError):  # retired: recover_directory removes it, also if killed
+                os.replace(tmp, os.path.join(parent, f".{name}.old"))
+            shutil.rmtree(tmp, ignore_errors=True)  # in case it could not be retired by name
+        else:  # the journal: complete, and from here on every reader ends up with the new artifact
+            os.replace(tmp, new)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     recover_directory(out_dir)
 
 
-# ---- what occult_ft may overwrite -------------------------------------------------------------------
-#: fnmatch patterns of the entries occult_ft, transformers, PEFT, Trainer and DeepSpeed write into a
-#: checkpoint or a training output directory (README.md only when it is an occult_ft card)
-ARTIFACT_ENTRIES = (
-    # a transformers checkpoint, its tokenizer and remote code
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "model-*-of-*.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model*.bin",
-    "pytorch_model.bin.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "*.tiktoken",
-    "chat_template.jinja",
-    "chat_template.json",
-    "preprocessor_config.json",
-    "processor_config.json",
-    "modeling_*.py",
-    "configuration_*.py",
-    "tokenization_*.py",
-    # PEFT
-    "adapter_config.json",
-    "adapter_model.safetensors",
-    "adapter_model.bin",
-    # occult_ft
-    "occult_config.json",
-    "occult_similarity.tables",
-    "occult_similarity.safetensors",  # the name before issue 25
-    "occult_pruned_routing.py",
-    "comm_complexity.png",
-    "README.md",
-    # Trainer
-    "training_args.bin",
-    "trainer_state.json",
-    "optimizer.pt",
-    "optimizer.bin",
-    "scheduler.pt",
-    "scaler.pt",
-    "rng_state*.pth",
-    "optimizer_expert_shard_*_of_*.pt",
-    "all_results.json",
-    "train_results.json",
-    "eval_results.json",
-    "checkpoint-*",
-    "runs",
-    # DeepSpeed
-    "global_step*",
-    "latest",
-    "zero_to_fp32.py",
+# ---- who writes what: the one ownership rule ---------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """A name that a writer of checkpoints or of a training run's `output_dir` puts into a directory.
+
+    pattern: a regular expression matched against the whole entry name.
+    kind: `file`; `folder`, kept whole (logs, DeepSpeed's and FSDP's state); `checkpoint`, a Trainer
+        `checkpoint-N` folder whose entries are checked against this table again; `card`, a README.md
+        that is this project's only when `model_card_writer` finds a writer of this table that wrote it
+        there.
+    top: only at the top of a directory, never inside a `checkpoint-N` folder.
+    """
+
+    pattern: str
+    writer: str
+    kind: str = "file"
+    top: bool = False
+
+
+#: every entry transformers, PEFT, Trainer, DeepSpeed, TensorBoard and occult_ft write into a checkpoint
+#: or a training run's output_dir (transformers 5.x, PEFT 0.21, DeepSpeed 0.19); nothing else is theirs
+WRITTEN = (
+    # a transformers checkpoint (`save_pretrained`), its tokenizer or processor and remote code
+    Written(r"config\.json", "transformers"),
+    Written(r"generation_config\.json", "transformers"),
+    Written(r"model(-\d+-of-\d+)?\.safetensors", "transformers"),
+    Written(r"model\.safetensors\.index\.json", "transformers"),
+    Written(r"pytorch_model(-\d+-of-\d+)?\.bin", "transformers"),
+    Written(r"pytorch_model\.bin\.index\.json", "transformers"),
+    Written(r"(tokenizer|special_tokens_map|added_tokens|vocab|chat_template)\.json", "transformers"),
+    Written(r"tokenizer_config\.json", "transformers"),
+    Written(r"vocab\.txt|merges\.txt|tokenizer\.model|spiece\.model|.+\.tiktoken", "transformers"),
+    Written(r"chat_template\.jinja", "transformers"),
+    Written(r"additional_chat_templates", "transformers", kind="folder"),
+    Written(r"(pre)?processor_config\.json", "transformers"),
+    Written(r"(modeling|configuration|tokenization)_\w+\.py", "transformers"),
+    # PEFT (`PeftModel.save_pretrained`; its model card in every adapter folder)
+    Written(r"adapter_config\.json", "PEFT"),
+    Written(r"adapter_model\.(safetensors|bin)", "PEFT"),
+    Written(r"README\.md", "PEFT or occult_ft", kind="card"),
+    # occult_ft (its model card: the README.md row above)
+    Written(r"occult_config\.json|occult_similarity\.tables|occult_pruned_routing\.py", "occult_ft"),
+    Written(r"occult_similarity\.safetensors", "occult_ft"),  # the tables file before issue 25
+    Written(r"comm_complexity\.png", "occult_ft"),
+    Written(r"optimizer_expert_shard_\d+_of_\d+\.pt", "occult_ft"),
+    # Trainer: run state in every checkpoint-N, results and the checkpoint folders at the top
+    Written(r"training_args\.bin|trainer_state\.json", "Trainer"),
+    Written(r"optimizer(_\d+)?\.(pt|bin)|scheduler\.pt|scaler\.pt", "Trainer"),
+    Written(r"rng_state(_\d+)?\.pth", "Trainer"),  # one per process under a launcher
+    Written(r"pytorch_model_fsdp(_\d+)?(\.bin)?", "Trainer"),  # FSDP: a file per rank, or
+    Written(r"pytorch_model_fsdp(_\d+)?|optimizer_\d+", "Trainer", kind="folder"),  # a sharded folder
+    Written(r"(all|train|eval)_results\.json", "Trainer", top=True),
+    Written(r"checkpoint-\d+", "Trainer", kind="checkpoint", top=True),
+    Written(r"runs", "TensorBoard", kind="folder", top=True),  # logging_dir: runs/DATE_HOST
+    # DeepSpeed (`engine.save_checkpoint`): the state folder, the tag of the latest one, the converter
+    Written(r"global_step\d+", "DeepSpeed", kind="folder"),
+    Written(r"latest|zero_to_(fp32|torch)\.py", "DeepSpeed"),  # engine._copy_recovery_script: both
 )
-# directories kept whole (logs, DeepSpeed state); `checkpoint-*` folders are looked into
-_OPAQUE_DIRS = ("runs", "global_step*")
+_WRITTEN_NAME = re.compile("|".join(f"(?:{w.pattern})" for w in WRITTEN))
 #: the key `occult_ft.checkpoint.convert` writes into the index metadata of a converted checkpoint
 CONVERTED_MARK = "converted_by_occult_ft"
 _CARD_TAG = "occult"  # the tag of occult_ft model cards (occult_ft.checkpoint.card.CARD_TAGS)
@@ -295,20 +379,63 @@ _MARKS = (
 _RUN_MARKS = ("trainer_state.json", "training_args.bin")
 
 
-def _matches(name: str, patterns) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def _is_card(path: str) -> bool:
-    """A README.md that occult_ft wrote: its YAML front matter lists the `occult` tag."""
+def model_card_writer(path: str | os.PathLike) -> str | None:
+    """The library that wrote the model card (README.md) at `path`, read from its YAML front matter:
+    `occult_ft` (the `occult` tag), `PEFT` (`library_name: peft`, the card `PeftModel.save_pretrained`
+    writes beside every adapter, checkpoint-N folders included), or None: not a card of theirs."""
     try:
         with open(path, encoding="utf-8") as f:
             head = f.read(4096)
     except (OSError, UnicodeDecodeError):
-        return False
+        return None
     if not head.startswith("---") or head.count("---") < 2:
-        return False
-    return any(line.strip() == f"- {_CARD_TAG}" for line in head.split("---", 2)[1].splitlines())
+        return None
+    meta = [line.strip() for line in head.split("---", 2)[1].splitlines()]
+    if f"- {_CARD_TAG}" in meta:
+        return "occult_ft"
+    if "library_name: peft" in meta:
+        return "PEFT"
+    return None
+
+
+def _writer(directory: str, name: str, in_checkpoint: bool) -> Written | None:
+    """The row of `WRITTEN` that accounts for the entry `name` of `directory`, or None: the user's."""
+    path = os.path.join(directory, name)
+    is_dir = os.path.isdir(path)
+    for row in WRITTEN:
+        if (in_checkpoint and row.top) or not re.fullmatch(row.pattern, name):
+            continue
+        if row.kind == "card":
+            writer = None if is_dir else model_card_writer(path)
+            # PEFT writes its card only beside an adapter; occult_ft's card is ours wherever it is
+            if writer == "occult_ft" or (
+                writer == "PEFT" and os.path.isfile(os.path.join(directory, "adapter_config.json"))
+            ):
+                return row
+        elif is_dir == (row.kind != "file"):
+            return row
+    return None
+
+
+def _listing(directory: str) -> list[str]:
+    with contextlib.suppress(FileNotFoundError):  # removed meanwhile (a checkpoint rotated away)
+        return sorted(os.listdir(directory))
+    return []
+
+
+def foreign_entries(directory: str | os.PathLike, _in_checkpoint: bool = False) -> list[str]:
+    """Entries of `directory` (relative paths, sorted; folders end in `/`) that no writer of `WRITTEN`
+    put there: the files a user keeps there. `checkpoint-N` folders are looked into; a README.md is
+    foreign unless it is occult_ft's model card, or PEFT's beside an adapter."""
+    directory = os.fspath(directory)
+    found = []
+    for name in _listing(directory):
+        row = _writer(directory, name, _in_checkpoint)
+        if row is None:
+            found.append(name + ("/" if os.path.isdir(os.path.join(directory, name)) else ""))
+        elif row.kind == "checkpoint":
+            found.extend(f"{name}/{inner}" for inner in foreign_entries(os.path.join(directory, name), True))
+    return found
 
 
 def _json_has(path: str, *keys: str) -> bool:
@@ -323,44 +450,24 @@ def _json_has(path: str, *keys: str) -> bool:
     return True
 
 
-def foreign_entries(directory: str | os.PathLike) -> list[str]:
-    """Entries of `directory` (relative paths, sorted) that no writer of a checkpoint or training output
-    produces: the files a user keeps there. `checkpoint-*` folders are looked into; a README.md that is
-    not an occult_ft model card is foreign."""
-    directory = os.fspath(directory)
-    found = []
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if not _matches(name, ARTIFACT_ENTRIES) or (name == "README.md" and not _is_card(path)):
-            found.append(name + ("/" if os.path.isdir(path) else ""))
-        elif os.path.isdir(path) and not _matches(name, _OPAQUE_DIRS):
-            if not fnmatch.fnmatchcase(name, "checkpoint-*"):
-                found.append(name + "/")  # e.g. a folder called config.json
-            else:
-                found.extend(f"{name}/{inner}" for inner in foreign_entries(path))
-        elif not os.path.isdir(path) and fnmatch.fnmatchcase(name, "checkpoint-*"):
-            found.append(name)
-    return found
-
-
 def _marked(directory: str) -> bool:
-    """A mark of this project in `directory` or one of its `checkpoint-*` folders: a file only occult_ft
+    """A mark of this project in `directory` or one of its `checkpoint-N` folders: a file only occult_ft
     writes, a config.json with an `occult` block, an occult_ft model card, the index of a converted
     checkpoint, or a Trainer's state."""
 
     def marked(path: str) -> bool:
-        names = os.listdir(path)
+        names = _listing(path)
         return (
             any(n in names for n in _MARKS + _RUN_MARKS)
             or _json_has(os.path.join(path, "config.json"), "occult")  # the occult block
             or _json_has(os.path.join(path, "model.safetensors.index.json"), "metadata", CONVERTED_MARK)
-            or ("README.md" in names and _is_card(os.path.join(path, "README.md")))
+            or model_card_writer(os.path.join(path, "README.md")) == "occult_ft"
         )
 
     return marked(directory) or any(
         marked(os.path.join(directory, n))
-        for n in os.listdir(directory)
-        if fnmatch.fnmatchcase(n, "checkpoint-*") and os.path.isdir(os.path.join(directory, n))
+        for n in _listing(directory)
+        if re.fullmatch(r"checkpoint-\d+", n) and os.path.isdir(os.path.join(directory, n))
     )
 
 
@@ -412,7 +519,7 @@ def check_output_path(
         contains = os.path.isdir(out) and _inside(source, out)
         if contains and directory and not replace:  # written into: only an input at a written name is hit
             top = os.path.relpath(os.path.realpath(source), os.path.realpath(out)).split(os.sep)[0]
-            contains = top == "." or _matches(top, ARTIFACT_ENTRIES)
+            contains = top == "." or bool(_WRITTEN_NAME.fullmatch(top))
         if _inside(out, source) or contains:
             raise OutputPathError(
                 f"{what} {out!r} would overwrite the input {source!r}; write to a new path outside it"
@@ -431,11 +538,11 @@ def check_output_path(
         return
     foreign = foreign_entries(out)
     if not replace:  # only what the run writes counts: the user's other files stay as they are
-        foreign = [f for f in foreign if _matches(f.split("/")[0], ARTIFACT_ENTRIES)]
+        foreign = [f for f in foreign if _WRITTEN_NAME.fullmatch(f.split("/")[0])]
         written = [  # files the run writes over (logs and checkpoint folders are checked above)
             n
             for n in sorted(os.listdir(out))
-            if _matches(n, ARTIFACT_ENTRIES) and os.path.isfile(os.path.join(out, n))
+            if _WRITTEN_NAME.fullmatch(n) and os.path.isfile(os.path.join(out, n))
         ]
         if foreign:
             raise OutputPathError(

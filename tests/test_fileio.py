@@ -3,8 +3,12 @@ every step), artifact permissions that follow the umask, and the one `could not 
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -14,7 +18,9 @@ import textwrap
 import pytest
 import torch
 
+import occult_ft.fileio as fileio
 from occult_ft.fileio import (
+    WRITTEN,
     OutputPathError,
     ReadError,
     atomic_directory,
@@ -24,6 +30,7 @@ from occult_ft.fileio import (
     foreign_entries,
     is_artifact,
     load_safetensors,
+    model_card_writer,
     read_json_object,
     read_text,
     recover_directory,
@@ -185,13 +192,125 @@ def test_file_and_directory_outputs_of_the_wrong_kind_are_refused(tmp_path):
     check_output_path(tmp_path / "new", what="--out", directory=True)
 
 
+# ---- who owns what: one table for every writer of a run ------------------------------------------------
+PEFT_CARD = "---\nbase_model: base\nlibrary_name: peft\ntags:\n- lora\n---\n\n# Model Card for Model ID\n"
+OCCULT_CARD = "---\nlibrary_name: peft\ntags:\n- moe\n- occult\n---\n\n# Occult adapter\n"
+_CHECKPOINT = {  # what every checkpoint-N of a run can hold, whoever wrote it
+    "config.json": "{}", "generation_config.json": "{}", "model-00001-of-00002.safetensors": "",
+    "model-00002-of-00002.safetensors": "", "model.safetensors.index.json": "{}",
+    "pytorch_model.bin": "", "pytorch_model.bin.index.json": "{}",
+    "tokenizer.json": "{}", "tokenizer_config.json": "{}", "special_tokens_map.json": "{}",
+    "added_tokens.json": "{}", "vocab.json": "{}", "merges.txt": "", "tokenizer.model": "", "vocab.txt": "",
+    "cl100k.tiktoken": "", "chat_template.jinja": "", "chat_template.json": "{}",
+    "additional_chat_templates/tool.jinja": "", "processor_config.json": "{}",
+    "preprocessor_config.json": "{}", "modeling_deepseek.py": "", "configuration_deepseek.py": "",
+    "tokenization_deepseek.py": "",
+    "adapter_config.json": "{}", "adapter_model.safetensors": "", "adapter_model.bin": "", "README.md": PEFT_CARD,
+    "occult_config.json": "{}", "occult_similarity.tables": "", "occult_similarity.safetensors": "", "occult_pruned_routing.py": "",
+    "optimizer_expert_shard_1_of_2.pt": "",
+    "training_args.bin": "", "trainer_state.json": "{}", "optimizer.pt": "", "optimizer.bin": "",
+    "optimizer_1.bin": "", "scheduler.pt": "", "scaler.pt": "", "rng_state_0.pth": "", "rng_state_1.pth": "",
+    "pytorch_model_fsdp_0/__0_0.distcp": "", "optimizer_0/__0_0.distcp": "", "pytorch_model_fsdp.bin": "",
+    "global_step4/mp_rank_00_model_states.pt": "", "global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt": "",
+    "latest": "global_step4", "zero_to_fp32.py": "", "zero_to_torch.py": "",
+}  # fmt: skip
+#: a run's output_dir as all its writers leave it (a LoRA run under DeepSpeed on 2 processes, logged to
+#: TensorBoard, with a full model beside to cover both kinds of result)
+RUN_LAYOUT = {
+    **_CHECKPOINT,
+    **{f"checkpoint-4/{k}": v for k, v in _CHECKPOINT.items()},
+    "checkpoint-2/adapter_config.json": "{}",
+    "checkpoint-2/README.md": PEFT_CARD,
+    "checkpoint-2/trainer_state.json": "{}",
+    "README.md": OCCULT_CARD,
+    "rng_state.pth": "",
+    "comm_complexity.png": "",
+    "all_results.json": "{}",
+    "train_results.json": "{}",
+    "eval_results.json": "{}",
+    "runs/Dec02_07-00-00_host/events.out.tfevents.1.host": "",
+}
+
+
+def _lay_out(root, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_every_entry_a_run_writes_is_the_runs(tmp_path):
+    """One entry per row of `WRITTEN` at least (checked), in a checkpoint folder and at the top."""
+    _lay_out(tmp_path / "run", RUN_LAYOUT)
+    names = {part for rel in RUN_LAYOUT for part in rel.split("/")[:-1] + [rel.split("/")[-1]]}
+    unused = [row.pattern for row in WRITTEN if not any(re.fullmatch(row.pattern, n) for n in names)]
+    assert unused == [], f"rows of WRITTEN without an example here: {unused}"
+    assert foreign_entries(tmp_path / "run") == [] and is_artifact(tmp_path / "run")
+    check_output_path(tmp_path / "run", what="output_dir", directory=True, replace=False)
+    check_output_path(tmp_path / "run", what="--out", directory=True)  # replaced whole: fine too
+
+
+#: (files laid into a run's output_dir, what is foreign, whether a run writing into it is refused)
+USER_FILES = {
+    "a README of the user's at the top": ({"README.md": "# my notes\n"}, ["README.md"], True),
+    "a README with front matter that no writer wrote": (
+        {"README.md": "---\ntitle: mine\n---\n# notes\n"}, ["README.md"], True),
+    "PEFT's card without an adapter beside it": ({"README.md": PEFT_CARD}, ["README.md"], True),
+    "a README of the user's in a checkpoint": (
+        {"checkpoint-1/README.md": "# what I saw\n"}, ["checkpoint-1/README.md"], True),
+    "notes in a checkpoint": ({"checkpoint-1/notes.txt": "x"}, ["checkpoint-1/notes.txt"], True),
+    "logs inside a checkpoint": ({"checkpoint-1/runs/x": ""}, ["checkpoint-1/runs/"], True),
+    "a checkpoint inside a checkpoint": ({"checkpoint-1/checkpoint-2/x": ""}, ["checkpoint-1/checkpoint-2/"], True),
+    "a folder at a file's name": ({"config.json/x": ""}, ["config.json/"], True),
+    "a file at DeepSpeed's folder name": ({"checkpoint-1/global_step3": ""}, ["checkpoint-1/global_step3"], True),
+    "a folder named like a checkpoint": ({"checkpoint-final/x": ""}, ["checkpoint-final/"], False),
+    "an unrelated folder": ({"notes/plan.md": "", "ds_config.json": "{}"}, ["ds_config.json", "notes/"], False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", USER_FILES)
+def test_a_users_file_is_still_the_users(tmp_path, case):
+    files, foreign, refused = USER_FILES[case]
+    run = tmp_path / "run"
+    _lay_out(run, {"trainer_state.json": "{}", "checkpoint-1/trainer_state.json": "{}", **files})
+    assert foreign_entries(run) == foreign
+    before = _tree(run)
+    with pytest.raises(OutputPathError, match="holds files occult_ft did not write"):
+        check_output_path(run, what="--out", directory=True)  # replacing it would lose them
+    if refused:  # the run would write over them
+        with pytest.raises(OutputPathError, match=r"holds files of yours that training would overwrite"):
+            check_output_path(run, what="output_dir", directory=True, replace=False)
+    else:  # training leaves them alone
+        check_output_path(run, what="output_dir", directory=True, replace=False)
+    assert _tree(run) == before
+
+
+def test_the_cards_peft_writes_are_recognised_as_peft_s(tmp_path):
+    """The real PEFT card, written fresh and written over an occult_ft card (a LoRA run's final save
+    writes PEFT's card first, then occult_ft's)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraConfig(target_modules=["0"], r=2))
+    model.save_pretrained(tmp_path / "fresh")
+    assert model_card_writer(tmp_path / "fresh" / "README.md") == "PEFT"
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "README.md").write_text(OCCULT_CARD)
+    model.save_pretrained(tmp_path / "final")
+    assert model_card_writer(tmp_path / "final" / "README.md") in ("PEFT", "occult_ft")
+    for folder in ("fresh", "final"):
+        (tmp_path / folder / "occult_config.json").write_text("{}")
+        assert foreign_entries(tmp_path / folder) == [] and is_artifact(tmp_path / folder)
+    (tmp_path / "fresh" / "adapter_config.json").unlink()  # a PEFT card alone is not PEFT's doing
+    assert foreign_entries(tmp_path / "fresh") == ["README.md"]
+    assert model_card_writer(tmp_path / "fresh" / "adapter_model.safetensors") is None
+
+
 # ---- the directory swap, killed at every step -------------------------------------------------------
 _KILLER = textwrap.dedent(
     """
-    import json, os, shutil, signal, sys
+    import ctypes, errno, json, os, shutil, signal, sys
     import occult_ft.fileio as fileio
 
-    target, step = sys.argv[1], int(sys.argv[2])
+    target, step, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     calls = {"n": 0}
 
     def tick():
@@ -199,7 +318,7 @@ _KILLER = textwrap.dedent(
         if calls["n"] == step:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    real_replace, real_remove = os.replace, os.remove
+    real_replace, real_remove, real_exchange = os.replace, os.remove, fileio._exchange_directories
 
     def replace(a, b):
         real_replace(a, b)
@@ -209,14 +328,27 @@ _KILLER = textwrap.dedent(
         real_remove(path, *args, **kwargs)
         tick()
 
+    def exchange(a, b):
+        done = real_exchange(a, b)
+        if done:
+            tick()
+        return done
+
+    if path == "journal":  # a filesystem that refuses RENAME_EXCHANGE: renameat2 answers EINVAL
+        def refused(a, b, flags):
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+
+        fileio._renameat2 = lambda: refused
     os.replace = replace
     os.remove = os.unlink = remove
+    fileio._exchange_directories = exchange
     with fileio.atomic_directory(target) as tmp:
         tick()  # step 1: the new copy is half written
         for name in ("config.json", "model.safetensors", "occult_similarity.safetensors"):
             with open(os.path.join(tmp, name), "w") as f:
                 f.write(json.dumps({"occult": "new"}) if name == "config.json" else "new")
-    print("finished")
+    print("finished", calls["n"])
     """
 )
 
@@ -229,24 +361,111 @@ def _version(path) -> str:
     return values.pop()
 
 
-@pytest.mark.parametrize("step", range(1, 9))
-def test_a_swap_killed_at_any_step_leaves_the_old_or_the_new_artifact(tmp_path, step):
-    """Steps: 1 half-written copy, 2 .new complete, 3 old retired (the target missing), 4 new in place,
-    5-7 the retired copy half removed, 8 past the end (the write finished)."""
+def _can_exchange(tmp_path) -> bool:
+    (tmp_path / "probe-a").mkdir()
+    (tmp_path / "probe-b").mkdir()
+    (tmp_path / "probe-a" / "a").write_text("")
+    done = fileio._exchange_directories(str(tmp_path / "probe-a"), str(tmp_path / "probe-b"))
+    assert done == (tmp_path / "probe-b" / "a").exists()  # exchanged, or nothing moved
+    shutil.rmtree(tmp_path / "probe-a")
+    shutil.rmtree(tmp_path / "probe-b")
+    return done
+
+
+#: steps of each swap at which the writer is killed: exchange 1 half-written copy, 2 exchanged (the old
+#: copy at .tmp-*), 3 retired (.old), 4-6 .old half removed, 7-8 past the end; journal 1 half-written
+#: copy, 2 .new complete, 3 old retired (the target missing), 4 new in place, 5-7 .old half removed, 8 past
+#: the end
+SWAPS = [("exchange", step) for step in range(1, 9)] + [("journal", step) for step in range(1, 9)]
+
+
+@pytest.mark.parametrize("path, step", SWAPS)
+def test_a_swap_killed_at_any_step_leaves_the_old_or_the_new_artifact(tmp_path, path, step):
+    if path == "exchange" and not _can_exchange(tmp_path):
+        pytest.skip("this filesystem or kernel cannot exchange directories (renameat2 RENAME_EXCHANGE)")
     target = tmp_path / "ckpt"
     _write_artifact(target, "old")
     done = subprocess.run(
-        [sys.executable, "-c", _KILLER, str(target), str(step)], capture_output=True, text=True
+        [sys.executable, "-c", _KILLER, str(target), str(step), path], capture_output=True, text=True
     )
     killed = done.returncode == -signal.SIGKILL
     assert killed or (done.returncode == 0 and "finished" in done.stdout), done.stderr
+    expected = "old" if step <= 1 else "new"
+    if path == "exchange":  # no recovery needed: the target is whole at every instant, for any reader
+        assert _version(target) == expected
+        if step == 2:  # killed right after the exchange: the old copy sits in the unfinished write
+            (old,) = [n for n in os.listdir(tmp_path) if n != "ckpt"]
+            assert ".tmp-" in old and _version(tmp_path / old) == "old"
+    elif step == 3:  # the journal's missing moment, which the next reader or write finishes
+        assert not target.exists() and (tmp_path / ".ckpt.new").is_dir()
     recover_directory(target)  # what a reader (occult_ft.from_pretrained, the next write) does first
-    seen = _version(target)
-    assert seen == ("old" if step <= 1 else "new")
+    assert _version(target) == expected
     left = [n for n in os.listdir(tmp_path) if n != "ckpt"]
     assert all(".tmp-" in n for n in left), left  # only an unfinished write, which the next one removes
     _write_artifact(target, "next")
     assert _version(target) == "next" and os.listdir(tmp_path) == ["ckpt"]
+
+
+@pytest.mark.parametrize("libc_wrapper", [True, False], ids=["libc", "syscall"])
+def test_renameat2_exchanges_through_libc_or_the_system_call(tmp_path, libc_wrapper):
+    call = fileio._renameat2(libc_wrapper)
+    if call is None or not _can_exchange(tmp_path):
+        pytest.skip("no renameat2 RENAME_EXCHANGE here")
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"in-{name}").write_text(name)
+    a, b = os.fsencode(tmp_path / "a"), os.fsencode(tmp_path / "b")
+    assert call(a, b, 2) == 0  # RENAME_EXCHANGE
+    assert os.listdir(tmp_path / "a") == ["in-b"] and os.listdir(tmp_path / "b") == ["in-a"]
+    assert call(a, b, 1 | 2) == -1 and ctypes.get_errno() == errno.EINVAL  # NOREPLACE with EXCHANGE
+    assert fileio._exchange_directories(str(tmp_path / "a"), str(tmp_path / "missing")) is False
+    assert os.listdir(tmp_path / "a") == ["in-b"]  # nothing moved: the journal takes over
+
+
+_KILLED_AFTER_THE_EXCHANGE = textwrap.dedent(
+    """
+    import os, signal, sys
+    import occult_ft.fileio as fileio
+    from occult_ft.cli import main
+
+    real_exchange = fileio._exchange_directories
+
+    def exchange(a, b):
+        done = real_exchange(a, b)
+        if done:  # the instant the previous swap had no target at all
+            os.kill(os.getpid(), signal.SIGKILL)
+        return done
+
+    fileio._exchange_directories = exchange
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_prune_out_killed_in_its_swap_leaves_a_model_stock_transformers_loads(tmp_path, tiny_olmoe_dir):
+    """`prune --out DIR` over an earlier output, killed right after the exchange: with no occult_ft reader
+    run since, DIR is the new pruned checkpoint for stock transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft.cli import main
+
+    if not _can_exchange(tmp_path):
+        pytest.skip("this filesystem or kernel cannot exchange directories (renameat2 RENAME_EXCHANGE)")
+    out = tmp_path / "pruned"
+    argv = ["prune", tiny_olmoe_dir, "--placement", "sequential", "--devices", "4", "--out", str(out)]
+    assert main(argv) == 0
+    again = [*argv, "--max-devices-per-token", "1", "--criterion", "score"]
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_AFTER_THE_EXCHANGE, *again], capture_output=True, text=True
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert json.loads((out / "config.json").read_text())["occult"]["max_devices_per_token"] == 1
+    model = AutoModelForCausalLM.from_pretrained(out)  # stock transformers, no recovery first
+    assert model.config.model_type == "olmoe"
+    (left,) = [n for n in os.listdir(tmp_path) if n != "pruned"]
+    assert left.startswith(".pruned.tmp-")  # the previous output, removed by the next write
+    assert main(again) == 0 and sorted(os.listdir(tmp_path)) == ["pruned"]
 
 
 def test_a_swap_interrupted_by_an_earlier_release_gets_its_old_artifact_back(tmp_path):

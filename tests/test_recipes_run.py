@@ -4,8 +4,9 @@ Each recipe is launched as its header says (`torchrun --nproc_per_node N -m occu
 recipes/NAME.yaml`, gloo on CPU) with only size fields overridden: the same model type at a tiny width
 (DeepSeek-MoE in its original `deepseek` layout, converted on the fly; Kimi-K2 under its own `kimi_k2`
 model type), the same `train_mode`, expert-parallel layout, exchange, placement, budget and criterion,
-the shipped Alpaca-shaped instruction rows, two optimizer steps. The saved checkpoint or LoRA adapter
-then reloads with its budget.
+the shipped Alpaca-shaped instruction rows, two optimizer steps with a checkpoint after each (the
+recipe's own `save_strategy: steps`, at `save_steps` 1). The saved checkpoint or LoRA adapter then
+reloads with its budget, beside its checkpoints.
 
 A multi-node recipe (`torchrun --nnodes N --nproc_per_node G --rdzv_backend c10d ...`) cannot bring its
 32 or 64 processes to a CI machine: it runs on 2 "nodes" of 2 processes, two torchrun agents on this
@@ -125,7 +126,7 @@ def test_recipe_runs_as_written_at_tiny_width(name, tmp_path):
         "--profile_tokens", "1024",
         "--warmup_steps", "0",
         "--logging_steps", "1",
-        "--save_strategy", "no",
+        "--save_steps", "1",  # the recipe's save_strategy (steps) and save_total_limit, a checkpoint each step
         "--output_dir", str(out),
         "--disable_tqdm", "true",
     ]  # fmt: skip
@@ -191,3 +192,12 @@ def test_recipe_runs_as_written_at_tiny_width(name, tmp_path):
     assert budgets == {(want["max_devices_per_token"], want["max_nodes_per_token"])}
     trained = json.loads((out / "all_results.json").read_text())
     assert trained["train_loss"] > 0
+    # the checkpoints the run kept (save_total_limit 2) and every file beside them are the run's own
+    from occult_ft.fileio import foreign_entries
+
+    assert recipe["save_strategy"] == "steps" and recipe["save_total_limit"] >= 2
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == [
+        "checkpoint-1",
+        "checkpoint-2",
+    ]
+    assert foreign_entries(out) == []

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..embedded import embedded_model_path
-from ..fileio import atomic_save, atomic_write_text, read_json_object
+from ..fileio import atomic_save, atomic_write_text, model_card_writer, read_json_object
 from ..metrics import comm_complexity_lower_bound, random_placement_comm_complexity
 from ..models.family import auto_model_class
 from .format import CheckpointSummary, OccultBlock, describe_checkpoint
@@ -492,13 +492,5 @@ def last_eval_metrics(log_history: list[dict]) -> dict[str, Any]:
 
 def is_occult_card(path: str | os.PathLike) -> bool:
     """Whether the README.md at `path` is a model card occult_ft wrote (its metadata carries the
-    `occult` tag): such a file may be replaced, a user's README may not."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            head = f.read(4096)
-    except (OSError, UnicodeDecodeError):
-        return False
-    if not head.startswith("---"):
-        return False
-    meta = head.split("---", 2)[1] if head.count("---") >= 2 else ""
-    return any(line.strip() == f"- {CARD_TAGS[1]}" for line in meta.splitlines())
+    `occult` tag): such a file may be replaced, a user's README may not (`fileio.model_card_writer`)."""
+    return model_card_writer(path) == "occult_ft"

@@ -50,7 +50,7 @@ from ..checkpoint import OccultBlock
 from ..checkpoint.card import last_eval_metrics, write_model_card
 from ..data.batching import real_token_mask
 from ..evaluation import make_comm_complexity_figure
-from ..fileio import check_output_path, reading_directory
+from ..fileio import OutputPathError, check_output_path, reading_directory
 from ..integrations.deepspeed import split_moe_param_groups
 from ..models.registry import unwrap_model
 from ..routing import pruned_routers
@@ -408,12 +408,7 @@ class OccultTrainerMixin(Trainer):
         Occult model card (README.md: placement, budget, measured comm_complexity, how to load) beside
         the model. The card's figure is only drawn on push, where the measurement is worth its cost."""
         if not _internal_call:  # a directory the user names: none of their files is overwritten
-            check_output_path(
-                output_dir if output_dir is not None else self.args.output_dir,
-                what="save_model's output_dir",
-                directory=True,
-                replace=False,
-            )
+            self._check_save_dir(output_dir if output_dir is not None else self.args.output_dir)
         self._occult_final_save = not _internal_call
         try:
             super().save_model(output_dir, _internal_call=_internal_call)
@@ -430,6 +425,26 @@ class OccultTrainerMixin(Trainer):
             )
         except (OSError, ValueError) as exc:  # the weights are saved; a card must not fail the run
             logger.warning(f"saved the model without its model card: {exc}")
+
+    def _check_save_dir(self, output_dir: str | None) -> None:
+        """`check_output_path` of a directory `save_model` writes into, by the process that writes it:
+        the others may get here while it still writes (or rotates away) the last checkpoint-N. Under
+        expert parallelism every rank takes part in the save (the shards are gathered), so the first
+        process decides for all and each raises the same refusal rather than wait in the gather."""
+        if self.expert_parallel is None:  # only the writing process looks (a rank-0-only save stays fine)
+            if self.args.should_save:
+                check_output_path(output_dir, what="save_model's output_dir", directory=True, replace=False)
+            return
+        error = None
+        if self.is_world_process_zero():
+            try:
+                check_output_path(output_dir, what="save_model's output_dir", directory=True, replace=False)
+            except OutputPathError as exc:
+                error = str(exc)
+        holder = [error]
+        torch.distributed.broadcast_object_list(holder, src=0)  # expert parallelism: a process group runs
+        if holder[0] is not None:
+            raise OutputPathError(holder[0])
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         save_checkpoint(self, output_dir, state_dict, final=getattr(self, "_occult_final_save", False))
