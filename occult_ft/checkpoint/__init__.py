@@ -52,6 +52,7 @@ from .save import (
     occult_config_fields,
     record_block,
     save_pruned,
+    with_router_bias,
     write_native_group_fields,
 )
 
@@ -77,6 +78,7 @@ __all__ = [
     "describe_checkpoint",
     "write_native_group_fields",
     "record_block",
+    "with_router_bias",
     "save_pruned",
     "attach_occult_save",
     "build_model_card",
