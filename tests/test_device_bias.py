@@ -251,3 +251,62 @@ def test_a_biased_native_budget_is_saved_with_remote_code(tmp_path):
 def test_device_bias_rate_is_validated(tmp_path, value):
     with pytest.raises(ValueError, match="device_bias_rate="):
         OccultConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", device_bias_rate=value)
+
+
+# ---- the trainer: the bias moves after each step and is saved --------------------------------------
+def _embedded_trainer(tmp_path, rate):
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
+    from occult_ft.trainer import OccultTrainer
+    from occult_ft.trainer.pipeline import load_run_dataset
+
+    config = OccultConfig(
+        output_dir=str(tmp_path),
+        model_name_or_path="embedded",
+        seq_len=64,
+        devices=4,
+        placement="sequential",  # the embedded model's own order: its trained routers are skewed
+        max_devices_per_token=2,
+        criterion="score",
+        balance_loss_coef=0.0,
+        device_bias_rate=rate,
+        learning_rate=0.0,  # the weights stay: whatever the routing does is the bias's doing
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        max_steps=20,
+        logging_steps=10,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+    )
+    model, tokenizer = load_model_and_tokenizer("embedded")
+    train_rows = load_run_dataset("embedded", None, tokenizer, config)
+    eval_rows = load_run_dataset("embedded", None, tokenizer, config, evaluation=True)
+    eval_rows = eval_rows.select(range(min(32, len(eval_rows))))
+    return OccultTrainer(model, args=config, train_dataset=train_rows, eval_dataset=eval_rows)
+
+
+@pytest.mark.slow
+def test_training_with_device_bias_lowers_the_load_imbalance_and_saves_the_bias(tmp_path):
+    trainer = _embedded_trainer(tmp_path / "run", rate=0.01)
+    before = trainer.evaluate()["eval_load_imbalance"]
+    trainer.train()
+    after = trainer.evaluate()["eval_load_imbalance"]
+    bias = router_device_bias(trainer.model)
+    assert set(bias) == {layer.index for layer in find_moe_layers(trainer.model)}
+    assert before > 1.2 and after < before - 0.1, (before, after)
+    # the hottest device of each layer ends with the lowest bias: the rule pushes rows away from it
+    assert all(torch.allclose(v.sum(), torch.zeros(())) for v in bias.values())  # centred
+    trainer.save_model(str(tmp_path / "out"))
+    block = model_block(from_pretrained(str(tmp_path / "out")))
+    assert block.device_bias == {i: tuple(v.tolist()) for i, v in bias.items()}
+
+
+@pytest.mark.slow
+def test_a_zero_rate_keeps_no_bias_and_the_routing(tmp_path):
+    trainer = _embedded_trainer(tmp_path / "run", rate=0.0)
+    before = trainer.evaluate()["eval_load_imbalance"]
+    trainer.train()
+    assert router_device_bias(trainer.model) is None
+    assert trainer.evaluate()["eval_load_imbalance"] == pytest.approx(before, abs=1e-9)
