@@ -159,7 +159,7 @@ def _pruned_class(base: type) -> type:
                     self.occult_expert_device,
                     getattr(self, "occult_similarity", None),
                     inputs,
-                    self._buffers.get("occult_device_bias"),  # only under a budget: the pruned router's
+                    self._buffers.get("occult_device_bias"),  # device balancing (under a budget only)
                 )
             if self.occult_recording:
                 probs = self.occult_arch.probabilities(self, logits)

@@ -215,9 +215,9 @@ def _disable_model_aux_loss(base: nn.Module) -> None:
 def _start_bias(
     base: nn.Module, args, pruning: PruningConfig, ckpt_block, indices: list[int]
 ) -> dict[int, torch.Tensor] | None:
-    """The device bias the run starts from: a resumed checkpoint's, else the one the loaded model's
-    routers hold (a checkpoint trained with it), zeros where none is held and `device_bias_rate` > 0;
-    None keeps the routers as they are."""
+    """The device bias the run starts from: the block's of a resumed checkpoint (else of the loaded
+    model: a shard-wise load restores no router), else the one the loaded model's routers hold, zeros
+    where none is held and `device_bias_rate` > 0; None keeps the routers as they are."""
     held = router_device_bias(base) or {}
     if (
         ckpt_block is not None
@@ -333,7 +333,7 @@ def prepare_model(
     if pruning.criterion == "similarity" and pruning.active and similarity is None:
         similarity = _broadcast(_profile(base, train_dataset, collate, args, name or "model").similarity())
 
-    bias = _start_bias(base, args, pruning, ckpt_block, [layer.index for layer in layers])
+    bias = _start_bias(base, args, pruning, ckpt_block or block, [layer.index for layer in layers])
     apply_occult(base, pruning=pruning, similarity=similarity, similarity_placed=True, device_bias=bias)
     _disable_model_aux_loss(base)
     if args.train_mode == "lora" and not peft_model:

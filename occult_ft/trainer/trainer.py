@@ -276,18 +276,19 @@ class OccultTrainer(Trainer):
         loads = self._meters["train"].take_loads()
         if self.args.device_bias_rate <= 0 or not self.occult.pruning.active:
             return
-        routers = [(layer.index, r) for layer, r in self._routers if "occult_device_bias" in r._buffers]
+        held = [(layer.index, r._buffers.get("occult_device_bias")) for layer, r in self._routers]
+        routers = [(i, bias) for i, bias in held if bias is not None]
         if not routers:
             return
-        bias_LD = torch.stack([r._buffers["occult_device_bias"].float() for _, r in routers])
+        bias_LD = torch.stack([bias.float() for _, bias in routers])
         zeros_D = torch.zeros(bias_LD.shape[1], dtype=torch.float64, device=bias_LD.device)
         load_LD = torch.stack([loads.get(i, zeros_D).to(bias_LD.device) for i, _ in routers])
         if self.accelerator.num_processes > 1 and torch.distributed.is_initialized():
             load_LD = load_LD.to(self.args.device)  # the backend's device (NCCL: the GPU)
             torch.distributed.all_reduce(load_LD)
         new_LD = update_device_bias(bias_LD, load_LD, self.args.device_bias_rate)
-        for row, (_, router) in enumerate(routers):
-            router._buffers["occult_device_bias"].copy_(new_LD[row])
+        for row, (_, bias) in enumerate(routers):
+            bias.copy_(new_LD[row])
 
     # ---- expert parallelism without DeepSpeed: shard gradients and the norm are ours --------------
     def _reduces_expert_gradients(self) -> bool:
