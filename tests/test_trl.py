@@ -189,6 +189,7 @@ def test_sft_config_has_every_occult_field_with_the_same_help():
         (dict(exchange="flatt"), "did you mean 'flat'"),
         (dict(expert_parallel_size=2), "does not divide the world size 1"),
         (dict(balance_loss_coef=-1.0), "balance_loss_coef=-1.0 must be >= 0"),
+        (dict(device_bias_rate=-0.001), "device_bias_rate=-0.001 must be a finite number >= 0"),
         (dict(profile_tokens="100"), "profile_tokens='100' must be a whole number"),
     ],
 )
