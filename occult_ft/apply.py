@@ -110,6 +110,7 @@ def apply_occult(
     *,
     similarity_placed: bool = False,
     expert_device: dict[int, torch.Tensor] | None = None,
+    device_bias: dict[int, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Permute `model`'s experts by `placement` and install pruned routers for `pruning`, in place, and
     record both in the model's config (an `OccultBlock`), so that `model.save_pretrained` /
@@ -123,13 +124,15 @@ def apply_occult(
         similarity: layer -> (E, E) tables, in the original order unless `similarity_placed`.
         similarity_placed: the tables are already in placed order (read from a checkpoint).
         expert_device: layer -> (E,) device of each expert, default contiguous blocks.
+        device_bias: layer -> (D,) selection bias per device of the pruned routers (a checkpoint's,
+            or zeros to start device balancing); None keeps the routers' current bias, {} removes it.
 
     Returns:
         `model` (the same object).
     """
 
     base = unwrap_model(model)
-    block = _block_after(base, placement, pruning)
+    block = _block_after(base, placement, pruning, device_bias)
     if placement is not None:
         permute_experts(base, placement)
         if not similarity_placed:
@@ -137,13 +140,17 @@ def apply_occult(
     if pruning is not None:
         if pruning.active and pruning.criterion == "similarity":
             _check_tables(similarity, find_moe_layers(base)[0].num_experts)
-        apply_pruning(base, pruning, similarity=similarity, expert_device=expert_device)
+        apply_pruning(
+            base, pruning, similarity=similarity, expert_device=expert_device, device_bias=device_bias
+        )
     if block is not None:
         record_block(base, block)
     return model
 
 
-def _block_after(base: nn.Module, placement, pruning: PruningConfig | None) -> OccultBlock | None:
+def _block_after(
+    base: nn.Module, placement, pruning: PruningConfig | None, device_bias=None
+) -> OccultBlock | None:
     """The model's block once `placement` and `pruning` are applied (None when neither is given).
 
     Raises:
@@ -168,6 +175,9 @@ def _block_after(base: nn.Module, placement, pruning: PruningConfig | None) -> O
     if pruning is not None:
         budget = OccultBlock.build(pruning).pruning
         changes.update(pruning=budget, num_devices=pruning.num_devices, num_nodes=pruning.num_nodes)
+        kept = old.device_bias if old is not None and old.num_devices == pruning.num_devices else None
+        bias = OccultBlock.bias_values(device_bias) if device_bias is not None else kept
+        changes["device_bias"] = bias if budget is not None else None
     try:
         if old is None:
             name = getattr(base.config, "_name_or_path", None) or None
@@ -209,7 +219,7 @@ def placed_copy(
     remove_pruning(placed)
     block = model_block(placed)
     if block is not None:
-        record_block(placed, block.with_changes(pruning=None))
+        record_block(placed, block.with_changes(pruning=None, device_bias=None))
     return apply_occult(placed, placement, pruning, similarity, similarity_placed=similarity_placed)
 
 

@@ -52,6 +52,14 @@ CASES = {
 }
 # a node budget alone (4 devices on 2 nodes, 1 node per token) with preserve_mass gate weights
 CASES["olmoe-node-budget"] = ("olmoe", PruningConfig(4, None, "score", "preserve_mass", 2, 1))
+# a device selection bias learnt by device balancing (block version 3): DeepSeek-V3's native budget
+# cannot carry it, so it goes through remote code too
+BIASED = {
+    "olmoe-device-bias": ("olmoe", PruningConfig(2, 1, "similarity")),
+    "deepseek_v3-device-bias": ("deepseek_v3", PruningConfig(2, 1, "device_topk_sum")),
+}
+CASES.update(BIASED)
+DEVICE_BIAS = torch.tensor([0.15, -0.15])
 
 _SCRIPT = r"""
 import importlib.abc, importlib.util, json, sys
@@ -109,10 +117,11 @@ def _similarity(model, seed=0):
     return out
 
 
-def _save(path, model_type, pruning) -> str:
+def _save(path, model_type, pruning, biased=False) -> str:
     model = _model(model_type)
     similarity = _similarity(model) if pruning.criterion == "similarity" else None
-    apply_occult(model, pruning=pruning, similarity=similarity)
+    bias = {layer.index: DEVICE_BIAS for layer in find_moe_layers(model)} if biased else None
+    apply_occult(model, pruning=pruning, similarity=similarity, device_bias=bias)
     return save_pruned(model, str(path), pruning=pruning, similarity=similarity)
 
 
@@ -125,7 +134,7 @@ def _logits(model):
 def run(tmp_path_factory):
     """Save every case, load each with occult_ft here and with stock transformers in the subprocess."""
     root = tmp_path_factory.mktemp("remote")
-    dirs = {name: _save(root / name, t, p) for name, (t, p) in CASES.items()}
+    dirs = {name: _save(root / name, t, p, name in BIASED) for name, (t, p) in CASES.items()}
     ref = {name: _logits(from_pretrained(path)) for name, path in dirs.items()}
     # without its tables a similarity checkpoint routes by `score` (with a warning)
     dirs["olmoe-no-tables"] = str(shutil.copytree(dirs["olmoe-similarity"], root / "olmoe-no-tables"))
@@ -178,6 +187,16 @@ def test_without_trust_remote_code_the_stock_class_loads_unpruned(run, name):
     got = run["got"][name]
     assert got["plain_class"] == remote_class_name(CASES.get(name, CASES["olmoe-score"])[0])[len("Occult") :]
     torch.testing.assert_close(got["plain"], run["unpruned"][name], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(BIASED))
+def test_the_device_bias_is_used(run, name):
+    """The biased checkpoints do not route like the same weights and budget without the bias."""
+    model_type, pruning = BIASED[name]
+    stock = AutoModelForCausalLM.from_pretrained(run["dirs"][name])
+    similarity = _similarity(stock) if pruning.criterion == "similarity" else None
+    unbiased = _logits(apply_occult(stock, pruning=pruning, similarity=similarity))
+    assert (run["got"][name]["remote"] - unbiased).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("model_type", TYPES)

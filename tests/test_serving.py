@@ -72,6 +72,45 @@ def test_served_routing_equals_the_pruned_routers_of_from_pretrained(tmp_path, m
         assert changed > 0  # the budget changed some tokens' experts: the comparison can fail
 
 
+@pytest.mark.parametrize("model_type", CORE_MODEL_TYPES)
+def test_served_routing_honours_the_saved_device_bias(tmp_path, model_type):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    pruning = PruningConfig(4, 1, "score")
+    bias = {layer.index: torch.tensor([0.3, -0.1, -0.1, -0.1]) for layer in find_moe_layers(model)}
+    apply_occult(model, None, pruning, device_bias=bias)
+    model.save_pretrained(tmp_path)
+    served = ServedRouting.from_checkpoint(str(tmp_path))
+    unbiased = ServedRouting(served_config(tmp_path), pruning)
+    reference = from_pretrained(str(tmp_path))
+    moved = 0
+    for layer in find_moe_layers(reference):
+        attr = served.arch.correction_bias_attr
+        if attr:  # the engine's loaded tensor (DeepSeek-V3's selection bias)
+            for routing in (served, unbiased):
+                routing.set_router_tensor(layer.index, attr, getattr(layer.router, attr).detach())
+        x = torch.randn(
+            64, reference.config.hidden_size, generator=torch.Generator().manual_seed(layer.index)
+        )
+        with torch.no_grad():
+            logits, weights, ids = layer.router(x)
+        got_weights, got_ids = served.route(layer.index, logits)
+        want, have = ids.sort(dim=1), got_ids.sort(dim=1)
+        assert torch.equal(want.values, have.values)
+        torch.testing.assert_close(
+            got_weights.gather(1, have.indices), weights.float().gather(1, want.indices)
+        )
+        plain = unbiased.route(layer.index, logits)[1].sort(dim=1).values
+        moved += int((plain != have.values).any(dim=1).sum())
+    assert moved > 0  # the bias moved some tokens to device 0: ignoring it would fail the comparison
+
+
+def served_config(path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+
+
 @pytest.mark.parametrize("pruning", [None, PruningConfig(4, 4, "score")])
 def test_a_checkpoint_without_an_active_budget_keeps_the_engine_s_routing(tmp_path, pruning):
     assert ServedRouting.from_checkpoint(_saved(tmp_path, "olmoe", pruning)) is None

@@ -26,7 +26,7 @@ from helpers import safety_timeout  # noqa: E402
 
 from occult_ft.embedded import embedded_model_path  # noqa: E402
 from occult_ft.metrics import contiguous_expert_device, devices_per_token  # noqa: E402
-from occult_ft.routing import collect_routing, set_recording  # noqa: E402
+from occult_ft.routing import collect_routing, router_device_bias, set_recording  # noqa: E402
 from occult_ft.trainer import OccultArguments, OccultConfig, OccultTrainer, OccultTrainerMixin  # noqa: E402
 from occult_ft.trl import OccultSFTConfig, OccultSFTTrainer  # noqa: E402
 
@@ -189,6 +189,7 @@ def test_sft_config_has_every_occult_field_with_the_same_help():
         (dict(exchange="flatt"), "did you mean 'flat'"),
         (dict(expert_parallel_size=2), "does not divide the world size 1"),
         (dict(balance_loss_coef=-1.0), "balance_loss_coef=-1.0 must be >= 0"),
+        (dict(device_bias_rate=-0.001), "device_bias_rate=-0.001 must be a finite number >= 0"),
         (dict(profile_tokens="100"), "profile_tokens='100' must be a whole number"),
     ],
 )
@@ -282,6 +283,7 @@ SHAPES = {
     "prompt_completion": dict(),  # completion-only loss (TRL's default for the shape)
     "messages": dict(assistant_only_loss=True),
     "packed": dict(packing=True, gradient_accumulation_steps=2, per_device_train_batch_size=2),
+    "device_bias": dict(device_bias_rate=0.01),  # text rows; the mixin's bias update in both trainers
 }
 
 
@@ -317,6 +319,12 @@ def test_sft_losses_equal_occult_trainers_on_the_same_prepared_rows(shape, tmp_p
     theirs = dict(occult.model.named_parameters())
     for name, p in trl.model.named_parameters():
         torch.testing.assert_close(p, theirs[name], rtol=0, atol=1e-4)
+    if "device_bias_rate" in overrides:  # both moved the same per-device bias after every step
+        trl_bias, occult_bias = router_device_bias(trl.model), router_device_bias(occult.model)
+        assert trl_bias is not None and occult_bias is not None and set(trl_bias) == set(occult_bias)
+        assert any(bool(v.abs().sum() > 0) for v in trl_bias.values())
+        for index, bias in occult_bias.items():
+            torch.testing.assert_close(trl_bias[index], bias, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow

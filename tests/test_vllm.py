@@ -19,7 +19,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import build_tokenizer, safety_timeout
+from helpers import build_tokenizer, safety_timeout
 
 import occult_ft
 from occult_ft.apply import apply_occult

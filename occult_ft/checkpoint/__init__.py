@@ -54,6 +54,7 @@ from .save import (
     occult_config_fields,
     record_block,
     save_pruned,
+    with_router_bias,
     write_native_group_fields,
 )
 
@@ -80,6 +81,7 @@ __all__ = [
     "describe_checkpoint",
     "write_native_group_fields",
     "record_block",
+    "with_router_bias",
     "save_pruned",
     "attach_occult_save",
     "build_model_card",

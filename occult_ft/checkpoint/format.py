@@ -14,10 +14,11 @@ and `to_dict` writes the flat JSON object checkpoints have always carried:
     "occult": {"version": 2, "placed": true, "num_devices": 4, "num_nodes": 1,
                "max_devices_per_token": 2, "max_nodes_per_token": null, "criterion": "similarity",
                "gate_weights": "model", "placement": {"algorithm": "search", "layers": {"0": [[...]]}},
-               "expert_order": "placed", "base_model": "...", "model_type": "olmoe", "train_mode": "moe"}
+               "expert_order": "placed", "base_model": "...", "model_type": "olmoe", "train_mode": "moe",
+               "device_bias": {"0": [0.004, -0.002, 0.0, -0.002], ...}}
 
 `from_dict` reads every version written so far (1: occult_ft 0.1, the same keys without
-`expert_order`/`model_type`) and refuses newer ones, contradictions (a placement for another device
+`expert_order`/`model_type`; 2: without `device_bias`) and refuses newer ones, contradictions (a placement for another device
 count than the block's, a budget for another layout, duplicate layers) and bad values in one line that
 names the file. Other modules read blocks only through this class and `read_block` / `model_block`; `pruned` is the one definition of "a budget restricts the routing" (device or node budget).
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -81,8 +83,9 @@ ADAPTER_OCCULT_FILE = "occult_config.json"
 REMOTE_MODULE = "occult_pruned_routing"
 REMOTE_CODE_FILE = f"{REMOTE_MODULE}.py"
 AUTO_CLASS = "AutoModelForCausalLM"
-BLOCK_VERSION = 2
-"""Version written now. 1: occult_ft 0.1 (no `expert_order` / `model_type` keys); 2: the typed block."""
+BLOCK_VERSION = 3
+"""Version written now. 1: occult_ft 0.1 (no `expert_order` / `model_type` keys); 2: the typed block;
+3: `device_bias` (the pruned routers' selection bias per device, optional)."""
 EXPERT_ORDERS = ("placed", "original")
 PRUNING_KEYS = ("max_devices_per_token", "max_nodes_per_token", "criterion", "gate_weights")
 KNOWN_KEYS = (
@@ -95,6 +98,7 @@ KNOWN_KEYS = (
     "expert_order",
     "base_model",
     "model_type",
+    "device_bias",
 )
 
 
@@ -208,6 +212,8 @@ class OccultBlock:
         model_type: HF model_type of the base (recorded for adapters).
         extra: other recorded settings (`train_mode`, `comm_complexity_before/after`, `license`, ...),
             JSON values, written and read back as they are.
+        device_bias: MoE layer index -> one selection bias per device (`occult_ft.routing.rules.
+            add_device_bias`), learnt by the trainer's device balancing; None: no bias. Needs a budget.
         version: the format version read (`BLOCK_VERSION` for new blocks).
     """
 
@@ -220,6 +226,7 @@ class OccultBlock:
     base_model: str | None = None
     model_type: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    device_bias: Mapping[int, tuple[float, ...]] | None = None
     version: int = BLOCK_VERSION
 
     def __post_init__(self):
@@ -260,6 +267,27 @@ class OccultBlock:
         for key in self.extra:
             if key in KNOWN_KEYS:
                 raise CheckpointError(f"{source}: extra setting {key!r} shadows a field of the block")
+        self._check_device_bias(source)
+
+    def _check_device_bias(self, source: str) -> None:
+        """A bias is a budget's: D finite numbers per MoE layer."""
+        if self.device_bias is None:
+            return
+        if self.pruning is None:
+            raise CheckpointError(
+                f"{source}: device_bias is recorded without a budget (it only steers pruned routing); "
+                "drop device_bias or record max_devices_per_token"
+            )
+        for index, values in self.device_bias.items():
+            if (
+                not _is_int(index)
+                or len(values) != self.num_devices
+                or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+            ):
+                raise CheckpointError(
+                    f"{source}: device_bias of MoE layer {index!r} must be {self.num_devices} finite numbers "
+                    f"(one per device), got {list(values)!r}; re-save the checkpoint with occult_ft"
+                )
 
     @classmethod
     def build(
@@ -273,6 +301,7 @@ class OccultBlock:
         expert_order: str = "placed",
         base_model: str | None = None,
         model_type: str | None = None,
+        device_bias: Mapping[int, Any] | None = None,
         **extra,
     ) -> OccultBlock:
         """The block of a model placed by `placement` and pruned by `pruning` (D and N taken from them
@@ -304,7 +333,25 @@ class OccultBlock:
             base_model=base_model,
             model_type=model_type,
             extra=dict(extra),
+            device_bias=cls.bias_values(device_bias) if budget is not None else None,
         )
+
+    @staticmethod
+    def bias_values(bias: Mapping[int, Any] | None) -> dict[int, tuple[float, ...]] | None:
+        """layer -> tuple of floats from tensors or lists (None and {} stay None)."""
+        if not bias:
+            return None
+        out = {}
+        for index, values in bias.items():
+            seq = values.tolist() if isinstance(values, torch.Tensor) else values
+            out[int(index)] = tuple(float(v) for v in seq)
+        return out
+
+    def device_bias_tensors(self) -> dict[int, torch.Tensor] | None:
+        """layer -> (D,) fp32 tensor of the recorded bias (None without one)."""
+        if self.device_bias is None:
+            return None
+        return {i: torch.tensor(v, dtype=torch.float32) for i, v in self.device_bias.items()}
 
     # ---- what it means ----------------------------------------------------------------------------
     @property
@@ -333,6 +380,8 @@ class OccultBlock:
         for key in ("base_model", "model_type"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.device_bias is not None:
+            out["device_bias"] = {str(i): list(v) for i, v in sorted(self.device_bias.items())}
         out.update(self.extra)
         return out
 
@@ -365,6 +414,20 @@ class OccultBlock:
                 raise CheckpointError(f"{source}: {err}") from None
         placement = PlacementRecord.from_dict(get("placement"), source) if get("placement") else None
         extra = {k: v for k, v in data.items() if k not in KNOWN_KEYS}
+        bias = get("device_bias")
+        if bias is not None:
+            if not isinstance(bias, Mapping) or not all(
+                isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v)
+                for v in bias.values()
+            ):
+                raise CheckpointError(
+                    f"{source}: device_bias must map MoE layer indices to lists of numbers; re-save the "
+                    "checkpoint with occult_ft"
+                )
+            try:
+                bias = {int(k): tuple(float(x) for x in v) for k, v in bias.items()}
+            except (TypeError, ValueError):
+                raise CheckpointError(f"{source}: device_bias layer keys must be integers") from None
         try:
             return cls(
                 placed=get("placed", True),
@@ -376,6 +439,7 @@ class OccultBlock:
                 base_model=get("base_model"),
                 model_type=get("model_type"),
                 extra=extra,
+                device_bias=bias,
                 version=version,
             )
         except CheckpointError as err:
@@ -545,7 +609,10 @@ def describe_checkpoint(checkpoint_dir: str | os.PathLike) -> CheckpointSummary:
         summary.top_k = int(config["num_experts_per_tok"]) if config.get("num_experts_per_tok") else None
         arch = lookup_arch(summary.model_type)
         summary.native_routing = bool(
-            arch is not None and block is not None and arch.native_routing_matches(config, block.pruning)
+            arch is not None
+            and block is not None
+            and block.device_bias is None  # native fields cannot carry the bias
+            and arch.native_routing_matches(config, block.pruning)
         )
         summary.remote_code = has_remote_code(path, config)
     else:

@@ -205,7 +205,13 @@ def restore_occult(model: nn.Module, path: str) -> nn.Module:
     if block is None:
         return model
     if block.pruning is not None:
-        apply_occult(model, pruning=block.pruning, similarity=read_similarity(path), similarity_placed=True)
+        apply_occult(
+            model,
+            pruning=block.pruning,
+            similarity=read_similarity(path),
+            similarity_placed=True,
+            device_bias=block.device_bias_tensors() or {},
+        )
     record_block(model, block)
     return model
 
@@ -248,13 +254,16 @@ def _from_adapter(path: str, dtype=None, is_trainable: bool = False, **kwargs) -
         return PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
     placement = None if block.placed else block_placement(block, get_arch(model).model_type)
     similarity = read_similarity(path)
+    bias = block.device_bias_tensors() or {}  # a bias is per device: the same in either expert order
     if block.expert_order == "original" and placement is not None:
         model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
         model.load_state_dict(permute_state_dict(model, model.state_dict(), placement))
         similarity = placed_similarity(similarity, placement)
-        apply_occult(model, pruning=block.pruning, similarity=similarity, similarity_placed=True)
+        apply_occult(
+            model, pruning=block.pruning, similarity=similarity, similarity_placed=True, device_bias=bias
+        )
     else:
-        apply_occult(model, placement, block.pruning, similarity, similarity_placed=True)
+        apply_occult(model, placement, block.pruning, similarity, similarity_placed=True, device_bias=bias)
         model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
     record_block(model, block.with_changes(placed=True, expert_order="placed"))
     model.occult_adapter_block = block  # type: ignore[assignment]

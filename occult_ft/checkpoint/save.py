@@ -21,7 +21,7 @@ from transformers.utils import logging
 
 from ..fileio import atomic_directory, umask_modes
 from ..models.registry import NATIVE_ROUTING_FIELDS, get_arch, unwrap_model
-from ..routing import PruningConfig, router_similarity
+from ..routing import PruningConfig, router_device_bias, router_similarity
 from .card import is_occult_card, write_model_card
 from .format import OCCULT_KEY, OccultBlock, PlacementRecord, model_block, write_similarity
 from .remote_code import needs_remote_code, set_auto_map, write_remote_code
@@ -29,6 +29,7 @@ from .remote_code import needs_remote_code, set_auto_map, write_remote_code
 __all__ = [
     "write_native_group_fields",
     "occult_config_fields",
+    "with_router_bias",
     "record_block",
     "attach_occult_save",
     "save_pruned",
@@ -57,7 +58,8 @@ def occult_config_fields(config, block: OccultBlock, save_dir: str | os.PathLike
     names = (OCCULT_KEY, "auto_map", *NATIVE_ROUTING_FIELDS)
     saved = {name: config.__dict__.get(name, _MISSING) for name in names}
     setattr(config, OCCULT_KEY, block.to_dict())
-    native = write_native_group_fields(config, block.pruning)
+    # a device bias is not expressible in native fields: such a budget goes through remote code
+    native = block.device_bias is None and write_native_group_fields(config, block.pruning)
     remote = save_dir is not None and needs_remote_code(block.pruning, native, config.model_type)
     set_auto_map(config, remote)
     try:
@@ -98,6 +100,8 @@ def _save_pretrained_with_occult(self, save_directory, *args, **kwargs):
     push = kwargs.pop("push_to_hub", False)
     hub = {k: kwargs.pop(k) for k in _PUSH_KWARGS if k in kwargs}
     block = model_block(self)
+    if block is not None:
+        block = with_router_bias(block, self)
     if block is None:  # the block was removed from the config: a plain save
         result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     else:
@@ -123,6 +127,15 @@ _PUSH_KWARGS = (
     "revision",
     "create_pr",
 )
+
+
+def with_router_bias(block: OccultBlock, model: nn.Module) -> OccultBlock:
+    """`block` with the device bias `model`'s pruned routers hold now (training moves it after the block
+    was recorded); the block as it is when no router holds one or it records no budget."""
+    bias = router_device_bias(_transformers_model(model))
+    if bias is None or block.pruning is None:
+        return block
+    return block.with_changes(device_bias=OccultBlock.bias_values(bias))
 
 
 def record_block(model: nn.Module, block: OccultBlock | None) -> None:
@@ -196,7 +209,7 @@ def save_pruned(
         known = {f.name for f in dataclasses.fields(OccultBlock)}
         changes.update({k: v for k, v in extra.items() if k in known})
         changes["extra"] = {**block.extra, **{k: v for k, v in extra.items() if k not in known}}
-    block = block.with_changes(**changes) if changes else block
+    block = with_router_bias(block.with_changes(**changes) if changes else block, base)
     tables = similarity if similarity is not None else router_similarity(base)
     with atomic_directory(out_dir) as tmp:
         with occult_config_fields(base.config, block, tmp):

@@ -90,6 +90,7 @@ FIELD_GROUPS = {
         "criterion",
         "gate_weights",
         "balance_loss_coef",
+        "device_bias_rate",
         "distill_coef",
         "distill_temperature",
     ),

@@ -37,6 +37,12 @@ admitted nodes that the device budget allows.
 For `score`, `similarity` and `device_max` a token whose top-k already fits in the budget keeps its
 routing and weights bit for bit.
 
+Device balance (`device_bias`, DeepSeek-V3's auxiliary-loss-free balancing at the device level): a
+pruned router may hold a (D,) bias added to the selection scores of each device's experts before the
+top-k and the walk (`add_device_bias`); the gate weights stay the model's. The trainer moves it after
+every optimizer step by `device_bias_rate * sign(mean load - load)` (`update_device_bias`), so pruning
+stops piling tokens onto the devices with the most popular experts. It applies only under a budget.
+
 Gate weights (the paper leaves them open; `gate_weights=`):
 - `model` (default): the model's own convention applied to the new selection (softmax probabilities
   gathered and renormalised if the model renormalises, times `routed_scaling_factor`; GPT-OSS's
@@ -58,6 +64,7 @@ from .router import (
     prune_topk,
     pruned_routers,
     remove_pruning,
+    router_device_bias,
     router_selectable,
     router_similarity,
     set_recording,
@@ -66,12 +73,14 @@ from .router import (
 from .rules import (
     CRITERIA,
     GATE_WEIGHT_POLICIES,
+    add_device_bias,
     check_pruning_settings,
     device_scores,
     fits_budget,
     limit_devices,
     limit_topk,
     replace_by_similarity,
+    update_device_bias,
     walk_admitted_devices,
 )
 
@@ -96,4 +105,7 @@ __all__ = [
     "set_recording",
     "unpruned_routing",
     "router_similarity",
+    "router_device_bias",
+    "add_device_bias",
+    "update_device_bias",
 ]

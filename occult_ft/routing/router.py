@@ -21,7 +21,7 @@ from torch import nn
 from ..metrics import contiguous_expert_device
 from ..models.registry import MoEArch, MoELayer, find_moe_layers
 from .config import PruningConfig
-from .rules import limit_topk
+from .rules import add_device_bias, limit_topk
 
 __all__ = [
     "RouterRecord",
@@ -34,6 +34,7 @@ __all__ = [
     "set_recording",
     "unpruned_routing",
     "router_similarity",
+    "router_device_bias",
 ]
 
 
@@ -56,6 +57,7 @@ def prune_topk(
     expert_device_E: torch.Tensor,
     similarity_EE: torch.Tensor | None = None,
     inputs: tuple = (),
+    device_bias_D: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Apply `config` to one router output.
 
@@ -63,14 +65,23 @@ def prune_topk(
         logits_TE: the router's first output (raw logits for most); topk_ids_TK / weights_TK: its
             unpruned choice.
         inputs: the router call's arguments after the hidden states (a bias the block passes).
+        device_bias_D: optional (D,) selection bias per device (`add_device_bias`): the top-k and the
+            budget are taken on the biased scores, the gate weights stay the model's own.
     Returns:
         (topk_ids_TK, weights_TK, changed_T) where weights keep the dtype of `weights_TK`.
     """
     scores = arch.selection_scores(router, logits_TE.detach(), inputs)
+    choice_TK = topk_ids_TK
+    if device_bias_D is not None:
+        scores = add_device_bias(scores, expert_device_E, device_bias_D)
     selectable = None if config.criterion == "device_topk_sum" else router_selectable(arch, router, scores)
+    if device_bias_D is not None:
+        # the router's own choice re-taken on the biased scores (its group limit included)
+        ranked = scores if selectable is None else scores.masked_fill(~selectable, arch.group_mask_fill)
+        choice_TK = ranked.topk(topk_ids_TK.shape[1], dim=-1).indices
     new_ids = limit_topk(
         scores,
-        topk_ids_TK,
+        choice_TK,
         expert_device_E,
         config.num_devices,
         config.max_devices_per_token,
@@ -148,6 +159,7 @@ def _pruned_class(base: type) -> type:
                     self.occult_expert_device,
                     getattr(self, "occult_similarity", None),
                     inputs,
+                    self._buffers.get("occult_device_bias"),  # device balancing (under a budget only)
                 )
             if self.occult_recording:
                 probs = self.occult_arch.probabilities(self, logits)
@@ -173,6 +185,7 @@ def apply_pruning(
     config: PruningConfig,
     similarity: dict[int, torch.Tensor] | None = None,
     expert_device: dict[int, torch.Tensor] | None = None,
+    device_bias: dict[int, torch.Tensor] | None = None,
 ) -> list[MoELayer]:
     """Make every router of `model` prune (or, with no budget, just record) its routing, in place.
 
@@ -185,6 +198,8 @@ def apply_pruning(
         similarity: layer index -> (E, E) expert similarity (needed for `criterion="similarity"`).
         expert_device: layer index -> (E,) device of each expert; default contiguous blocks (a placed
             model, see `occult_ft.placement.permute_experts`).
+        device_bias: layer index -> (D,) selection bias per device (`rules.add_device_bias`), applied
+            while a budget is active; None keeps the routers' current bias (none at first), {} removes it.
     Returns:
         The model's MoE layers.
     """
@@ -215,6 +230,20 @@ def apply_pruning(
         _set_buffer(router, "occult_expert_device", mapping.to(ref.device, torch.long))
         if similarity is not None and layer.index in similarity:
             _set_buffer(router, "occult_similarity", similarity[layer.index].to(ref.device, torch.float32))
+        held = router._buffers.get("occult_device_bias")
+        if device_bias is None and held is not None and held.numel() != config.num_devices:
+            router._buffers.pop("occult_device_bias")  # learnt for another device count: meaningless here
+        if device_bias is not None:
+            bias = device_bias.get(layer.index)
+            if bias is None:
+                router._buffers.pop("occult_device_bias", None)
+            else:
+                if tuple(bias.shape) != (config.num_devices,):
+                    raise ValueError(
+                        f"device bias of MoE layer {layer.index} has shape {tuple(bias.shape)}, expected "
+                        f"({config.num_devices},) (one value per device); record it for devices={config.num_devices}"
+                    )
+                _set_buffer(router, "occult_device_bias", bias.detach().to(ref.device, torch.float32).clone())
     return layers
 
 
@@ -240,7 +269,7 @@ def remove_pruning(model: nn.Module) -> None:
         router = layer.router
         if getattr(router, "_occult_pruned", False):
             router.__class__ = router.__class__.__mro__[1]
-            for name in ("occult_expert_device", "occult_similarity"):
+            for name in ("occult_expert_device", "occult_similarity", "occult_device_bias"):
                 router._buffers.pop(name, None)
             for name in (
                 "occult_arch",
@@ -298,3 +327,13 @@ def router_similarity(model: nn.Module) -> dict[int, torch.Tensor] | None:
     }
     tables = {i: t.detach().float().cpu() for i, t in buffers.items() if t is not None}
     return tables or None
+
+
+def router_device_bias(model: nn.Module) -> dict[int, torch.Tensor] | None:
+    """layer index -> (D,) selection bias per device held by `model`'s pruned routers (None when none
+    holds one), detached fp32 on the CPU: what a checkpoint of the model records in its block."""
+    buffers = {
+        layer.index: router._buffers.get("occult_device_bias") for layer, router in pruned_routers(model)
+    }
+    bias = {i: t.detach().float().cpu() for i, t in buffers.items() if t is not None}
+    return bias or None

@@ -6,6 +6,11 @@ node budget), then re-selects (`score`, `device_max`) or replaces by similarity 
 `device_topk_sum` ranks devices (and nodes) by their top-n score sums for every token. The rules and
 their reasons are described in `occult_ft.routing`.
 
+Device balancing without an auxiliary loss (DeepSeek-V3's expert bias, Sec. 2.1.2, applied per device):
+`add_device_bias` adds a per-device bias to the selection scores (selection only: gate weights come
+from the unbiased scores), `update_device_bias` moves it after each optimizer step by
+`rate * sign(mean load - load)`, so an overloaded device becomes less attractive.
+
 No function here reads a device value on the host (no `.any()`, `.item()`, `nonzero()` or boolean-mask
 indexing): every token runs every step of a walk (fixed K iterations, finished tokens masked), and the
 result is selected per token with `torch.where`, so the pruned router adds no host synchronisation to
@@ -23,6 +28,8 @@ import torch
 
 __all__ = [
     "CRITERIA",
+    "add_device_bias",
+    "update_device_bias",
     "GATE_WEIGHT_POLICIES",
     "check_pruning_settings",
     "device_scores",
@@ -88,6 +95,34 @@ def check_pruning_settings(
 
 
 # ---- pure routing maths ------------------------------------------------------------------------
+def add_device_bias(
+    scores_TE: torch.Tensor, expert_device_E: torch.Tensor, bias_D: torch.Tensor
+) -> torch.Tensor:
+    """(T, E) selection scores with the bias of each expert's device added (fp32).
+
+    Every expert of device d gets bias_D[d], so a token's ranking of experts (its top-k) and of devices
+    (the walk) shifts towards devices with a higher bias; a bias equal on all devices changes nothing."""
+    bias_E = bias_D.to(scores_TE.device, torch.float32)[expert_device_E.to(scores_TE.device)]
+    return scores_TE.float() + bias_E
+
+
+def update_device_bias(bias_LD: torch.Tensor, load_LD: torch.Tensor, rate: float) -> torch.Tensor:
+    """The bias after one optimizer step: bias_d + rate * sign(mean_load - load_d), per layer, centred.
+
+    Args:
+        bias_LD: (L, D) or (D,) current bias.
+        load_LD: same shape, the rows each device received since the last update (any scale: only
+            the sign of the difference to the layer's mean counts).
+        rate: the step u (0 leaves the bias as it is).
+    Returns:
+        The new bias (fp32), each layer's mean subtracted: a shift shared by all devices selects
+        nothing differently, so centring only keeps the values small and comparable."""
+    load = load_LD.to(bias_LD.device, torch.float32)
+    step = torch.sign(load.mean(dim=-1, keepdim=True) - load)
+    new = bias_LD.float() + rate * step
+    return new - new.mean(dim=-1, keepdim=True)
+
+
 def _grouped_by_device(x_TE: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int):
     """(T, D, E/D) view of per-expert values grouped by device, and the (E,) order used."""
     order_E = torch.argsort(expert_device_E, stable=True)

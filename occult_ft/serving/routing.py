@@ -13,7 +13,8 @@ unpruned choice (`MoEArch.route`, the registry's prediction the router self-chec
 router attributes the maths reads (top-k, `norm_topk_prob`, `routed_scaling_factor`, group limits, ...)
 come from the stock transformers router of each layer, built on the meta device from the checkpoint's
 config (no memory); a tensor the maths reads from the router (DeepSeek-V3's `e_score_correction_bias`)
-is the engine's loaded one, given with `set_router_tensor`.
+is the engine's loaded one, given with `set_router_tensor`. A block's `device_bias` (the trainer's
+device balancing) is added to the selection scores of each layer as the pruned routers add it.
 
 `RoutingStats` counts, per MoE layer, the devices each routed token reaches (the budget's guarantee,
 checked where it is served); with `OCCULT_FT_VLLM_ROUTING_STATS=FILE` in the environment the engine's
@@ -109,9 +110,18 @@ class ServedRouting:
         config: the checkpoint's transformers config (carrying the `occult` block).
         pruning: the block's active budget.
         similarity: decoder layer index -> (E, E) table, for the `similarity` criterion.
+        device_bias: decoder layer index -> (D,) selection bias per device (the block's `device_bias`,
+            learnt by the trainer's device balancing): the top-k and the budget are taken on the biased
+            scores, as the pruned routers of `occult_ft.from_pretrained` take them.
     """
 
-    def __init__(self, config, pruning: PruningConfig, similarity: Mapping[int, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        config,
+        pruning: PruningConfig,
+        similarity: Mapping[int, torch.Tensor] | None = None,
+        device_bias: Mapping[int, torch.Tensor] | None = None,
+    ):
         self.arch = get_arch(config)
         self.pruning = pruning
         self.routers = _meta_routers(config, self.arch)
@@ -129,6 +139,13 @@ class ServedRouting:
                     f"criterion 'similarity' needs {SIMILARITY_FILE} beside the checkpoint with tables for "
                     f"MoE layers {missing}; copy the file from where the checkpoint was saved"
                 )
+        self.device_bias = {i: b.detach().float() for i, b in (device_bias or {}).items()}
+        unknown = sorted(set(self.device_bias) - set(self.routers))
+        if unknown:
+            raise CheckpointError(
+                f"the occult block's device_bias names layers {unknown}, which are not MoE layers of this "
+                f"{self.arch.model_type} model (MoE layers: {sorted(self.routers)}); re-save the checkpoint"
+            )
         self.stats = RoutingStats(pruning.num_devices)
         self._on_device: dict = {}
 
@@ -151,7 +168,7 @@ class ServedRouting:
             )
         assert block.pruning is not None  # pruned
         tables = similarity_tables(model, revision) if block.pruning.criterion == "similarity" else None
-        return cls(config, block.pruning, tables)
+        return cls(config, block.pruning, tables, block.device_bias_tensors())
 
     def set_router_tensor(self, layer: int, attr: str, tensor: torch.Tensor) -> None:
         """Give layer `layer`'s router a tensor the maths reads (the engine's loaded one)."""
@@ -180,8 +197,19 @@ class ServedRouting:
         if table is not None:
             table = self._on(("sim", layer), table, logits_TE.device)
         expert_device = self._on("dev", self.expert_device_E, logits_TE.device)
+        bias = self.device_bias.get(layer)
+        if bias is not None:
+            bias = self._on(("bias", layer), bias, logits_TE.device)
         ids_TK, weights_TK, _ = prune_topk(
-            self.arch, router, logits_TE, ids_TK, weights_TK, self.pruning, expert_device, table
+            self.arch,
+            router,
+            logits_TE,
+            ids_TK,
+            weights_TK,
+            self.pruning,
+            expert_device,
+            table,
+            device_bias_D=bias,
         )
         path = os.environ.get(STATS_ENV)
         if path:

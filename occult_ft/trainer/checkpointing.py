@@ -40,7 +40,7 @@ from ..checkpoint.card import base_model_reference, run_settings, set_adapter_ba
 from ..fileio import read_json_object, umask_modes
 from ..integrations.peft import is_peft_model
 from ..models.registry import config_num_experts, get_arch, unwrap_model
-from ..routing import apply_pruning
+from ..routing import apply_pruning, router_device_bias
 from .expert_parallel import (
     gathered_state_dict,
     load_expert_lora_shards,
@@ -77,6 +77,7 @@ def run_block(trainer, placed: bool) -> OccultBlock:
         model_type=get_arch(unwrap_model(trainer.model)).model_type,
         train_mode=trainer.args.train_mode,
         balance_loss_coef=trainer.args.balance_loss_coef,
+        device_bias=router_device_bias(trainer.model),
         **run_settings(trainer.args),
         **_measured_comm_complexity(trainer),
     )
@@ -194,8 +195,13 @@ def adopt_checkpoint(trainer, checkpoint: str) -> None:
             )
         trainer.occult.placement = theirs
     if similarity is not None:
-        apply_pruning(trainer.model, trainer.occult.pruning, similarity=similarity)
         trainer.occult.similarity = similarity
+    same_layout = block is not None and block.num_devices == trainer.args.devices
+    bias = block.device_bias_tensors() if same_layout and block is not None else None
+    if similarity is not None or bias is not None:  # the bias learnt so far continues
+        apply_pruning(
+            trainer.model, trainer.occult.pruning, similarity=trainer.occult.similarity, device_bias=bias
+        )
 
 
 def _load_full_checkpoint(trainer, path: str) -> bool:

@@ -45,6 +45,7 @@ __all__ = [
     "MODEL_DTYPES",
     "check_before_loading",
     "check_output_dir",
+    "DEVICE_BIAS_RATE",
 ]
 
 TRAIN_MODES = ("full", "moe", "lora")
@@ -52,6 +53,9 @@ DEFAULT_EXCHANGE_CHUNKS = 1
 """Default `exchange_chunks`: measured with benchmarks/layer_overlap.py (README, "Results": overlap)."""
 PLACEMENT_MODES = ("auto", "sequential")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_BIAS_RATE = 0.0
+"""Default `device_bias_rate`: off until a full measurement says otherwise. On the tiny recipe (budget 2)
+0.001 lowered the device load imbalance but raised comm_complexity (docs/device-balance.md)."""
 
 
 def _suggest(value, choices) -> str:
@@ -229,6 +233,17 @@ class OccultArguments(_ArgumentsBase):
         },
     )
 
+    device_bias_rate: float = field(
+        default=DEVICE_BIAS_RATE,
+        metadata={
+            "help": "Step u of device balancing without an auxiliary loss (DeepSeek-V3's selection bias, "
+            "per device): after every optimizer step each pruned router's bias of device d moves by "
+            "u * sign(mean load - load of d), on the scale of the router's selection scores "
+            "(probabilities for softmax routers); the bias steers which experts are selected, never the "
+            "gate weights, and is saved in the checkpoint. Applies under a budget "
+            "(max_devices_per_token / max_nodes_per_token); 0 turns it off."
+        },
+    )
     distill_coef: float = field(
         default=0.0,
         metadata={
@@ -397,6 +412,12 @@ class OccultArguments(_ArgumentsBase):
             raise ValueError(
                 f"balance_loss_coef={self.balance_loss_coef!r} must be >= 0 (0 turns the balance loss off)"
             )
+        rate = self.device_bias_rate
+        if isinstance(rate, bool) or not (isinstance(rate, (int, float)) and 0 <= rate < math.inf):
+            raise ValueError(
+                f"device_bias_rate={self.device_bias_rate!r} must be a finite number >= 0 (0 turns device "
+                f"balancing off; the default is {DEVICE_BIAS_RATE})"
+            )
         if not self.distill_coef >= 0:
             raise ValueError(
                 f"distill_coef={self.distill_coef!r} must be >= 0 (0 turns distillation off; try 0.5-1)"
@@ -516,6 +537,8 @@ class OccultConfig(OccultArguments, TrainingArguments):
         criterion / gate_weights: how tokens over budget are re-routed and weighted (`occult_ft.routing`).
         balance_loss_coef: weight of the pruning-aware load-balancing loss (on the scale of the model's
             own `router_aux_loss_coef`, see `occult_ft.trainer.losses`).
+        device_bias_rate: step u of the per-device selection bias moved after every optimizer step
+            (auxiliary-loss-free device balancing, `occult_ft.routing.rules.update_device_bias`).
         distill_coef / distill_temperature: distillation from the unpruned model (`trainer.distill`).
 
     Training:

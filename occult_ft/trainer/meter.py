@@ -14,6 +14,9 @@ sums on the model's device (no host sync per step) and turns them into averages 
 
 Under several processes the sums are reduced across processes at log time (all ranks log together).
 
+With `keep_loads` the meter also keeps each layer's (D,) device load (rows per device) since the last
+`take_loads()`: what the trainer's device balancing reads after every optimizer step.
+
 Shape legend: T tokens, K experts per token, E experts, D devices.
 """
 
@@ -49,10 +52,13 @@ class RoutingMeter:
 
     Args:
         num_devices: D, the expert-parallel size the metrics are measured for.
+        keep_loads: also keep the device loads per layer for `take_loads`.
     """
 
-    def __init__(self, num_devices: int):
+    def __init__(self, num_devices: int, keep_loads: bool = False):
         self.num_devices = int(num_devices)
+        self.keep_loads = keep_loads
+        self._loads: dict[int, torch.Tensor] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -107,6 +113,15 @@ class RoutingMeter:
             s[_IMB] += seen * load_D.max() / load_D.mean().clamp_min(1e-12)
             s[_IMB_N] += seen
             self._max = torch.maximum(cast(torch.Tensor, self._max), per_token_T.max())
+            if self.keep_loads:
+                held = self._loads.get(index)
+                self._loads[index] = load_D if held is None else held + load_D
+
+    def take_loads(self) -> dict[int, torch.Tensor]:
+        """layer index -> (D,) float64 rows per device since the last call (on the model's device, no
+        host read), then forgets them."""
+        loads, self._loads = self._loads, {}
+        return loads
 
     @torch.no_grad()
     def add_balance_loss(self, value: torch.Tensor) -> None:

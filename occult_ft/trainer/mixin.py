@@ -18,6 +18,9 @@ experts over expert-parallel groups, before `Trainer.__init__` sees the model. I
   mean over micro-batches; with `distill_coef` > 0 and a budget, + `distill_coef` * KL(unpruned teacher ||
   pruned student) (`occult_ft.trainer.distill`), logged as `distill_kl`. `compute_loss` calls it with
   Trainer's loss; a trainer above the mixin that computes its own loss calls it with that;
+- with `device_bias_rate` > 0 and a budget, every optimizer step moves each pruned router's selection
+  bias per device towards balance (`_balance_devices`: the meter's device loads of the step, summed
+  over processes in one all-reduce of an (L, D) tensor, no host read);
 - every forward feeds a `RoutingMeter`; each log line carries `comm_complexity`, `intra_share`,
   `removed_mass`, `load_imbalance`, `max_token_devices`, `balance_loss` and `padding_share` averaged
   since the last line; evaluation reports the same routing metrics (prefixed `eval_`) plus
@@ -53,7 +56,7 @@ from ..evaluation import make_comm_complexity_figure
 from ..fileio import OutputPathError, check_output_path, reading_directory
 from ..integrations.deepspeed import split_moe_param_groups
 from ..models.registry import unwrap_model
-from ..routing import pruned_routers
+from ..routing import pruned_routers, update_device_bias
 from .checkpointing import (
     adopt_checkpoint,
     load_checkpoint_weights,
@@ -179,7 +182,10 @@ class OccultTrainerMixin(Trainer):
             **kwargs,
         )
         assert args.devices is not None and self.model is not None  # OccultArguments resolves devices
-        self._meters = {"train": RoutingMeter(args.devices), "eval": RoutingMeter(args.devices)}
+        self._meters = {
+            "train": RoutingMeter(args.devices, keep_loads=args.device_bias_rate > 0),
+            "eval": RoutingMeter(args.devices),
+        }
         self._routers = pruned_routers(self.model)
         self._distill_kl_sum, self._distill_kl_count = torch.zeros((), dtype=torch.float64), 0
         self._losses_finite: torch.Tensor | None = None  # since the last optimizer step (trainer.guards)
@@ -282,12 +288,36 @@ class OccultTrainerMixin(Trainer):
         self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
         if self._reduces_expert_gradients() and self.accelerator.sync_gradients:
             reduce_expert_gradients(self.model, self.expert_parallel)
+        if self.accelerator.sync_gradients:
+            self._balance_devices()
         # the records keep the last routing for inspection, but not the probabilities' graph
         for _, router in self._routers:
             record = getattr(router, "occult_record", None)
             if record is not None:
                 record.probs = None
         return loss
+
+    @torch.no_grad()
+    def _balance_devices(self) -> None:
+        """After the last micro-batch of an optimizer step: bias_d += u * sign(mean load - load_d) in every
+        pruned router holding a bias (`update_device_bias`), from the device loads the train meter
+        measured in the step, summed over processes so that every rank keeps the same bias."""
+        loads = self._meters["train"].take_loads()
+        if self.args.device_bias_rate <= 0 or not self.occult.pruning.active:
+            return
+        held = [(layer.index, r._buffers.get("occult_device_bias")) for layer, r in self._routers]
+        routers = [(i, bias) for i, bias in held if bias is not None]
+        if not routers:
+            return
+        bias_LD = torch.stack([bias.float() for _, bias in routers])
+        zeros_D = torch.zeros(bias_LD.shape[1], dtype=torch.float64, device=bias_LD.device)
+        load_LD = torch.stack([loads.get(i, zeros_D).to(bias_LD.device) for i, _ in routers])
+        if self.accelerator.num_processes > 1 and torch.distributed.is_initialized():
+            load_LD = load_LD.to(self.args.device)  # the backend's device (NCCL: the GPU)
+            torch.distributed.all_reduce(load_LD)
+        new_LD = update_device_bias(bias_LD, load_LD, self.args.device_bias_rate)
+        for row, (_, bias) in enumerate(routers):
+            bias.copy_(new_LD[row])
 
     # ---- expert parallelism without DeepSpeed: shard gradients and the norm are ours --------------
     def _reduces_expert_gradients(self) -> bool:

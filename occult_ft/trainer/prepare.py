@@ -39,7 +39,7 @@ from ..metrics import contiguous_expert_device
 from ..models.registry import find_moe_layers, unwrap_model
 from ..placement import PRUNING_CRITERIA, Placement, compute_placement, merge_placements
 from ..profiling import profile_model
-from ..routing import PruningConfig, pruned_routers, router_similarity, set_recording
+from ..routing import PruningConfig, pruned_routers, router_device_bias, router_similarity, set_recording
 from .checkpointing import check_checkpoint_model
 from .sharded_load import place_sharded
 
@@ -212,6 +212,24 @@ def _disable_model_aux_loss(base: nn.Module) -> None:
 
 
 # ---- the whole preparation ------------------------------------------------------------------------------
+def _start_bias(
+    base: nn.Module, args, pruning: PruningConfig, ckpt_block, indices: list[int]
+) -> dict[int, torch.Tensor] | None:
+    """The device bias the run starts from: the block's of a resumed checkpoint (else of the loaded
+    model: a shard-wise load restores no router), else the one the loaded model's routers hold, zeros
+    where none is held and `device_bias_rate` > 0; None keeps the routers as they are."""
+    held = router_device_bias(base) or {}
+    if (
+        ckpt_block is not None
+        and ckpt_block.device_bias is not None
+        and ckpt_block.num_devices == args.devices
+    ):
+        held = ckpt_block.device_bias_tensors() or {}
+    if args.device_bias_rate > 0 and pruning.active:
+        return {i: held.get(i, torch.zeros(args.devices)) for i in indices}
+    return held or None
+
+
 def prepare_model(
     model: nn.Module,
     args,
@@ -324,7 +342,8 @@ def prepare_model(
     if pruning.criterion == "similarity" and pruning.active and similarity is None:
         similarity = _broadcast(_profile(base, train_dataset, collate, args, name or "model").similarity())
 
-    apply_occult(base, pruning=pruning, similarity=similarity, similarity_placed=True)
+    bias = _start_bias(base, args, pruning, ckpt_block or block, [layer.index for layer in layers])
+    apply_occult(base, pruning=pruning, similarity=similarity, similarity_placed=True, device_bias=bias)
     _disable_model_aux_loss(base)
     if lora and not peft_model:
         model = apply_lora(

@@ -1,0 +1,313 @@
+"""Device balancing without an auxiliary loss: the per-device selection bias of the pruned router
+(`routing.rules.add_device_bias` / `update_device_bias`, `prune_topk(device_bias_D=...)`), its record in
+the checkpoint (`OccultBlock.device_bias`, block version 3) and the trainer's update after each step.
+
+The remote-code loader (stock `AutoModelForCausalLM(trust_remote_code=True)`) is checked on biased
+checkpoints in tests/test_remote_code.py (cases `*-device-bias`).
+
+Shape legend: T tokens, E experts, K top-k, D devices, L MoE layers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from occult_ft.apply import apply_occult
+from occult_ft.checkpoint import BLOCK_VERSION, CheckpointError, OccultBlock, model_block, save_pruned
+from occult_ft.checkpoint.load import from_pretrained
+from occult_ft.metrics import contiguous_expert_device
+from occult_ft.models import find_moe_layers, tiny_config
+from occult_ft.routing import (
+    PruningConfig,
+    add_device_bias,
+    collect_routing,
+    limit_topk,
+    prune_topk,
+    router_device_bias,
+    set_recording,
+    update_device_bias,
+)
+from occult_ft.trainer import OccultConfig
+
+
+# ---- a slow, obviously correct reference (one token at a time) -------------------------------------
+def biased_score_reference(scores_E, bias_D, dev_E, k, m):
+    """DeepSeek-V3's rule at the device level, then the paper's walk: rank experts by score + bias of
+    their device, take the top-k; if it spans more than m devices, admit devices in that order until m
+    are admitted and take the top-k (biased) among their experts."""
+    biased = [float(s) + float(bias_D[int(d)]) for s, d in zip(scores_E, dev_E)]
+    top = sorted(range(len(biased)), key=lambda e: -biased[e])[:k]
+    if len({int(dev_E[e]) for e in top}) <= m:
+        return sorted(top)
+    admitted: list[int] = []
+    for e in top:
+        if int(dev_E[e]) not in admitted and len(admitted) < m:
+            admitted.append(int(dev_E[e]))
+    allowed = [e for e in range(len(biased)) if int(dev_E[e]) in admitted]
+    return sorted(sorted(allowed, key=lambda e: -biased[e])[:k])
+
+
+def test_add_device_bias_adds_each_device_value_to_its_experts():
+    scores = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    dev = torch.tensor([1, 0, 1, 0])  # any equal-size mapping, not only contiguous blocks
+    got = add_device_bias(scores, dev, torch.tensor([10.0, -1.0]))
+    torch.testing.assert_close(got, torch.tensor([[-0.9, 10.2, -0.7, 10.4]]))
+
+
+def test_a_bias_equal_on_every_device_selects_nothing_differently():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(64, 16, generator=g)
+    dev = contiguous_expert_device(16, 4)
+    ids = scores.topk(4, dim=-1).indices
+    shifted = add_device_bias(scores, dev, torch.full((4,), 0.37))
+    plain = limit_topk(scores, ids, dev, 4, 2, "score")
+    biased = limit_topk(shifted, shifted.topk(4, dim=-1).indices, dev, 4, 2, "score")
+    assert torch.equal(plain.sort(dim=1).values, biased.sort(dim=1).values)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_biased_device_limited_selection_matches_the_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    e, k, d, m = 16, 4, 4, 2
+    scores = torch.softmax(torch.randn(200, e, generator=g) * 2, dim=-1)
+    dev = contiguous_expert_device(e, d)
+    bias = torch.tensor([0.05, -0.02, 0.0, -0.03])
+    biased = add_device_bias(scores, dev, bias)
+    got = limit_topk(biased, biased.topk(k, dim=-1).indices, dev, d, m, "score")
+    want = [biased_score_reference(s.tolist(), bias, dev, k, m) for s in scores]
+    assert got.sort(dim=1).values.tolist() == want
+    # the bias moved some tokens: the test is not the unbiased rule in disguise
+    plain = limit_topk(scores, scores.topk(k, dim=-1).indices, dev, d, m, "score")
+    assert not torch.equal(plain.sort(dim=1).values, got.sort(dim=1).values)
+
+
+def test_update_moves_the_bias_against_the_load_and_centres_it():
+    # loads (10, 2, 4, 4): mean 5 -> signs (-1, +1, +1, +1); bias 0 + 0.1 * signs = (-.1, .1, .1, .1),
+    # mean 0.05 -> centred (-0.15, 0.05, 0.05, 0.05)
+    new = update_device_bias(torch.zeros(4), torch.tensor([10.0, 2.0, 4.0, 4.0]), 0.1)
+    torch.testing.assert_close(new, torch.tensor([-0.15, 0.05, 0.05, 0.05]))
+    # a balanced layer keeps its bias; layers (rows) are independent
+    bias_LD = torch.tensor([[0.2, -0.2], [0.0, 0.0]])
+    new_LD = update_device_bias(bias_LD, torch.tensor([[3.0, 3.0], [5.0, 1.0]]), 0.01)
+    torch.testing.assert_close(new_LD, torch.tensor([[0.2, -0.2], [-0.01, 0.01]]))
+    torch.testing.assert_close(update_device_bias(bias_LD, torch.tensor([[9.0, 1.0]] * 2), 0.0), bias_LD)
+
+
+def test_repeated_updates_balance_a_skewed_router():
+    """Scores that prefer device 0's experts: the sign rule drives the max/mean load towards 1."""
+    g = torch.Generator().manual_seed(0)
+    e, k, d, m = 16, 4, 4, 2
+    dev = contiguous_expert_device(e, d)
+    skew = torch.tensor([0.08] * 4 + [0.0] * 12)
+    bias = torch.zeros(d)
+
+    def imbalance(bias):
+        scores = torch.softmax(torch.randn(512, e, generator=g), dim=-1) + skew
+        biased = add_device_bias(scores, dev, bias)
+        ids = limit_topk(biased, biased.topk(k, dim=-1).indices, dev, d, m, "score")
+        reached = torch.zeros(512, d).scatter_(1, dev[ids], 1.0)
+        load = reached.sum(dim=0)
+        return load, float(load.max() / load.mean())
+
+    _, before = imbalance(bias)
+    for _ in range(60):
+        load, _ = imbalance(bias)
+        bias = update_device_bias(bias, load, 0.005)
+    _, after = imbalance(bias)
+    assert before > 1.4 and after < 1.1
+    assert bias[0] < bias[1:].min()  # the hot device is the one made less attractive
+
+
+# ---- the model-aware part: prune_topk on a real router -----------------------------------------------
+def _olmoe(seed=0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config("olmoe")).eval()
+
+
+def test_prune_topk_selects_on_biased_scores_and_weights_from_the_unbiased_ones():
+    model = _olmoe()
+    layer = find_moe_layers(model)[0]
+    router, arch = layer.router, layer.arch
+    e, k, d = layer.num_experts, layer.top_k, 4
+    hidden = torch.randn(300, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, weights, ids = router(hidden)
+    dev = contiguous_expert_device(e, d)
+    bias = torch.tensor([0.0, 0.06, -0.04, 0.0])
+    pruning = PruningConfig(d, 2, "score")
+    new_ids, new_w, changed = prune_topk(arch, router, logits, ids, weights, pruning, dev, device_bias_D=bias)
+    probs = arch.probabilities(router, logits)
+    want = [biased_score_reference(p.tolist(), bias, dev, k, 2) for p in probs]
+    assert new_ids.sort(dim=1).values.tolist() == want
+    assert changed.any()
+    # gate weights: the model's own convention on the new selection, from the unbiased probabilities
+    torch.testing.assert_close(new_w.float(), arch.gate_weights(router, logits, new_ids), atol=1e-6, rtol=0)
+    # the unchanged tokens keep the router's weights exactly
+    assert torch.equal(new_w[~changed], weights[~changed])
+
+
+def test_the_router_applies_its_bias_only_under_a_budget():
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    biased = {0: torch.tensor([0.3, 0.0, 0.0, -0.3]), 1: torch.tensor([0.3, 0.0, 0.0, -0.3])}
+    outs = {}
+    for name, pruning, bias in [
+        ("none", PruningConfig(4), None),
+        ("none+bias", PruningConfig(4), biased),
+        ("budget", PruningConfig(4, 2, "score"), None),
+        ("budget+bias", PruningConfig(4, 2, "score"), biased),
+    ]:
+        model = apply_occult(_olmoe(), pruning=pruning, device_bias=bias)
+        set_recording(model, True)
+        with torch.no_grad():
+            outs[name] = (model(ids).logits, collect_routing(model))
+    torch.testing.assert_close(outs["none"][0], outs["none+bias"][0], atol=0, rtol=0)
+    assert (outs["budget"][0] - outs["budget+bias"][0]).abs().max() > 1e-3
+    # bias +0.3 on device 0, -0.3 on device 3: device 0 takes rows from device 3
+    rows = {}
+    for name in ("budget", "budget+bias"):
+        record = outs[name][1][0]
+        reached = torch.zeros(record.topk_ids.shape[0], 4).scatter_(1, record.topk_ids // 2, 1.0)
+        rows[name] = reached.sum(dim=0)
+    assert rows["budget+bias"][0] > rows["budget"][0] and rows["budget+bias"][3] < rows["budget"][3]
+
+
+# ---- the checkpoint: block version 3 -----------------------------------------------------------------
+def test_block_writes_and_reads_the_bias():
+    block = OccultBlock.build(PruningConfig(4, 2, "score"), device_bias={1: torch.tensor([0.5, 0, 0, -0.5])})
+    data = block.to_dict()
+    assert data["version"] == BLOCK_VERSION == 3 and data["device_bias"] == {"1": [0.5, 0.0, 0.0, -0.5]}
+    again = OccultBlock.from_dict(json.loads(json.dumps(data)))
+    assert again.device_bias == {1: (0.5, 0.0, 0.0, -0.5)} and again == block
+    torch.testing.assert_close(again.device_bias_tensors()[1], torch.tensor([0.5, 0.0, 0.0, -0.5]))
+
+
+def test_version_2_blocks_load_without_a_bias():
+    data = OccultBlock.build(PruningConfig(4, 2, "score")).to_dict()
+    data["version"] = 2
+    block = OccultBlock.from_dict(data)
+    assert block.version == 2 and block.device_bias is None and "device_bias" not in block.to_dict()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"device_bias": {"0": [0.1, 0.2]}}, r"device_bias of MoE layer 0 must be 4 finite numbers"),
+        ({"device_bias": {"0": [0.1, 0.2, "x", 0]}}, "device_bias must map MoE layer indices to lists"),
+        ({"device_bias": {"a": [0, 0, 0, 0]}}, "device_bias layer keys must be integers"),
+        ({"device_bias": {"0": [0, 0, 0, 0]}, "max_devices_per_token": None}, "without a budget"),
+    ],
+)
+def test_bad_bias_records_are_refused_in_one_line(change, message):
+    data = {**OccultBlock.build(PruningConfig(4, 2, "score")).to_dict(), **change}
+    with pytest.raises(CheckpointError, match=message):
+        OccultBlock.from_dict(data, "ckpt/config.json")
+
+
+def test_bias_is_saved_and_reloaded_with_identical_routing(tmp_path):
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    pruning = PruningConfig(4, 2, "score")
+    model = apply_occult(_olmoe(), pruning=pruning, device_bias={0: torch.zeros(4), 1: torch.zeros(4)})
+    # the routers' bias moves after the block was recorded (as in training): the save takes the live one
+    live = {0: torch.tensor([0.2, -0.1, 0.0, -0.1]), 1: torch.tensor([-0.3, 0.1, 0.1, 0.1])}
+    for layer in find_moe_layers(model):
+        layer.router.occult_device_bias.copy_(live[layer.index])
+    with torch.no_grad():
+        want = model(ids).logits
+    model.save_pretrained(tmp_path / "a")
+    save_pruned(model, str(tmp_path / "b"))
+    for path in (tmp_path / "a", tmp_path / "b"):
+        config = json.loads((path / "config.json").read_text())
+        assert config["occult"]["device_bias"] == {str(i): v.tolist() for i, v in live.items()}
+        loaded = from_pretrained(str(path)).eval()
+        assert {i: v.tolist() for i, v in router_device_bias(loaded).items()} == {
+            i: v.tolist() for i, v in live.items()
+        }
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, want, atol=1e-6, rtol=0)
+        assert model_block(loaded).device_bias == {i: tuple(v.tolist()) for i, v in live.items()}
+
+
+def test_a_biased_native_budget_is_saved_with_remote_code(tmp_path):
+    """DeepSeek-V3 `device_topk_sum` is native (n_group/topk_group) without a bias; native fields cannot
+    carry the bias, so the checkpoint routes through remote code instead."""
+    from occult_ft.checkpoint import describe_checkpoint
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v3")).eval()
+    indices = [layer.index for layer in find_moe_layers(model)]
+    pruning = PruningConfig(2, 1, "device_topk_sum")
+    apply_occult(model, pruning=pruning, device_bias={i: torch.tensor([0.1, -0.1]) for i in indices})
+    save_pruned(model, str(tmp_path))
+    summary = describe_checkpoint(str(tmp_path))
+    assert not summary.native_routing and summary.remote_code and summary.needs_occult_ft
+
+
+# ---- configuration -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [-0.001, float("nan"), float("inf"), True, "0.1"])
+def test_device_bias_rate_is_validated(tmp_path, value):
+    with pytest.raises(ValueError, match="device_bias_rate="):
+        OccultConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", device_bias_rate=value)
+
+
+# ---- the trainer: the bias moves after each step and is saved --------------------------------------
+def _embedded_trainer(tmp_path, rate):
+    from occult_ft.checkpoint.load import load_model_and_tokenizer
+    from occult_ft.trainer import OccultTrainer
+    from occult_ft.trainer.pipeline import load_run_dataset
+
+    config = OccultConfig(
+        output_dir=str(tmp_path),
+        model_name_or_path="embedded",
+        seq_len=64,
+        devices=4,
+        placement="sequential",  # the embedded model's own order: its trained routers are skewed
+        max_devices_per_token=2,
+        criterion="score",
+        balance_loss_coef=0.0,
+        device_bias_rate=rate,
+        learning_rate=0.0,  # the weights stay: whatever the routing does is the bias's doing
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        max_steps=20,
+        logging_steps=10,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+    )
+    model, tokenizer = load_model_and_tokenizer("embedded")
+    train_rows = load_run_dataset("embedded", None, tokenizer, config)
+    eval_rows = load_run_dataset("embedded", None, tokenizer, config, evaluation=True)
+    eval_rows = eval_rows.select(range(min(32, len(eval_rows))))
+    return OccultTrainer(model, args=config, train_dataset=train_rows, eval_dataset=eval_rows)
+
+
+@pytest.mark.slow
+def test_training_with_device_bias_lowers_the_load_imbalance_and_saves_the_bias(tmp_path):
+    trainer = _embedded_trainer(tmp_path / "run", rate=0.01)
+    before = trainer.evaluate()["eval_load_imbalance"]
+    trainer.train()
+    after = trainer.evaluate()["eval_load_imbalance"]
+    bias = router_device_bias(trainer.model)
+    assert set(bias) == {layer.index for layer in find_moe_layers(trainer.model)}
+    # measured: 1.415 -> 1.323 in 20 steps (rate 0.01, the same 32 held-out rows before and after)
+    assert before > 1.2 and after < before - 0.05, (before, after)
+    # the hottest device of each layer ends with the lowest bias: the rule pushes rows away from it
+    assert all(torch.allclose(v.sum(), torch.zeros(())) for v in bias.values())  # centred
+    trainer.save_model(str(tmp_path / "out"))
+    block = model_block(from_pretrained(str(tmp_path / "out")))
+    assert block.device_bias == {i: tuple(v.tolist()) for i, v in bias.items()}
+
+
+@pytest.mark.slow
+def test_a_zero_rate_keeps_no_bias_and_the_routing(tmp_path):
+    trainer = _embedded_trainer(tmp_path / "run", rate=0.0)
+    before = trainer.evaluate()["eval_load_imbalance"]
+    trainer.train()
+    assert router_device_bias(trainer.model) is None
+    assert trainer.evaluate()["eval_load_imbalance"] == pytest.approx(before, abs=1e-9)
