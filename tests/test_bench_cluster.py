@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -213,3 +214,51 @@ def test_a_signal_tears_down(sig):
     assert proc.returncode != 0
     assert cluster_namespaces(prefix) == []
     assert not os.path.exists(f"/proc/{child}") or "zombie" in open(f"/proc/{child}/status").read().lower()
+
+
+def test_bench_train_refuses_in_one_line_without_tc(monkeypatch, tmp_path, capsys):
+    from occult_ft.cli import main
+
+    if shutil.which("ip") is None:
+        pytest.skip("no `ip` here")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    (tmp_path / "ip").symlink_to(shutil.which("ip"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["bench", "--train", "--devices", "2", "--nodes", "2", "--link-rate", "1gbit"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("occult-ft bench: error: the emulated cluster (--link-rate) needs `tc` on PATH")
+    assert main(["bench", "--train", "--devices", "2", "--link-rate", "fast"]) == 2
+    assert "link rate 'fast' is not a rate" in capsys.readouterr().err
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_bench_train_runs_in_a_two_node_cluster_and_leaves_nothing(capsys):
+    import json
+
+    from occult_ft.cli import main
+
+    before = _links()
+    argv = ["bench", "--train", "--devices", "2", "--nodes", "2", "--link-rate", "200mbit", "--cpu"]
+    argv += ["--experts", "8", "--top-k", "2", "--hidden", "32", "--num-layers", "2", "--seq-len", "16"]
+    argv += ["--tokens", "64", "--grad-accum", "2", "--iters", "2", "--warmup", "1", "--json"]
+    argv += ["--backends", "occult_ep,deepspeed_moe", "--cluster", "4x8-ib"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["network"].startswith(
+        "emulated cluster: 2 nodes x 1 processes, node links shaped to 200mbit"
+    )
+    rows = {r["contender"]: r for r in report["contenders"]}
+    assert all(r["measured"] for r in rows.values()), rows
+    for row in rows.values():
+        split = row["split_ms"]
+        # the split is the whole step (mean over ranks; the step time is the slowest rank's)
+        assert sum(split.values()) == pytest.approx(1000 * statistics.fmean(row["step_s_runs"]), rel=0.5)
+        assert split["exposed_exchange"] + split["waiting"] > 0 and split["dense_allreduce"] > 0
+    # the same model, data and gate convention over a shaped network: the same losses
+    a, b = rows["occult_ep"]["losses"], rows["deepspeed_moe"]["losses"]
+    assert len(a) == 3 and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    assert cluster_namespaces() == [] or all(
+        not n.startswith(f"oft{os.getpid()}") for n in cluster_namespaces()
+    )
+    assert _links() == before
