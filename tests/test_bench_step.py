@@ -275,3 +275,43 @@ def test_every_contender_trains_and_ep_reproduces_data_parallel(tmp_path):
     assert rows["occult_ep"]["syncs_per_layer"] == 1.0  # the count exchange, nothing else
     for row in rows.values():
         assert len(row["step_s_runs"]) == 2 and row["tokens_per_s"] > 0 and row["peak_mb"] > 0
+
+
+def _clock_worker(rank: int, world: int) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    from occult_ft.bench.step_worker import PhaseClock
+
+    clock = PhaseClock(torch.nn.Linear(2, 2))
+    try:
+        if rank == 1:
+            time.sleep(0.5)  # rank 0 issues the exchange 0.5 s earlier and waits for rank 1
+        out = torch.empty(4)
+        dist.all_to_all_single(out, torch.ones(4))
+
+        def backward():  # a gradient reduction inside backward, asynchronous like DDP's buckets
+            work = dist.all_reduce(torch.ones(3), async_op=True)
+            time.sleep(0.05)
+            work.wait()
+
+        clock.timed_backward(backward)()
+        dist.all_reduce(torch.ones(1))  # outside backward: another collective
+        return {"times": clock.snapshot(), "events": clock.events()}
+    finally:
+        clock.close()
+
+
+@pytest.mark.slow
+def test_the_clock_tells_waiting_dense_reductions_and_other_collectives_apart():
+    from dist_utils import run_distributed
+
+    got = run_distributed(_clock_worker, 2)
+    waited = waiting_by_rank([g["events"] for g in got])
+    assert waited[0] > 0.3 and waited[1] < 0.1  # rank 0 sat in the all-to-all while rank 1 slept
+    for g in got:
+        (event,) = g["events"]
+        assert event[0] == "world" and event[1] == 0
+        assert g["times"]["exchange_fwd"] >= waited[0] * (g is got[0])
+        assert g["times"]["dense_allreduce"] > 0 and g["times"]["other_collectives"] > 0
