@@ -61,6 +61,8 @@ from typing import Any
 
 import torch
 
+from ..embedded import embedded_data_path, embedded_model_path
+from ..fileio import read_text
 from ..layout import ExpertLayout
 from ..models import find_moe_layers
 from .cluster import EmulatedCluster, parse_rate
@@ -260,8 +262,6 @@ def embedded_settings(settings: StepSettings) -> StepSettings:
 
     from transformers import AutoConfig
 
-    from ..embedded import embedded_model_path
-
     config = AutoConfig.from_pretrained(embedded_model_path())
     if settings.seq_len > config.max_position_embeddings:
         raise ValueError(
@@ -282,9 +282,6 @@ def embedded_settings(settings: StepSettings) -> StepSettings:
 def _embedded_rows(rows: int, seq_len: int) -> torch.Tensor:
     """(rows, seq_len) consecutive token windows of the embedded training corpus."""
     from transformers import AutoTokenizer
-
-    from ..embedded import embedded_data_path, embedded_model_path
-    from ..fileio import read_text
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_path())
     text = read_text(embedded_data_path("train"))
@@ -310,8 +307,6 @@ def _save_model_and_data(settings: StepSettings, tmp: str) -> tuple[str, str, ob
     )
     data_path = os.path.join(tmp, "data.pt")
     if settings.model == "embedded":
-        from ..embedded import embedded_model_path
-
         model = AutoModelForCausalLM.from_pretrained(embedded_model_path(), dtype=torch.float32)
         model.config.norm_topk_prob = True  # the shared gate convention; the selection is unchanged
         model.save_pretrained(model_dir)
