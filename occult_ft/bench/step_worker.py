@@ -62,11 +62,13 @@ _COLLECTIVES = (
     "all_gather",
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
+    "all_gather_single",
+    "reduce_scatter_single",
     "broadcast",
     "barrier",
 )
 _EXCHANGE = ("all_to_all_single", "all_to_all_single_autograd")
-_GRADIENT_REDUCTIONS = ("all_reduce", "reduce_scatter_tensor")
+_GRADIENT_REDUCTIONS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single")  # FSDP2: _single
 
 
 def _group_of(name: str, args: tuple, kwargs: dict):
