@@ -22,7 +22,7 @@ gradient accumulation: the dense gradients are reduced once per step, on the las
 
 The phase clock times, per step and rank: the model's forward, each attention, router and MoE block
 forward (forward hooks), every collective Python calls (all-to-all and friends, forward and backward
-told apart by the grad mode; with `barrier` a barrier before each one, timed as waiting), and the
+told apart by whether the loss's backward call is running; with `barrier` a barrier before each one, timed as waiting), and the
 optimizer step (global optimizer hooks). On CUDA it synchronises around what it times. Each exchange
 collective is also recorded as an event (its group, its sequence number in that group, when this rank
 issued it, when this rank was blocked in it or in its `wait()`): the driver tells waiting for other
@@ -169,7 +169,9 @@ class PhaseClock:
             clock._inside += 1
             try:
                 exchange = name in _EXCHANGE
-                phase = "fwd" if torch.is_grad_enabled() else "bwd"
+                # inside the loss's backward call (not grad mode: an autograd Function's forward runs
+                # without grad, and the chunked and two-stage exchanges issue there)
+                phase = "bwd" if clock.in_backward else "fwd"
                 group = _group_of(name, args, kwargs)
                 if exchange and clock.barrier and not kwargs.get("async_op"):
                     start = _now(clock.cuda)
