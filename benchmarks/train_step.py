@@ -4,10 +4,14 @@ rows through occult_ft's own exchange), transformers native EP and DeepSpeed MoE
     python benchmarks/train_step.py                      # the issue's two shapes, 4 gloo processes
     python benchmarks/train_step.py --shape olmoe64 --rounds 3 --json out.json --plot step.png
     python benchmarks/train_step.py --barrier            # diagnostic: waiting vs transfer per exchange
+    python benchmarks/train_step.py --link-rate 1gbit    # in an emulated cluster (root; one node: loopback)
+    python benchmarks/train_step.py --link-rate 1gbit --nodes 2 --devices 4 \
+        --contenders occult_ep,occult_ep_two_stage       # 2 nodes x 2 processes, two-stage vs flat
 
 Defaults are the shapes of issue 15: hidden 512, 8 layers, 32 experts top-4 (`olmoe32`) and 64
-experts top-8 (`olmoe64`), sequence 256, 2,048 tokens per step on 4 processes (2 sequences each),
-2 rounds of 5 timed steps after 2 warm-up steps, contenders alternated. See `occult_ft.bench.step`
+experts top-8 (`olmoe64`), sequence 256, 2,048 tokens per micro-batch on 4 processes (2 sequences
+each), 4 micro-batches per optimizer step, 2 rounds of 5 timed steps after 2 warm-up steps, contenders
+alternated; `--shape embedded` is the embedded model on its corpus. See `occult_ft.bench.step`
 for what is measured and how; `occult-ft bench --train` is the short version.
 """
 
@@ -24,7 +28,10 @@ from occult_ft.fileio import atomic_write_text
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--shape", action="append", choices=list(SHAPES), help="model shape (repeatable; default both)"
+        "--shape",
+        action="append",
+        choices=list(SHAPES),
+        help="model shape (repeatable; default olmoe64 and embedded)",
     )
     ap.add_argument("--experts", type=int, default=None, help="override the shape's experts")
     ap.add_argument("--top-k", type=int, default=None, help="override the shape's top-k")
@@ -34,7 +41,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--tokens-per-step", type=int, default=2048, help="global tokens per step")
+    ap.add_argument("--micro-batch-tokens", type=int, default=2048, help="global tokens per micro-batch")
+    ap.add_argument("--grad-accum", type=int, default=4, help="micro-batches per optimizer step")
+    ap.add_argument("--link-rate", default=None, help="emulated cluster link rate, e.g. 1gbit (root)")
     ap.add_argument("--devices", type=int, default=4, help="processes = expert-parallel size")
     ap.add_argument(
         "--nodes", type=int, default=1, help="nodes the processes are read as (two-stage contender)"
@@ -52,10 +61,11 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="write a figure to this PNG (one per shape: NAME-SHAPE.png)")
     args = ap.parse_args(argv)
     reports = {}
-    for shape in args.shape or list(SHAPES):
+    for shape in args.shape or ["olmoe64", "embedded"]:
         dims = dict(SHAPES[shape])
-        dims["experts"] = args.experts or dims["experts"]
-        dims["top_k"] = args.top_k or dims["top_k"]
+        if shape != "embedded":
+            dims["experts"] = args.experts or dims["experts"]
+            dims["top_k"] = args.top_k or dims["top_k"]
         settings = StepSettings(
             hidden=args.hidden,
             layers=args.layers,
@@ -63,7 +73,9 @@ def main(argv=None) -> int:
             heads=args.heads,
             vocab=args.vocab,
             seq_len=args.seq_len,
-            tokens_per_step=args.tokens_per_step,
+            micro_batch_tokens=args.micro_batch_tokens,
+            grad_accum=args.grad_accum,
+            link_rate=args.link_rate,
             devices=args.devices,
             nodes=args.nodes,
             steps=args.steps,

@@ -21,6 +21,7 @@ from occult_ft.bench.step import (
     contender_spec,
     format_step_report,
     run_train_step,
+    waiting_by_rank,
 )
 from occult_ft.cli import main
 
@@ -33,7 +34,7 @@ TINY = dict(
     heads=2,
     vocab=128,
     seq_len=16,
-    tokens_per_step=64,
+    micro_batch_tokens=64,
 )
 
 
@@ -71,7 +72,7 @@ def test_contender_names_say_what_runs():
     "overrides, message",
     [
         (dict(devices=3), "devices=3 must divide the 8 experts"),
-        (dict(tokens_per_step=48), "tokens_per_step=48 must be a multiple of devices x seq_len = 32"),
+        (dict(micro_batch_tokens=48), "micro_batch_tokens=48 must be a multiple of devices x seq_len = 32"),
         (dict(heads=3), "heads=3 must divide hidden=32"),
         (dict(top_k=9), "top_k=9 exceeds experts=8"),
         (dict(devices=1), "devices=1 must be at least 2"),
@@ -92,7 +93,7 @@ def _run(seconds_by_rank, phases, losses, peak=100.0):
 
 
 def test_summary_takes_the_slowest_rank_per_step_and_the_median_over_rounds():
-    s = StepSettings(**TINY, devices=2, warmup=1, steps=2)
+    s = StepSettings(**TINY, devices=2, warmup=1, steps=2, grad_accum=3)
     phases = {"forward": 0.4, "moe_block": 0.25, "router": 0.05, "exchange_fwd": 0.1, "optimizer": 0.1}
     # round 1: steps (warm-up 9.0), 1.0, 2.0 on rank 0 and 1.5, 1.0 on rank 1 -> slowest 1.5, 2.0
     # round 2: 3.0, 1.0 / 1.0, 1.2 -> 3.0, 1.2; median of [1.5, 2.0, 3.0, 1.2] = 1.75
@@ -101,7 +102,8 @@ def test_summary_takes_the_slowest_rank_per_step_and_the_median_over_rounds():
         _run([[9.0, 3.0, 1.0], [9.0, 1.0, 1.2]], phases, [5.0, 4.0, 3.0]),
     ]
     row = _summarise("occult_ep", runs, s)
-    assert row["step_s"] == pytest.approx(1.75) and row["tokens_per_s"] == pytest.approx(64 / 1.75)
+    # an optimizer step trains 3 micro-batches of 64 tokens
+    assert row["step_s"] == pytest.approx(1.75) and row["tokens_per_s"] == pytest.approx(3 * 64 / 1.75)
     assert row["step_s_runs"] == [1.5, 2.0, 3.0, 1.2]
     p = row["phases_ms"]
     assert p["attention_dense"] == pytest.approx(150.0)  # forward 400 - MoE blocks 250
@@ -110,6 +112,50 @@ def test_summary_takes_the_slowest_rank_per_step_and_the_median_over_rounds():
     mean_step = (1.0 + 2.0 + 1.5 + 1.0 + 3.0 + 1.0 + 1.0 + 1.2) / 8
     assert p["backward_rest"] == pytest.approx(1000.0 * (mean_step - 0.5))
     assert row["peak_mb"] == 101.0  # the larger of the ranks
+
+
+def test_waiting_is_blocked_time_before_the_last_rank_issued():
+    # one step, two ranks, world group: collective 0 issued at t=1.0 (rank 0) and t=1.5 (rank 1);
+    # rank 0 blocked 1.0-1.7 -> waited 0.5 (until 1.5), transfer 0.2; rank 1 blocked 1.5-1.7 -> 0.
+    # collective 1 is asynchronous: rank 0 issued at 2.0 and waited on its handle over 2.4-2.6; rank 1
+    # issued at 2.5 -> rank 0 waited 0.1 of its 0.2 blocked (2.4-2.5); rank 1 blocked 3.0-3.1 -> 0.
+    # a node group "0" of rank 0 alone never waits for anyone.
+    rank0 = [
+        ["world", 0, 1.0, [[1.0, 1.7]]],
+        ["world", 1, 2.0, [[2.0, 2.0], [2.4, 2.6]]],
+        ["0", 0, 4.0, [[4.0, 4.3]]],
+    ]
+    rank1 = [["world", 0, 1.5, [[1.5, 1.7]]], ["world", 1, 2.5, [[2.5, 2.5], [3.0, 3.1]]]]
+    assert waiting_by_rank([rank0, rank1]) == pytest.approx([0.6, 0.0])
+
+
+def test_the_step_split_adds_up_to_the_step():
+    s = StepSettings(**TINY, devices=2, warmup=0, steps=1, grad_accum=1)
+    phases = {"exchange_fwd": 0.3, "exchange_bwd": 0.2, "dense_allreduce": 0.15, "other_collectives": 0.05}
+    events = [["world", 0, 0.0, [[0.0, 0.3]]]]
+    late = [["world", 0, 0.1, [[0.1, 0.3]]]]  # rank 1 issued 0.1 s later: rank 0 waited 0.1 s
+    runs = [
+        {
+            "ranks": [
+                {
+                    "records": [{"seconds": 2.0, "phases": phases, "events": ev}],
+                    "losses": [1.0],
+                    "peak_mb": 1.0,
+                    "syncs": 1.0,
+                }
+                for ev in (events, late)
+            ]
+        }
+    ]
+    row = _summarise("occult_ep", runs, s)
+    split = row["split_ms"]
+    # blocked 500 ms per rank; rank 0 waited 100 -> mean waiting 50, exposed 450
+    assert split["waiting"] == pytest.approx(50.0) and split["exposed_exchange"] == pytest.approx(450.0)
+    assert split["dense_allreduce"] == pytest.approx(150.0) and split["other_collectives"] == pytest.approx(
+        50.0
+    )
+    assert split["compute"] == pytest.approx(2000.0 - 700.0) and sum(split.values()) == pytest.approx(2000.0)
+    assert row["exchange_share"] == pytest.approx(0.25)  # (450 + 50) / 2000
 
 
 def test_comparison_with_the_best_other_contender_and_data_parallel():
@@ -181,7 +227,7 @@ def test_the_report_reads_as_a_table_and_draws(tmp_path):
     report = {
         "settings": vars(s) | {"hidden": 32},
         "device": "cpu",
-        "tokens_per_step": 64,
+        "tokens_per_step": s.tokens_per_step,
         "contenders": rows,
         "cost_model": {"clusters": [{"name": "4x8-ib", "skipped": "too small"}]},
         "notes": ["a note"],
@@ -208,7 +254,8 @@ def test_cli_train_refuses_a_model():
 
 @pytest.mark.slow
 def test_every_contender_trains_and_ep_reproduces_data_parallel(tmp_path):
-    s = StepSettings(**TINY, devices=2, warmup=0, steps=2, rounds=1, device="cpu")
+    # two micro-batches per step: every contender accumulates them the same way
+    s = StepSettings(**TINY, devices=2, warmup=0, steps=2, rounds=1, device="cpu", grad_accum=2)
     names = [
         "data_parallel",
         "occult_ep",
@@ -228,3 +275,43 @@ def test_every_contender_trains_and_ep_reproduces_data_parallel(tmp_path):
     assert rows["occult_ep"]["syncs_per_layer"] == 1.0  # the count exchange, nothing else
     for row in rows.values():
         assert len(row["step_s_runs"]) == 2 and row["tokens_per_s"] > 0 and row["peak_mb"] > 0
+
+
+def _clock_worker(rank: int, world: int) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    from occult_ft.bench.step_worker import PhaseClock
+
+    clock = PhaseClock(torch.nn.Linear(2, 2))
+    try:
+        if rank == 1:
+            time.sleep(0.5)  # rank 0 issues the exchange 0.5 s earlier and waits for rank 1
+        out = torch.empty(4)
+        dist.all_to_all_single(out, torch.ones(4))
+
+        def backward():  # a gradient reduction inside backward, asynchronous like DDP's buckets
+            work = dist.all_reduce(torch.ones(3), async_op=True)
+            time.sleep(0.05)
+            work.wait()
+
+        clock.timed_backward(backward)()
+        dist.all_reduce(torch.ones(1))  # outside backward: another collective
+        return {"times": clock.snapshot(), "events": clock.events()}
+    finally:
+        clock.close()
+
+
+@pytest.mark.slow
+def test_the_clock_tells_waiting_dense_reductions_and_other_collectives_apart():
+    from dist_utils import run_distributed
+
+    got = run_distributed(_clock_worker, 2)
+    waited = waiting_by_rank([g["events"] for g in got])
+    assert waited[0] > 0.3 and waited[1] < 0.1  # rank 0 sat in the all-to-all while rank 1 slept
+    for g in got:
+        (event,) = g["events"]
+        assert event[0] == "world" and event[1] == 0
+        assert g["times"]["exchange_fwd"] >= waited[0] * (g is got[0])
+        assert g["times"]["dense_allreduce"] > 0 and g["times"]["other_collectives"] > 0

@@ -1,29 +1,39 @@
 """The train-step benchmark: whole training steps (forward, backward, optimizer) of the tools users
 choose between, on the same model, data and global batch, side by side.
 
-`run_train_step(settings)` saves one OLMoE-shaped model (seeded; `norm_topk_prob=True`, the gate
-convention every contender shares, DeepSpeed's included) and the token rows of every step, then, in
-`rounds` rounds whose order rotates (round r starts r places later and odd rounds run backwards),
-launches each contender on D processes (`torchrun`, `occult_ft.bench.step_worker`) for `warmup + steps`
-steps. Per contender it reports:
+`run_train_step(settings)` saves one model (`settings.model`: "random", OLMoE-shaped and seeded, on
+random tokens; or "embedded", the shipped OLMoE with trained routers, on its own corpus, so that the
+routing is real and skewed) with `norm_topk_prob=True` (the gate convention every contender shares,
+DeepSpeed's included) and the token rows of every step, then, in `rounds` rounds whose order rotates
+(round r starts r places later and odd rounds run backwards), launches each contender on D processes
+(`torchrun`, `occult_ft.bench.step_worker`) for `warmup + steps` optimizer steps of `grad_accum`
+micro-batches each. With `link_rate` the D processes run in an emulated cluster
+(`occult_ft.bench.cluster`: `nodes` network namespaces of D / nodes processes, links shaped to that
+rate; one node: its loopback shaped), set up once and torn down at the end. Per contender it reports:
 
-    tokens_per_s       global tokens per step / median step time (a step ends when its slowest rank does)
+    tokens_per_s       global tokens per optimizer step / median step time (a step ends when its
+                       slowest rank does)
     step_s / spread    median and [25th, 75th] percentile of the timed steps of all rounds
     vs_best_other      tokens_per_s / that of the fastest contender that is not occult_ft's de-duplicated EP
-    phases_ms          per step, mean over ranks: attention_dense (forward outside the MoE blocks), router,
-                       exchange_fwd (+ _wait), local_experts_fwd (MoE blocks minus router and exchange),
-                       backward_rest (the step minus forward and optimizer: backward, clipping, data),
-                       exchange_bwd (+ _wait), other_collectives, optimizer
+    split_ms           the step split, per step and mean over ranks: compute (everything else),
+                       exposed_exchange (blocked in an exchange collective or its wait(), other ranks
+                       already there), waiting (blocked in one before the last rank of its group issued
+                       it: `waiting_by_rank`), dense_allreduce (gradient reductions inside backward),
+                       other_collectives; with `exchange_share` = (exposed_exchange + waiting) / step
+    phases_ms          finer, per step, mean over ranks: attention_dense (forward outside the MoE blocks),
+                       router, exchange_fwd (+ _wait), local_experts_fwd (MoE blocks minus router and
+                       exchange), backward_rest (the step minus forward and optimizer: backward, clipping,
+                       data), exchange_bwd (+ _wait), dense_allreduce, other_collectives, optimizer
     peak_mb            peak memory per rank (CPU: what training added to the process's peak RSS, the
                        interpreter, torch and transformers excluded; CUDA: max allocated)
     losses / loss_vs_dp the global mean loss per step, and its largest difference from data parallel
     syncs_per_layer    host synchronisations inside one MoE block forward (`HostSyncCounter`)
 
-Waiting and transfer are told apart only with `barrier=True` (a barrier before each exchange
-collective: the barrier is the waiting, the collective after it the transfer), a diagnostic run whose
-step times include the barriers. Collectives that torch runs from C++ (DDP's gradient all-reduce, the
-autograd backward of functional collectives used by transformers' EP) are not seen by the clock: they
-stay inside backward_rest.
+Waiting and transfer are told apart from when each rank issued each exchange collective (one
+machine, one clock); `barrier=True` instead puts a barrier before each exchange collective (the
+barrier is the waiting), a diagnostic run whose step times include the barriers. Collectives that
+torch runs from C++ (the autograd backward of functional collectives used by transformers' EP) are
+not seen by the clock: they stay inside compute (and backward_rest).
 
 `cost_model` predicts, from the routing of the same model on the first step's tokens, the exchange of
 the same step (forward and backward) on a cluster shape (default 4 x 8 GPUs on InfiniBand, `4x8-ib`),
@@ -36,6 +46,7 @@ length, B sequences per rank and step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -50,8 +61,11 @@ from typing import Any
 
 import torch
 
+from ..embedded import embedded_data_path, embedded_model_path
+from ..fileio import read_text
 from ..layout import ExpertLayout
 from ..models import find_moe_layers
+from .cluster import EmulatedCluster, parse_rate
 from .costmodel import (
     get_cluster,
     predict_exchange_ms,
@@ -69,13 +83,17 @@ __all__ = [
     "contender_spec",
     "run_train_step",
     "format_step_report",
+    "waiting_by_rank",
 ]
 
 SHAPES = {
     "olmoe32": dict(experts=32, top_k=4),
     "olmoe64": dict(experts=64, top_k=8),
+    "embedded": dict(model="embedded"),
 }
-"""The issue's two model shapes (hidden 512, 8 layers): 32 experts top-4 and 64 experts top-8."""
+"""Model shapes: OLMoE-shaped random models (hidden 512, 8 layers) with 32 experts top-4 and 64 experts
+top-8, and the embedded model (hidden 128, 4 layers, 32 experts top-4, trained routers)."""
+MODELS = ("random", "embedded")
 
 DEFAULT_CONTENDERS = (
     "data_parallel",
@@ -95,9 +113,15 @@ class StepSettings:
 
     Args:
         hidden / layers / experts / top_k / expert_width / heads / vocab: the OLMoE-shaped model.
-        seq_len: S. tokens_per_step: global tokens per step (T = D x B x S).
+        model: "random" (that shape, seeded, random tokens) or "embedded" (the shipped model on its
+            corpus; the shape fields are then taken from it by `run_train_step`).
+        seq_len: S. micro_batch_tokens: global tokens per micro-batch (T = D x B x S).
+        grad_accum: micro-batches per optimizer step (the dense gradients are reduced once per step).
         devices: D processes (expert-parallel size of the EP contenders, replicas of data parallel).
-        nodes: N nodes the D processes are read as (the two-stage contender crosses them).
+        nodes: N nodes the D processes are read as (the two-stage contender crosses them); with
+            `link_rate`, the emulated cluster's nodes.
+        link_rate: run in an emulated cluster whose links have this tc rate (e.g. "1gbit"); None: the
+            host's own loopback.
         steps / warmup / rounds: timed steps, untimed steps first, rounds of all contenders.
         learning_rate: AdamW, constant. dtype: float32 (CPU) or bfloat16 (CUDA).
         device: "cpu", "cuda" or "auto" (CUDA with one GPU per process when present).
@@ -114,9 +138,12 @@ class StepSettings:
     heads: int = 8
     vocab: int = 8192
     seq_len: int = 256
-    tokens_per_step: int = 2048
+    micro_batch_tokens: int = 2048
+    grad_accum: int = 4
     devices: int = 4
     nodes: int = 1
+    link_rate: str | None = None
+    model: str = "random"
     steps: int = 5
     warmup: int = 2
     rounds: int = 2
@@ -142,11 +169,19 @@ class StepSettings:
         if self.hidden % self.heads:
             raise ValueError(f"heads={self.heads} must divide hidden={self.hidden}")
         per_step = self.devices * self.seq_len
-        if self.tokens_per_step % per_step:
+        if self.micro_batch_tokens % per_step:
             raise ValueError(
-                f"tokens_per_step={self.tokens_per_step} must be a multiple of devices x seq_len = {per_step} "
-                "(every rank trains whole sequences)"
+                f"micro_batch_tokens={self.micro_batch_tokens} must be a multiple of devices x seq_len = "
+                f"{per_step} (every rank trains whole sequences)"
             )
+        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ValueError(
+                f"grad_accum={self.grad_accum!r} must be a positive integer (micro-batches per step)"
+            )
+        if self.model not in MODELS:
+            raise ValueError(f"model={self.model!r}: use {' or '.join(MODELS)}")
+        if self.link_rate is not None:
+            parse_rate(self.link_rate)
         if self.steps < 1 or self.warmup < 0 or self.rounds < 1:
             raise ValueError(
                 f"steps={self.steps}, warmup={self.warmup}, rounds={self.rounds}: need >= 1, >= 0, >= 1"
@@ -158,7 +193,13 @@ class StepSettings:
 
     @property
     def batch_per_rank(self) -> int:
-        return self.tokens_per_step // (self.devices * self.seq_len)
+        """B, sequences per rank and micro-batch."""
+        return self.micro_batch_tokens // (self.devices * self.seq_len)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Global tokens per optimizer step (grad_accum micro-batches)."""
+        return self.micro_batch_tokens * self.grad_accum
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -213,9 +254,64 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def embedded_settings(settings: StepSettings) -> StepSettings:
+    """`settings` with the shape fields of the embedded model (`model="embedded"`); unchanged otherwise."""
+    if settings.model != "embedded":
+        return settings
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(embedded_model_path())
+    if settings.seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"seq_len={settings.seq_len} exceeds the embedded model's {config.max_position_embeddings} positions"
+        )
+    return replace(
+        settings,
+        hidden=config.hidden_size,
+        layers=config.num_hidden_layers,
+        experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        expert_width=config.intermediate_size,
+        heads=config.num_attention_heads,
+        vocab=config.vocab_size,
+    )
+
+
+def _embedded_rows(rows: int, seq_len: int) -> torch.Tensor:
+    """(rows, seq_len) consecutive token windows of the embedded training corpus."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_path())
+    text = read_text(embedded_data_path("train"))
+    ids: list[int] = []
+    for doc in text.split("\n\n"):
+        ids += tokenizer(doc, add_special_tokens=False)["input_ids"]
+        if len(ids) >= rows * seq_len:
+            break
+    if len(ids) < rows * seq_len:
+        raise ValueError(f"the embedded corpus holds {len(ids)} tokens < {rows * seq_len} the steps need")
+    return torch.tensor(ids[: rows * seq_len]).reshape(rows, seq_len)
+
+
 def _save_model_and_data(settings: StepSettings, tmp: str) -> tuple[str, str, object]:
     from transformers import AutoModelForCausalLM, OlmoeConfig
 
+    model_dir = os.path.join(tmp, "model")
+    rows = (
+        settings.micro_batch_tokens
+        // settings.seq_len
+        * settings.grad_accum
+        * (settings.warmup + settings.steps)
+    )
+    data_path = os.path.join(tmp, "data.pt")
+    if settings.model == "embedded":
+        model = AutoModelForCausalLM.from_pretrained(embedded_model_path(), dtype=torch.float32)
+        model.config.norm_topk_prob = True  # the shared gate convention; the selection is unchanged
+        model.save_pretrained(model_dir)
+        torch.save(_embedded_rows(rows, settings.seq_len), data_path)
+        return model_dir, data_path, model
     config = OlmoeConfig(
         vocab_size=settings.vocab,
         hidden_size=settings.hidden,
@@ -233,18 +329,23 @@ def _save_model_and_data(settings: StepSettings, tmp: str) -> tuple[str, str, ob
     )
     torch.manual_seed(settings.seed)
     model = AutoModelForCausalLM.from_config(config)
-    model_dir = os.path.join(tmp, "model")
     model.save_pretrained(model_dir)
-    rows = settings.tokens_per_step // settings.seq_len * (settings.warmup + settings.steps)
     gen = torch.Generator().manual_seed(settings.seed + 1)
     data = torch.randint(2, settings.vocab, (rows, settings.seq_len), generator=gen)
-    data_path = os.path.join(tmp, "data.pt")
     torch.save(data, data_path)
     return model_dir, data_path, model
 
 
-def _launch(settings: StepSettings, contender: dict, model_dir: str, data_path: str, tmp: str) -> dict:
-    """One contender on D processes; returns the per-rank results, or {"error": why}."""
+def _launch(
+    settings: StepSettings,
+    contender: dict,
+    model_dir: str,
+    data_path: str,
+    tmp: str,
+    cluster: EmulatedCluster | None = None,
+) -> dict:
+    """One contender on D processes (in `cluster` when given); returns the per-rank results, or
+    {"error": why}."""
     out = tempfile.mkdtemp(prefix=f"{contender['name']}-", dir=tmp)
     spec = {
         **asdict(settings),
@@ -255,6 +356,7 @@ def _launch(settings: StepSettings, contender: dict, model_dir: str, data_path: 
         "out": out,
         "result": os.path.join(out, "result.json"),
         "batch_per_rank": settings.batch_per_rank,
+        "grad_accum": settings.grad_accum,
         "num_layers": settings.layers,
     }
     spec_path = os.path.join(out, "spec.json")
@@ -267,26 +369,32 @@ def _launch(settings: StepSettings, contender: dict, model_dir: str, data_path: 
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(settings.devices)]
-    cmd += [
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        "-m",
-        "occult_ft.bench.step_worker",
-    ]
     log = os.path.join(out, "log.txt")
-    with open(log, "w") as f:
+    if cluster is not None:
         try:
-            proc = subprocess.run(
-                [*cmd, spec_path], env=env, stdout=f, stderr=subprocess.STDOUT, timeout=settings.timeout_s
+            status, log = cluster.torchrun(
+                ["-m", "occult_ft.bench.step_worker", spec_path], env, out, settings.timeout_s
             )
         except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {settings.timeout_s:.0f} s (log {log})"}
-    if proc.returncode != 0 or not os.path.isfile(spec["result"]):
-        with open(log, errors="replace") as f:
-            lines = [ln.strip() for ln in f if ln.strip()]
+            return {"error": f"timed out after {settings.timeout_s:.0f} s (logs in {out})"}
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(settings.devices)]
+        cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+        cmd += ["-m", "occult_ft.bench.step_worker", spec_path]
+        with open(log, "w") as f:
+            try:
+                proc = subprocess.run(
+                    cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=settings.timeout_s
+                )
+            except subprocess.TimeoutExpired:
+                return {"error": f"timed out after {settings.timeout_s:.0f} s (log {log})"}
+        status = proc.returncode
+    if status != 0 or not os.path.isfile(spec["result"]):
+        lines = []
+        for name in sorted(os.listdir(out)):  # every node's log: the failing rank may live on any node
+            if name.endswith(".txt") or name.endswith(".log"):
+                with open(os.path.join(out, name), errors="replace") as f:
+                    lines += [ln.strip() for ln in f if ln.strip()]
         errors = [
             ln for ln in lines if re.match(r"^[\w.]*(Error|Exception): ", ln) and "ChildFailed" not in ln
         ]
@@ -303,17 +411,65 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def waiting_by_rank(events_by_rank: list[list]) -> list[float]:
+    """Seconds each rank waited for other ranks inside exchange collectives of one step.
+
+    Args:
+        events_by_rank: per rank, its events [group, seq, issued, [[from, to], ...]] (`PhaseClock`):
+            the seq-th exchange collective of `group`, issued at `issued`, this rank blocked in it (or in
+            its wait) over the intervals.
+
+    Returns:
+        per rank, the blocked time before the collective's last issue among its group's ranks (the
+        collective cannot move a byte before every rank issued it): waiting, not transfer.
+    """
+    last: dict[tuple, float] = {}
+    for events in events_by_rank:
+        for group, seq, issued, _ in events:
+            last[(group, seq)] = max(last.get((group, seq), issued), issued)
+    out = []
+    for events in events_by_rank:
+        waited = 0.0
+        for group, seq, _, blocked in events:
+            everyone = last[(group, seq)]
+            waited += sum(max(0.0, min(to, everyone) - frm) for frm, to in blocked)
+        out.append(waited)
+    return out
+
+
+SPLIT = ("compute", "exposed_exchange", "waiting", "dense_allreduce", "other_collectives")
+"""The step split every contender reports (module docstring)."""
+
+
+def _split(record: dict, waited: float) -> dict[str, float]:
+    """One rank's step as SPLIT (seconds); `waited` from `waiting_by_rank` (or the barriers)."""
+    p = record["phases"]
+    blocked = sum(p.get(k, 0.0) for k in ("exchange_fwd", "exchange_bwd"))
+    barrier = p.get("exchange_fwd_wait", 0.0) + p.get("exchange_bwd_wait", 0.0)
+    waiting = barrier + min(waited, blocked)
+    out = {
+        "exposed_exchange": blocked - min(waited, blocked),
+        "waiting": waiting,
+        "dense_allreduce": p.get("dense_allreduce", 0.0),
+        "other_collectives": p.get("other_collectives", 0.0),
+    }
+    out["compute"] = record["seconds"] - sum(out.values())
+    return out
+
+
 def _summarise(name: str, runs: list[dict], settings: StepSettings) -> dict:
-    """One contender's rounds -> step times, phases, memory, losses, syncs."""
+    """One contender's rounds -> step times, the split, phases, memory, losses, syncs."""
     warm = settings.warmup
-    steps_s, phases = [], []
+    steps_s, phases, splits = [], [], []
     for run in runs:
         ranks = run["ranks"]
         n = min(len(r["records"]) for r in ranks)
         for i in range(warm, n):
             steps_s.append(max(r["records"][i]["seconds"] for r in ranks))
-            for r in ranks:
+            waited = waiting_by_rank([r["records"][i].get("events", []) for r in ranks])
+            for r, w in zip(ranks, waited):
                 rec = r["records"][i]
+                splits.append(_split(rec, w))
                 p = rec["phases"]
                 fwd, moe = p.get("forward", 0.0), p.get("moe_block", 0.0)
                 ex_f, wait_f = p.get("exchange_fwd", 0.0), p.get("exchange_fwd_wait", 0.0)
@@ -328,6 +484,7 @@ def _summarise(name: str, runs: list[dict], settings: StepSettings) -> dict:
                         "backward_rest": rec["seconds"] - fwd - opt,
                         "exchange_bwd": p.get("exchange_bwd", 0.0),
                         "exchange_bwd_wait": p.get("exchange_bwd_wait", 0.0),
+                        "dense_allreduce": p.get("dense_allreduce", 0.0),
                         "other_collectives": p.get("other_collectives", 0.0),
                         "optimizer": opt,
                     }
@@ -344,6 +501,12 @@ def _summarise(name: str, runs: list[dict], settings: StepSettings) -> dict:
         "phases_ms": {k: 1000.0 * statistics.fmean(p[k] for p in phases) for k in phases[0]}
         if phases
         else {},
+        "split_ms": {k: 1000.0 * statistics.fmean(x[k] for x in splits) for k in SPLIT} if splits else {},
+        "exchange_share": statistics.fmean(
+            (x["exposed_exchange"] + x["waiting"]) / max(1e-12, sum(x.values())) for x in splits
+        )
+        if splits
+        else None,
         "peak_mb": max(r["peak_mb"] for r in first),
         "peak_mb_per_rank": [round(r["peak_mb"], 1) for r in first],
         "losses": first[0]["losses"],
@@ -364,33 +527,26 @@ def run_train_step(
         workdir: keep the model, data and every launch's log there (default: a temporary directory,
             removed at the end).
     """
+    settings = embedded_settings(settings)
     names = list(contenders or DEFAULT_CONTENDERS)
     specs = {n: contender_spec(n, settings) for n in names}
     for cluster in clusters:
         get_cluster(cluster)
     results: dict[str, list[dict]] = {n: [] for n in names}
     errors: dict[str, str] = {}
+    emulated = (
+        EmulatedCluster(settings.nodes, settings.devices // settings.nodes, settings.link_rate)
+        if settings.link_rate is not None
+        else None
+    )
     tmp = tempfile.mkdtemp(prefix="occult-step-") if workdir is None else workdir
     os.makedirs(tmp, exist_ok=True)
     try:
         model_dir, data_path, model = _save_model_and_data(settings, tmp)
-        routing = _routing(model, settings)
+        routing = _routing(model, data_path, settings)
         del model
-        for r in range(settings.rounds):
-            shift = r % len(names)
-            order = names[shift:] + names[:shift]
-            if r % 2:
-                order.reverse()
-            for name in order:
-                if name in errors:
-                    continue
-                if progress:
-                    progress(f"round {r + 1}/{settings.rounds}: {name}")
-                got = _launch(settings, specs[name], model_dir, data_path, tmp)
-                if "error" in got:
-                    errors[name] = got["error"]
-                else:
-                    results[name].append(got)
+        with emulated if emulated is not None else contextlib.nullcontext():
+            _rounds(settings, names, specs, model_dir, data_path, tmp, emulated, results, errors, progress)
     finally:
         if workdir is None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -406,11 +562,31 @@ def run_train_step(
     return {
         "settings": asdict(settings),
         "device": settings.resolved_device(),
+        "network": emulated.describe() if emulated is not None else "the host's loopback (unshaped)",
         "tokens_per_step": settings.tokens_per_step,
         "contenders": rows,
         "cost_model": _cost_model(routing, settings, clusters),
         "notes": _notes(settings),
     }
+
+
+def _rounds(settings, names, specs, model_dir, data_path, tmp, cluster, results, errors, progress) -> None:
+    """Every contender once per round, the order rotating (module docstring)."""
+    for r in range(settings.rounds):
+        shift = r % len(names)
+        order = names[shift:] + names[:shift]
+        if r % 2:
+            order.reverse()
+        for name in order:
+            if name in errors:
+                continue
+            if progress:
+                progress(f"round {r + 1}/{settings.rounds}: {name}")
+            got = _launch(settings, specs[name], model_dir, data_path, tmp, cluster)
+            if "error" in got:
+                errors[name] = got["error"]
+            else:
+                results[name].append(got)
 
 
 def _compare(rows: list[dict]) -> None:
@@ -431,13 +607,12 @@ def _compare(rows: list[dict]) -> None:
 
 
 @torch.no_grad()
-def _routing(model, settings: StepSettings) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(scores_TE, topk_ids_TK) of every MoE layer of the saved model on the first step's tokens (the
-    cost model's routing; `_cost_model` repeats it for more tokens)."""
+def _routing(model, data_path: str, settings: StepSettings) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(scores_TE, topk_ids_TK) of every MoE layer of the saved model on the first micro-batch's tokens
+    (the cost model's routing; `_cost_model` repeats it for more tokens)."""
     layers = find_moe_layers(model)
-    rows = settings.tokens_per_step // settings.seq_len
-    gen = torch.Generator().manual_seed(settings.seed + 1)  # the data's generator: its first step's rows
-    ids = torch.randint(2, settings.vocab, (rows, settings.seq_len), generator=gen)
+    rows = settings.micro_batch_tokens // settings.seq_len
+    ids = torch.load(data_path, weights_only=True)[:rows]
     captured: dict[int, list] = {layer.index: [] for layer in layers}
     handles = []
     for layer in layers:
@@ -488,8 +663,8 @@ def _cost_model(routing, settings: StepSettings, clusters) -> dict:
             if m < d and m * per_device >= settings.top_k:
                 variants[f"dedup_budget{m}"] = m
         for label, tokens in (
-            ("same_global_batch", settings.tokens_per_step),
-            ("same_tokens_per_device", settings.tokens_per_step // settings.devices * d),
+            ("same_global_batch", settings.micro_batch_tokens),
+            ("same_tokens_per_device", settings.micro_batch_tokens // settings.devices * d),
         ):
             preds = {}
             for kind, budget in variants.items():
@@ -513,19 +688,28 @@ def _cost_model(routing, settings: StepSettings, clusters) -> dict:
 
 
 def _notes(settings: StepSettings) -> list[str]:
+    model = (
+        "the embedded OLMoE (trained routers) on its corpus"
+        if settings.model == "embedded"
+        else "OLMoE-shaped, random weights and tokens"
+    )
     notes = [
-        "model: OLMoE-shaped, norm_topk_prob=True (the gate convention of every contender, DeepSpeed's "
+        f"model: {model}, norm_topk_prob=True (the gate convention of every contender, DeepSpeed's "
         "included); aux/balance losses off everywhere so the losses compare",
         "occult_ep contenders: OccultTrainer, placement sequential, criterion score, train_mode full",
         "deepspeed_moe: deepspeed.moe.layer.MoE(ep_size=D, drop_tokens=False) per MoE block, same weights, "
         "DeepSpeed engine with ZeRO 0",
         "hf_native_ep: DistributedConfig(fsdp_size=D, ep_size=D, ep_implementation='all_to_all') + Trainer",
-        "collectives run from C++ (DDP's all-reduce, backward of functional collectives) are inside backward_rest",
+        f"{settings.grad_accum} micro-batches per optimizer step; the dense gradients are reduced on the last",
+        "dense_allreduce: DDP's buckets (its default all-reduce as a Python hook), DeepSpeed's all-reduce, "
+        "FSDP's reduce-scatter, issued inside backward; waiting: blocked in an exchange before the last "
+        "rank of its group issued it",
+        "the backward of transformers EP's functional all-to-all runs from C++: inside compute",
     ]
-    if settings.resolved_device() == "cpu":
+    if settings.resolved_device() == "cpu" and settings.link_rate is None:
         notes.append(
             "one host's loopback over gloo is not a network: transfer is memory copies, waiting dominates; "
-            "see the cost model for a cluster"
+            "see the cost model for a cluster, or pass link_rate (--link-rate) for an emulated one"
         )
     if settings.barrier:
         notes.append("diagnostic mode: a barrier before each exchange collective (step times include them)")
@@ -535,10 +719,13 @@ def _notes(settings: StepSettings) -> list[str]:
 def format_step_report(report: dict) -> str:
     """The report as text: the step table, the phase breakdown, the cost model, notes."""
     s = report["settings"]
+    model = "the embedded model" if s.get("model") == "embedded" else "OLMoE-shaped random model"
+    accum = s.get("grad_accum", 1)
     lines = [
-        f"train step: OLMoE-shaped hidden {s['hidden']}, {s['layers']} layers, {s['experts']} experts top-{s['top_k']}, "
-        f"seq {s['seq_len']}, {report['tokens_per_step']} tokens/step on {s['devices']} processes ({report['device']}), "
-        f"{s['rounds']} rounds x {s['steps']} steps after {s['warmup']} warm-up",
+        f"train step: {model}, hidden {s['hidden']}, {s['layers']} layers, {s['experts']} experts top-{s['top_k']}, "
+        f"seq {s['seq_len']}, {report['tokens_per_step']} tokens/step ({accum} micro-batches) on {s['devices']} "
+        f"processes ({report['device']}), {s['rounds']} rounds x {s['steps']} steps after {s['warmup']} warm-up",
+        f"network: {report.get('network', 'the host loopback')}",
         "",
         f"{'contender':<28} {'tokens/s':>9} {'step s':>8} {'spread':>15} {'vs best':>8} {'peak MB':>9} "
         f"{'vs DP':>6} {'loss diff':>10} {'syncs/layer':>11}",
@@ -557,6 +744,15 @@ def format_step_report(report: dict) -> str:
             f"{r['peak_mb']:>9.0f} {peak_vs:>6} {'-' if loss is None else format(loss, '.1e'):>10} "
             f"{'-' if syncs is None else format(syncs, '.2f'):>11}"
         )
+    lines += ["", "step split, ms per step (mean over ranks): " + ", ".join(SPLIT) + ", exchange share"]
+    for r in report["contenders"]:
+        if r["measured"] and r.get("split_ms"):
+            share = r.get("exchange_share")
+            lines.append(
+                f"{r['contender']:<28} "
+                + " ".join(f"{r['split_ms'].get(k, 0.0):>9.1f}" for k in SPLIT)
+                + (f" {100 * share:>6.1f}%" if share is not None else "")
+            )
     keys = [
         "attention_dense",
         "router",
@@ -566,6 +762,7 @@ def format_step_report(report: dict) -> str:
         "backward_rest",
         "exchange_bwd_wait",
         "exchange_bwd",
+        "dense_allreduce",
         "other_collectives",
         "optimizer",
     ]

@@ -17,10 +17,20 @@ Contenders (`KINDS`):
     deepspeed_moe   every MoE block replaced by `deepspeed.moe.layer.MoE(ep_size=D, k=K, drop_tokens=False)`
                     holding the same expert and router weights, trained by the DeepSpeed engine (ZeRO 0)
 
+Every contender trains `grad_accum` micro-batches per optimizer step (Trainer's and DeepSpeed's
+gradient accumulation: the dense gradients are reduced once per step, on the last micro-batch).
+
 The phase clock times, per step and rank: the model's forward, each attention, router and MoE block
 forward (forward hooks), every collective Python calls (all-to-all and friends, forward and backward
-told apart by the grad mode; with `barrier` a barrier before each one, timed as waiting), and the
-optimizer step (global optimizer hooks). On CUDA it synchronises around what it times.
+told apart by whether the loss's backward call is running; with `barrier` a barrier before each one, timed as waiting), and the
+optimizer step (global optimizer hooks). On CUDA it synchronises around what it times. Each exchange
+collective is also recorded as an event (its group, its sequence number in that group, when this rank
+issued it, when this rank was blocked in it or in its `wait()`): the driver tells waiting for other
+ranks from transfer with them (`occult_ft.bench.step.waiting_by_rank`; one machine, one monotonic
+clock). Gradient reductions issued inside backward (DDP's buckets, through its Python all-reduce hook;
+DeepSpeed's all-reduce; FSDP's reduce-scatter) are the `dense_allreduce` phase: the blocking calls,
+and for asynchronous ones the time from the last one's issue to the end of backward (what backward
+waits for them).
 
 Shape legend: D processes (= expert-parallel size), B sequences per rank and step, S sequence length.
 """
@@ -52,10 +62,23 @@ _COLLECTIVES = (
     "all_gather",
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
+    "all_gather_single",
+    "reduce_scatter_single",
     "broadcast",
     "barrier",
 )
 _EXCHANGE = ("all_to_all_single", "all_to_all_single_autograd")
+_GRADIENT_REDUCTIONS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single")  # FSDP2: _single
+
+
+def _group_of(name: str, args: tuple, kwargs: dict):
+    """The process group a collective call names (None: the default group)."""
+    group = kwargs.get("group")
+    if group is None and name == "all_to_all_single_autograd" and len(args) > 3:
+        group = args[3]
+    elif group is None and name == "all_to_all_single" and len(args) > 4:
+        group = args[4]
+    return group if isinstance(group, dist.ProcessGroup) else None
 
 
 def _now(cuda: bool) -> float:
@@ -68,13 +91,19 @@ class PhaseClock:
     """Per-step phase times of one rank (see the module docstring); `snapshot()` returns and resets them.
 
     Keys (seconds): forward, attention, router, moe_block, exchange_fwd, exchange_fwd_wait, exchange_bwd,
-    exchange_bwd_wait, other_collectives, optimizer. `exchange_*_wait` is the barrier before each
-    exchange collective (only with `barrier=True`); `exchange_*` is the collective itself after it.
+    exchange_bwd_wait, dense_allreduce, other_collectives, optimizer. `exchange_*_wait` is the barrier
+    before each exchange collective (only with `barrier=True`); `exchange_*` is the collective itself
+    after it. `events()` returns and resets the step's exchange events: [group, seq, issued,
+    [[blocked_from, blocked_to], ...]].
     """
 
     def __init__(self, model: nn.Module, barrier: bool = False, cuda: bool = False):
         self.barrier, self.cuda = barrier, cuda
         self.times: dict[str, float] = defaultdict(float)
+        self._events: list[list] = []
+        self._seq: dict[str, int] = defaultdict(int)
+        self.in_backward = False
+        self._last_async_dense: float | None = None
         self._saved: list[tuple[object, str, object]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._inside = 0
@@ -140,25 +169,60 @@ class PhaseClock:
             clock._inside += 1
             try:
                 exchange = name in _EXCHANGE
-                phase = "fwd" if torch.is_grad_enabled() else "bwd"
+                # inside the loss's backward call (not grad mode: an autograd Function's forward runs
+                # without grad, and the chunked and two-stage exchanges issue there)
+                phase = "bwd" if clock.in_backward else "fwd"
+                group = _group_of(name, args, kwargs)
                 if exchange and clock.barrier and not kwargs.get("async_op"):
                     start = _now(clock.cuda)
-                    group = kwargs.get("group")
-                    group = group if isinstance(group, dist.ProcessGroup) else None
                     dist.barrier(group=group)
                     clock.times[f"exchange_{phase}_wait"] += _now(clock.cuda) - start
-                key = f"exchange_{phase}" if exchange else "other_collectives"
+                if exchange:
+                    key = f"exchange_{phase}"
+                elif clock.in_backward and name in _GRADIENT_REDUCTIONS:
+                    key = "dense_allreduce"
+                else:
+                    key = "other_collectives"
                 start = _now(clock.cuda)
                 out = fn(*args, **kwargs)
                 if name == "all_to_all_single_autograd":
                     out = torch.ops._c10d_functional.wait_tensor(out)
+                end = _now(clock.cuda)
+                clock.times[key] += end - start  # async: the issue; the rest is timed at wait()
+                event = clock._event(group, start, end) if exchange and not clock.barrier else None
                 if kwargs.get("async_op") and out is not None:
-                    clock.times[key] += _now(clock.cuda) - start  # the issue; the rest is timed at wait()
-                    return _TimedWork(out, clock, key)
-                clock.times[key] += _now(clock.cuda) - start
+                    if key == "dense_allreduce":
+                        clock._last_async_dense = end
+                    return _TimedWork(out, clock, key, event)
                 return out
             finally:
                 clock._inside -= 1
+
+        return wrapper
+
+    def _event(self, group, issued: float, blocked_to: float) -> list:
+        """Record an exchange collective issued at `issued` (blocked until `blocked_to`)."""
+        ranks = dist.get_process_group_ranks(group) if isinstance(group, dist.ProcessGroup) else None
+        gkey = ",".join(map(str, ranks)) if ranks is not None else "world"
+        event = [gkey, self._seq[gkey], issued, [[issued, blocked_to]]]
+        self._seq[gkey] += 1
+        self._events.append(event)
+        return event
+
+    def timed_backward(self, backward):
+        """`backward` (a loss's backward call) with gradient reductions inside it counted as
+        dense_allreduce, asynchronous ones up to the end of backward."""
+        clock = self
+
+        def wrapper(*args, **kwargs):
+            clock.in_backward, clock._last_async_dense = True, None
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                end = _now(clock.cuda)
+                if clock._last_async_dense is not None:  # backward ended by waiting for the buckets
+                    clock.times["dense_allreduce"] += max(0.0, end - clock._last_async_dense)
+                clock.in_backward, clock._last_async_dense = False, None
 
         return wrapper
 
@@ -166,6 +230,12 @@ class PhaseClock:
         out = dict(self.times)
         self.times.clear()
         self._open.clear()
+        return out
+
+    def events(self) -> list[list]:
+        out = self._events
+        self._events = []
+        self._seq.clear()
         return out
 
     def close(self) -> None:
@@ -182,13 +252,16 @@ class _TimedWork:
     """An async collective's work handle: its issue and its `wait()` count, the overlapped time between
     them does not (what a pipelined exchange costs on the critical path)."""
 
-    def __init__(self, work, clock: PhaseClock, key: str):
-        self._work, self._clock, self._key = work, clock, key
+    def __init__(self, work, clock: PhaseClock, key: str, event: list | None = None):
+        self._work, self._clock, self._key, self._event = work, clock, key, event
 
     def wait(self, *args, **kwargs):
         begin = _now(self._clock.cuda)
         out = self._work.wait(*args, **kwargs)
-        self._clock.times[self._key] += _now(self._clock.cuda) - begin
+        end = _now(self._clock.cuda)
+        self._clock.times[self._key] += end - begin
+        if self._event is not None:
+            self._event[3].append([begin, end])
         return out
 
     def __getattr__(self, name):
@@ -196,11 +269,12 @@ class _TimedWork:
 
 
 # ---- data -------------------------------------------------------------------------------------------
-def step_rows(spec: dict, step: int, rank: int, world: int) -> torch.Tensor:
-    """(B, S) token ids rank `rank` trains on at `step` (Trainer's sequential distributed order)."""
+def step_rows(spec: dict, micro: int, rank: int, world: int) -> torch.Tensor:
+    """(B, S) token ids rank `rank` trains on in micro-batch `micro` (counted over all steps; the
+    sequential distributed order)."""
     data = torch.load(spec["data"], weights_only=True)
     b = spec["batch_per_rank"]
-    index = [(step * b + j) * world + rank for j in range(b)]
+    index = [(micro * b + j) * world + rank for j in range(b)]
     return data[index]
 
 
@@ -222,6 +296,7 @@ def _training_arguments(spec: dict, out: str, cls=None, **extra):
     return cls(
         output_dir=out,
         per_device_train_batch_size=spec["batch_per_rank"],
+        gradient_accumulation_steps=spec["grad_accum"],
         max_steps=spec["warmup"] + spec["steps"],
         logging_steps=1,
         learning_rate=spec["learning_rate"],
@@ -241,25 +316,36 @@ def _training_arguments(spec: dict, out: str, cls=None, **extra):
 
 
 class _StepTimer:
-    """TrainerCallback collecting step times and phase snapshots (imported lazily with transformers)."""
+    """TrainerCallback collecting step times and phase snapshots (imported lazily with transformers);
+    at the start of training it gives DDP the Python form of its default all-reduce hook (the same
+    reduction, visible to the clock)."""
 
     @staticmethod
-    def make(clock: PhaseClock, cuda: bool, records: list):
+    def make(trainer, clock: PhaseClock, cuda: bool, records: list):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel
         from transformers import TrainerCallback
 
         class StepTimer(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                if isinstance(trainer.model_wrapped, DistributedDataParallel):
+                    trainer.model_wrapped.register_comm_hook(None, allreduce_hook)
+
             def on_step_begin(self, args, state, control, **kwargs):
                 clock.snapshot()
+                clock.events()
                 self.start = _now(cuda)
 
             def on_step_end(self, args, state, control, **kwargs):
-                records.append({"seconds": _now(cuda) - self.start, "phases": clock.snapshot()})
+                seconds = _now(cuda) - self.start
+                records.append({"seconds": seconds, "phases": clock.snapshot(), "events": clock.events()})
 
         return StepTimer()
 
 
 def _train_with_trainer(trainer, clock, spec, records) -> list[float]:
-    trainer.add_callback(_StepTimer.make(clock, spec["device"] == "cuda", records))
+    trainer.add_callback(_StepTimer.make(trainer, clock, spec["device"] == "cuda", records))
+    trainer.accelerator.backward = clock.timed_backward(trainer.accelerator.backward)
     trainer.train()
     return [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
@@ -376,7 +462,7 @@ def run_deepspeed_moe(spec: dict, rank: int, world: int, records: list) -> tuple
     optimizer = torch.optim.AdamW(groups, lr=spec["learning_rate"])
     ds_config = {
         "train_micro_batch_size_per_gpu": spec["batch_per_rank"],
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": spec["grad_accum"],
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": 0},
         "steps_per_print": 10**9,
@@ -386,17 +472,23 @@ def run_deepspeed_moe(spec: dict, rank: int, world: int, records: list) -> tuple
     clock = PhaseClock(model, spec["barrier"], cuda)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     losses = []
+    backward = clock.timed_backward(engine.backward)
+    accum = spec["grad_accum"]
     for step in range(spec["warmup"] + spec["steps"]):
-        ids = step_rows(spec, step, rank, world).to(device)
+        batches = [step_rows(spec, step * accum + k, rank, world).to(device) for k in range(accum)]
         clock.snapshot()
+        clock.events()
         start = _now(cuda)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        records.append({"seconds": _now(cuda) - start, "phases": clock.snapshot()})
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / world)
+        total = torch.zeros(())
+        for ids in batches:  # the engine steps the optimizer on the last micro-batch only
+            loss = engine(input_ids=ids, labels=ids).loss
+            backward(loss)
+            engine.step()
+            total += loss.detach().float().cpu()
+        seconds = _now(cuda) - start
+        records.append({"seconds": seconds, "phases": clock.snapshot(), "events": clock.events()})
+        dist.all_reduce(total)
+        losses.append(float(total) / (world * accum))
     clock.close()
     return engine.module, losses
 

@@ -16,8 +16,12 @@ inter=50,latency=10). Prints a table, or with --json one JSON object.
 `occult-ft bench --train --devices D [--experts 64 --top-k 8 --hidden 512 --num-layers 2 --tokens 2048]`
 measures whole training steps instead (forward, backward, optimizer) of data parallel (HF Trainer),
 occult_ft's expert parallelism (no budget, budgets 2 and 1, per-expert rows through its own exchange),
-transformers' native EP and DeepSpeed MoE on one OLMoE-shaped model, side by side: the short version of
-benchmarks/train_step.py (`occult_ft.bench.step`), 1 round of 3 steps by default.
+transformers' native EP and DeepSpeed MoE on one OLMoE-shaped model (or, with MODEL `embedded`, the
+embedded model on its corpus: trained, skewed routing), side by side: the short version of
+benchmarks/train_step.py (`occult_ft.bench.step`), 1 round of 3 steps of --grad-accum micro-batches by
+default. `--link-rate RATE` (e.g. 1gbit) runs them in an emulated cluster (`occult_ft.bench.cluster`;
+root, iproute2): --nodes N network namespaces of D/N processes whose links are shaped to RATE (one
+node: its loopback), built for the run and removed after it.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ def add_parser(sub):
         "--tokens",
         type=positive_int,
         default=None,
-        help="--synthetic: tokens T (8192); --train: per step (2048)",
+        help="--synthetic: tokens T (8192); --train: per micro-batch, all processes (2048)",
     )
     p.add_argument(
         "--num-layers", type=positive_int, default=None, help="--synthetic: MoE layers (1); --train: 2"
@@ -147,6 +151,15 @@ def add_parser(sub):
     )
     p.add_argument("--rounds", type=positive_int, default=1, help="--train: rounds over all contenders")
     p.add_argument(
+        "--grad-accum", type=positive_int, default=4, help="--train: micro-batches per optimizer step"
+    )
+    p.add_argument(
+        "--link-rate",
+        default=None,
+        help="--train: run in an emulated cluster of --nodes network namespaces whose links are shaped to "
+        "this rate (tc tbf), e.g. 1gbit or 300mbit; one node: its loopback is shaped (needs root, iproute2)",
+    )
+    p.add_argument(
         "--barrier", action="store_true", help="--train: barrier before each exchange (waiting vs transfer)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -203,17 +216,28 @@ def run_train(args) -> int:
     """`--train`: the train-step benchmark with the command's flags (a short run by default)."""
     from ..bench.step import DEFAULT_CONTENDERS, StepSettings, format_step_report, run_train_step
 
-    if args.model is not None or args.data is not None or args.placement is not None:
-        raise ValueError("--train builds its own OLMoE-shaped model; drop MODEL, --data and --placement")
+    if args.model not in (None, "embedded") or args.data is not None or args.placement is not None:
+        raise ValueError(
+            "--train builds its own OLMoE-shaped model, or takes MODEL 'embedded' (the embedded model on "
+            "its corpus); drop MODEL, --data and --placement"
+        )
+    if args.link_rate is not None:
+        from ..bench.cluster import check_cluster_support, parse_rate
+
+        parse_rate(args.link_rate)
+        check_cluster_support()
     settings = StepSettings(
         hidden=args.hidden or 512,
         layers=args.num_layers or 2,
         experts=args.experts,
         top_k=args.top_k,
         seq_len=args.seq_len,
-        tokens_per_step=args.tokens or 2048,
+        micro_batch_tokens=args.tokens or 2048,
+        grad_accum=args.grad_accum,
         devices=args.devices,
         nodes=args.nodes,
+        link_rate=args.link_rate,
+        model="embedded" if args.model == "embedded" else "random",
         steps=args.iters or 3,
         warmup=args.warmup,
         rounds=args.rounds,
