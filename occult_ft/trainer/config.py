@@ -85,7 +85,7 @@ class OccultArguments(_ArgumentsBase):
     resolves and checks them, then runs the host config's own `__post_init__`; a host adds its own
     fields' checks in `_check_trainer_fields` and says how many tokens a training row holds in
     `tokens_per_row`. Typed as a `TrainingArguments` for mypy; at run time a plain dataclass, so that
-    it adds fields without re-declaring the host's (a `TrainingArguments` base here would reset TRL's
+    it adds fields without redeclaring the host's (a `TrainingArguments` base here would reset TRL's
     defaults).
     """
 
