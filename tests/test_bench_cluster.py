@@ -16,7 +16,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import safety_timeout
+from helpers import safety_timeout
 
 from occult_ft.bench.cluster import (
     ClusterUnavailable,
