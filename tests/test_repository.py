@@ -4,6 +4,7 @@ docs/DESIGN.md once, where no test read it), and the version is written in one p
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import pathlib
 import re
 
@@ -26,11 +27,16 @@ MARKER = re.compile(r"^(<{7} |>{7} |={7}$)", re.MULTILINE)
 
 
 def _text_files():
-    for path in ROOT.rglob("*"):
-        parts = set(path.relative_to(ROOT).parts)
-        if parts & SKIP or not path.is_file() or path.suffix not in TEXT or path.stat().st_size > 2_000_000:
-            continue
-        yield path
+    """The repository's text files: caches, builds and virtual environments (any folder holding a
+    `pyvenv.cfg`, e.g. the vLLM environment `.venv-vllm`) are not walked into."""
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [
+            d for d in dirs if d not in SKIP and not os.path.isfile(os.path.join(folder, d, "pyvenv.cfg"))
+        ]
+        for name in files:
+            path = pathlib.Path(folder, name)
+            if path.suffix in TEXT and path.is_file() and path.stat().st_size <= 2_000_000:
+                yield path
 
 
 def test_no_file_holds_merge_conflict_markers():
