@@ -233,6 +233,7 @@ def test_bench_train_refuses_in_one_line_without_tc(monkeypatch, tmp_path, capsy
 
 @needs_cluster
 @pytest.mark.slow
+@pytest.mark.extended  # 8 minutes on 2 cores; make test-all runs it
 def test_bench_train_runs_in_a_two_node_cluster_and_leaves_nothing(capsys):
     import json
 

@@ -33,6 +33,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 VLLM_PYTHON = os.environ.get("OCCULT_FT_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
 WORKER = str(ROOT / "tests" / "vllm_worker.py")
 
+if not os.path.isfile(VLLM_PYTHON):  # skipped as a module: its module-scoped fixtures start vLLM
+    pytest.skip(
+        f"vLLM's environment is missing ({VLLM_PYTHON}); build it with `make vllm-env`",
+        allow_module_level=True,
+    )
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
