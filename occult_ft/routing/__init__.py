@@ -38,10 +38,14 @@ For `score`, `similarity` and `device_max` a token whose top-k already fits in t
 routing and weights bit for bit.
 
 Device balance (`device_bias`, DeepSeek-V3's auxiliary-loss-free balancing at the device level): a
-pruned router may hold a (D,) bias added to the selection scores of each device's experts before the
-top-k and the walk (`add_device_bias`); the gate weights stay the model's. The trainer moves it after
-every optimizer step by `device_bias_rate * sign(mean load - load)` (`update_device_bias`), so pruning
-stops piling tokens onto the devices with the most popular experts. It applies only under a budget.
+pruned router may hold a (D,) bias added to the selection scores of each device's experts
+(`add_device_bias`). The bias ranks the devices a token keeps, never how many: the walk visits the top-k
+of the biased scores and admits at most as many devices as the token's own top-k reaches (within the
+budget); the experts inside the admitted devices and the gate weights come from the unbiased scores
+(`limit_topk`'s `ranked_scores_TE` / `ranked_ids_TK`). The trainer moves it after every optimizer step
+by `device_bias_rate * sign(mean load - load)` (`update_device_bias`), so pruning stops piling tokens
+onto the devices with the most popular experts, without sending any token to more devices. It applies
+only under a budget.
 
 Gate weights (the paper leaves them open; `gate_weights=`):
 - `model` (default): the model's own convention applied to the new selection (softmax probabilities
