@@ -35,7 +35,8 @@ goes on through the token's other experts in descending score, so a token can us
 admitted nodes that the device budget allows.
 
 For `score`, `similarity` and `device_max` a token whose top-k already fits in the budget keeps its
-routing and weights bit for bit.
+routing and weights bit for bit (under a device bias: a token whose experts all lie on the devices the
+bias ranks first).
 
 Device balance (`device_bias`, DeepSeek-V3's auxiliary-loss-free balancing at the device level): a
 pruned router may hold a (D,) bias added to the selection scores of each device's experts
