@@ -44,7 +44,7 @@ CASES_2X4 = {
 }
 
 
-def test_fanout_layout_worked_example():
+def test_fanout_plan_worked_example():
     from occult_ft.dispatch.plan import dedup_plan, layout_from_plan
     from occult_ft.layout import ExpertLayout
 

@@ -47,6 +47,7 @@ __all__ = [
     "PerExpertExchange",
     "moe_forward",
     "read_counts",
+    "largest_exact_integer",
     "check_hidden",
     "send_rows",
     "return_rows",
@@ -186,7 +187,7 @@ def read_counts(
     return sends, recvs, counts
 
 
-def _largest_exact_integer(dtype: torch.dtype) -> int:
+def largest_exact_integer(dtype: torch.dtype) -> int:
     """Largest n such that every integer in [-n, n] is exact in `dtype` (0 for non-float dtypes)."""
     if not dtype.is_floating_point:
         return 0
@@ -212,7 +213,7 @@ def send_rows(
     # hidden dtype, so rows, weights (when of the same dtype) and ids go in one collective
     # (`all_to_all_rows` packs same-dtype tensors side by side). The cast is lossless only while every
     # id is an exact float there: P <= 256 in bf16. Beyond that the ids take a collective of their own.
-    if layout.experts_per_device <= _largest_exact_integer(send_x_SH.dtype):
+    if layout.experts_per_device <= largest_exact_integer(send_x_SH.dtype):
         recv_x_RH, recv_weights_RJ, recv_ids_RJ = all_to_all_rows(
             [send_x_SH, layout.send_weights_SK, layout.send_local_ids_SK.to(send_x_SH.dtype)],
             layout.send_splits,

@@ -133,7 +133,7 @@ def local_experts_forward(
         weights_RK: (R, K) gate weights (0 at sentinel slots by convention; they are ignored anyway).
         experts: a transformers fused experts module holding P experts (any layout of
             `reference.expert_weights`; its `_apply_gate`, biases and post-norm are honoured).
-        backend: "auto", "grouped_mm" or "loop" (see the module docstring).
+        backend: one of `BACKENDS` (see the comment above it).
         counts: the live (row, slot) pairs per local expert:
             None: counted here, with a range check of the ids (one host synchronisation);
             P Python ints: given by the exchange (it learnt them in its count exchange; no sync);

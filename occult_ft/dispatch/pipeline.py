@@ -10,24 +10,16 @@ Shape legend: T tokens, K top-k, H hidden, J slots per row, S rows sent, R rows 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from .comm import exchange_meta, start_exchange
-from .exchange import Exchange, moe_forward, read_counts
+from .exchange import Exchange, largest_exact_integer, moe_forward, read_counts
 from .local import local_experts_forward, num_local_experts
 from .plan import layout_from_plan
 from .reference import expert_weights
 
 __all__ = ["pipelined_moe_forward"]
-
-
-def _exact_in(dtype: torch.dtype, largest: int) -> bool:
-    if not dtype.is_floating_point:
-        return False
-    return largest <= 2 ** (round(-math.log2(torch.finfo(dtype).eps)) + 1)
 
 
 class _Chunk:
@@ -83,7 +75,7 @@ class _PipelinedMoE(torch.autograd.Function):
             meta_DX = torch.cat([plan.meta_DC for plan in plans], dim=1)
             sends, recvs, counts = read_counts(plans, exchange_meta(meta_DX, group))  # the one sync
             # the local ids ride as columns of the hidden rows when exact there (as in exchange.send_rows)
-            ids_dtype = hidden_TH.dtype if _exact_in(hidden_TH.dtype, p) else torch.long
+            ids_dtype = hidden_TH.dtype if p <= largest_exact_integer(hidden_TH.dtype) else torch.long
             pending = []
             for c, st in enumerate(states):
                 st.layout = layout_from_plan(plans[c], sends[c])

@@ -157,7 +157,7 @@ class TwoStageHandle:
 
 class TwoStageExchange(Exchange):
     """Once per (token, node) across nodes to the gateway of the sender's local index, then once per
-    (token, device) inside the node; combine in reverse (see the module docstring).
+    (token, device) inside the node; combine in reverse (docs/expert-parallel.md, "Two stages").
 
     Args:
         layout: E experts on D = N x L ranks (`ExpertLayout(E, D, N)`).
