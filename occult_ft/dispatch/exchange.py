@@ -244,7 +244,7 @@ def return_rows(
     acc_dtype = torch.promote_types(back_SH.dtype, torch.float32)
     rows = layout.num_tokens + (1 if layout.padded else 0)  # pad rows land on a spare row T
     out_TH = back_SH.new_zeros(rows, back_SH.shape[-1], dtype=acc_dtype)
-    # index_add (not index_add_) keeps autograd simple: its backward gathers grad rows by token index
+    # backward of the per-token sum: each returned row gets its token's gradient (a gather by index)
     out_TH = out_TH.index_add(0, layout.send_token_idx_S, back_SH.to(acc_dtype))
     return out_TH[: layout.num_tokens].to(out_dtype or out_RH.dtype)
 
