@@ -1,27 +1,8 @@
 """Single-device expert compute: the base case of dispatch (D = 1, no communication).
 
-`local_experts_forward` is what a device runs on the rows it received: each row carries K slots of
-(local expert id, gate weight); slots holding `LOCAL_SENTINEL` (-1) belong to experts elsewhere and
-are skipped. For every row it returns sum over its non-sentinel slots of weight * expert(row): the
-outputs of all of a token's local experts are summed on the device, so one row goes back per
-(token, device) - the de-duplication rule "a token is sent once per device however many of its
-experts live there" read from the receiving side.
-
-Grouped computation: the (row, slot) pairs are sorted by local expert (stable, sentinels last), the
-rows gathered into one (N, H) buffer in that order, and each projection is one grouped matmul over
-contiguous per-expert blocks; the weighted outputs are summed per row (`_sum_slots`). Backends:
-    "grouped_mm"  torch.nn.functional.grouped_mm (CPU fp32/bf16 needs 16-byte aligned strides;
-                  CUDA needs bf16 and sm80+), one kernel per projection;
-    "loop"        one torch.mm per *active* expert on its block (any device/dtype, exact);
-    "auto"        grouped_mm where its constraints hold, else loop.
-Both give the same result as `reference_moe` to float rounding (tested at 1e-5 in fp32). The
-weighted pair outputs are summed per row with one index_add on CPU (only the N live pairs move); on
-CUDA they are put back in (row, slot) order and summed over slots with a reshape + sum (deterministic,
-unlike index_add there), as transformers' kernels do.
-
-Every output stays attached to the autograd graph of the inputs and of all expert parameters even
-when no row reaches any expert (zero-size ops), so a device that receives nothing still runs the same
-backward collectives as its peers.
+    local_experts_forward   received rows with K (local id, weight) slots -> one summed row each
+    local_moe_forward       the single-device dispatcher (every expert local, one row per token)
+    grouped_linear          one projection over contiguous per-expert blocks ("grouped_mm" / "loop")
 
 Shape legend:
     R  rows (received rows, or tokens when D = 1)     K  slots per row (top-k)     H  hidden size
@@ -37,11 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layout import LOCAL_SENTINEL
+from .plan import LOCAL_SENTINEL
 from .reference import expert_activation, expert_weights
 
 __all__ = ["BACKENDS", "local_experts_forward", "local_moe_forward", "grouped_linear", "num_local_experts"]
 
+# "grouped_mm": torch.nn.functional.grouped_mm, one kernel per projection (CPU fp32/bf16 with 16-byte
+# aligned strides; CUDA bf16 on sm80+). "loop": one torch.mm per active expert on its block (any device
+# or dtype). "auto": grouped_mm where its constraints hold, else loop. All equal `reference_moe` to
+# float rounding (tested at 1e-5 in fp32).
 BACKENDS = ("auto", "grouped_mm", "loop")
 
 
@@ -51,6 +36,8 @@ def num_local_experts(experts: nn.Module) -> int:
 
 
 def _aligned(t: torch.Tensor) -> bool:
+    # grouped_mm's kernels need a 16-byte aligned base and 16-byte multiples for every non-unit stride
+    # (size-1 dims have no stride to honour)
     size = t.element_size()
     if t.data_ptr() % 16:
         return False
@@ -146,7 +133,7 @@ def local_experts_forward(
         weights_RK: (R, K) gate weights (0 at sentinel slots by convention; they are ignored anyway).
         experts: a transformers fused experts module holding P experts (any layout of
             `reference.expert_weights`; its `_apply_gate`, biases and post-norm are honoured).
-        backend: "auto", "grouped_mm" or "loop" (see the module docstring).
+        backend: one of `BACKENDS` (see the comment above it).
         counts: the live (row, slot) pairs per local expert:
             None: counted here, with a range check of the ids (one host synchronisation);
             P Python ints: given by the exchange (it learnt them in its count exchange; no sync);
@@ -168,6 +155,7 @@ def local_experts_forward(
         raise ValueError(f"counts={counts!r}: give None, P integers or 'device'")
     w = expert_weights(experts)
     num_local = int(w["up_EIO"].shape[0])
+    # (row, slot) pairs flattened row-major: pair n is row n // K, slot n % K
     ids_N = local_ids_RK.reshape(-1).long()
     # Sort (row, slot) pairs by expert; the sentinel sorts last as key P and is cut off.
     key_N = torch.where(ids_N == LOCAL_SENTINEL, num_local, ids_N)
@@ -190,6 +178,9 @@ def local_experts_forward(
     elif len(counts) != num_local:
         raise ValueError(f"counts has {len(counts)} entries for {num_local} local experts")
     counts = [int(c) for c in counts]
+    # Stable sort by expert: the first counts[0] pairs are expert 0's, and so on; the live pairs are
+    # the first sum(counts) (sentinels sort last as key P). Each live pair gathers its row's hidden
+    # state: a row with j local slots is computed j times, once per expert, as in any grouped MoE.
     key_sorted, pair_order = torch.sort(key_N, stable=True)
     active = sum(counts)
     pair_g, expert_g = pair_order[:active], key_sorted[:active]
@@ -202,6 +193,8 @@ def local_experts_forward(
     y_g = grouped_linear(mid_g, w["down_EIO"], counts, down_bias, backend)
     if getattr(experts, "has_post_expert_norm", False):
         y_g = experts.post_expert_norm(y_g)  # type: ignore[operator]
+    # The gate weight multiplies the expert output on this device, then a row's slots are summed: one
+    # row per (token, device) goes back, which is what de-duplication saves on the way home.
     weighted_g = y_g * weights_RK.reshape(-1)[pair_g].unsqueeze(-1)
     return _sum_slots(weighted_g, pair_g, num_rows, top_k).to(x_RH.dtype)
 
@@ -231,7 +224,8 @@ def _device_counted(x_RH, key_N, weights_RK, experts, w, num_local: int, top_k: 
     # counts by scatter_add: bincount's output size depends on the data, which a GPU reads on the host
     per_expert = torch.zeros(num_local + 1, dtype=torch.long, device=key_N.device)
     per_expert = per_expert.scatter_add_(0, key_N, torch.ones_like(key_N))[:num_local]
-    offs_E = per_expert.cumsum(0).to(torch.int32)
+    offs_E = per_expert.cumsum(0).to(torch.int32)  # block ends; pairs past offs_E[-1] are dead
+    # dead pairs borrow the last expert's bias only to keep the gather in range; they are masked
     expert_g = key_sorted.clamp_max(num_local - 1)
     dtype = w["up_EIO"].dtype
     x_g = torch.where(live_N, x_RH[pair_order // top_k].to(dtype), 0.0)
