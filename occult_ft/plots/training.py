@@ -163,18 +163,18 @@ def _tradeoff_rows(
     rows: Iterable[Mapping[str, Any]], metric: str, baseline: float | None
 ) -> tuple[list[dict], float | None]:
     """(the pruned rows, the baseline: given, or the mean `metric` of the unpruned rows), checked."""
-    rows = [dict(r) for r in rows]
+    copies = [dict(r) for r in rows]
     bad = [
         r
-        for r in rows
+        for r in copies
         if metric not in r or ("criterion" not in r and r.get("max_devices_per_token") is not None)
     ]
     if bad:
         raise ValueError(f"rows need `criterion`, `max_devices_per_token` and `{metric}`; got {bad[0]}")
-    unpruned = [float(r[metric]) for r in rows if r.get("max_devices_per_token") is None]
+    unpruned = [float(r[metric]) for r in copies if r.get("max_devices_per_token") is None]
     if baseline is None and unpruned:
         baseline = sum(unpruned) / len(unpruned)
-    pruned = [r for r in rows if r.get("max_devices_per_token") is not None]
+    pruned = [r for r in copies if r.get("max_devices_per_token") is not None]
     if not pruned and baseline is None:
         raise ValueError("no rows to plot; pass rows with max_devices_per_token and the metric")
     return pruned, baseline
