@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 
+from ..dispatch import EXCHANGES
 from ..embedded import embedded_data_path, embedded_model_path
 from ..fileio import read_text
 from ..layout import ExpertLayout
@@ -79,7 +80,6 @@ from .step_worker import KINDS
 __all__ = [
     "StepSettings",
     "Contender",
-    "EXCHANGES",
     "DEFAULT_CONTENDERS",
     "SHAPES",
     "contender_spec",
@@ -214,8 +214,6 @@ class StepSettings:
         return self.device
 
 
-EXCHANGES = ("flat", "per_expert", "two_stage")
-"""The exchanges an occult_ep contender can run (`OccultConfig.exchange`)."""
 _GRAMMAR = "occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_capacity]"
 # name suffix of an occult_ep contender -> (field, value; int: the digits that follow the suffix)
 _SUFFIXES: dict[str, tuple[str, Any]] = {
@@ -233,7 +231,7 @@ class Contender:
 
     Args:
         kind: the runner (`KINDS`): data_parallel, occult_ep, hf_native_ep or deepspeed_moe.
-        exchange / budget / chunks / capacity: occult_ep only: its exchange (`EXCHANGES`), device
+        exchange / budget / chunks / capacity: occult_ep only: its exchange (`OccultConfig.exchange`), device
             budget M (`max_devices_per_token`), pipelined chunks (None: not pipelined), and
             capacity-bounded buffers.
         name: the label in the report; default: the canonical name of the fields (`from_name` keeps
