@@ -79,11 +79,19 @@ def test_a_contender_is_its_fields_and_its_name_spells_them():
         "occult_ep_budget2_per_expert",
         "occult_ep_per_expert_budget2",
     )
-    for name in ("occult_ep", "occult_ep_two_stage_budget1_chunks4_capacity", "data_parallel", "hf_native_ep"):
+    for name in (
+        "occult_ep",
+        "occult_ep_two_stage_budget1_chunks4_capacity",
+        "data_parallel",
+        "hf_native_ep",
+    ):
         assert Contender.from_name(name).name == name
         assert Contender.from_name(name) == Contender.from_name(Contender.from_name(name).name)
     assert Contender.from_name("occult_ep_chunks3").spec()["chunks"] == 3
-    assert not Contender.from_name("occult_ep_per_expert").ours and Contender.from_name("occult_ep_capacity").ours
+    assert (
+        not Contender.from_name("occult_ep_per_expert").ours
+        and Contender.from_name("occult_ep_capacity").ours
+    )
 
 
 @pytest.mark.parametrize(
