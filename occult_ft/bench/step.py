@@ -643,14 +643,13 @@ def run_train_step(
     finally:
         if workdir is None:
             shutil.rmtree(tmp, ignore_errors=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in names:
         if name in errors or not results[name]:
-            rows.append({"contender": name, "measured": False, "reason": errors.get(name, "no run")})
-            continue
-        rows.append({**_summarise(name, results[name], settings), "measured": True})
-    for row in rows:
-        row.update({k: v for k, v in specs[row["contender"]].spec().items() if k != "name"})
+            row: dict[str, Any] = {"contender": name, "measured": False, "reason": errors.get(name, "no run")}
+        else:
+            row = {**_summarise(name, results[name], settings), "measured": True}
+        rows.append(row | {k: v for k, v in specs[name].spec().items() if k != "name"})
     _compare(rows)
     return {
         "settings": asdict(settings),

@@ -372,7 +372,7 @@ class OccultArguments(_ArgumentsBase):
         self._check_lora()
         self._check_placement()
         if self.expert_parallel_size > 1:
-            self._check_expert_parallel_size()
+            self._check_expert_parallel_size(self.devices)
 
     def _check_exchange(self) -> None:
         """exchange and its nodes; exchange_capacity (a digit string read as rows) against the rows a
@@ -466,10 +466,10 @@ class OccultArguments(_ArgumentsBase):
         if self.placement_algorithm not in PLACEMENT_ALGORITHMS:
             raise _choice_error("placement_algorithm", self.placement_algorithm, sorted(PLACEMENT_ALGORITHMS))
 
-    def _check_expert_parallel_size(self) -> None:
-        """expert_parallel_size > 1 against devices, nodes and the launched world size."""
+    def _check_expert_parallel_size(self, devices: int) -> None:
+        """expert_parallel_size > 1 against `devices`, nodes and the launched world size."""
         ep = self.expert_parallel_size
-        if self.devices % ep:
+        if devices % ep:
             raise ValueError(
                 f"devices={self.devices} is not a multiple of expert_parallel_size={ep} (each process holds the "
                 f"experts of devices/{ep} consecutive devices); set devices to a multiple of {ep} or leave it unset"
