@@ -16,12 +16,13 @@ see one).
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import os
 import sys
 import warnings
 from typing import NoReturn
+
+from .checks import close_match
 
 __all__ = [
     "COMMANDS",
@@ -52,12 +53,6 @@ COMMANDS = (
 
 def _load(name: str):
     return importlib.import_module(f"occult_ft.commands.{name}")
-
-
-def close_match(name: str, candidates) -> str | None:
-    """The candidate closest to a misspelt `name` (difflib ratio >= 0.6), else None."""
-    found = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return found[0] if found else None
 
 
 def _default_text(value) -> str:

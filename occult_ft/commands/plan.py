@@ -59,7 +59,7 @@ def add_parser(sub):
 def _take_own(argv: list[str], fields: list[str] | None = None) -> tuple[dict, list[str]]:
     """Split plan's own flags from the OccultConfig fields (`fields`: their names, to tell a misspelt own
     flag such as `--gpu` from a field)."""
-    from ..cli import close_match
+    from ..checks import close_match
 
     own, rest, i = {"--json": False}, [], 0
     flags = ["--json", "--gpus", "--gpu-memory", "--config"]

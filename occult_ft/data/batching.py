@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from ..checks import is_int
 from .loading import IGNORE_INDEX, DataError
 from .tokenize import tokenize_dataset
 
@@ -52,7 +53,7 @@ def pad_token_id(tokenizer=None, model=None) -> int:
         config = getattr(base(), "config", config)
     for owner, name in ((tokenizer, "pad_token_id"), (tokenizer, "eos_token_id"), (config, "pad_token_id")):
         value = getattr(owner, name, None) if owner is not None else None
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_int(value):
             return value
     if tokenizer is not None and model is None:
         raise DataError(
