@@ -66,18 +66,6 @@ class ExpertLayout:
         """L * P = E / N."""
         return self.num_experts // self.num_nodes
 
-    def device_of(self, expert: int) -> int:
-        """Device holding `expert` (contiguous blocks of P)."""
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert={expert} is outside [0, num_experts={self.num_experts})")
-        return expert // self.experts_per_device
-
-    def node_of(self, device: int) -> int:
-        """Node of `device` (consecutive blocks of L devices)."""
-        if not 0 <= device < self.num_devices:
-            raise ValueError(f"device={device} is outside [0, devices={self.num_devices})")
-        return device // self.devices_per_node
-
     def check_rank(self, rank: int) -> None:
         """Raise a one-line ValueError unless 0 <= rank < D."""
         if not is_int(rank) or not 0 <= rank < self.num_devices:

@@ -288,6 +288,30 @@ def _lora_with_random_b(seed: int = 0, model_type: str = "olmoe"):
     return model
 
 
+class _Engine(torch.nn.Module):
+    """A wrapper as DDP, a DeepSpeed engine and accelerate build one: the model under `.module`."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+
+def test_unwrap_model_strips_every_wrapper_and_keeps_peft_when_asked():
+    from transformers import PreTrainedModel
+
+    from occult_ft.models import unwrap_model
+
+    peft_model = _lora_with_random_b()
+    base = peft_model.get_base_model()
+    assert isinstance(base, PreTrainedModel)
+    wrapped = _Engine(_Engine(peft_model))
+    assert unwrap_model(wrapped) is base and unwrap_model(peft_model) is base and unwrap_model(base) is base
+    assert unwrap_model(wrapped, keep_peft=True) is peft_model  # the names DDP and saved adapters use
+    assert unwrap_model(_Engine(base), keep_peft=True) is base  # no PEFT: as keep_peft=False
+    assert is_peft_model(wrapped) and not is_peft_model(_Engine(base))
+    assert unwrap_model(None) is None
+
+
 @pytest.mark.parametrize(
     "model_type, start, count",
     [

@@ -23,7 +23,6 @@ from .arch import UnsupportedModelError
 __all__ = [
     "PUBLISHED_AS",
     "moe_family",
-    "family_folder",
     "loads_as",
     "auto_model_class",
     "architecture_model_type",
@@ -63,11 +62,6 @@ def _scan() -> dict[str, str]:
 def moe_family() -> list[str]:
     """Sorted model types of the installed transformers with `@use_experts_implementation` experts."""
     return sorted(_scan())
-
-
-def family_folder(model_type: str) -> str | None:
-    """The `transformers.models` folder of a family member (e.g. `qwen3_vl_moe` for `qwen3_vl_moe_text`)."""
-    return _scan().get(model_type)
 
 
 def loads_as(model_type: str) -> str | None:
