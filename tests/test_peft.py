@@ -267,7 +267,9 @@ def test_a_saved_adapter_works_in_stock_peft_on_the_stock_base(tiny_olmoe_dir, r
     if budget is None:
         torch.testing.assert_close(logits_of(stock, ids), logits_of(trainer.model, ids), rtol=1e-5, atol=1e-5)
     else:
-        assert abs(loss(stock) - loss(ours)) / loss(ours) < 0.02  # the target: within 2%
+        assert (
+            abs(loss(stock) - loss(ours)) / loss(ours) < 0.02
+        )  # a stock-PEFT load of the adapter scores within 2% of occult_ft's
     card = open(os.path.join(out, "README.md")).read()  # written by save_model at the end of training
     assert "PeftModel.from_pretrained" in card
     assert ("without the collaboration pruning" in card) == (budget is not None)

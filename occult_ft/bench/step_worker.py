@@ -189,7 +189,7 @@ class PhaseClock:
                 if name == "all_to_all_single_autograd":
                     out = torch.ops._c10d_functional.wait_tensor(out)
                 end = _now(clock.cuda)
-                clock.times[key] += end - start  # async: the issue; the rest is timed at wait()
+                clock.times[key] += end - start  # async: launching the call; the rest is timed at wait()
                 event = clock._event(group, start, end) if exchange and not clock.barrier else None
                 if kwargs.get("async_op") and out is not None:
                     if key == "dense_allreduce":

@@ -75,8 +75,8 @@ __all__ = [
 OCCULT_KEY = "occult"
 SIMILARITY_FILE = "occult_similarity.tables"
 """The similarity tables (safetensors bytes). Its name must not end in `.safetensors` (nor `.bin`, `.pt`):
-serving engines and Hub downloads glob `*.safetensors` as weight shards, and vLLM read the tables as
-weights of a model named `layers` (issue 25)."""
+serving engines and Hub downloads glob `*.safetensors` as weight shards, and vLLM read occult_ft 0.1's
+`occult_similarity.safetensors` as the weights of a model named `layers`."""
 LEGACY_SIMILARITY_FILES = ("occult_similarity.safetensors",)
 """Names earlier releases wrote the tables under (read, never written; removed when the tables are
 rewritten beside them)."""
