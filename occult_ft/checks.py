@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 from math import isqrt
+from typing import TypeGuard
 
 __all__ = [
     "check_nodes",
@@ -34,12 +35,12 @@ __all__ = [
 ]
 
 
-def is_int(value) -> bool:
+def is_int(value) -> TypeGuard[int]:
     """An `int` that is not a `bool` (`True` is an int to Python, never a count to a user)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_positive_int(value) -> bool:
+def is_positive_int(value) -> TypeGuard[int]:
     """`is_int(value)` and value >= 1."""
     return is_int(value) and value >= 1
 

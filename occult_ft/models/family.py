@@ -82,6 +82,7 @@ def auto_model_class(config_or_type):
     (Qwen3-VL-MoE, GLM-4.5V, Mistral Large 3, ...). Accepts a config, a config.json dict or a type."""
     import transformers
 
+    model_type: str | None
     if isinstance(config_or_type, str):
         model_type = config_or_type
     elif isinstance(config_or_type, dict):

@@ -276,8 +276,9 @@ def unwrap_model(model: nn.Module, keep_peft: bool = False) -> nn.Module:
     for _ in range(8):  # DDP(PeftModel(model)) is the deepest stack seen; 8 bounds a wrapper cycle
         if isinstance(model, PreTrainedModel) or (keep_peft and hasattr(model, "peft_config")):
             break
-        if callable(getattr(model, "get_base_model", None)):
-            model = model.get_base_model()
+        get_base_model = getattr(model, "get_base_model", None)  # PEFT's PeftModel
+        if callable(get_base_model):
+            model = get_base_model()
         elif isinstance(getattr(model, "module", None), nn.Module):
             model = cast(nn.Module, model.module)
         else:

@@ -286,8 +286,9 @@ class OccultTrainerMixin(Trainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         finite = torch.isfinite(loss.detach()).all()  # read at the optimizer step (one sync per step)
         self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
-        if self._reduces_expert_gradients() and self.accelerator.sync_gradients:
-            reduce_expert_gradients(self.model, self.expert_parallel)
+        own = self._own_expert_reduction()
+        if own is not None and self.accelerator.sync_gradients:
+            reduce_expert_gradients(*own)
         if self.accelerator.sync_gradients:
             self._balance_devices()
         # the records keep the last routing for inspection, but not the probabilities' graph
@@ -320,19 +321,25 @@ class OccultTrainerMixin(Trainer):
             bias.copy_(new_LD[row])
 
     # ---- expert parallelism without DeepSpeed: shard gradients and the norm are ours --------------
-    def _reduces_expert_gradients(self) -> bool:
-        return self.expert_parallel is not None and not self.is_deepspeed_enabled
+    def _own_expert_reduction(self) -> tuple[nn.Module, ExpertParallelGroups] | None:
+        """(model, EP groups) when occult_ft reduces the expert gradients and clips their norm itself
+        (expert parallelism without DeepSpeed), else None."""
+        if self.expert_parallel is None or self.is_deepspeed_enabled or self.model is None:
+            return None
+        return self.model, self.expert_parallel
 
     def _clip_grad_norm(self, model):
-        if self._reduces_expert_gradients():
-            return clip_expert_parallel_grad_norm(self.model, self.expert_parallel, self.args.max_grad_norm)
+        own = self._own_expert_reduction()
+        if own is not None:
+            return clip_expert_parallel_grad_norm(*own, self.args.max_grad_norm)
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
         """Trainer's gradient norm, called at every optimizer step just before the update: a non-finite
         loss or norm stops the run there, naming the step (`occult_ft.trainer.guards`)."""
-        if grad_norm is None and self._reduces_expert_gradients():
-            grad_norm = clip_expert_parallel_grad_norm(self.model, self.expert_parallel, float("inf"))
+        own = self._own_expert_reduction()
+        if grad_norm is None and own is not None:
+            grad_norm = clip_expert_parallel_grad_norm(*own, float("inf"))
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         finite, self._losses_finite = self._losses_finite, None
         check_step(
@@ -397,12 +404,13 @@ class OccultTrainerMixin(Trainer):
         output = super().evaluation_loop(
             dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
         )
+        metrics = output.metrics if output.metrics is not None else {}  # typed Optional; Trainer fills it
         for key, value in self._meters["eval"].summary(self._reduce).items():
             if key != "balance_loss":
-                output.metrics[f"{metric_key_prefix}_{key}"] = value
-        loss = output.metrics.get(f"{metric_key_prefix}_loss")
+                metrics[f"{metric_key_prefix}_{key}"] = value
+        loss = metrics.get(f"{metric_key_prefix}_loss")
         if loss is not None:
-            output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 50.0))
+            metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 50.0))
         return output
 
     # ---- saving and resuming: the hooks of `occult_ft.trainer.checkpointing` --------------------
