@@ -181,7 +181,7 @@ def build_parser(commands=COMMANDS) -> argparse.ArgumentParser:
     return parser
 
 
-def run_command(name: str, run, args) -> int:
+def run_command(name: str, run, args: argparse.Namespace) -> int:
     """Run one command, turning user errors into one line and exit status 2."""
     _quiet_libraries()
     try:

@@ -11,6 +11,7 @@ the load bound, the lower bound and the gap).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -146,7 +147,7 @@ def analyze_model(
     return report
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..checks import divisors, nodes_divide
     from ..fileio import check_output_path
 

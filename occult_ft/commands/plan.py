@@ -21,6 +21,7 @@ Activations are an estimate.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -151,7 +152,7 @@ def format_plan(plan, model: str | None) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..plan import load_model_config, plan_for_config
     from .train import parse_config
 

@@ -28,6 +28,7 @@ Launchers work as with any Trainer script (they set the environment Trainer read
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -468,7 +469,7 @@ def missing_extras(config) -> list[str]:
     return missing
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     import importlib.util
 
     trainer_name, argv = split_trainer(list(args.argv))

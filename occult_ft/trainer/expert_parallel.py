@@ -87,6 +87,7 @@ from ..integrations.peft import (
 )
 from ..models import base_experts, experts_state_key
 from ..models.registry import find_moe_layers, unwrap_model
+from .config import OccultArguments
 
 __all__ = [
     "ExpertParallelGroups",
@@ -212,7 +213,7 @@ def expert_parallel_groups(size: int, use_deepspeed: bool = False) -> ExpertPara
     )
 
 
-def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
+def setup_expert_parallel(model: nn.Module, args: OccultArguments) -> ExpertParallelGroups:
     """Shard the experts of a placed, pruned model over the EP groups and prepare it for its trainer.
 
     Call on every rank after `prepare_model` and before the optimizer exists. It checks the layout,

@@ -45,7 +45,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
@@ -352,7 +352,7 @@ class OccultTrainerMixin(Trainer):
         return grad_norm
 
     @staticmethod
-    def get_optimizer_cls_and_kwargs(args, model=None):
+    def get_optimizer_cls_and_kwargs(args: TrainingArguments, model: PreTrainedModel | None = None):
         """Trainer's optimizer, except that `torch.optim.AdamW` over 16-bit (bf16/fp16) trainable weights
         becomes `occult_ft.trainer.optim.CompensatedAdamW` (float32 moments, Kahan-compensated weights),
         so bf16 `full` / `moe` runs lose no update to rounding."""
