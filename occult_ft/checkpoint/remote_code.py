@@ -12,8 +12,9 @@ config.json's `occult` block, on a machine without occult_ft. Without `trust_rem
 ignores `auto_map` for a model type it knows and loads the stock class, as before.
 
 The file is generated from occult_ft's own source, so there is one copy of the maths to maintain: the
-pure criteria of `occult_ft.routing.rules` and the router conventions of `occult_ft.models.arch`
-(`MoEArch`, `moe_blocks`, the config readers; both whole modules), `PruningConfig` (routing/config.py),
+input checks of `occult_ft.checks`, the pure criteria of `occult_ft.routing.rules` and the router
+conventions of `occult_ft.models.arch` (`MoEArch`, `moe_blocks`, the config readers; all three whole
+modules), `PruningConfig` (routing/config.py),
 `router_selectable` and `prune_topk` (routing/router.py), `contiguous_expert_device` (metrics.py) and
 `OccultBlock` with its `PlacementRecord` (checkpoint/format.py), plus the model type's registry entry
 written out as a constant and a short adapter (`_ADAPTER` below) that hooks every router: the hook
@@ -38,7 +39,7 @@ import inspect
 import json
 import os
 
-from .. import metrics
+from .. import checks, metrics
 from ..fileio import atomic_write_text, read_json_object
 from ..models import arch as models_arch
 from ..models import registry
@@ -356,7 +357,7 @@ def remote_code_source(model_type: str) -> str:
     arch = registry.get_arch(model_type)
     base, cls = _stock_class_name(model_type), remote_class_name(model_type)
     imports = _absolute_imports(
-        [routing_rules, models_arch, routing_config, routing_router, format_],
+        [checks, routing_rules, models_arch, routing_config, routing_router, format_],
         ("dataclasses", "functools", "os"),
     )
     imports += [
@@ -366,6 +367,8 @@ def remote_code_source(model_type: str) -> str:
     sections = [
         _HEADER.format(model_type=model_type, cls=cls, base=base, auto=remote_auto_class(model_type)),
         "\n".join(imports),
+        "# ---- copied from occult_ft/checks.py ------------------------------------------------------",
+        _module_body(checks),
         "# ---- copied from occult_ft/routing/rules.py -----------------------------------------------",
         _module_body(routing_rules),
         "# ---- copied from occult_ft/models/arch.py --------------------------------------------------",
@@ -379,7 +382,7 @@ def remote_code_source(model_type: str) -> str:
             f"{name} = {getattr(format_, name)!r}"
             for name in ("BLOCK_VERSION", "EXPERT_ORDERS", "PRUNING_KEYS", "KNOWN_KEYS")
         ),
-        inspect.getsource(format_.CheckpointError),  # its `_is_int` is routing/rules.py's (the same check)
+        inspect.getsource(format_.CheckpointError),
         inspect.getsource(format_.PlacementRecord),
         inspect.getsource(format_.OccultBlock),
         f"# ---- the {model_type!r} entry of occult_ft's architecture registry ----",

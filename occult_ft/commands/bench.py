@@ -168,7 +168,7 @@ def add_parser(sub):
     return p
 
 
-def build_workload(args, settings):
+def build_workload(args: argparse.Namespace, settings):
     """The `Workload` named by the arguments (model routed over data, or synthetic)."""
     from ..bench import check_inputs, model_workload, synthetic_workload
 
@@ -212,7 +212,7 @@ def build_workload(args, settings):
     )
 
 
-def run_train(args) -> int:
+def run_train(args: argparse.Namespace) -> int:
     """`--train`: the train-step benchmark with the command's flags (a short run by default)."""
     from ..bench.step import DEFAULT_CONTENDERS, StepSettings, format_step_report, run_train_step
 
@@ -260,7 +260,7 @@ def run_train(args) -> int:
     return 0
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     quiet_deepspeed_accelerator()
     from ..bench import DEFAULT_BUDGETS, BenchSettings, format_report, run_benchmark
     from ..bench.costmodel import get_cluster

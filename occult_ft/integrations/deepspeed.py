@@ -67,7 +67,6 @@ Not used, and why:
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import warnings
 from collections.abc import Iterable
@@ -80,7 +79,6 @@ from ..fileio import read_json_object
 
 __all__ = [
     "MARKER_ATTRIBUTE",
-    "is_deepspeed_available",
     "expert_group_name",
     "deepspeed_expert_groups",
     "mark_expert_parameters",
@@ -91,11 +89,6 @@ __all__ = [
 ]
 
 MARKER_ATTRIBUTE = "occult_deepspeed_moe"
-
-
-def is_deepspeed_available() -> bool:
-    """Whether `import deepspeed` would succeed (without importing it)."""
-    return importlib.util.find_spec("deepspeed") is not None
 
 
 def expert_group_name(expert_parallel_size: int) -> str:

@@ -41,6 +41,7 @@ from ..placement import PRUNING_CRITERIA, Placement, compute_placement, merge_pl
 from ..profiling import profile_model
 from ..routing import PruningConfig, pruned_routers, router_device_bias, router_similarity, set_recording
 from .checkpointing import check_checkpoint_model
+from .config import OccultArguments
 from .sharded_load import place_sharded
 
 logger = logging.get_logger(__name__)
@@ -133,7 +134,7 @@ def _newest_complete_checkpoint(output_dir: str | None) -> str | None:
 
 
 # ---- profiling -------------------------------------------------------------------------------------
-def _profile(model, dataset, collate, args, name: str):
+def _profile(model, dataset, collate, args: OccultArguments, name: str):
     if dataset is None:
         raise ValueError(
             "placement='auto' and criterion='similarity' profile the training data, but no train_dataset was "

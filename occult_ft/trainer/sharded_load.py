@@ -53,6 +53,7 @@ from ..fileio import read_json_object, reading
 from ..models.family import auto_model_class
 from ..models.registry import MoELayer, config_num_experts, find_moe_layers, get_arch, unwrap_model
 from ..placement import permute_experts
+from .config import OccultArguments
 from .expert_parallel import check_expert_parallel_size, expert_parallel_groups
 
 __all__ = [
@@ -440,7 +441,9 @@ def _same_order(a, b) -> bool:
     return a.layers == b.layers and all(torch.equal(a.expert_order(i), b.expert_order(i)) for i in a.layers)
 
 
-def load_sharded_training_model(path: str, args, placement=None, dtype=None) -> tuple[nn.Module, Any]:
+def load_sharded_training_model(
+    path: str, args: OccultArguments, placement=None, dtype=None
+) -> tuple[nn.Module, Any]:
     """(model, tokenizer) for `OccultTrainer` under expert parallelism: this rank's shard only.
 
     The placement read is `placement` (a `Placement`), else `args.placement` when it is a file or
