@@ -15,6 +15,7 @@ comes back. Rows per token = C_T (`occult_ft.metrics.comm_complexity`) instead o
     pipeline.py      pipelined_moe_forward: chunks whose exchange overlaps the local experts
     experts_impl.py  "occult_ep" transformers experts kernel (picks the exchange from the shard record),
                      shard_experts, configure_exchange, gather_experts[_state_dict]
+    decode.py        DecodeCapacity: generation's decode steps on the capacity-bounded flat exchange
 
 Importing this package registers the "occult_ep" experts implementation with transformers.
 """
@@ -38,6 +39,7 @@ from .exchange import (
     dispatch,
     moe_forward,
 )
+from .decode import DecodeCapacity, enable_decode_capacity
 from .experts_impl import (
     EXCHANGES,
     EXPERTS_IMPLEMENTATION,
@@ -141,4 +143,7 @@ __all__ = [
     "expert_shard_parameters",
     "gather_experts_state_dict",
     "gather_experts",
+    # generation: exact prefill, capacity-bounded decode
+    "DecodeCapacity",
+    "enable_decode_capacity",
 ]

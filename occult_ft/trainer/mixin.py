@@ -86,7 +86,8 @@ from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
 from .optim import CompensatedAdamW, choose_optimizer
 from .prepare import OccultSetup, prepare_model, resolve_checkpoint
-from .sharded_load import can_load_sharded, load_sharded_training_model
+from ..checkpoint.load import can_load_sharded
+from .sharded_load import load_sharded_training_model
 
 logger = logging.get_logger(__name__)
 

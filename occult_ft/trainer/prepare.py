@@ -41,7 +41,7 @@ from ..placement import PRUNING_CRITERIA, Placement, compute_placement, merge_pl
 from ..profiling import profile_model
 from ..routing import PruningConfig, pruned_routers, router_device_bias, router_similarity, set_recording
 from .checkpointing import check_checkpoint_model
-from .sharded_load import place_sharded
+from ..checkpoint.sharded import place_sharded
 
 logger = logging.get_logger(__name__)
 
