@@ -53,7 +53,9 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
         pruning = PruningConfig(4, budget, criterion)
         apply_occult(model, placement, pruning, _similarity(model) if criterion == "similarity" else None)
         path = str(root / f"budget{budget}")
-        save_pruned(model, path, tokenizer, pruning=pruning, placement=placement, similarity=router_similarity(model))
+        save_pruned(
+            model, path, tokenizer, pruning=pruning, placement=placement, similarity=router_similarity(model)
+        )
         out[f"budget{budget}"] = path
     return out
 

@@ -162,7 +162,9 @@ def generate_contender(name: str, settings: GenerateSettings) -> dict:
     if budget:
         m = int(budget.group(1))
         if not 1 <= m < settings.devices:
-            raise ValueError(f"{name}: a budget of {m} devices must be between 1 and devices - 1 = {settings.devices - 1}")
+            raise ValueError(
+                f"{name}: a budget of {m} devices must be between 1 and devices - 1 = {settings.devices - 1}"
+            )
         spec["max_devices_per_token"] = m
         spec["checkpoint"] = f"budget{m}"
     spec["ours"] = spec["exchange"] != "per_expert"
@@ -172,7 +174,9 @@ def generate_contender(name: str, settings: GenerateSettings) -> dict:
 def default_contenders(settings: GenerateSettings) -> list[str]:
     """`GENERATE_CONTENDERS` less the budgets that do not restrict D devices (budget 2 on 2 devices)."""
     return [
-        n for n in GENERATE_CONTENDERS if not (m := re.search(r"_budget(\d+)$", n)) or int(m.group(1)) < settings.devices
+        n
+        for n in GENERATE_CONTENDERS
+        if not (m := re.search(r"_budget(\d+)$", n)) or int(m.group(1)) < settings.devices
     ]
 
 
@@ -261,7 +265,11 @@ def _launch(settings, contender: dict, checkpoint: str, prompts: str, tmp: str, 
             if name.endswith((".txt", ".log")):
                 with open(os.path.join(out, name), errors="replace") as f:
                     lines += [ln.strip() for ln in f if ln.strip()]
-        errors = [ln for ln in lines if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception): ", ln) and "ChildFailed" not in ln]
+        errors = [
+            ln
+            for ln in lines
+            if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception): ", ln) and "ChildFailed" not in ln
+        ]
         last = errors[-1] if errors else (lines[-1] if lines else "no output")
         return {"error": f"{last[:400]} (log {log})"}
     with open(spec["result"]) as f:
@@ -295,7 +303,14 @@ def _summarise(runs: list[dict], settings: GenerateSettings) -> dict:
 def _compare(rows: list[dict]) -> None:
     measured = {r["contender"]: r for r in rows if r["measured"]}
     per_expert = measured.get("occult_ep_per_expert")
-    reference = next((r for r in measured.values() if r["checkpoint"] != "original" and "max_devices_per_token" not in r and r["ours"]), None)
+    reference = next(
+        (
+            r
+            for r in measured.values()
+            if r["checkpoint"] != "original" and "max_devices_per_token" not in r and r["ours"]
+        ),
+        None,
+    )
     for row in measured.values():
         if per_expert is not None:
             row["prefill_vs_per_expert"] = row["prefill_tokens_per_s"] / per_expert["prefill_tokens_per_s"]
@@ -305,7 +320,9 @@ def _compare(rows: list[dict]) -> None:
             row["tokens_match"] = row["tokens"] == reference["tokens"]
 
 
-def run_generate_bench(settings: GenerateSettings, contenders=None, progress=None, workdir: str | None = None) -> dict:
+def run_generate_bench(
+    settings: GenerateSettings, contenders=None, progress=None, workdir: str | None = None
+) -> dict:
     """Measure `contenders` (default `GENERATE_CONTENDERS`) and return the report (module docstring).
 
     Args:
@@ -337,7 +354,9 @@ def run_generate_bench(settings: GenerateSettings, contenders=None, progress=Non
                 for name in (n for n in order if n not in errors):
                     if progress:
                         progress(f"round {r + 1}/{settings.rounds}: {name}")
-                    got = _launch(settings, specs[name], dirs[specs[name]["checkpoint"]], prompts, tmp, emulated)
+                    got = _launch(
+                        settings, specs[name], dirs[specs[name]["checkpoint"]], prompts, tmp, emulated
+                    )
                     if "error" in got:
                         errors[name] = got["error"]
                     else:

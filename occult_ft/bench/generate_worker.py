@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from .syncs import HostSyncCounter
 __all__ = ["load_contender", "main"]
 
 
-def load_contender(spec: dict, world: int) -> nn.Module:
+def load_contender(spec: dict, world: int) -> Any:
     """The contender's model on this rank (expert parallel over the default group)."""
     contender = spec["contender"]
     device = spec["device"]
@@ -38,10 +39,10 @@ def load_contender(spec: dict, world: int) -> nn.Module:
 
         # as the train-step benchmark builds it: transformers asks ep_size to divide fsdp_size x tp_size
         config = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
-        model = AutoModelForCausalLM.from_pretrained(
+        native = AutoModelForCausalLM.from_pretrained(
             spec["checkpoint"], distributed_config=config, dtype=torch.float32
         )
-        return model.eval()
+        return native.eval()
     model = from_pretrained(
         spec["checkpoint"],
         dtype=torch.float32,
@@ -82,7 +83,7 @@ class _ForwardClock:
             handle.remove()
 
 
-def _syncs_per_decode_layer(model: nn.Module, ids: torch.Tensor, eos) -> float:
+def _syncs_per_decode_layer(model: Any, ids: torch.Tensor, eos) -> float:
     """Host synchronisations inside the MoE blocks of the second decode step, per MoE layer."""
     layers = find_moe_layers(model)
     counter = HostSyncCounter(keep_sites=False)
@@ -95,7 +96,9 @@ def _syncs_per_decode_layer(model: nn.Module, ids: torch.Tensor, eos) -> float:
     handles = [model.register_forward_pre_hook(count, with_kwargs=True)]
     for layer in layers:
         block = layer.experts
-        handles.append(block.register_forward_pre_hook(lambda *a: setattr(counter, "enabled", calls["n"] == 3)))
+        handles.append(
+            block.register_forward_pre_hook(lambda *a: setattr(counter, "enabled", calls["n"] == 3))
+        )
         handles.append(block.register_forward_hook(lambda *a: setattr(counter, "enabled", False)))
     try:
         with counter, torch.no_grad():

@@ -250,7 +250,9 @@ def from_pretrained(
 def _check_inference_settings(size, exchange, nodes, capacity, group) -> int:
     """One-line errors for expert-parallel loading settings; returns this rank in its group."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"expert_parallel_size={size!r} must be a positive integer (1: no expert parallelism)")
+        raise ValueError(
+            f"expert_parallel_size={size!r} must be a positive integer (1: no expert parallelism)"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             f"expert_parallel_size={size} needs an initialised torch.distributed process group of {size} ranks; "

@@ -29,7 +29,6 @@ this way in a new placed order (what `placement: auto` does after profiling the 
 Shape legend: E experts of a layer, D expert-parallel size, P = E / D, H hidden, I expert intermediate.
 """
 
-
 from __future__ import annotations
 
 import io
@@ -53,16 +52,6 @@ __all__ = [
     "SafetensorsReader",
     "check_unquantized",
     "build_sharded_model",
-    "place_sharded",
-    "sharded_placement",
-]
-
-__all__ = [
-    "SafetensorsReader",
-    "check_unquantized",
-    "can_load_sharded",
-    "load_sharded_model",
-    "load_sharded_training_model",
     "place_sharded",
     "sharded_placement",
 ]
@@ -156,8 +145,6 @@ class SafetensorsReader:
         for fh in self._handles.values():
             fh.close()
         self._handles = {}
-
-
 
 
 # ---- key mapping: which checkpoint tensors make which model tensor ----------------------------------
@@ -326,8 +313,6 @@ def _checkpoint_dtype(reader: SafetensorsReader) -> torch.dtype:
     return floats[0] if floats else torch.float32
 
 
-
-
 def build_sharded_model(
     path: str,
     config,
@@ -369,7 +354,9 @@ def build_sharded_model(
         model = auto_model_class(config).from_config(config, dtype=dtype)
     layers = find_moe_layers(model)
     if not layers:
-        raise ValueError(f"checkpoint {path!r} has no MoE layers, so no experts to shard; load it without expert_parallel_size")
+        raise ValueError(
+            f"checkpoint {path!r} has no MoE layers, so no experts to shard; load it without expert_parallel_size"
+        )
     num_experts = layers[0].num_experts
     if num_experts % size:
         divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
@@ -445,4 +432,3 @@ def place_sharded(model: nn.Module, placement) -> None:
 def _same_order(a, b) -> bool:
     """Whether two placements put the experts of every layer in the same placed order."""
     return a.layers == b.layers and all(torch.equal(a.expert_order(i), b.expert_order(i)) for i in a.layers)
-

@@ -29,6 +29,7 @@ from .comm import (
     group_size_and_rank,
     start_exchange,
 )
+from .decode import DecodeCapacity, enable_decode_capacity
 from .exchange import (
     Exchange,
     FlatExchange,
@@ -39,7 +40,6 @@ from .exchange import (
     dispatch,
     moe_forward,
 )
-from .decode import DecodeCapacity, enable_decode_capacity
 from .experts_impl import (
     EXCHANGES,
     EXPERTS_IMPLEMENTATION,
