@@ -92,6 +92,7 @@ def _ep_worker(rank: int, world: int, paths: dict[str, str]) -> dict:
             result["experts"] = _expert_rows(model)
             hook = getattr(model, "occult_decode_capacity", None)
             result["decode_rows"] = None if hook is None else hook.rows
+            result["decode_forwards"] = None if hook is None else hook.decode_forwards
             out[(name, tuple(setting.items()))] = result
     return out
 
@@ -113,6 +114,7 @@ def test_expert_parallel_generate_equals_single_process(checkpoints, world):
             assert got["experts"] * world == full, where  # E / D experts per layer on each rank
             if setting == ():  # the default: decode steps on the capacity-bounded flat exchange
                 assert got["decode_rows"] == _prompts().shape[0], where
+                assert got["decode_forwards"] == NEW_TOKENS - 1, where  # every step after the prefill
             else:
                 assert got["decode_rows"] is None, where
     # the generated continuation is not the prompt repeated: the test can tell models apart

@@ -43,6 +43,7 @@ class DecodeCapacity:
     Attributes:
         rows: the C of the decode steps after the last prefill (None before the first one).
         current: the capacity the layers run with now (None: exact).
+        decode_forwards: forwards run as decode steps so far.
     """
 
     def __init__(self, model: nn.Module, capacity: int | str, group: dist.ProcessGroup | None = None):
@@ -51,6 +52,7 @@ class DecodeCapacity:
         self.group = group
         self.rows: int | None = None
         self.current: int | None = None
+        self.decode_forwards = 0
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -59,10 +61,11 @@ class DecodeCapacity:
         if ids is None:
             return None
         batch, per_row = int(ids.shape[0]), int(ids.shape[1]) if ids.dim() > 1 else 1
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers 5.2x names it `cache`
         decoding = per_row == 1 and cache is not None and cache.get_seq_length() > 0 and self.rows is not None
         if decoding:
             self._set(self.rows)
+            self.decode_forwards += 1
             return None
         self._set(None)
         self.rows = self._decode_rows(batch, ids.device)
