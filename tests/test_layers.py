@@ -27,7 +27,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("routing", "placement", "profiling", "dispatch", "integrations"),
     ("checkpoint",),  # the format and its writers (format, save, card, remote_code, convert)
     ("apply",),  # records blocks through checkpoint.format / checkpoint.save
-    ("checkpoint.load", "configs"),  # loading re-applies a checkpoint's placement and budget
+    (
+        "checkpoint.load",
+        "checkpoint.sharded",
+        "configs",
+    ),  # loading re-applies a checkpoint's placement and budget
     ("data", "evaluation", "plots", "trainer", "trl", "plan"),  # trl: the trainer on TRL's SFTTrainer
     ("studies", "bench", "hub", "serving"),
     ("commands", "cli", "__main__", "__init__"),

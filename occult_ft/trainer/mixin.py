@@ -51,6 +51,7 @@ from transformers.utils import logging
 
 from ..checkpoint import OccultBlock
 from ..checkpoint.card import last_eval_metrics, write_model_card
+from ..checkpoint.load import can_load_sharded
 from ..data.batching import real_token_mask
 from ..evaluation import make_comm_complexity_figure
 from ..fileio import OutputPathError, check_output_path, reading_directory
@@ -87,7 +88,7 @@ from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
 from .optim import CompensatedAdamW, choose_optimizer
 from .prepare import OccultSetup, prepare_model, resolve_checkpoint
-from .sharded_load import can_load_sharded, load_sharded_training_model
+from .sharded_load import load_sharded_training_model
 
 logger = logging.get_logger(__name__)
 

@@ -32,6 +32,7 @@ from transformers.utils import logging
 from ..apply import apply_occult, placed_similarity, resolve_placement
 from ..checkpoint import block_placement, model_block, read_block, read_similarity
 from ..checkpoint.load import describe_budget
+from ..checkpoint.sharded import place_sharded
 from ..data.batching import profile_batches  # the batching lives in occult_ft.data
 from ..fileio import read_json_object
 from ..integrations.peft import apply_lora, is_peft_model
@@ -42,7 +43,6 @@ from ..profiling import profile_model
 from ..routing import PruningConfig, pruned_routers, router_device_bias, router_similarity, set_recording
 from .checkpointing import check_checkpoint_model
 from .config import OccultArguments
-from .sharded_load import place_sharded
 
 logger = logging.get_logger(__name__)
 
