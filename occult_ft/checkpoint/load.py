@@ -211,7 +211,7 @@ def from_pretrained(
     MoE layers exchange tokens with the other ranks, so `model.generate` and plain forwards run expert
     parallel. Every rank must make the same forward calls (collectives): the same number of
     `generate` steps (identical inputs with greedy decoding, or `min_new_tokens == max_new_tokens`),
-    the same batch size is not required. docs/serving.md, "Expert-parallel inference".
+    the same batch size is not required. docs/loading.md, "Expert-parallel inference".
 
     Args:
         expert_parallel_size: D (None or 1: the whole model in this process).
