@@ -203,7 +203,7 @@ def served(request, tmp_path_factory):
         ref[name] = _reference(path)
     for model_type in sorted({c[0] for c in cases}):
         unpruned[model_type] = _reference(_save(root / f"{model_type}-unpruned", model_type, None, tokenizer))
-    got = _run_worker(root, jobs, {}, safety_timeout(240 * len(jobs) + 120))
+    got = _run_worker(root, jobs, {}, safety_timeout(120 * len(jobs) + 120))
     return {"got": got, "ref": ref, "unpruned": unpruned, "paths": paths}
 
 
@@ -395,7 +395,7 @@ def demo_server(tmp_path_factory):
             command, cwd=root, env=vllm_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        _wait_healthy(proc, f"http://127.0.0.1:{port}/health", safety_timeout(600), log)
+        _wait_healthy(proc, f"http://127.0.0.1:{port}/health", safety_timeout(180), log)
         yield {"url": f"http://127.0.0.1:{port}", "path": path}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
