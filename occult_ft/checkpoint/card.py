@@ -13,7 +13,9 @@ The card is the Jinja2 template `occult_ft/templates/model_card.md` (as TRL rend
     _loading      how to load it: a pruned full checkpoint needs `occult_ft.from_pretrained` (stock
                   transformers loads the same weights with the original top-k routing); an unpruned one,
                   or one whose budget sits in its config (`n_group` / `topk_group`), routes identically
-                  in stock transformers. tests/test_card_load_lines.py runs every load line a card shows.
+                  in stock transformers; a full checkpoint of a type occult_ft's vLLM plugin serves gets
+                  the vLLM lines (`vllm serve`, `LLM(...)`). tests/test_card_load_lines.py runs every
+                  load line a card shows (the vLLM one in vLLM's environment).
 
 The base model is named by `base_model_reference`: its Hub id when there is one (a snapshot of the Hub
 cache included), `embedded` for the shipped model, else its path; a card for the Hub names a local base
@@ -32,7 +34,7 @@ from typing import Any
 from ..embedded import embedded_model_path
 from ..fileio import atomic_save, atomic_write_text, model_card_writer, read_json_object
 from ..metrics import comm_complexity_lower_bound, random_placement_comm_complexity
-from ..models.family import auto_model_class
+from ..models.family import VLLM_SERVED, auto_model_class
 from ..routing import PruningConfig
 from .format import CheckpointSummary, OccultBlock, describe_checkpoint
 
@@ -482,6 +484,8 @@ def _loading(s: CheckpointSummary) -> dict[str, Any]:
         "expert_order_original": s.block is not None and s.block.expert_order == "original",
         # the transformers class that loads this model type (a multimodal MoE is not a causal LM)
         "auto_class": auto_model_class(s.model_type).__name__ if s.model_type else "AutoModelForCausalLM",
+        # occult_ft's vLLM plugin serves full checkpoints of these types (docs/serving.md)
+        "vllm": s.kind == "full" and s.model_type in VLLM_SERVED,
     }
 
 

@@ -26,7 +26,20 @@ __all__ = [
     "loads_as",
     "auto_model_class",
     "architecture_model_type",
+    "VLLM_SERVED",
 ]
+
+#: the model types whose pruned routing occult_ft's vLLM plugin serves (`occult_ft.serving`), with
+#: vLLM's (and transformers') causal-LM class of each; the model card offers vLLM for these only
+VLLM_SERVED = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
 
 _DECORATOR = re.compile(r"^@use_experts_implementation\b", re.MULTILINE)
 _MODEL_TYPE = re.compile(r'^\s+model_type(?:\s*:\s*str)?\s*=\s*"([^"]+)"', re.MULTILINE)
