@@ -211,10 +211,12 @@ class Placement:
 
     def expert_device(self, layer: int) -> torch.Tensor:
         """(E,) int64 device of each original expert id of `layer`."""
+        # expert_device[e] = d for every e in group d: the (E,) map the router's budget and dispatch read
         return expert_device_from_groups(self._layer_groups(layer), self.num_experts)
 
     def expert_order(self, layer: int) -> torch.Tensor:
         """(E,) int64: new expert j is original expert order[j] (device d holds new ids d*E/D .. +E/D-1)."""
+        # the groups concatenated: position p of the placed model holds original expert order[p]
         return torch.tensor([e for group in self._layer_groups(layer) for e in group], dtype=torch.long)
 
     def check_model(
@@ -261,6 +263,7 @@ class Placement:
             lines.append(f'    "{layer}": [\n{body}\n    ]' + ("," if i < len(self.groups) - 1 else ""))
         try:
             # allow_nan=False: json.dumps would otherwise write NaN, which no strict JSON reader takes
+            # indented by two more spaces so the block nests under the top-level "metrics" key
             metrics = json.dumps(self.metrics, indent=2, allow_nan=False).replace("\n", "\n  ")
         except ValueError:
             raise PlacementError(
@@ -279,6 +282,7 @@ class Placement:
             raise PlacementError(
                 f"cannot write '{path}': it is a directory; give a file name like placement.json"
             )
+        # written to a temporary file and renamed: a reader never sees half a placement
         atomic_write_text(path, self.to_json())
 
     @classmethod
