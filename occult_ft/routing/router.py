@@ -222,6 +222,7 @@ def apply_pruning(
         The model's MoE layers.
     """
     layers = find_moe_layers(model)
+    # every layer is checked before any router changes: a bad budget leaves the model untouched
     for layer in layers:
         config.check(layer.num_experts, layer.top_k)
     if config.active and config.criterion == "similarity":
@@ -256,6 +257,7 @@ def apply_pruning(
         if device_bias is None and held is not None and held.numel() != config.num_devices:
             router._buffers.pop("occult_device_bias")  # learnt for another device count: meaningless here
         if device_bias is not None:
+            # {} or a dict without this layer removes the layer's bias
             bias = device_bias.get(layer.index)
             if bias is None:
                 router._buffers.pop("occult_device_bias", None)
@@ -331,6 +333,7 @@ def unpruned_routing(model: nn.Module, record: bool = False):
     The teacher of distillation: the same weights with the unpruned routing."""
     saved = []
     for _, router in pruned_routers(model):
+        # what the block changes, restored in `finally` even when the teacher's forward raises
         saved.append((router, router.occult_config, router.occult_recording, router.occult_record))
         # lifting both budgets makes cfg.active False: the forward returns the model's own routing.
         router.occult_config = replace(

@@ -49,6 +49,7 @@ def _is_int(value) -> bool:
 
 
 def _unknown(name: str, value, choices) -> ValueError:
+    # the closest valid name, if any is close, for the "did you mean" hint
     close = difflib.get_close_matches(str(value), list(choices), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ValueError(f"{name}={value!r} is unknown{hint}; choose one of {', '.join(choices)}")
@@ -184,6 +185,7 @@ def limit_devices(
     n = n or max(1, top_k // max_devices)
     # n defaults to k / max_devices: the number of experts each admitted device has to supply on average.
     dev_TD = device_scores(scores_TE, expert_device_E, num_devices, rank, n)
+    # each token keeps its max_devices best devices by that ranking (topk over the D column scores)
     keep = dev_TD.topk(max_devices, dim=-1).indices
     # one-hot of the kept device indices: device_mask_TD[t, d] is True when d is among token t's best devices.
     device_mask_TD = torch.zeros_like(dev_TD, dtype=torch.bool).scatter_(1, keep, True)
@@ -265,6 +267,7 @@ def _admit(
     # the walk stops adding devices once `cap` are admitted: the device budget, or all devices of the
     # max_nodes nodes the node budget allows, whichever is smaller.
     per_node = num_devices // num_nodes
+    # no node budget = all N nodes allowed, so the node test below always passes
     mn = max_nodes or num_nodes
     cap = min(max_devices or num_devices, mn * per_node)
     state = (
@@ -277,6 +280,7 @@ def _admit(
     # the router's top-k is not necessarily sorted: re-order each row by its experts' scores, best first,
     # so the walk admits devices in the order the paper's rule visits them.
     by_score_TK = ids_TK.gather(1, scores_TE.gather(1, ids_TK).argsort(dim=1, descending=True))
+    # rows_R for the full walk: every token is a row (a sub-walk could pass a subset of tokens)
     rows = torch.arange(t, device=scores_TE.device)
     _walk(dev_of_E[by_score_TK], rows, state, cap, per_node, mn)
     if (
@@ -426,6 +430,7 @@ def _topk_sum_devices(
         dev_TD = dev_TD.masked_fill(~node_mask_TN.repeat_interleave(per_node, dim=1), float("-inf"))
         # the node budget caps the devices too: max_nodes nodes hold at most max_nodes * D/N devices.
         m = min(m, max_nodes * per_node)
+    # the m best devices left (those of unkept nodes are -inf, so they come last)
     keep = dev_TD.topk(m, dim=-1).indices
     device_mask_TD = torch.zeros_like(dev_TD, dtype=torch.bool).scatter_(1, keep, True)
     masked = scores_TE.masked_fill(~_admitted_expert_mask(device_mask_TD, dev_of_E), float("-inf"))
