@@ -23,8 +23,7 @@ exec NS python -m torch.distributed.run --nnodes N --node_rank R --nproc_per_nod
 --rdzv_endpoint ADDR:PORT --local-addr ADDR ...`), with gloo bound to the node's link
 (`GLOO_SOCKET_IFNAME`), and waits for all of them.
 
-Measured on this kind of machine: a tbf-shaped veth between two namespaces holds 293 Mbit/s at a
-300 Mbit/s setting, a shaped loopback 399 at 400 (docs/cluster.md).
+What the shaped links hold when measured: docs/cluster.md.
 """
 
 from __future__ import annotations
