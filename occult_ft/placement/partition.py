@@ -422,6 +422,7 @@ class _Pool:
         self.keys: set[bytes] = set()
         # artificial costs: twice each expert's fair share of the tokens (a token's 1 split over its experts)
         share = np.ones(m) if sets is None else (sets.w / np.maximum(sets.X.sum(axis=1), 1)) @ sets.X
+        # share (m,): each token's weight split equally over its experts, summed per expert (>= 1e-9)
         self.share = np.maximum(share, 1e-9)
         # art[e] = 2 max(share_e, 1); `_column_generation` raises it while the LP still uses the artificial
         self.art = 2.0 * np.maximum(share, 1.0)
@@ -841,6 +842,7 @@ class _PartitionSearch:
         """Take the partition G (n, m) as the incumbent when it keeps the bounds and is cheaper."""
         if G is None or len(G) != self.num_groups:
             return
+        # cost[g] = tokens reaching group g's device: the loads the bounds are checked on
         cost = self.sets.cover(G)
         if _keeps(cost, self.bound, self.max_load) and cost.sum() < self.best - 1e-9:
             self.G, self.best = G.copy(), float(cost.sum())
@@ -913,6 +915,7 @@ class _PartitionSearch:
     def _raise_bound(self) -> _LP | None:
         """Step 3: bisection for the largest z whose cap's LP is >= z (a lower bound of the optimum),
         diving on the LPs below; returns the LP within the incumbent's cap, priced again."""
+        # bisection on z between the proven bound and the incumbent (or the largest possible cost)
         lo, hi = self.lower, self.upper()
         reserve = self.deadline - 0.3 * self.seconds  # 30% of the budget is kept for step 4
         while hi - lo > max(1.0, 1e-4 * hi) and not self.closed() and time.perf_counter() < reserve:
@@ -956,6 +959,7 @@ class _PartitionSearch:
         # the incumbent's columns join, so the MILP is never worse than the incumbent
         if self.G is not None:
             G = np.vstack([G, self.G])
+        # the costs of the enumerated columns and the incumbent's, the MILP's objective coefficients
         cost = self.sets.cover(G)
         chosen, val, dual, proven = _solve_milp(
             G, cost, self.bound, self.lower, 0.9 * (self.deadline - time.perf_counter())

@@ -273,6 +273,7 @@ def _search_all(
         greedy_pairs(x_TE, num_devices),
         sequential(x_TE, num_devices),
     ]
+    # each start as an (E,) device map, the form SwapState works on
     devs = [expert_device_from_groups(g, num_experts) for g in starts]
     # token load stays bounded: by default max/mean device load within max(1.25, occult's), so a lopsided
     # greedy start cannot carry its imbalance into the result; occult is then always admissible
@@ -282,6 +283,7 @@ def _search_all(
     max_swaps = max_swaps if max_swaps is not None else 2 * num_experts
     admissible, imbalances = [], []
     for dev in devs:
+        # the loads of each start under the bound: only those within it may start the descent
         state.reset(dev)
         imbalances.append(imbalance(state.load_D))
         if imbalances[-1] <= bound * (1 + 1e-9):
