@@ -121,7 +121,27 @@ def count_params(model_config) -> ModelCounts:
         if id(p) in router_ids:
             groups["router"] += Group(p.numel(), 1)
 
-    # LoRA at rank 1: A (r, in) + B (out, r) per Linear; r * E * (a + b) per fused expert tensor (E, a, b)
+    lora_rep, lora_exp = _lora_counts(model, layers)
+    hidden = int(model.get_input_embeddings().embedding_dim)
+    elems = _layer_elems(model, layers, hidden)
+    return ModelCounts(
+        expert=groups["expert"],
+        moe_other=groups["moe_other"],
+        rest=groups["rest"],
+        router=groups["router"],
+        lora_replicated=lora_rep,
+        lora_expert=lora_exp,
+        layer_elems=tuple(elems),
+        hidden=hidden,
+        vocab=int(model.get_output_embeddings().weight.shape[0]),
+        num_experts=layers[0].num_experts,
+        top_k=layers[0].top_k,
+    )
+
+
+def _lora_counts(model: nn.Module, layers: list) -> tuple[Group, Group]:
+    """LoRA at rank 1 on the replicated Linears and on the fused expert tensors: A (r, in) + B (out, r)
+    per Linear; r * E * (a + b) per fused expert tensor (E, a, b)."""
     targets = lora_targets(model)
     lora_rep = Group()
     for name, m in model.named_modules():
@@ -133,8 +153,11 @@ def count_params(model_config) -> ModelCounts:
         for pname, p in layer.experts.named_parameters(recurse=False):
             if pname in wanted and p.dim() == 3:
                 lora_exp += Group(p.shape[0] * (p.shape[1] + p.shape[2]), 2)
+    return lora_rep, lora_exp
 
-    hidden = int(model.get_input_embeddings().embedding_dim)
+
+def _layer_elems(model: nn.Module, layers: list, hidden: int) -> list[int]:
+    """Per decoder layer, the activation elements one token keeps for backward."""
     arch = layers[0].arch
     _, decoder = decoder_layers(model)
     moe_by_index = {layer.index: layer for layer in layers}
@@ -158,25 +181,19 @@ def count_params(model_config) -> ModelCounts:
             outs, gates = outs + o, gates + g
         per_token += hidden + outs + gates  # norm output, projections, silu(gate) * up
         if moe is not None:
-            pair = hidden  # one routed copy: dispatched input, projections, activation product
-            for p in moe.experts.parameters():
-                if p.dim() == 3:
-                    pair += p.shape[1] + p.shape[2] - hidden + min(p.shape[1], p.shape[2]) // 2
-            per_token += 2 * moe.num_experts + moe.top_k * pair
+            per_token += _routed_elems(moe, hidden)
         elems.append(per_token)
-    return ModelCounts(
-        expert=groups["expert"],
-        moe_other=groups["moe_other"],
-        rest=groups["rest"],
-        router=groups["router"],
-        lora_replicated=lora_rep,
-        lora_expert=lora_exp,
-        layer_elems=tuple(elems),
-        hidden=hidden,
-        vocab=int(model.get_output_embeddings().weight.shape[0]),
-        num_experts=layers[0].num_experts,
-        top_k=layers[0].top_k,
-    )
+    return elems
+
+
+def _routed_elems(moe, hidden: int) -> int:
+    """A token's routed-expert activations: router scores and probabilities, and per routed copy the
+    dispatched input, projections and activation product."""
+    pair = hidden
+    for p in moe.experts.parameters():
+        if p.dim() == 3:
+            pair += p.shape[1] + p.shape[2] - hidden + min(p.shape[1], p.shape[2]) // 2
+    return 2 * moe.num_experts + moe.top_k * pair
 
 
 # ---- the run's settings -----------------------------------------------------------------------------
@@ -208,35 +225,10 @@ class Setup:
 
 def _setup(args, model_config, gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = None) -> Setup:
     ep = int(getattr(args, "expert_parallel_size", 1) or 1)
-    if not isinstance(gpus, int) or gpus < 1 or gpus % ep:
-        raise ValueError(
-            f"gpus={gpus!r} must be a positive multiple of expert_parallel_size={ep}; set --gpus {ep}"
-        )
-    if gpus_per_node is not None and (
-        not isinstance(gpus_per_node, int) or gpus_per_node < 1 or gpus % gpus_per_node
-    ):
-        raise ValueError(
-            f"gpus_per_node={gpus_per_node!r} must be a positive divisor of the {gpus} GPUs; e.g. --gpus-per-node 8"
-        )
-    if not gpu_memory_gb or gpu_memory_gb <= 0:
-        raise ValueError(f"gpu_memory_gb={gpu_memory_gb!r} must be > 0, e.g. 80 for an H100")
-    dtype = getattr(args, "model_dtype", "auto") or "auto"
-    if dtype == "auto":
-        dtype = (
-            getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None) or "float32"
-        )
-    dtype = str(dtype).replace("torch.", "")
-    weight_bytes = _DTYPE_BYTES.get(dtype, 4)
+    _check_launch(gpus, ep, gpus_per_node, gpu_memory_gb)
+    weight_bytes = _weight_bytes(args, model_config)
     mixed = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
-    stage, buckets = None, (0, 0)
-    if getattr(args, "deepspeed", None):
-        zero = read_deepspeed_config(args.deepspeed).get("zero_optimization") or {}
-        stage = int(zero.get("stage", 0)) if str(zero.get("stage", 0)).isdigit() else 0
-        reduce_size, allgather_size = (
-            int(float(zero.get(k, 5e8))) if not isinstance(zero.get(k), str) else int(5e8)
-            for k in ("reduce_bucket_size", "allgather_bucket_size")
-        )
-        buckets = (reduce_size, allgather_size)
+    stage, buckets = _deepspeed_zero(args)
     optim = str(getattr(args, "optim", "adamw_torch"))
     return Setup(
         gpus=gpus,
@@ -260,6 +252,46 @@ def _setup(args, model_config, gpus: int, gpu_memory_gb: float, gpus_per_node: i
         ep_nodes=int(getattr(args, "nodes", 1) or 1),
         node_budget=getattr(args, "max_nodes_per_token", None),
     )
+
+
+def _check_launch(gpus, ep: int, gpus_per_node, gpu_memory_gb) -> None:
+    """The launch's GPUs (a multiple of the expert-parallel size), GPUs per node (a divisor), memory (> 0)."""
+    if not isinstance(gpus, int) or gpus < 1 or gpus % ep:
+        raise ValueError(
+            f"gpus={gpus!r} must be a positive multiple of expert_parallel_size={ep}; set --gpus {ep}"
+        )
+    if gpus_per_node is not None and (
+        not isinstance(gpus_per_node, int) or gpus_per_node < 1 or gpus % gpus_per_node
+    ):
+        raise ValueError(
+            f"gpus_per_node={gpus_per_node!r} must be a positive divisor of the {gpus} GPUs; e.g. --gpus-per-node 8"
+        )
+    if not gpu_memory_gb or gpu_memory_gb <= 0:
+        raise ValueError(f"gpu_memory_gb={gpu_memory_gb!r} must be > 0, e.g. 80 for an H100")
+
+
+def _weight_bytes(args, model_config) -> int:
+    """Bytes per weight: model_dtype, or with "auto" the checkpoint's dtype (float32 when it names none)."""
+    dtype = getattr(args, "model_dtype", "auto") or "auto"
+    if dtype == "auto":
+        dtype = (
+            getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None) or "float32"
+        )
+    return _DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 4)
+
+
+def _deepspeed_zero(args) -> tuple[int | None, tuple[int, int]]:
+    """(ZeRO stage, (reduce, all-gather) bucket elements) of the run's DeepSpeed config; (None, (0, 0))
+    without DeepSpeed. A bucket size given as a string ("auto") counts as DeepSpeed's default 5e8."""
+    if not getattr(args, "deepspeed", None):
+        return None, (0, 0)
+    zero = read_deepspeed_config(args.deepspeed).get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if str(zero.get("stage", 0)).isdigit() else 0
+    reduce_size, allgather_size = (
+        int(float(zero.get(k, 5e8))) if not isinstance(zero.get(k), str) else int(5e8)
+        for k in ("reduce_bucket_size", "allgather_bucket_size")
+    )
+    return stage, (reduce_size, allgather_size)
 
 
 # ---- the plan ---------------------------------------------------------------------------------------
@@ -325,6 +357,19 @@ def _optimizer_bytes(s: Setup, trainable: Group, param_bytes: int) -> int:
     return 2 * param_bytes * trainable.numel + 4 * trainable.tensors  # exp_avg, exp_avg_sq, step
 
 
+def _exchange_bytes(c: ModelCounts, s: Setup, tokens: int) -> int:
+    """Send + receive rows of one layer's dispatch (0 without expert parallelism): a token reaches at most
+    min(k, D, M) devices, and with the two-stage exchange also min(k, N, node budget) nodes."""
+    if s.ep <= 1:
+        return 0
+    reach = min(c.top_k, s.ep, s.budget or s.ep)
+    comm = 2 * tokens * reach * c.hidden * s.act_bytes
+    if s.exchange == "two_stage" and s.ep_nodes > 1:  # + the inter-node stage: one row per node reached
+        reach_nodes = min(c.top_k, s.ep_nodes, s.node_budget or s.ep_nodes)
+        comm += 2 * tokens * reach_nodes * c.hidden * s.act_bytes
+    return comm
+
+
 def _plan(c: ModelCounts, s: Setup) -> Plan:
     notes = []
     w = s.weight_bytes
@@ -359,14 +404,7 @@ def _plan(c: ModelCounts, s: Setup) -> Plan:
     else:
         per_token = sum(c.layer_elems)
     acts = tokens * (per_token + 2 * c.hidden) * s.act_bytes + tokens * c.vocab * (s.act_bytes + 8)
-
-    comm = 0
-    if s.ep > 1:  # send + receive rows of one layer's dispatch; a token reaches at most min(k, D, M) devices
-        reach = min(c.top_k, s.ep, s.budget or s.ep)
-        comm += 2 * tokens * reach * c.hidden * s.act_bytes
-        if s.exchange == "two_stage" and s.ep_nodes > 1:  # + the inter-node stage: one row per node reached
-            reach_nodes = min(c.top_k, s.ep_nodes, s.node_budget or s.ep_nodes)
-            comm += 2 * tokens * reach_nodes * c.hidden * s.act_bytes
+    comm = _exchange_bytes(c, s, tokens)
     if s.gpus_per_node and s.ep > s.gpus_per_node and s.ep_nodes != s.ep // s.gpus_per_node:
         notes.append(
             f"expert_parallel_size={s.ep} spans {s.ep // s.gpus_per_node} nodes of {s.gpus_per_node} GPUs but the "

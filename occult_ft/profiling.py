@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -160,25 +160,29 @@ def _layers_from_tensors(path: str, header: dict, tensors: dict) -> dict[int, La
     layers = header.get("layers")
     if not isinstance(layers, list) or not layers:
         raise bad(f"header lists no MoE layers ({layers!r})")
-    out = {}
-    for i in layers:
-        names = [f"layers.{i}.{part}" for part in ("topk_ids", "coactivation", "load", "prob_gram")]
-        missing = [name for name in names if name not in tensors]
-        if missing:
-            raise bad(f"tensors {missing} are missing")
-        ids, coact, load, gram = (tensors[name] for name in names)
-        expected = {names[1]: (e, e), names[2]: (e,), names[3]: (e, e)}
-        for name, shape in expected.items():
-            if tuple(tensors[name].shape) != shape:
-                raise bad(f"{name} has shape {tuple(tensors[name].shape)}, the header says {shape}")
-        if ids.dim() != 2 or ids.shape[1] != k or ids.shape[0] < 1:
-            raise bad(f"{names[0]} has shape {tuple(ids.shape)}, expected (tokens >= 1, top_k={k})")
-        if int(ids.min()) < 0 or int(ids.max()) >= e:
-            raise bad(f"{names[0]} holds expert ids outside [0, {e})")
-        if not torch.isfinite(gram).all():
-            raise bad(f"{names[3]} holds NaN or infinite values")
-        out[int(i)] = LayerProfile(int(i), ids, coact, load, gram)
-    return out
+    return {int(i): _layer_from_tensors(int(i), tensors, e, k, bad) for i in layers}
+
+
+def _layer_from_tensors(
+    i: int, tensors: dict, e: int, k: int, bad: Callable[[str], ProfileError]
+) -> LayerProfile:
+    """MoE layer i of a profile file: its four tensors present, of the header's shapes, ids in [0, E)."""
+    names = [f"layers.{i}.{part}" for part in ("topk_ids", "coactivation", "load", "prob_gram")]
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise bad(f"tensors {missing} are missing")
+    ids, coact, load, gram = (tensors[name] for name in names)
+    expected = {names[1]: (e, e), names[2]: (e,), names[3]: (e, e)}
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise bad(f"{name} has shape {tuple(tensors[name].shape)}, the header says {shape}")
+    if ids.dim() != 2 or ids.shape[1] != k or ids.shape[0] < 1:
+        raise bad(f"{names[0]} has shape {tuple(ids.shape)}, expected (tokens >= 1, top_k={k})")
+    if int(ids.min()) < 0 or int(ids.max()) >= e:
+        raise bad(f"{names[0]} holds expert ids outside [0, {e})")
+    if not torch.isfinite(gram).all():
+        raise bad(f"{names[3]} holds NaN or infinite values")
+    return LayerProfile(i, ids, coact, load, gram)
 
 
 class RoutingRecorder:

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -117,6 +117,41 @@ def _refuse_duplicate_keys(pairs: list) -> dict:
             raise PlacementError(f"the key {key!r} is given twice in one object; keep one of them; {RERUN}")
         out[key] = value
     return out
+
+
+def _read_placement_json(path: Path) -> Any:
+    """The JSON of a placement file (a key given twice is an error, not the last copy)."""
+    if not path.is_file():
+        raise PlacementError(f"placement file '{path}' not found; create it with `occult-ft place`")
+    try:
+        # object_pairs_hook sees every key, so a layer given twice is an error, not the last copy
+        return json.loads(path.read_text(), object_pairs_hook=_refuse_duplicate_keys)
+    except PlacementError as err:
+        raise PlacementError(f"placement file '{path}': {err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        where = f" at line {err.lineno}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
+        raise PlacementError(f"placement file '{path}' is not valid JSON{where}; {RERUN}") from None
+
+
+def _check_placement_header(path: Path, data: Any) -> None:
+    """An occult_ft placement file of a readable version with every field, `layers` a mapping."""
+    if not isinstance(data, dict) or data.get("format") != PLACEMENT_FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise PlacementError(
+            f"'{path}' is not an occult_ft placement file (format={found!r}, expected "
+            f"{PLACEMENT_FORMAT!r}); {RERUN}"
+        )
+    # True == 1 in Python: a version `true` would otherwise read as version 1
+    if data.get("version") not in READABLE_VERSIONS or isinstance(data.get("version"), bool):
+        raise PlacementError(
+            f"'{path}' has placement version {data.get('version')!r}; this occult_ft reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; {RERUN}"
+        )
+    for key in ("num_experts", "num_devices", "num_nodes", "algorithm", "layers"):
+        if key not in data:
+            raise PlacementError(f"placement file '{path}' lacks the {key!r} field; {RERUN}")
+    if not isinstance(data["layers"], dict):
+        raise PlacementError(f"placement file '{path}': 'layers' must map layer index -> groups; {RERUN}")
 
 
 def _check_listed_experts(groups: dict, num_experts: int) -> None:
@@ -294,35 +329,8 @@ class Placement:
                 "create one with `occult-ft place`"
             )
         path = Path(path)
-        if not path.is_file():
-            raise PlacementError(f"placement file '{path}' not found; create it with `occult-ft place`")
-        try:
-            # object_pairs_hook sees every key, so a layer given twice is an error, not the last copy
-            data = json.loads(path.read_text(), object_pairs_hook=_refuse_duplicate_keys)
-        except PlacementError as err:
-            raise PlacementError(f"placement file '{path}': {err}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            where = (
-                f" at line {err.lineno}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
-            )
-            raise PlacementError(f"placement file '{path}' is not valid JSON{where}; {RERUN}") from None
-        if not isinstance(data, dict) or data.get("format") != PLACEMENT_FORMAT:
-            found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise PlacementError(
-                f"'{path}' is not an occult_ft placement file (format={found!r}, expected "
-                f"{PLACEMENT_FORMAT!r}); {RERUN}"
-            )
-        # True == 1 in Python: a version `true` would otherwise read as version 1
-        if data.get("version") not in READABLE_VERSIONS or isinstance(data.get("version"), bool):
-            raise PlacementError(
-                f"'{path}' has placement version {data.get('version')!r}; this occult_ft reads versions "
-                f"{', '.join(map(str, READABLE_VERSIONS))}; {RERUN}"
-            )
-        for key in ("num_experts", "num_devices", "num_nodes", "algorithm", "layers"):
-            if key not in data:
-                raise PlacementError(f"placement file '{path}' lacks the {key!r} field; {RERUN}")
-        if not isinstance(data["layers"], dict):
-            raise PlacementError(f"placement file '{path}': 'layers' must map layer index -> groups; {RERUN}")
+        data = _read_placement_json(path)
+        _check_placement_header(path, data)
         try:
             _check_layer_keys(data["layers"], "placement file")
             if data["version"] >= 2:  # version 1 kept free-form metrics: they are read unchecked

@@ -240,6 +240,66 @@ def _place_in_routing_groups(ids_TK, num_experts, num_devices, group_size, algor
     return groups
 
 
+def _layers_to_place(profile, holdout: float, layers: Iterable[int] | None) -> list[int]:
+    """The profiled layers to place, sorted (all when `layers` is None); the holdout share checked."""
+    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
+        raise PlacementError(f"holdout={holdout!r} must be a share of the tokens in [0, 1), e.g. 0.5 or 0")
+    if not profile.layers:
+        raise PlacementError("profile has no MoE layers; profile the model with `occult-ft profile` first")
+    todo = sorted(profile.layers) if layers is None else sorted({int(i) for i in layers})
+    unknown = [i for i in todo if i not in profile.layers]
+    if unknown or not todo:
+        raise PlacementError(
+            f"layers={unknown or todo!r}: place profiled layers, a non-empty subset of {sorted(profile.layers)}"
+        )
+    return todo
+
+
+def _routing_group_size(profile, algorithm: str, num_experts: int, num_devices: int) -> int:
+    """Experts per routing group that must stay whole (DeepSeek group-limited routing; 1 = none):
+    whole groups per device, or each group split evenly over group_size / per_device devices."""
+    # sequential keeps every contiguous block whole anyway
+    group_size = int(getattr(profile, "group_size", 1) or 1) if algorithm != "sequential" else 1
+    per_device = num_experts // num_devices
+    if group_size > 1 and per_device % group_size and group_size % per_device:
+        num_group = num_experts // group_size
+        raise PlacementError(
+            f"the model routes within {num_group} groups of {group_size} experts, which must stay whole, and "
+            f"devices={num_devices} ({per_device} experts each) neither holds whole groups nor splits each group "
+            f"evenly; use devices dividing or divisible by {num_group}, or placement 'sequential'"
+        )
+    return group_size
+
+
+def _layer_figures(
+    ids_TK: torch.Tensor, dev_E: torch.Tensor, placed: dict, num_devices: int, num_nodes: int, budget
+) -> dict[str, Any]:
+    """One placed layer's figures on the tokens it was placed on, with the algorithm's bounds per token,
+    the gaps to them, and its time."""
+    result = placed["result"]
+    figures = _figures(ids_TK, dev_E, num_devices, num_nodes, budget)
+    # max(1, ...): a layer with no tokens divides by 1, not 0
+    tokens = max(1, figures["tokens"])
+    # the algorithms bound the summed devices over the tokens; per token it bounds comm_complexity
+    bound = None if result.lower_bound is None else result.lower_bound / tokens
+    if bound is not None:  # an LP bound may exceed the placement it proves by the solver's tolerance
+        bound = min(bound, figures["comm_complexity"])
+    figures.update(
+        lower_bound=bound,
+        # gap = comm_complexity / bound - 1: the placement's distance from the proven optimum
+        gap=None if not bound else figures["comm_complexity"] / bound - 1.0,  # 0.0: proven optimal
+        optimal=bool(result.optimal),
+        load_bound=placed["load_bound"],
+        seconds=placed["seconds"],
+        note=result.note,
+    )
+    if num_nodes > 1:
+        node_bound = None if result.node_lower_bound is None else result.node_lower_bound / tokens
+        figures["node_lower_bound"] = node_bound
+        figures["node_gap"] = None if not node_bound else figures["node_complexity"] / node_bound - 1.0
+    return figures
+
+
 def compute_placement(
     profile,
     num_devices: int,
@@ -286,28 +346,8 @@ def compute_placement(
     check_load_bound(max_load_imbalance)
     entry.check_options(options)
     check_budget(max_devices_per_token, criterion, num_devices)
-    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
-        raise PlacementError(f"holdout={holdout!r} must be a share of the tokens in [0, 1), e.g. 0.5 or 0")
-    if not profile.layers:
-        raise PlacementError("profile has no MoE layers; profile the model with `occult-ft profile` first")
-    todo = sorted(profile.layers) if layers is None else sorted({int(i) for i in layers})
-    unknown = [i for i in todo if i not in profile.layers]
-    if unknown or not todo:
-        raise PlacementError(
-            f"layers={unknown or todo!r}: place profiled layers, a non-empty subset of {sorted(profile.layers)}"
-        )
-    # DeepSeek group-limited routing: contiguous blocks of group_size experts must stay whole (sequential
-    # keeps every block whole anyway)
-    group_size = int(getattr(profile, "group_size", 1) or 1) if algorithm != "sequential" else 1
-    per_device = num_experts // num_devices
-    # whole groups per device, or each group split evenly over group_size / per_device devices
-    if group_size > 1 and per_device % group_size and group_size % per_device:
-        num_group = num_experts // group_size
-        raise PlacementError(
-            f"the model routes within {num_group} groups of {group_size} experts, which must stay whole, and "
-            f"devices={num_devices} ({per_device} experts each) neither holds whole groups nor splits each group "
-            f"evenly; use devices dividing or divisible by {num_group}, or placement 'sequential'"
-        )
+    todo = _layers_to_place(profile, holdout, layers)
+    group_size = _routing_group_size(profile, algorithm, num_experts, num_devices)
     budget = None if max_devices_per_token is None else (int(max_devices_per_token), criterion)
     if max_load_imbalance is not None:
         options["max_load_imbalance"] = max_load_imbalance
@@ -340,29 +380,9 @@ def compute_placement(
                 )
         except PlacementError as err:
             raise PlacementError(f"layer {layer}: {err}") from None
-        result = placed["result"]
-        groups[int(layer)] = result.groups
-        dev_E = expert_device_from_groups(result.groups, num_experts)
-        figures = _figures(ids[fit], dev_E, num_devices, num_nodes, budget)
-        # max(1, ...): a layer with no tokens divides by 1, not 0
-        tokens = max(1, figures["tokens"])
-        # the algorithms bound the summed devices over the tokens; per token it bounds comm_complexity
-        bound = None if result.lower_bound is None else result.lower_bound / tokens
-        if bound is not None:  # an LP bound may exceed the placement it proves by the solver's tolerance
-            bound = min(bound, figures["comm_complexity"])
-        figures.update(
-            lower_bound=bound,
-            # gap = comm_complexity / bound - 1: the placement's distance from the proven optimum (0.0: optimal)
-            gap=None if not bound else figures["comm_complexity"] / bound - 1.0,  # 0.0: proven optimal
-            optimal=bool(result.optimal),
-            load_bound=placed["load_bound"],
-            seconds=placed["seconds"],
-            note=result.note,
-        )
-        if num_nodes > 1:
-            node_bound = None if result.node_lower_bound is None else result.node_lower_bound / tokens
-            figures["node_lower_bound"] = node_bound
-            figures["node_gap"] = None if not node_bound else figures["node_complexity"] / node_bound - 1.0
+        groups[int(layer)] = placed["result"].groups
+        dev_E = expert_device_from_groups(placed["result"].groups, num_experts)
+        figures = _layer_figures(ids[fit], dev_E, placed, num_devices, num_nodes, budget)
         if len(held):
             figures["held_out"] = _figures(ids[held], dev_E, num_devices, num_nodes, budget)
         per_layer[str(layer)] = figures

@@ -251,24 +251,35 @@ def apply_pruning(
         _set_buffer(router, "occult_expert_device", mapping.to(ref.device, torch.long))
         if similarity is not None and layer.index in similarity:
             _set_buffer(router, "occult_similarity", similarity[layer.index].to(ref.device, torch.float32))
-        # device_bias=None keeps what the router holds (e.g. after a resume) unless the device count changed.
-        held = router._buffers.get("occult_device_bias")
-        # a bias learnt for another device count is kept only when it still has one value per device.
-        if device_bias is None and held is not None and held.numel() != config.num_devices:
-            router._buffers.pop("occult_device_bias")  # learnt for another device count: meaningless here
-        if device_bias is not None:
-            # {} or a dict without this layer removes the layer's bias
-            bias = device_bias.get(layer.index)
-            if bias is None:
-                router._buffers.pop("occult_device_bias", None)
-            else:
-                if tuple(bias.shape) != (config.num_devices,):
-                    raise ValueError(
-                        f"device bias of MoE layer {layer.index} has shape {tuple(bias.shape)}, expected "
-                        f"({config.num_devices},) (one value per device); record it for devices={config.num_devices}"
-                    )
-                _set_buffer(router, "occult_device_bias", bias.detach().to(ref.device, torch.float32).clone())
+        _set_device_bias(router, layer.index, config.num_devices, device_bias, ref.device)
     return layers
+
+
+def _set_device_bias(
+    router: nn.Module,
+    index: int,
+    num_devices: int,
+    device_bias: dict[int, torch.Tensor] | None,
+    device: torch.device,
+) -> None:
+    """The router's device bias for MoE layer `index` (`apply_pruning`): None keeps the one it holds
+    (dropped when learnt for another device count), a table sets or (no entry) removes it."""
+    held = router._buffers.get("occult_device_bias")
+    if device_bias is None:
+        if held is not None and held.numel() != num_devices:
+            router._buffers.pop("occult_device_bias")  # learnt for another device count: meaningless here
+        return
+    # {} or a table without this layer removes the layer's bias
+    bias = device_bias.get(index)
+    if bias is None:
+        router._buffers.pop("occult_device_bias", None)
+        return
+    if tuple(bias.shape) != (num_devices,):
+        raise ValueError(
+            f"device bias of MoE layer {index} has shape {tuple(bias.shape)}, expected "
+            f"({num_devices},) (one value per device); record it for devices={num_devices}"
+        )
+    _set_buffer(router, "occult_device_bias", bias.detach().to(device, torch.float32).clone())
 
 
 def _set_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:

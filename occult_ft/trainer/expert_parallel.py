@@ -6,7 +6,8 @@ docs/expert-parallel.md, "Groups, gradients and checkpoints".
     ExpertParallelGroups / expert_parallel_groups   EP groups [g*D, (g+1)*D) and EDP groups (p, p + D, ...),
                                                     from DeepSpeed or `torch.distributed.new_group`
     setup_expert_parallel                           shard the experts (and expert LoRA), mark and broadcast
-    reduce_expert_gradients                         the shards' gradients summed over EDP, divided by W
+    ExpertGradientReducer / reduce_expert_gradients   the shards' gradients summed over EDP, divided by W
+                                                    (during the last backward; blocking reference)
     clip_expert_parallel_grad_norm                  the norm of the whole model: shards' squares over EP
     gathered_state_dict / shard_state_dict          full HF layout for saving, this rank's shards on resume
     save_expert_optimizer_state / load_expert_optimizer_state   an optimizer file per EP position (no DeepSpeed)
@@ -17,6 +18,7 @@ Shape legend: W world size, D expert-parallel size, E experts of a layer, P = E 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, cast
@@ -55,6 +57,8 @@ __all__ = [
     "expert_parallel_groups",
     "setup_expert_parallel",
     "reduce_expert_gradients",
+    "ExpertGradientReducer",
+    "replicated_bucket_cap_mb",
     "clip_expert_parallel_grad_norm",
     "gathered_state_dict",
     "shard_state_dict",
@@ -235,6 +239,29 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
     return groups
 
 
+def replicated_bucket_cap_mb(model: nn.Module) -> int:
+    """DDP's bucket size (MiB) for an expert-parallel model: the trainable replicated parameters of its
+    largest decoder layer, rounded up (at least 1).
+
+    DDP starts a bucket's all-reduce when every gradient in it is ready. Without the experts, the
+    replicated parameters of a decoder layer (attention, norms, router) are small, so DDP's default 25
+    MiB bucket can span several layers plus the embedding, and then nothing is reduced before the end
+    of backward. One layer per bucket starts each layer's all-reduce when its backward is done, hidden
+    behind the backward of the layers below it; only the embedding's stays exposed.
+    """
+    base = unwrap_model(model)
+    largest = 0
+    for layer in find_moe_layers(base):
+        decoder = base.get_submodule(layer.name.rsplit(".", 1)[0]) if "." in layer.name else layer.block
+        size = sum(
+            p.numel() * p.element_size()
+            for p in decoder.parameters()
+            if p.requires_grad and not getattr(p, "occult_expert_shard", False)
+        )
+        largest = max(largest, size)
+    return max(1, math.ceil(largest / 2**20))
+
+
 def _lora_factors(wrapper: Any) -> list[nn.Parameter]:  # a PEFT ParamWrapper
     return [getattr(wrapper, w)[a].weight for a in wrapper.lora_A.keys() for w in ("lora_A", "lora_B")]
 
@@ -264,7 +291,8 @@ def reduce_expert_gradients(model: nn.Module, groups: ExpertParallelGroups) -> N
 
     Call once per optimizer step, after the last backward of the step, on every rank; the shards
     are then averaged exactly as DDP averages the replicated parameters (docs/expert-parallel.md).
-    Shards without a gradient (frozen experts) are skipped on every rank alike.
+    Shards without a gradient (frozen experts) are skipped on every rank alike. `ExpertGradientReducer`
+    does the same while backward runs (what `OccultTrainer` uses); this is its blocking reference.
     """
     grads = [p.grad for _, p in expert_shard_parameters(model) if p.grad is not None]
     if not grads:
@@ -277,13 +305,115 @@ def reduce_expert_gradients(model: nn.Module, groups: ExpertParallelGroups) -> N
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
     for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=groups.edp_group)
-        flat.mul_(scale)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        work, flat, _ = _start_sum(same, groups.edp_group)
+        work.wait()
+        _scatter_back(flat, same, scale)
+
+
+def _start_sum(
+    grads: list[torch.Tensor], group: dist.ProcessGroup
+) -> tuple[Any, torch.Tensor, list[torch.Tensor]]:
+    """An asynchronous all-reduce (sum) of `grads` (one dtype) packed into one flat buffer."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    return dist.all_reduce(flat, group=group, async_op=True), flat, grads
+
+
+def _scatter_back(flat: torch.Tensor, grads: list[torch.Tensor], scale: float) -> None:
+    flat.mul_(scale)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class ExpertGradientReducer:
+    """`reduce_expert_gradients` overlapped with the backward of an optimizer step's last micro-batch.
+
+    One bucket per MoE layer (its expert-shard parameters, LoRA factors included; one flat buffer per
+    dtype). After `arm()`, gradient hooks (`register_post_accumulate_grad_hook`) follow the backward:
+    when a parameter of layer l receives its gradient, every layer above l has finished its backward
+    (backward visits the layers from the last to the first, and a weight's gradient is accumulated as
+    soon as it is ready), so their buckets' all-reduces over the EDP group are started then,
+    asynchronously, from the last layer down: the same order on every rank, while the lower layers'
+    backward still runs. `finish()`, after that backward, starts what is left (layer 0, and layers no
+    hook saw) and waits for all, then divides by W: the same sums as `reduce_expert_gradients` (each
+    element summed over the same ranks), so the same gradients to float rounding of the reduction
+    order. A layer's expert gradient may be accumulated several times in one backward (the chunked
+    pipeline runs one backward per chunk): only a later layer's hook closes it, never its own.
+    Micro-batches before the last (gradient accumulation) run no hook work: nothing is reduced there.
+    With one replica (W = D) there is nothing to sum: `finish()` only divides by W.
+    """
+
+    def __init__(self, model: nn.Module, groups: ExpertParallelGroups):
+        self.groups = groups
+        shard_ids = {id(p) for _, p in expert_shard_parameters(model)}
+        self._layers: list[list[nn.Parameter]] = []
+        for layer in find_moe_layers(unwrap_model(model)):
+            params = [p for p in layer.experts.parameters() if id(p) in shard_ids and p.requires_grad]
+            if params:
+                self._layers.append(params)
+        self._layer_of = {id(p): i for i, params in enumerate(self._layers) for p in params}
+        self._armed = False
+        self._next = len(self._layers) - 1
+        self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        self._hooks = []
+        if groups.replicas > 1:
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(self._on_gradient)
+                for params in self._layers
+                for p in params
+            ]
+
+    def arm(self) -> None:
+        """Call before the backward of an optimizer step's last micro-batch (every rank)."""
+        self._armed, self._next, self._pending = True, len(self._layers) - 1, []
+
+    @property
+    def layers_started(self) -> int:
+        """MoE layers whose all-reduce has started since `arm()` (during backward: the overlapped ones)."""
+        return len(self._layers) - 1 - self._next if self._armed else 0
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        layer = self._layer_of[id(param)]
+        while self._next > layer:
+            self._start(self._next)
+            self._next -= 1
+
+    @torch.no_grad()
+    def _start(self, layer: int) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self._layers[layer]:
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            self._pending.append(_start_sum(grads, self.groups.edp_group))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """After the last micro-batch's backward: the expert gradients summed over the EDP group / W."""
+        scale = 1.0 / self.groups.world_size
+        if self.groups.replicas == 1:
+            grads = [p.grad for params in self._layers for p in params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, scale)
+            return
+        if not self._armed:
+            self.arm()
+        while self._next >= 0:
+            self._start(self._next)
+            self._next -= 1
+        for work, flat, grads in self._pending:
+            work.wait()
+            _scatter_back(flat, grads, scale)
+        self._armed, self._pending = False, []
+
+    def remove(self) -> None:
+        """Remove the gradient hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
 
 @torch.no_grad()

@@ -55,9 +55,10 @@ from .checkpointing import (
 from .config import OccultArguments
 from .distill import distillation_kl, teacher_logits
 from .expert_parallel import (
+    ExpertGradientReducer,
     ExpertParallelGroups,
     clip_expert_parallel_grad_norm,
-    reduce_expert_gradients,
+    replicated_bucket_cap_mb,
     setup_expert_parallel,
 )
 from .guards import check_step
@@ -155,8 +156,13 @@ class OccultTrainerMixin(Trainer):
         )
         self.occult: OccultSetup = setup
         self.expert_parallel: ExpertParallelGroups | None = None
+        self._expert_reducer: ExpertGradientReducer | None = None
         if args.expert_parallel_size > 1:
             self.expert_parallel = setup_expert_parallel(model, args)
+            if not args.deepspeed:  # the engine reduces its expert parameters itself
+                self._expert_reducer = ExpertGradientReducer(model, self.expert_parallel)
+                if args.ddp_bucket_cap_mb is None:
+                    args.ddp_bucket_cap_mb = replicated_bucket_cap_mb(model)
         # what rounding the float32 start to model_dtype lost: CompensatedAdamW starts from it
         self._load_rounding = round_keeping_residuals(model, round_to) if round_to is not None else {}
         super().__init__(
@@ -269,11 +275,14 @@ class OccultTrainerMixin(Trainer):
         return records
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        reducer = self._expert_reducer if self._reduces_expert_gradients() else None
+        if reducer is not None and self.accelerator.sync_gradients:
+            reducer.arm()  # the expert gradients' all-reduce overlaps this micro-batch's backward
         loss = super().training_step(model, inputs, num_items_in_batch)
         finite = torch.isfinite(loss.detach()).all()  # read at the optimizer step (one sync per step)
         self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
-        if self._reduces_expert_gradients() and self.accelerator.sync_gradients:
-            reduce_expert_gradients(self.model, self.expert_parallel)
+        if reducer is not None and self.accelerator.sync_gradients:
+            reducer.finish()
         if self.accelerator.sync_gradients:
             self._balance_devices()
         # the records keep the last routing for inspection, but not the probabilities' graph
