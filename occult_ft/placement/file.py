@@ -295,6 +295,7 @@ class Placement:
         lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + ['  "layers": {']
         for i, layer in enumerate(self.layers):
             body = ",\n".join(f"      {json.dumps(g)}" for g in self.groups[layer])
+            # each layer: its D groups one per line; a comma after every layer but the last (JSON has no trailing comma)
             lines.append(f'    "{layer}": [\n{body}\n    ]' + ("," if i < len(self.groups) - 1 else ""))
         try:
             # allow_nan=False: json.dumps would otherwise write NaN, which no strict JSON reader takes
@@ -330,6 +331,7 @@ class Placement:
             )
         path = Path(path)
         data = _read_placement_json(path)
+        # the header first: a file of another format or version is refused before its groups are looked at
         _check_placement_header(path, data)
         try:
             _check_layer_keys(data["layers"], "placement file")
@@ -347,6 +349,7 @@ class Placement:
                 num_devices=data["num_devices"],
                 num_nodes=data["num_nodes"],
                 algorithm=str(data["algorithm"]),
+                # JSON object keys are strings: layer "12" becomes the int 12 the model's layer indices use
                 groups={int(k): v for k, v in data["layers"].items()},
                 metrics=data.get("metrics") or {},
             )
