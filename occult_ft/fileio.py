@@ -339,7 +339,9 @@ WRITTEN = (
     Written(r"README\.md", "PEFT or occult_ft", kind="card"),
     # occult_ft (its model card: the README.md row above)
     Written(r"occult_config\.json|occult_similarity\.tables|occult_pruned_routing\.py", "occult_ft"),
-    Written(r"occult_similarity\.safetensors", "occult_ft"),  # the tables file before issue 25
+    Written(
+        r"occult_similarity\.safetensors", "occult_ft"
+    ),  # occult_ft 0.1's tables file (vLLM read it as weights)
     Written(r"comm_complexity\.png", "occult_ft"),
     Written(r"optimizer_expert_shard_\d+_of_\d+\.pt", "occult_ft"),
     # Trainer: run state in every checkpoint-N, results and the checkpoint folders at the top

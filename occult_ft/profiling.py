@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .checks import is_int
 from .fileio import atomic_save
 from .models.registry import find_moe_layers, get_arch, unwrap_model
 
@@ -150,7 +151,7 @@ def _layers_from_tensors(path: str, header: dict, tensors: dict) -> dict[int, La
         )
 
     e, k, n, g = (cast(Any, header.get(key)) for key in ("num_experts", "top_k", "num_tokens", "group_size"))
-    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (e, k, n))
+    ints = all(is_int(v) for v in (e, k, n))
     if not ints or not 1 <= k <= e or n < 1:
         raise bad(
             f"header num_experts={e!r}, top_k={k!r}, num_tokens={n!r} are not 1 <= top_k <= num_experts, tokens >= 1"

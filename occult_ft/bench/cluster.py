@@ -36,6 +36,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from ..checks import check_positive_int
+
 __all__ = [
     "ClusterUnavailable",
     "EmulatedCluster",
@@ -133,12 +135,10 @@ class EmulatedCluster:
         burst: str = "256kb",
         latency: str = "100ms",
     ):
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise ValueError(f"nodes={nodes!r} must be a positive integer")
+        check_positive_int("nodes", nodes)
         if nodes > 250:
             raise ValueError(f"nodes={nodes} exceeds the 250 addresses of the cluster's /24; use fewer nodes")
-        if isinstance(procs_per_node, bool) or not isinstance(procs_per_node, int) or procs_per_node < 1:
-            raise ValueError(f"procs_per_node={procs_per_node!r} must be a positive integer")
+        check_positive_int("procs_per_node", procs_per_node)
         self.nodes, self.procs_per_node = nodes, procs_per_node
         self.link_rate = parse_rate(link_rate)
         self.burst, self.latency = burst, latency

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..checks import is_positive_int
 from ..metrics import contiguous_expert_device, device_counts, expert_node
 from ..routing import limit_topk
 
@@ -480,7 +481,7 @@ def predict_node_exchange(
     routings: dict[str, torch.Tensor] = {"": ids_TK}
     for m in node_budgets:
         per_node = num_experts // nodes
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or m * per_node < top_k:
+        if not is_positive_int(m) or m * per_node < top_k:
             raise ValueError(
                 f"node budget {m!r} cannot hold top-{top_k} with {per_node} experts per node; use at least "
                 f"{math.ceil(top_k / per_node)}"

@@ -64,9 +64,9 @@ class CollectiveClock:
 
         def wrapper(*args, **kwargs):
             tensor = args[arg_index] if len(args) > arg_index else kwargs.get(arg_name)
-            on_cuda = isinstance(tensor, torch.Tensor) and tensor.is_cuda
-            if on_cuda:
-                torch.cuda.synchronize(tensor.device)
+            cuda = tensor.device if isinstance(tensor, torch.Tensor) and tensor.is_cuda else None
+            if cuda is not None:
+                torch.cuda.synchronize(cuda)
             start = time.perf_counter()
             out = fn(*args, **kwargs)
             if functional:  # functional collectives return a tensor that completes lazily
@@ -74,8 +74,8 @@ class CollectiveClock:
                 out = torch.ops._c10d_functional.wait_tensor(out)
             elif kwargs.get("async_op") and out is not None:
                 out.wait()
-            if on_cuda:
-                torch.cuda.synchronize(tensor.device)
+            if cuda is not None:
+                torch.cuda.synchronize(cuda)
             clock.seconds += time.perf_counter() - start
             clock.calls += 1
             if isinstance(tensor, torch.Tensor):

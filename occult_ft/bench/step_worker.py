@@ -34,6 +34,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..layout import ExpertLayout
+from ..models import unwrap_model
 from ..trainer import OccultConfig, OccultTrainer
 from .syncs import HostSyncCounter
 
@@ -183,7 +184,7 @@ class PhaseClock:
                 if name == "all_to_all_single_autograd":
                     out = torch.ops._c10d_functional.wait_tensor(out)
                 end = _now(clock.cuda)
-                clock.times[key] += end - start  # async: the issue; the rest is timed at wait()
+                clock.times[key] += end - start  # async: launching the call; the rest is timed at wait()
                 event = clock._event(group, start, end) if exchange and not clock.barrier else None
                 if kwargs.get("async_op") and out is not None:
                     if key == "dense_allreduce":
@@ -382,7 +383,7 @@ def run_occult_ep(spec: dict, rank: int, world: int, records: list) -> tuple[nn.
     )
     trainer = OccultTrainer(spec["model_dir"], args=args, train_dataset=_dataset(spec))
     assert trainer.model is not None
-    clock = PhaseClock(_unwrapped(trainer.model), spec["barrier"], spec["device"] == "cuda")
+    clock = PhaseClock(unwrap_model(trainer.model), spec["barrier"], spec["device"] == "cuda")
     losses = _train_with_trainer(trainer, clock, spec, records)
     clock.close()
     return trainer.model, losses
@@ -498,15 +499,6 @@ RUNNERS = {
 }
 
 
-def _unwrapped(model: nn.Module) -> nn.Module:
-    for _ in range(4):
-        inner = getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            break
-        model = inner
-    return model
-
-
 def _syncs_per_layer(model: nn.Module, spec: dict, rank: int, world: int) -> float:
     """Host synchronisations inside the MoE blocks (router, exchange, experts) of one training forward,
     per MoE layer."""
@@ -545,7 +537,7 @@ def main(spec_path: str) -> None:
     base_rss = _peak_rss_mb()
     records: list[dict] = []
     model, losses = RUNNERS[spec["contender"]["kind"]](spec, rank, world, records)
-    syncs = _syncs_per_layer(_unwrapped(model), spec, rank, world) if spec["count_syncs"] else None
+    syncs = _syncs_per_layer(unwrap_model(model), spec, rank, world) if spec["count_syncs"] else None
     if spec["device"] == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:  # what training added to the process's peak RSS (torch, transformers and Python excluded)

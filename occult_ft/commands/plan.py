@@ -21,6 +21,7 @@ Activations are an estimate.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -59,7 +60,7 @@ def add_parser(sub):
 def _take_own(argv: list[str], fields: list[str] | None = None) -> tuple[dict, list[str]]:
     """Split plan's own flags from the OccultConfig fields (`fields`: their names, to tell a misspelt own
     flag such as `--gpu` from a field)."""
-    from ..cli import close_match
+    from ..checks import close_match
 
     own, rest, i = {"--json": False}, [], 0
     flags = ["--json", "--gpus", "--gpu-memory", "--config"]
@@ -183,7 +184,7 @@ def _check_config_source(model: str | None) -> None:
             raise ValueError(f"{err}, or pass --config PATH/config.json") from None
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..plan import load_model_config, plan_for_config
     from .train import parse_config
 

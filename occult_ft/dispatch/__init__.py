@@ -11,12 +11,14 @@ exchanges (Occult's de-duplicated all-to-all first), plugged into transformers a
     pipeline.py      pipelined_moe_forward: chunks whose exchange overlaps the local experts
     experts_impl.py  "occult_ep" transformers experts kernel (picks the exchange from the shard record),
                      shard_experts, configure_exchange, gather_experts[_state_dict]
+    decode.py        DecodeCapacity: generation's decode steps on the capacity-bounded flat exchange
 
 The names below are the public contract; the building blocks are imported from their modules.
 Importing this package registers the "occult_ep" experts implementation with transformers.
 How the exchanges work: docs/expert-parallel.md.
 """
 
+from .decode import enable_decode_capacity
 from .exchange import Exchange, FlatExchange, PerExpertExchange, ReceivedRows, moe_forward
 from .experts_impl import (
     EXCHANGES,
@@ -65,4 +67,6 @@ __all__ = [
     "expert_shard_parameters",
     "gather_experts_state_dict",
     "gather_experts",
+    # generation: exact prefill, capacity-bounded decode
+    "enable_decode_capacity",
 ]

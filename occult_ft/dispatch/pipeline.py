@@ -16,14 +16,14 @@ from torch import nn
 from .comm import exchange_meta, start_exchange
 from .exchange import Exchange, largest_exact_integer, moe_forward, read_counts
 from .local import local_experts_forward, num_local_experts
-from .plan import layout_from_plan
+from .plan import DispatchLayout, layout_from_plan
 from .reference import expert_weights
 
 __all__ = ["pipelined_moe_forward"]
 
 
 class _Chunk:
-    """One chunk's state between forward and backward."""
+    """One chunk's state between forward and backward; fields are filled as the schedule reaches them."""
 
     __slots__ = (
         "lo",
@@ -39,6 +39,18 @@ class _Chunk:
         "rw_leaf",
         "out",
     )
+    lo: int  # the chunk's tokens are [lo, hi) of the layer's T
+    hi: int
+    layout: DispatchLayout
+    recv: tuple[int, ...]  # rows received from each source rank
+    counts: tuple[int, ...]  # received rows per local expert
+    h_leaf: torch.Tensor  # (T_c, H) detached hidden states, the leaf of this chunk's dispatch graph
+    w_leaf: torch.Tensor  # (T_c, K) detached gate weights
+    send_x: torch.Tensor  # (S, H) rows gathered for sending (kept in the graph for backward)
+    send_w: torch.Tensor  # (S, K)
+    x_leaf: torch.Tensor | None  # (R, H) received rows; None once backward has used them
+    rw_leaf: torch.Tensor | None  # (R, K)
+    out: torch.Tensor | None  # (R, H) the local experts' output, kept for backward when grad is on
 
 
 # Schedule, with asynchronous collectives (`comm.start_exchange`: gloo runs them on the process

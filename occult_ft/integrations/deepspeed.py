@@ -19,7 +19,6 @@ Legend: D expert-parallel size, W data-parallel world size, EP / EDP expert(-dat
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import warnings
 from collections.abc import Iterable
@@ -32,7 +31,6 @@ from ..fileio import read_json_object
 
 __all__ = [
     "MARKER_ATTRIBUTE",
-    "is_deepspeed_available",
     "expert_group_name",
     "deepspeed_expert_groups",
     "mark_expert_parameters",
@@ -43,11 +41,6 @@ __all__ = [
 ]
 
 MARKER_ATTRIBUTE = "occult_deepspeed_moe"
-
-
-def is_deepspeed_available() -> bool:
-    """Whether `import deepspeed` would succeed (without importing it)."""
-    return importlib.util.find_spec("deepspeed") is not None
 
 
 def expert_group_name(expert_parallel_size: int) -> str:

@@ -23,7 +23,6 @@ from .arch import UnsupportedModelError
 __all__ = [
     "PUBLISHED_AS",
     "moe_family",
-    "family_folder",
     "loads_as",
     "auto_model_class",
     "architecture_model_type",
@@ -65,11 +64,6 @@ def moe_family() -> list[str]:
     return sorted(_scan())
 
 
-def family_folder(model_type: str) -> str | None:
-    """The `transformers.models` folder of a family member (e.g. `qwen3_vl_moe` for `qwen3_vl_moe_text`)."""
-    return _scan().get(model_type)
-
-
 def loads_as(model_type: str) -> str | None:
     """`"causal_lm"` when `AutoModelForCausalLM` builds `model_type`, `"image_text_to_text"` when only
     `AutoModelForImageTextToText` does, else None."""
@@ -88,6 +82,7 @@ def auto_model_class(config_or_type):
     (Qwen3-VL-MoE, GLM-4.5V, Mistral Large 3, ...). Accepts a config, a config.json dict or a type."""
     import transformers
 
+    model_type: str | None
     if isinstance(config_or_type, str):
         model_type = config_or_type
     elif isinstance(config_or_type, dict):

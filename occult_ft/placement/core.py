@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from math import isqrt
 
 import torch
+
+from ..checks import is_positive_int
+from ..layout import ExpertLayout
 
 __all__ = [
     "DEFAULT_LOAD_IMBALANCE",
@@ -30,10 +32,8 @@ __all__ = [
     "device_loads",
     "device_to_groups",
     "devices_total",
-    "divisors",
     "imbalance",
     "incidence",
-    "is_int",
     "level_totals",
     "resolve_load_bound",
     "shown",
@@ -50,17 +50,6 @@ class PlacementError(ValueError):
     """A placement request or file a user got wrong; the message names the value and the fix."""
 
 
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def divisors(n: int) -> str:
-    """The divisors of n >= 1 as "1, 2, ..., n", in O(sqrt n) steps."""
-    # every divisor d <= sqrt(n) pairs with n // d >= sqrt(n); a perfect square's root is listed once
-    small = [d for d in range(1, isqrt(n) + 1) if n % d == 0]
-    return ", ".join(str(d) for d in small + [n // d for d in reversed(small) if d * d != n])
-
-
 def shown(value, width: int = 60) -> str:
     """`repr(value)` cut to `width` characters, for messages that quote what a caller passed."""
     text = repr(value)
@@ -69,18 +58,14 @@ def shown(value, width: int = 60) -> str:
 
 def validate_sizes(num_experts: int, num_devices: int, num_nodes: int) -> None:
     """E is a positive integer, D must divide E and N must divide D (a one-line `PlacementError` otherwise)."""
-    if not is_int(num_experts) or num_experts < 1:
+    if not is_positive_int(num_experts):
         raise PlacementError(
             f"num_experts={shown(num_experts)} must be a positive integer (routed experts per layer)"
         )
-    if not is_int(num_devices) or num_devices < 1 or num_experts % num_devices:
-        raise PlacementError(
-            f"devices={num_devices} does not divide the {num_experts} experts; use one of {divisors(num_experts)}"
-        )
-    if not is_int(num_nodes) or num_nodes < 1 or num_devices % num_nodes:
-        raise PlacementError(
-            f"nodes={num_nodes} does not divide devices={num_devices}; use one of {divisors(num_devices)}"
-        )
+    try:
+        ExpertLayout(num_experts, num_devices, num_nodes)
+    except ValueError as error:
+        raise PlacementError(str(error)) from None
 
 
 def check_routing(topk_ids_TK, where: str = "topk_ids_TK") -> None:
@@ -106,7 +91,7 @@ def check_profile(profile, where: str = "profile") -> None:
         raise PlacementError(
             f"{where} is a {type(profile).__name__} ({shown(profile)}) with no {' or '.join(missing)}; {need}"
         )
-    if not is_int(profile.num_experts) or profile.num_experts < 1:
+    if not is_positive_int(profile.num_experts):
         raise PlacementError(
             f"{where}.num_experts={shown(profile.num_experts)} must be a positive integer; {need}"
         )
@@ -169,7 +154,7 @@ def coactivation_matrix(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Te
         (E, E) int64: [a, b] = tokens that selected both a and b; the diagonal is each expert's load.
     """
     check_routing(topk_ids_TK)
-    if not is_int(num_experts) or num_experts < 1:
+    if not is_positive_int(num_experts):
         raise PlacementError(
             f"num_experts={shown(num_experts)} must be a positive integer (routed experts per layer)"
         )

@@ -22,9 +22,10 @@ from typing import Any, cast
 
 import torch
 
+from ..checks import is_int, is_positive_int
 from ..fileio import atomic_write_text
 from ..metrics import expert_device_from_groups
-from .core import RERUN, PlacementError, is_int, validate_sizes
+from .core import RERUN, PlacementError, validate_sizes
 
 __all__ = ["FIGURE_TYPES", "PLACEMENT_FORMAT", "PLACEMENT_VERSION", "READABLE_VERSIONS", "Placement"]
 
@@ -217,7 +218,7 @@ class Placement:
 
     def __post_init__(self):
         for name in ("num_experts", "num_devices", "num_nodes"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+            if not is_positive_int(getattr(self, name)):
                 raise PlacementError(
                     f"placement {name}={getattr(self, name)!r} must be a positive integer; {RERUN}"
                 )

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from ..checks import is_int
 from .core import PlacementError, device_to_groups, imbalance
 
 __all__ = [
@@ -43,7 +44,7 @@ def check_budget(max_devices_per_token, criterion: str, num_devices: int) -> Non
     """One-line `PlacementError` for a budget placement cannot evaluate."""
     if max_devices_per_token is None:
         return
-    if isinstance(max_devices_per_token, bool) or not isinstance(max_devices_per_token, int):
+    if not is_int(max_devices_per_token):
         raise PlacementError(
             f"max_devices_per_token={max_devices_per_token!r} must be an integer between 1 and {num_devices}"
         )

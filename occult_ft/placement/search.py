@@ -26,6 +26,7 @@ from functools import partial
 
 import torch
 
+from ..checks import is_int, is_positive_int
 from ..metrics import expert_device_from_groups
 from .algorithms import greedy_pairs, occult, register_algorithm, sequential
 from .core import (
@@ -35,7 +36,6 @@ from .core import (
     devices_total,
     imbalance,
     incidence,
-    is_int,
     level_totals,
     resolve_load_bound,
     two_level,
@@ -204,7 +204,7 @@ def check_search_options(max_load_imbalance, seed, restarts, max_swaps, max_sear
         if not is_int(value) or value < low:
             raise PlacementError(f"{name}={value!r} must be an integer >= {low}")
     for name, value in (("max_swaps", max_swaps), ("max_search_tokens", max_search_tokens)):
-        if value is not None and (not is_int(value) or value < 1):
+        if value is not None and not is_positive_int(value):
             raise PlacementError(f"{name}={value!r} must be a positive integer, or None for the default")
 
 

@@ -28,6 +28,7 @@ import warnings
 import numpy as np
 import torch
 
+from ..checks import is_int
 from ..metrics import expert_device_from_groups
 from .algorithms import occult, register_algorithm
 from .core import (
@@ -39,7 +40,6 @@ from .core import (
     devices_total,
     imbalance,
     incidence,
-    is_int,
     level_totals,
     node_incidence,
     resolve_load_bound,

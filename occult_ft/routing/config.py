@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..checks import divisors
 from .rules import check_pruning_settings
 
 __all__ = ["PruningConfig"]
@@ -62,9 +63,9 @@ class PruningConfig:
     def check(self, num_experts: int, top_k: int) -> None:
         """Raise ValueError when the budget cannot hold k experts or D does not divide E."""
         if num_experts % self.num_devices:
-            divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
             raise ValueError(
-                f"devices={self.num_devices} does not divide the {num_experts} experts; use one of {divisors}"
+                f"devices={self.num_devices} does not divide the {num_experts} experts; "
+                f"use one of {divisors(num_experts)}"
             )
         # experts are spread evenly: E/D per device, so M devices hold M * E/D candidates for the k picks.
         per_device = num_experts // self.num_devices

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 from torch import nn
@@ -145,10 +145,11 @@ if TYPE_CHECKING:
         occult_expert_device: torch.Tensor  # (E,) buffer
 
 
-_PRUNED_CLASSES: dict[type, type] = {}
+_PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+_Router = TypeVar("_Router", bound=nn.Module)
 
 
-def _pruned_class(base: type) -> type:
+def _pruned_class(base: type[_Router]) -> type[_Router]:
     """A subclass of the model's own router class whose forward prunes; parameters keep their names."""
     # already pruned (apply_pruning called twice): subclassing again would stack two pruning forwards.
     if getattr(base, "_occult_pruned", False):
@@ -195,7 +196,7 @@ def _pruned_class(base: type) -> type:
             (base,),
             {"forward": forward, "_occult_pruned": True, "__module__": __name__},
         )
-    return _PRUNED_CLASSES[base]
+    return cast("type[_Router]", _PRUNED_CLASSES[base])  # made from `base`, so a subclass of it
 
 
 def apply_pruning(

@@ -22,9 +22,9 @@ Shape legend: T tokens, E experts, K top-k, D devices, N nodes.
 
 from __future__ import annotations
 
-import difflib
-
 import torch
+
+from ..checks import check_nodes, choice_error, is_int
 
 __all__ = [
     "CRITERIA",
@@ -44,17 +44,6 @@ CRITERIA = ("score", "similarity", "device_max", "device_topk_sum")
 GATE_WEIGHT_POLICIES = ("model", "preserve_mass")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _unknown(name: str, value, choices) -> ValueError:
-    # the closest valid name, if any is close, for the "did you mean" hint
-    close = difflib.get_close_matches(str(value), list(choices), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ValueError(f"{name}={value!r} is unknown{hint}; choose one of {', '.join(choices)}")
-
-
 def check_pruning_settings(
     num_devices,
     max_devices_per_token=None,
@@ -70,29 +59,27 @@ def check_pruning_settings(
         max_devices_per_token: None or 1..D. max_nodes_per_token: None or 1..N.
         criterion: one of `CRITERIA`. gate_weights: one of `GATE_WEIGHT_POLICIES`.
     """
-    if not _is_int(num_devices) or num_devices < 1:
+    if not is_int(num_devices) or num_devices < 1:
         raise ValueError(f"devices={num_devices!r} must be a positive integer, e.g. devices=4")
-    if not _is_int(num_nodes) or num_nodes < 1:
+    if not is_int(num_nodes) or num_nodes < 1:
         raise ValueError(f"nodes={num_nodes!r} must be a positive integer, e.g. nodes=1")
-    if num_devices % num_nodes:
-        divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
-        raise ValueError(f"nodes={num_nodes} does not divide devices={num_devices}; use one of {divisors}")
+    check_nodes(num_devices, num_nodes)
     m = max_devices_per_token
-    if m is not None and (not _is_int(m) or not 1 <= m <= num_devices):
+    if m is not None and (not is_int(m) or not 1 <= m <= num_devices):
         raise ValueError(
             f"max_devices_per_token={m!r} must be between 1 and devices={num_devices}; "
             "leave it unset (None) for no device budget"
         )
     n = max_nodes_per_token
-    if n is not None and (not _is_int(n) or not 1 <= n <= num_nodes):
+    if n is not None and (not is_int(n) or not 1 <= n <= num_nodes):
         raise ValueError(
             f"max_nodes_per_token={n!r} must be between 1 and nodes={num_nodes}; "
             "leave it unset (None) for no node budget"
         )
     if criterion not in CRITERIA:
-        raise _unknown("criterion", criterion, CRITERIA)
+        raise choice_error("criterion", criterion, CRITERIA)
     if gate_weights not in GATE_WEIGHT_POLICIES:
-        raise _unknown("gate_weights", gate_weights, GATE_WEIGHT_POLICIES)
+        raise choice_error("gate_weights", gate_weights, GATE_WEIGHT_POLICIES)
 
 
 # ---- pure routing maths ------------------------------------------------------------------------
@@ -471,7 +458,7 @@ def limit_topk(
     if criterion == "device_topk_sum":
         return _topk_sum_devices(scores_TE, k, dev_of_E, num_devices, max_devices, num_nodes, max_nodes, topn)
     if criterion not in CRITERIA:
-        raise _unknown("criterion", criterion, CRITERIA)
+        raise choice_error("criterion", criterion, CRITERIA)
     if criterion == "similarity" and similarity_EE is None:
         raise ValueError(
             "criterion='similarity' needs an expert similarity table; profile the model first "

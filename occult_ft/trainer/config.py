@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import math
 import os
 import types
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from transformers import TrainingArguments
 
+from ..checks import check_positive_int, choice_error, did_you_mean, is_int
 from ..configs import load_model_config
 from ..dispatch import EXCHANGES, check_exchange_settings
 from ..fileio import check_output_path
@@ -56,17 +56,6 @@ MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_BIAS_RATE = 0.0
 """Default `device_bias_rate`: off until a full measurement says otherwise. On the tiny recipe (budget 2)
 0.001 lowered the device load imbalance but raised comm_complexity (docs/device-balance.md)."""
-
-
-def _suggest(value, choices) -> str:
-    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _choice_error(name: str, value, choices) -> ValueError:
-    return ValueError(
-        f"{name}={value!r} is unknown{_suggest(value, choices)}; choose one of {', '.join(map(str, choices))}"
-    )
 
 
 if TYPE_CHECKING:  # mypy reads the shared fields' host attributes (use_cpu, max_steps, ...)
@@ -341,7 +330,7 @@ class OccultArguments(_ArgumentsBase):
     def _check_occult_fields(self) -> None:
         if self.devices is None:
             ep = self.expert_parallel_size
-            self.devices = ep if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1 else 4
+            self.devices = ep if is_int(ep) and ep > 1 else 4
         # devices, nodes, the budget, criterion and gate weights: the pruning router's own checks
         check_pruning_settings(
             self.devices,
@@ -353,21 +342,19 @@ class OccultArguments(_ArgumentsBase):
         )
         self._check_trainer_fields()
         for name in ("profile_tokens", "lora_r", "expert_parallel_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            check_positive_int(name, getattr(self, name))
         if self.streaming and self.max_steps <= 0:
             raise ValueError(
                 "streaming=True reads the data as it goes, so the run length is unknown; set max_steps"
             )
         self._check_exchange()
         if self.train_mode not in TRAIN_MODES:
-            raise _choice_error("train_mode", self.train_mode, TRAIN_MODES)
+            raise choice_error("train_mode", self.train_mode, TRAIN_MODES)
         refusal = offline_refusal("push_to_hub=True") if self.push_to_hub else None
         if refusal is not None:  # refused before training, not by the push after it
             raise ValueError(f"{refusal}; or leave push_to_hub off and `occult-ft push` the result later")
         if self.model_dtype not in MODEL_DTYPES:
-            raise _choice_error("model_dtype", self.model_dtype, MODEL_DTYPES)
+            raise choice_error("model_dtype", self.model_dtype, MODEL_DTYPES)
         self._check_loss_coefficients()
         self._check_lora()
         self._check_placement()
@@ -378,7 +365,7 @@ class OccultArguments(_ArgumentsBase):
         """exchange and its nodes; exchange_capacity (a digit string read as rows) against the rows a
         rank can route in one forward."""
         if self.exchange not in EXCHANGES:
-            raise _choice_error("exchange", self.exchange, EXCHANGES)
+            raise choice_error("exchange", self.exchange, EXCHANGES)
         if self.exchange == "two_stage" and self.nodes < 2:
             raise ValueError(
                 f"exchange='two_stage' needs nodes > 1 (got nodes={self.nodes}); set --nodes N or use exchange='flat'"
@@ -386,11 +373,7 @@ class OccultArguments(_ArgumentsBase):
         capacity = self.exchange_capacity
         if isinstance(capacity, str) and capacity.strip().isdigit():
             self.exchange_capacity = capacity = int(capacity)
-        if (
-            capacity is not None
-            and capacity != "auto"
-            and (isinstance(capacity, bool) or not isinstance(capacity, int))
-        ):
+        if capacity is not None and capacity != "auto" and not is_int(capacity):
             raise ValueError(
                 f"exchange_capacity={capacity!r} must be a number of rows per device or 'auto'; leave it unset "
                 "for exact receive buffers"
@@ -453,7 +436,7 @@ class OccultArguments(_ArgumentsBase):
         if self.placement not in PLACEMENT_MODES and not os.path.isfile(self.placement):
             raise ValueError(
                 f"placement={self.placement!r} is neither {' nor '.join(PLACEMENT_MODES)} nor an existing placement "
-                f"file{_suggest(self.placement, PLACEMENT_MODES)}; create one with `occult-ft place`"
+                f"file{did_you_mean(self.placement, PLACEMENT_MODES)}; create one with `occult-ft place`"
             )
         mli = self.max_load_imbalance
         if mli is not None and (
@@ -464,7 +447,7 @@ class OccultArguments(_ArgumentsBase):
                 "max(1.25, occult's imbalance)"
             )
         if self.placement_algorithm not in PLACEMENT_ALGORITHMS:
-            raise _choice_error("placement_algorithm", self.placement_algorithm, sorted(PLACEMENT_ALGORITHMS))
+            raise choice_error("placement_algorithm", self.placement_algorithm, sorted(PLACEMENT_ALGORITHMS))
 
     def _check_expert_parallel_size(self, devices: int) -> None:
         """expert_parallel_size > 1 against `devices`, nodes and the launched world size."""
@@ -610,8 +593,7 @@ class OccultConfig(OccultArguments, TrainingArguments):
             self.bf16 = _bf16_available() and not self.fp16 and not self.use_cpu
 
     def _check_trainer_fields(self) -> None:
-        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise ValueError(f"seq_len={self.seq_len!r} must be a positive integer")
+        check_positive_int("seq_len", self.seq_len)
         if self.seq_len < 2:
             raise ValueError(
                 f"seq_len={self.seq_len} is too short; use at least 2 tokens (typically 128-4096)"

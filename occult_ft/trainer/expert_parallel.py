@@ -50,6 +50,7 @@ from ..integrations.peft import (
 )
 from ..models import base_experts, experts_state_key
 from ..models.registry import find_moe_layers, unwrap_model
+from .config import OccultArguments
 
 __all__ = [
     "ExpertParallelGroups",
@@ -177,7 +178,7 @@ def expert_parallel_groups(size: int, use_deepspeed: bool = False) -> ExpertPara
     )
 
 
-def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
+def setup_expert_parallel(model: nn.Module, args: OccultArguments) -> ExpertParallelGroups:
     """Shard the experts of a placed, pruned model over the EP groups and prepare it for its trainer.
 
     Call on every rank after `prepare_model` and before the optimizer exists. It checks the layout,
@@ -228,7 +229,7 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
         shard = cast(ExpertShard, base_experts(layer.experts).occult_shard)
         shard_expert_lora(layer.experts, shard.rank * shard.experts_per_device, shard.experts_per_device)
     # DDP wraps `model` (the PEFT model under LoRA): name the shards as its named_parameters does
-    top = _strip_wrappers(model)
+    top = unwrap_model(model, keep_peft=True)
     shards = [(n, p) for n, p in top.named_parameters() if getattr(p, "occult_expert_shard", False)]
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         top, [n for n, _ in shards]
@@ -274,15 +275,6 @@ def _broadcast_from_rank0(params: list[nn.Parameter]) -> None:
     for p in params:
         p.copy_(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
-
-
-def _strip_wrappers(model: nn.Module) -> nn.Module:
-    """`model` without DDP / DeepSpeed engine / accelerate wrappers (`.module`), PEFT kept."""
-    for _ in range(4):
-        if hasattr(model, "peft_config") or not isinstance(getattr(model, "module", None), nn.Module):
-            break
-        model = cast(nn.Module, model.module)
-    return model
 
 
 @torch.no_grad()
@@ -465,7 +457,7 @@ def gathered_state_dict(
     """
 
     if is_peft_model(model):
-        top = _strip_wrappers(model)
+        top = unwrap_model(model, keep_peft=True)
         out = dict(state_dict) if state_dict is not None else dict(top.state_dict())
         names = {id(p): n for n, p in top.named_parameters()}
         for layer in find_moe_layers(top):
@@ -566,7 +558,7 @@ def load_expert_lora_shards(model: nn.Module, checkpoint: str) -> None:
         raise ValueError(
             f"checkpoint {checkpoint!r} has no adapter_config.json; it cannot restore the expert LoRA shards"
         )
-    top = _strip_wrappers(model)
+    top = unwrap_model(model, keep_peft=True)
     weights = shard_adapter_weights(top, load_peft_weights(checkpoint, device="cpu"))
     for name, param in top.named_parameters():
         if not getattr(param, "occult_expert_shard", False) or ".lora_" not in name:
@@ -592,7 +584,7 @@ def load_sharded_adapter(model: nn.Module, checkpoint: str) -> None:
     `load_adapter` would refuse the full-E factors. Raises a one-line ValueError for a foreign adapter."""
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
-    top = _strip_wrappers(model)
+    top = unwrap_model(model, keep_peft=True)
     weights = shard_adapter_weights(top, load_peft_weights(checkpoint, device="cpu"))
     adapter = top.active_adapters[0] if getattr(top, "active_adapters", None) else "default"  # type: ignore[index]
     # load_state_dict's (missing_keys, unexpected_keys); PEFT annotates it as the `namedtuple` function

@@ -31,12 +31,13 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from ..checkpoint import OccultBlock
 from ..checkpoint.card import last_eval_metrics, write_model_card
+from ..checkpoint.load import can_load_sharded
 from ..data.batching import real_token_mask
 from ..evaluation import make_comm_complexity_figure
 from ..fileio import OutputPathError, check_output_path, reading_directory
@@ -73,7 +74,7 @@ from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
 from .optim import CompensatedAdamW, choose_optimizer
 from .prepare import OccultSetup, prepare_model, resolve_checkpoint
-from .sharded_load import can_load_sharded, load_sharded_training_model
+from .sharded_load import load_sharded_training_model
 
 logger = logging.get_logger(__name__)
 
@@ -275,7 +276,7 @@ class OccultTrainerMixin(Trainer):
         return records
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        reducer = self._expert_reducer if self._reduces_expert_gradients() else None
+        reducer = self._expert_reducer if self._own_expert_reduction() is not None else None
         if reducer is not None and self.accelerator.sync_gradients:
             reducer.arm()  # the expert gradients' all-reduce overlaps this micro-batch's backward
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -315,19 +316,25 @@ class OccultTrainerMixin(Trainer):
             bias.copy_(new_LD[row])
 
     # ---- expert parallelism without DeepSpeed: shard gradients and the norm are ours --------------
-    def _reduces_expert_gradients(self) -> bool:
-        return self.expert_parallel is not None and not self.is_deepspeed_enabled
+    def _own_expert_reduction(self) -> tuple[nn.Module, ExpertParallelGroups] | None:
+        """(model, EP groups) when occult_ft reduces the expert gradients and clips their norm itself
+        (expert parallelism without DeepSpeed), else None."""
+        if self.expert_parallel is None or self.is_deepspeed_enabled or self.model is None:
+            return None
+        return self.model, self.expert_parallel
 
     def _clip_grad_norm(self, model):
-        if self._reduces_expert_gradients():
-            return clip_expert_parallel_grad_norm(self.model, self.expert_parallel, self.args.max_grad_norm)
+        own = self._own_expert_reduction()
+        if own is not None:
+            return clip_expert_parallel_grad_norm(*own, self.args.max_grad_norm)
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
         """Trainer's gradient norm, called at every optimizer step just before the update: a non-finite
         loss or norm stops the run there, naming the step (`occult_ft.trainer.guards`)."""
-        if grad_norm is None and self._reduces_expert_gradients():
-            grad_norm = clip_expert_parallel_grad_norm(self.model, self.expert_parallel, float("inf"))
+        own = self._own_expert_reduction()
+        if grad_norm is None and own is not None:
+            grad_norm = clip_expert_parallel_grad_norm(*own, float("inf"))
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         finite, self._losses_finite = self._losses_finite, None
         check_step(
@@ -340,7 +347,7 @@ class OccultTrainerMixin(Trainer):
         return grad_norm
 
     @staticmethod
-    def get_optimizer_cls_and_kwargs(args, model=None):
+    def get_optimizer_cls_and_kwargs(args: TrainingArguments, model: PreTrainedModel | None = None):
         """Trainer's optimizer, except that `torch.optim.AdamW` over 16-bit (bf16/fp16) trainable weights
         becomes `occult_ft.trainer.optim.CompensatedAdamW` (float32 moments, Kahan-compensated weights),
         so bf16 `full` / `moe` runs lose no update to rounding."""
@@ -392,12 +399,13 @@ class OccultTrainerMixin(Trainer):
         output = super().evaluation_loop(
             dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
         )
+        metrics = output.metrics if output.metrics is not None else {}  # typed Optional; Trainer fills it
         for key, value in self._meters["eval"].summary(self._reduce).items():
             if key != "balance_loss":
-                output.metrics[f"{metric_key_prefix}_{key}"] = value
-        loss = output.metrics.get(f"{metric_key_prefix}_loss")
+                metrics[f"{metric_key_prefix}_{key}"] = value
+        loss = metrics.get(f"{metric_key_prefix}_loss")
         if loss is not None:
-            output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 50.0))
+            metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 50.0))
         return output
 
     # ---- saving and resuming: the hooks of `occult_ft.trainer.checkpointing` --------------------

@@ -21,8 +21,12 @@ import itertools
 import logging
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 __all__ = ["CompensatedAdamW", "is_low_precision", "choose_optimizer"]
 
@@ -138,7 +142,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         return loss
 
 
-def choose_optimizer(args, model, cls, kwargs: dict) -> tuple[type, dict]:
+def choose_optimizer(args: TrainingArguments, model, cls, kwargs: dict) -> tuple[type, dict]:
     """The optimizer class and keyword arguments `OccultTrainer` builds, from Trainer's choice (`cls`,
     `kwargs`): `torch.optim.AdamW` over 16-bit trainable weights becomes `CompensatedAdamW`, without
     DeepSpeed (which keeps float32 master weights itself); another optimizer over 16-bit weights is kept

@@ -32,6 +32,7 @@ from transformers.utils import logging
 from ..apply import apply_occult, placed_similarity, resolve_placement
 from ..checkpoint import block_placement, model_block, read_block, read_similarity
 from ..checkpoint.load import describe_budget
+from ..checkpoint.sharded import place_sharded
 from ..data.batching import profile_batches  # the batching lives in occult_ft.data
 from ..fileio import read_json_object
 from ..integrations.peft import apply_lora, is_peft_model
@@ -41,7 +42,7 @@ from ..placement import PRUNING_CRITERIA, Placement, compute_placement, merge_pl
 from ..profiling import profile_model
 from ..routing import PruningConfig, pruned_routers, router_device_bias, router_similarity, set_recording
 from .checkpointing import check_checkpoint_model
-from .sharded_load import place_sharded
+from .config import OccultArguments
 
 logger = logging.get_logger(__name__)
 
@@ -133,7 +134,7 @@ def _newest_complete_checkpoint(output_dir: str | None) -> str | None:
 
 
 # ---- profiling -------------------------------------------------------------------------------------
-def _profile(model, dataset, collate, args, name: str):
+def _profile(model, dataset, collate, args: OccultArguments, name: str):
     if dataset is None:
         raise ValueError(
             "placement='auto' and criterion='similarity' profile the training data, but no train_dataset was "
