@@ -4,7 +4,7 @@ Writing. Every artifact goes to a temporary sibling and is renamed into place, s
 old artifact or the new one, never a mix; a crash, a full disk or `kill -9` in the middle leaves the
 previous artifact readable. Files and directories get the permissions a plain `open()` / `mkdir`
 would give them (the umask applied; an existing file keeps its mode), not the private 0600 / 0700 of
-`tempfile`.
+`tempfile`. The directory swap, step by step: the comments above `recover_directory`.
 
     atomic_write_text(path, text)          one file (JSON, model card, placement)
     atomic_save(path, save_fn)             one file written by a library call (`save_fn(tmp_path)`)
@@ -13,37 +13,7 @@ would give them (the umask applied; an existing file keeps its mode), not the pr
     recover_directory(out_dir)             finish (or undo) a directory swap that was interrupted
     umask_modes(path)                      files written private by a library (safetensors) get the
                                            modes of a plain open() / mkdir
-
-The directory swap. On Linux the new copy and NAME are exchanged in one atomic step
-(`renameat2(RENAME_EXCHANGE)`, through ctypes), so NAME is at every instant the old artifact or the
-new one, for any reader (stock transformers, PEFT, `ls`, a copy script):
-
-    write .NAME.tmp-*             NAME = old       incomplete: removed by the next write, ignored by readers
-    exchange .NAME.tmp-* <-> NAME NAME = new       the old copy, now at .NAME.tmp-*, is removed by the next write
-    .NAME.tmp-* -> .NAME.old      NAME = new       .NAME.old is removed (by `recover_directory` if killed)
-    remove .NAME.old              NAME = new       what is left of .NAME.old is removed
-
-Where the call is unavailable (another OS, an old kernel or libc, a filesystem that answers EINVAL)
-the swap is journalled by names, `.NAME.new` (complete) and `.NAME.old` (retired): NAME is missing
-for a moment, and `recover_directory` (run by the next write and by the model loader) always ends a
-swap killed at any instant in the last state:
-
-    write .NAME.tmp-*         NAME = old       incomplete: removed by the next write, ignored by readers
-    .NAME.tmp-* -> .NAME.new  NAME = old       the new artifact is complete: the swap is finished
-    NAME -> .NAME.old         NAME missing     the swap is finished (.NAME.new -> NAME)
-    .NAME.new -> NAME         NAME = new       .NAME.old is removed
-    remove .NAME.old          NAME = new       what is left of .NAME.old is removed
-
-Where outputs may go (`check_output_path`, used by every command and by the trainer). An output is
-refused, in one line naming it, when it is empty or would overwrite an input. Who owns an entry of an
-output directory is decided in one place, `WRITTEN`: every name transformers, PEFT, Trainer, DeepSpeed,
-TensorBoard and occult_ft write into a checkpoint or a run's `output_dir` (`checkpoint-N` folders are
-looked into; a README.md is ours only when it is occult_ft's model card, or PEFT's beside an adapter;
-`model_card_writer`); everything else is the user's (`foreign_entries`). A directory replaced whole (a
-checkpoint) must be missing, empty or an artifact of this project (`is_artifact`: nothing foreign, and a
-mark of occult_ft or of a training run), and is never the working directory; a directory written into
-(a training run's `output_dir`) must not hold files of the user's at the names the run writes (their
-README.md, a model occult_ft did not write). So a user's own files are never replaced.
+    check_output_path / WRITTEN            where outputs may go; who owns each entry of an output folder
 
 Reading (`reading`, `reading_directory`, `read_json_object`, `read_text`, `load_safetensors`,
 `torch_load`): a file that cannot be read (missing, not UTF-8, not JSON, a truncated safetensors file,
@@ -188,6 +158,25 @@ def _retired(out_dir: str) -> list[str]:
     return sorted(set(found), key=lambda p: os.stat(p).st_mtime, reverse=True)
 
 
+# The directory swap. On Linux the new copy and NAME are exchanged in one atomic step
+# (`renameat2(RENAME_EXCHANGE)`, through ctypes), so NAME is at every instant the old artifact or the
+# new one, for any reader (stock transformers, PEFT, `ls`, a copy script):
+#
+#     write .NAME.tmp-*             NAME = old       incomplete: removed by the next write, ignored by readers
+#     exchange .NAME.tmp-* <-> NAME NAME = new       the old copy, now at .NAME.tmp-*, is removed by the next write
+#     .NAME.tmp-* -> .NAME.old      NAME = new       .NAME.old is removed (by `recover_directory` if killed)
+#     remove .NAME.old              NAME = new       what is left of .NAME.old is removed
+#
+# Where the call is unavailable (another OS, an old kernel or libc, a filesystem that answers EINVAL)
+# the swap is journalled by names, `.NAME.new` (complete) and `.NAME.old` (retired): NAME is missing
+# for a moment, and `recover_directory` (run by the next write and by the model loader) always ends a
+# swap killed at any instant in the last state:
+#
+#     write .NAME.tmp-*         NAME = old       incomplete: removed by the next write, ignored by readers
+#     .NAME.tmp-* -> .NAME.new  NAME = old       the new artifact is complete: the swap is finished
+#     NAME -> .NAME.old         NAME missing     the swap is finished (.NAME.new -> NAME)
+#     .NAME.new -> NAME         NAME = new       .NAME.old is removed
+#     remove .NAME.old          NAME = new       what is left of .NAME.old is removed
 def recover_directory(out_dir: str | os.PathLike) -> None:
     """Finish a directory swap of `atomic_directory` that a killed process left half done (see the module
     docstring): afterwards `out_dir` is the old or the new artifact and no `.new` / `.old` sibling is
@@ -491,6 +480,16 @@ def _shown(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
+# Where outputs may go (`check_output_path`, used by every command and by the trainer). An output is
+# refused, in one line naming it, when it is empty or would overwrite an input. Who owns an entry of an
+# output directory is decided in one place, `WRITTEN`: every name transformers, PEFT, Trainer, DeepSpeed,
+# TensorBoard and occult_ft write into a checkpoint or a run's `output_dir` (`checkpoint-N` folders are
+# looked into; a README.md is ours only when it is occult_ft's model card, or PEFT's beside an adapter;
+# `model_card_writer`); everything else is the user's (`foreign_entries`). A directory replaced whole (a
+# checkpoint) must be missing, empty or an artifact of this project (`is_artifact`: nothing foreign, and a
+# mark of occult_ft or of a training run), and is never the working directory; a directory written into
+# (a training run's `output_dir`) must not hold files of the user's at the names the run writes (their
+# README.md, a model occult_ft did not write). So a user's own files are never replaced.
 def check_output_path(
     out: str | os.PathLike | None,
     *inputs: str | os.PathLike | None,

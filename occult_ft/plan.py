@@ -1,39 +1,17 @@
 """Per-GPU memory plan of an Occult fine-tuning run, before any GPU is touched (`occult-ft plan`).
 
-What each GPU holds, in bytes:
+What each GPU holds (weights, gradients, optimizer states, activations, communication buffers) and how
+each is counted: docs/recipes.md, "The memory plan". Parameter counts come from the model built on the
+`meta` device from its config (every architecture counted exactly); `tests/test_plan.py` checks
+weights, gradients and optimizer states against what `OccultTrainer` really allocates.
 
-- **weights**: every parameter in the weights' dtype (`model_dtype`, `auto` = the checkpoint's); with
-  expert parallelism D (`expert_parallel_size`) a GPU holds E/D routed experts of every MoE layer and
-  all the replicated parameters (attention, embeddings, routers, shared experts, norms). LoRA adds
-  its adapters (float32: PEFT up-casts 16-bit adapters) and a trainable copy of every router
-  (`modules_to_save`, in the weights' dtype).
-- **gradients**: one per trainable parameter, in its dtype (`train_mode`: `full` = all, `moe` = the MoE
-  blocks, `lora` = adapters + router copies).
-- **optimizer states**: AdamW's two moments, float32 (8 B per trainable parameter), plus for 16-bit
-  weights the 2-byte Kahan compensation of `occult_ft.trainer.optim.CompensatedAdamW`, which
-  `OccultTrainer` uses in place of `torch.optim.AdamW` so that bf16 runs lose no update to rounding
-  (bf16 weights: 10 B per trainable parameter; with the weight and its gradient, 14 B), plus a 4-byte
-  `step` per tensor; other optimizers as they allocate (8-bit: int8 moments, SGD: none). Under DeepSpeed with bf16/fp16 the engine keeps a float32 master copy and float32 moments
-  (12 B per trainable parameter); ZeRO-1/2 partition them over the data-parallel ranks: the replicated
-  parameters' over all GPUs, the experts' over the expert-data-parallel group (GPUs / D). ZeRO-2 also
-  partitions the (float32) gradients.
-- **activations**: an ESTIMATE (saved tensors per token per layer, counted from the layer's projection
-  widths, top-k routed copies and the float32 logits and their gradient); with gradient checkpointing
-  only every layer's input plus one layer being recomputed. On tiny OLMoE / Qwen2-MoE / Mixtral /
-  DeepSeek-V2 models it is 0.76-0.90x of the tensors autograd saves (tests/test_plan.py).
-- **communication buffers**: the expert-parallel all-to-all send/receive rows of one MoE layer (at most
-  one row per token and device reached; with the two-stage exchange, `exchange: two_stage` over
-  `nodes` nodes, also the inter-node stage's rows, at most one per token and node reached, sent to and
-  received by the gateway ranks), DDP's gradient buckets (a copy of the replicated trainable
-  gradients) or DeepSpeed's reduce/all-gather buckets.
+    count_params / ModelCounts     parameters split the way memory is (routed experts, MoE rest, the rest)
+    Setup / _setup                 what of an `OccultConfig` and the launch the memory depends on
+    Plan / _plan                   bytes per category and per GPU; `_optimizer_bytes` the optimizer's share
+    _suggestions / _smallest_fitting   what to change when a run does not fit
+    check_fits_before_loading / plan_for_config   the entry points (`occult-ft train`, `occult-ft plan`)
 
-Multi-node runs are planned with `nodes` x `gpus_per_node` GPUs (`occult-ft plan --nodes N
---gpus-per-node G`); an expert-parallel group wider than one node spans `expert_parallel_size / G`
-nodes, which is what the run's `nodes` should say (a note tells when it does not).
-
-The parameter counts come from the model itself, built on the `meta` device from its config, so every
-architecture is counted exactly; routed experts are told apart with `find_moe_layers`. `tests/test_plan.py`
-checks weights, gradients and optimizer states against what `OccultTrainer` really allocates.
+Legend: E routed experts per layer, D = `expert_parallel_size`, G GPUs per node; B = bytes.
 """
 
 from __future__ import annotations

@@ -11,20 +11,16 @@ qdisc needed; `check_cluster_support` refuses in one line naming what is missing
                 traffic to a node's own address never leaves it).
     nodes == 1: one namespace whose loopback is shaped (every process-to-process byte crosses it).
 
-Nothing is created in the caller's namespace and no route leads out of the namespaces, so all traffic
-stays inside them; the addresses are private and exist only there. Names start with "oft{pid}{n}-", so
-concurrent runs do not collide. `__exit__` kills every process the cluster launched (their process
-groups), deletes its namespaces (their devices and qdiscs go with them) and restores the signal
-handlers; SIGTERM and SIGHUP are turned into `SystemExit` while the cluster is up, so a terminated run
-unwinds through `__exit__` as Ctrl-C (KeyboardInterrupt) does.
+Nothing is created in the caller's namespace and no route leads out, so all traffic (private addresses)
+stays inside; names start with "oft{pid}{n}-", so concurrent runs do not collide. `__exit__` kills the
+process groups the cluster launched, deletes its namespaces (devices and qdiscs go with them) and
+restores the signal handlers (SIGTERM and SIGHUP become `SystemExit` while the cluster is up, so a
+terminated run unwinds through `__exit__` as Ctrl-C does).
 
 `cluster.torchrun(module_args, env, log_dir, timeout_s)` runs one torchrun agent per node (`ip netns
 exec NS python -m torch.distributed.run --nnodes N --node_rank R --nproc_per_node G --rdzv_backend c10d
 --rdzv_endpoint ADDR:PORT --local-addr ADDR ...`), with gloo bound to the node's link
-(`GLOO_SOCKET_IFNAME`), and waits for all of them.
-
-Measured on this kind of machine: a tbf-shaped veth between two namespaces holds 293 Mbit/s at a
-300 Mbit/s setting, a shaped loopback 399 at 400 (docs/cluster.md).
+(`GLOO_SOCKET_IFNAME`), and waits for all of them. What the shaped links hold when measured: docs/cluster.md.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ The block is an `OccultBlock`, a frozen, versioned, self-validating record (as P
 
 and `to_dict` writes the flat JSON object checkpoints have always carried:
 
-    "occult": {"version": 2, "placed": true, "num_devices": 4, "num_nodes": 1,
+    "occult": {"version": 3, "placed": true, "num_devices": 4, "num_nodes": 1,
                "max_devices_per_token": 2, "max_nodes_per_token": null, "criterion": "similarity",
                "gate_weights": "model", "placement": {"algorithm": "search", "layers": {"0": [[...]]}},
                "expert_order": "placed", "base_model": "...", "model_type": "olmoe", "train_mode": "moe",

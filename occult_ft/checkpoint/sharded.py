@@ -14,14 +14,7 @@ on the host or on its device:
    replicated tensors whole (router rows reordered by the placement at read time), expert tensors only
    for the original ids `order[rank * P : (rank + 1) * P]`, in placed order.
 
-Checkpoint key names come from transformers' own conversion mapping
-(`transformers.conversion_mapping.get_model_conversion_mapping`): per-expert Hub tensors
-(`...experts.3.w1.weight`) are assembled into the fused (P, 2I, H) / (P, H, I) blocks as its
-`MergeModulelist(dim=0)` (+ `Concatenate(dim=1)`) operations say, each expert read into its own rows;
-other operation chains run transformers' operations on this rank's experts only. Fused tensors
-stored as such (`...experts.gate_up_proj`, (E, ...)) are read row by row. Tied weights are re-tied and
-buffers that are not in the checkpoint (rotary `inv_freq`) are initialised by transformers' own
-`initialize_weights`, which skips every tensor read from disk.
+Checkpoint key names come from transformers' own conversion mapping (see `_conversions`).
 
 `place_sharded(model, placement)` re-reads the expert block and the router rows of a model loaded
 this way in a new placed order (what `placement: auto` does after profiling the sequential layout).
@@ -148,6 +141,13 @@ class SafetensorsReader:
 
 
 # ---- key mapping: which checkpoint tensors make which model tensor ----------------------------------
+# transformers.conversion_mapping.get_model_conversion_mapping names the checkpoint keys: per-expert Hub
+# tensors (`...experts.3.w1.weight`) are assembled into the fused (P, 2I, H) / (P, H, I) blocks as its
+# `MergeModulelist(dim=0)` (+ `Concatenate(dim=1)`) operations say, each expert read into its own rows;
+# other operation chains run transformers' operations on this rank's experts only. Fused tensors stored
+# as such (`...experts.gate_up_proj`, (E, ...)) are read row by row. Tied weights are re-tied and buffers
+# missing from the checkpoint (rotary `inv_freq`) are initialised by transformers' `initialize_weights`,
+# which skips every tensor read from disk.
 def _conversions(model: nn.Module):
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter

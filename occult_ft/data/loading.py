@@ -1,6 +1,7 @@
 """Loading training data: files, saved datasets, Hub ids and the embedded corpus, as rows of one layout.
 
-Sources `load_text_dataset` accepts:
+Sources `load_text_dataset` accepts (`streaming=True`: a `datasets.IterableDataset`; Hub ids and .jsonl
+files stream from their source, other files are read, then iterated):
 
     "embedded"              the shipped corpus (`split` = train / eval / instructions)
     path/to/file.txt        documents separated by blank lines (or fixed-size character chunks)
@@ -8,9 +9,6 @@ Sources `load_text_dataset` accepts:
     path/to/file.json       a JSON list of objects (or an object holding one such list)
     path/to/saved_dir       a directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`
     owner/name              a Hub dataset id, through `datasets.load_dataset`
-
-With `streaming=True` the result is a `datasets.IterableDataset` read lazily (Hub ids and .jsonl files
-stream from their source; other files are read, then iterated).
 
 Layouts (the columns of the returned rows; `dataset_layout` names them), the shapes TRL users have:
 

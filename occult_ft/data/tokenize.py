@@ -19,14 +19,9 @@ end-of-turn token included).
 Labels are -100 on padding and, with `response_only=True`, on every prompt token, so the loss covers
 the responses only.
 
-Packing (`packing=True`):
-    text rows           the documents, each followed by eos, are concatenated and cut into full
-                        `seq_len` blocks (attention crosses documents, as in pre-training).
-    example rows        (instruction, prompt/completion, messages) are grouped into rows of at most
-                        `seq_len` tokens by best-fit decreasing over chunks of 1000 examples; each row
-                        carries `position_ids` that restart at 0 for every example, which is what keeps
-                        examples apart in attention (see `occult_ft.data.batching`). The first label of
-                        every example is -100, so no example learns to predict the next one's start.
+Packing (`packing=True`): text rows are concatenated (eos after each) and cut into full `seq_len`
+blocks, as in pre-training; example rows are grouped by best-fit decreasing (`pack_examples`, see
+`_pack_rows` for what keeps them apart).
 """
 
 from __future__ import annotations
@@ -195,6 +190,10 @@ def pack_examples(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+# Example rows (instruction, prompt/completion, messages) are grouped into rows of at most `seq_len`
+# tokens over chunks of PACKING_CHUNK examples. Each row carries `position_ids` that restart at 0 for every
+# example, which is what keeps examples apart in attention (`occult_ft.data.batching`); the first label
+# of every example is -100, so no example learns to predict the next one's start.
 def _pack_rows(examples: list[tuple[list, list]], seq_len: int) -> dict[str, list]:
     rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
     for members in pack_examples([len(ids) for ids, _ in examples], seq_len):

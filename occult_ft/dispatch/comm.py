@@ -55,6 +55,7 @@ def exchange_meta(meta_DC: torch.Tensor, group: dist.ProcessGroup | None) -> tor
 def _split_kwargs(send_splits: Sequence[int], recv_splits: Sequence[int]) -> dict:
     """Split sizes for `all_to_all_single`; none when every block has the same size (the capacity-bounded
     exchange): the backend then runs its plain all-to-all instead of the uneven variant."""
+    # uneven splits need the size lists; equal ones let the backend take its plain (faster) path
     sizes = set(send_splits) | set(recv_splits)
     if len(sizes) == 1:
         return {}
@@ -78,6 +79,7 @@ def _packed(
     # One collective per dtype: e.g. (S, H) hidden rows and (S, K) fp32 weights in fp32 training become
     # one (S, H + K) buffer; row s of every member travels to the same rank, so columns can share it.
     for members in by_dtype.values():
+        # (S, ...) -> (S, prod(trailing)): a row's columns stay together, so row s of each member goes alike
         cols = [tensors[i].reshape(num_send, math.prod(tensors[i].shape[1:])) for i in members]
         send_SC = torch.cat(cols, dim=1).contiguous() if len(cols) > 1 else cols[0].contiguous()
         out.append((members, [c.shape[1] for c in cols], send_SC))
@@ -121,6 +123,7 @@ def start_exchange(
         return PendingRows([None] * len(parts), parts, shapes, num_recv, len(tensors))
     works, parts = [], []
     for members, widths, send_SC in _packed(tensors, num_send):
+        # one receive buffer per dtype: R rows of the members' columns side by side, unpacked in wait()
         recv_RC = send_SC.new_empty(num_recv, sum(widths))
         works.append(
             dist.all_to_all_single(
@@ -158,6 +161,7 @@ class _AllToAllRows(torch.autograd.Function):
         # reverse exchange with the splits swapped (no new counts, no host read). Only inputs that
         # need a gradient travel; that pattern is the same on every rank, so the collectives pair up.
         # Gradients are cast to the input's dtype so that dtype packing matches on every rank.
+        # forward's inputs are (send_splits, recv_splits, group, *tensors): tensor i is input 3 + i
         wanted = [i for i in range(len(grads)) if ctx.needs_input_grad[3 + i]]
         moved = exchange_rows(
             [grads[i].contiguous().to(ctx.dtypes[i]) for i in wanted],

@@ -55,19 +55,24 @@ class DecodeCapacity:
         self.decode_forwards = 0
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        # input_ids by keyword or as the first positional argument; else inputs_embeds, whose leading dims are (B, S)
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         if ids is None:
             return None
+        # (B, S) ids or (B, S, H) embeddings: B sequences, S tokens each in this forward
         batch, per_row = int(ids.shape[0]), int(ids.shape[1]) if ids.dim() > 1 else 1
         cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers 5.2x names it `cache`
+        # a decode step: one new token per sequence on a non-empty cache, after a prefill has set C
         decoding = per_row == 1 and cache is not None and cache.get_seq_length() > 0 and self.rows is not None
         if decoding:
+            # C >= the largest batch of any rank: each rank sends at most B <= C rows to each device
             self._set(self.rows)
             self.decode_forwards += 1
             return None
         self._set(None)
+        # prefill (or a forward without cache): exact exchange, and the C for the decode steps that follow
         self.rows = self._decode_rows(batch, ids.device)
         return None
 
@@ -76,6 +81,7 @@ class DecodeCapacity:
         largest = batch
         if dist.is_available() and dist.is_initialized():
             found = torch.tensor([batch], dtype=torch.int64, device=device)
+            # MAX over the group: every rank gets the same C, so the padded splits agree on every rank
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
             largest = int(found.item())
         if self.capacity == "auto":
@@ -89,6 +95,7 @@ class DecodeCapacity:
         return self.capacity
 
     def _set(self, capacity: int | None) -> None:
+        # configure_exchange touches every layer's record: only when the mode actually changes
         if capacity != self.current:
             configure_exchange(self.model, capacity=capacity)
             self.current = capacity

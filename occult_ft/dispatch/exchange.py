@@ -162,6 +162,7 @@ def read_counts(
     plans). Raises the same one-line ValueError on every rank when any rank saw ids outside [0, E).
     """
     experts = plans[0].layout
+    # the plans' tables side by side: n plans -> (D, n * C), in the column order they were exchanged
     sent = torch.cat([p.meta_DC for p in plans], dim=1)
     # Both tables are (D, n * C): row d of `sent` is what this rank tells destination d, row d of
     # `recv` what source rank d told us. One .tolist() of both is the layer's only host read.
@@ -180,6 +181,7 @@ def read_counts(
                 f"ranks {ranks} routed tokens to expert ids outside [0, num_experts={experts.num_experts}); "
                 "see the error on those ranks"
             )
+        # column `rows` of row j: rows this rank sends to rank j (sent) / receives from rank j (recv)
         sends.append(tuple(int(row[rows]) for row in sent_rows))
         recvs.append(tuple(int(row[rows]) for row in recv_rows))
         # Pairs for local expert j: column rows + 1 + j of what each source rank sent us, summed.
@@ -208,6 +210,7 @@ def send_rows(
         source_TH = torch.cat([hidden_TH, hidden_TH.new_zeros(1, hidden_TH.shape[1])])
     else:
         source_TH = hidden_TH
+    # row s = token send_token_idx_S[s]; rows are already grouped by destination, as the splits expect
     send_x_SH = source_TH[layout.send_token_idx_S]
     # Bit-packing: the local ids (in [-1, P)) ride as J extra columns of the hidden rows, cast to the
     # hidden dtype, so rows, weights (when of the same dtype) and ids go in one collective
@@ -289,6 +292,7 @@ class FlatExchange(Exchange):
             layout = capacity_layout(plan, self.capacity)
             # ids outside [0, E) would be sent nowhere: stop the run on the device, no host read
             torch._assert_async(plan.meta_DC[0, -1] == 0, "topk_ids hold expert ids outside [0, num_experts)")
+            # every rank sends C rows to every rank, so the receive splits are known without a count exchange
             recv_splits = (self.capacity,) * self.layout.num_devices
             counts: tuple[int, ...] | str = "device"
         else:

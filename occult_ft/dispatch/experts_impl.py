@@ -115,6 +115,7 @@ def exchange_for(shard: ExpertShard) -> Exchange:
     """The `Exchange` a shard record names (built per call: it is a few attribute reads)."""
     layout = shard.layout
     if shard.exchange == "two_stage":
+        # two_stage keeps the node count: its layout is E experts on N nodes of D / N devices
         return TwoStageExchange(layout, node_groups(shard.nodes, shard.group))  # cached sub-groups
     # The one-stage exchanges see the D devices only: their layout drops the node count (a flat
     # exchange over several nodes is valid, it just sends a token once per device, not per node).
@@ -184,6 +185,7 @@ def shard_experts_module(
         raise ValueError(f"{type(experts).__name__} is already sharded; shard_experts runs once per model")
     num_devices, rank = group_size_and_rank(group)
     names = tuple(param_names)
+    # dim 0 of every fused expert tensor is the expert: its length is E
     num_experts = int(getattr(experts, names[0]).shape[0])
     layout = ExpertLayout(num_experts, num_devices, nodes)  # D divides E, N divides D
     per_device = layout.experts_per_device
@@ -302,6 +304,7 @@ def _gather_dim0(shard: torch.Tensor, group: dist.ProcessGroup | None, num_devic
         return shard.detach().clone()
     shard = shard.detach().contiguous()
     pieces = [torch.empty_like(shard) for _ in range(num_devices)]
+    # all_gather returns the blocks in rank order: block r = experts [r * P, (r + 1) * P)
     dist.all_gather(pieces, shard, group=group)
     return torch.cat(pieces, dim=0)
 
@@ -351,6 +354,7 @@ def gather_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
             gathered = _gather_dim0(part, shard.group or group, shard.num_devices)
             full = nn.Parameter(gathered, requires_grad=part.requires_grad)
             setattr(experts, name, full)
+        # the module holds all E experts again: stock kernels read E
         experts.num_experts = shard.num_experts
         del experts.occult_shard
         previous = shard.previous_implementation

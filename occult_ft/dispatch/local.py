@@ -103,6 +103,7 @@ def grouped_linear(
     use_grouped = backend == "grouped_mm" or (backend == "auto" and _grouped_mm_usable(x_NI, w_EIO))
     if use_grouped and x_NI.shape[0] > 0:
         # host ints -> device without a blocking copy (a blocking one waits for the queued kernels)
+        # offs_E[e] = end of expert e's block = counts[0] + ... + counts[e] (grouped_mm's offsets are block ends)
         offs_E = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         offs_E = offs_E.to(x_NI.device, non_blocking=True)
         y_NO = F.grouped_mm(x_NI, w_EIO, offs=offs_E)
@@ -161,6 +162,7 @@ def local_experts_forward(
     key_N = torch.where(ids_N == LOCAL_SENTINEL, num_local, ids_N)
     if counts == "device" and backend != "loop":
         mats = (w["up_EIO"], w["down_EIO"])
+        # the byte widths of every row of both weight matrices (I and O of up and down) must be 16-byte multiples
         row_bytes = [m.shape[i] * m.element_size() for m in mats for i in (1, 2)]
         usable = all(_grouped_mm_supported(m) for m in mats)
         if ids_N.numel() and usable and all(b % 16 == 0 for b in row_bytes):
@@ -184,6 +186,7 @@ def local_experts_forward(
     key_sorted, pair_order = torch.sort(key_N, stable=True)
     active = sum(counts)
     pair_g, expert_g = pair_order[:active], key_sorted[:active]
+    # pair n belongs to row n // K: each live pair gathers its row's hidden state
     x_g = x_RH[pair_g // top_k].to(w["up_EIO"].dtype)
 
     up_bias = w["up_bias_EO"][expert_g] if w["up_bias_EO"] is not None else None
@@ -195,6 +198,7 @@ def local_experts_forward(
         y_g = experts.post_expert_norm(y_g)  # type: ignore[operator]
     # The gate weight multiplies the expert output on this device, then a row's slots are summed: one
     # row per (token, device) goes back, which is what de-duplication saves on the way home.
+    # weights_RK.reshape(-1)[n] is the weight of pair n = (row n // K, slot n % K)
     weighted_g = y_g * weights_RK.reshape(-1)[pair_g].unsqueeze(-1)
     return _sum_slots(weighted_g, pair_g, num_rows, top_k).to(x_RH.dtype)
 
@@ -207,7 +211,9 @@ def _sum_slots(weighted_NH: torch.Tensor, pair_N: torch.Tensor, num_rows: int, t
     unlike index_add on CUDA), as transformers' kernels do."""
     if weighted_NH.device.type == "cpu":
         out_RH = weighted_NH.new_zeros(num_rows, weighted_NH.shape[-1])
+        # pair n adds into row n // K
         return out_RH.index_add(0, torch.div(pair_N, top_k, rounding_mode="floor"), weighted_NH)
+    # pair n lands at position n = row * K + slot of an (R * K, H) buffer: view (R, K, H), sum over K
     pairs_NH = weighted_NH.new_zeros(num_rows * top_k, weighted_NH.shape[-1]).index_copy(
         0, pair_N, weighted_NH
     )
@@ -228,6 +234,7 @@ def _device_counted(x_RH, key_N, weights_RK, experts, w, num_local: int, top_k: 
     # dead pairs borrow the last expert's bias only to keep the gather in range; they are masked
     expert_g = key_sorted.clamp_max(num_local - 1)
     dtype = w["up_EIO"].dtype
+    # pair n of the sorted order is row pair_order[n] // K: dead pairs read a zero row
     x_g = torch.where(live_N, x_RH[pair_order // top_k].to(dtype), 0.0)
     up_bias = w["up_bias_EO"][expert_g] if w["up_bias_EO"] is not None else None
     up_g = torch.where(live_N, grouped_linear(x_g, w["up_EIO"], None, up_bias, offs_E=offs_E), 0.0)

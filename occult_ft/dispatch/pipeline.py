@@ -123,6 +123,7 @@ class _PipelinedMoE(torch.autograd.Function):
             # the combines: each chunk's rows come home and are summed per token in at least fp32
             for st, back in zip(states, pending):
                 (back_SH,) = back.wait()
+                # each chunk's send_token_idx_S is local to the chunk: offset by writing into out_TH[lo:hi]
                 out_TH[st.lo : st.hi].index_add_(0, st.layout.send_token_idx_S, back_SH.to(out_TH.dtype))
         ctx.states, ctx.group, ctx.chunks, ctx.anchors = states, group, chunks, len(anchors)
         return out_TH.to(hidden_TH.dtype)
@@ -134,6 +135,7 @@ class _PipelinedMoE(torch.autograd.Function):
 
         # the combine's transpose: each sent row's token gradient goes back to the expert's device
         def start_reverse_combine(st):
+            # grad_out_TH[lo:hi][send_token_idx_S]: the gradient of each row the chunk sent (a token per row)
             g_SH = grad_out_TH[st.lo : st.hi][st.layout.send_token_idx_S].to(st.out.dtype)
             return start_exchange([g_SH], st.layout.send_splits, st.recv, group)
 
@@ -162,10 +164,13 @@ class _PipelinedMoE(torch.autograd.Function):
                     [st.send_x, st.send_w], [st.h_leaf, st.w_leaf], [g_send_x, g_send_w], allow_unused=True
                 )
             if g_h is not None:
+                # the chunk's tokens are rows lo..hi of the layer: its gradient lands in that slice
                 grad_h[st.lo : st.hi] = g_h
             pieces_w.append(g_w if g_w is not None else torch.zeros_like(st.w_leaf))
         grad_w = torch.cat(pieces_w) if pieces_w else None
         ctx.states = None
+        # one gradient per forward input: hidden, weights; None for ids, experts, exchange, chunks, backend,
+        # graph, and the anchors (their gradients already accumulated in backward)
         return (grad_h, grad_w, None, None, None, None, None, None, *([None] * ctx.anchors))
 
 

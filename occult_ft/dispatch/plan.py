@@ -173,6 +173,7 @@ def _slots(topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor, layout: ExpertLa
     layout.check_rank(rank)
     ids_TK = topk_ids_TK.long()
     e, p, d = layout.num_experts, layout.experts_per_device, layout.num_devices
+    # valid: a real expert id; -1 (a fan-out stage's "served elsewhere") and out-of-range ids are not
     valid_TK = (ids_TK >= 0) & (ids_TK < e)
     # `bad` stays a 0-dim device tensor: it rides in the count exchange and is read with the counts.
     # A fan-out stage (sentinel_in) receives -1 for slots served on another node: those are not bad.
@@ -220,7 +221,9 @@ def dedup_plan(
     # spare column D absorbs the slots that go nowhere, then drop it. One row per True = C_T per token.
     present_TD = torch.zeros(t, d + 1, dtype=torch.bool, device=device_TK.device)
     present_TD.scatter_(1, device_TK, True)
+    # (T, D) -> (D, T): destination-major, the order rows are sent in (device 0's tokens first)
     present_DT = present_TD[:, :d].t()
+    # column 0 of the count table: rows to d = tokens with a slot there (dedup: sum over d = sum of C_T)
     meta_DC = _meta(layout, present_DT.sum(dim=1), pairs_E, bad)
     k = topk_ids_TK.shape[1]
     return RowPlan(
@@ -243,6 +246,7 @@ def per_expert_plan(
         device_TK < layout.num_devices, device_TK * layout.experts_per_device + local_TK, layout.num_experts
     )
     order_N = torch.argsort(flat_N.reshape(-1), stable=True)
+    # rows are (token, slot) pairs: a device's rows = the pairs of its P experts (pairs_E viewed (D, P))
     rows_D = pairs_E.view(layout.num_devices, -1).sum(dim=1)  # one row per pair: rows = pairs per device
     meta_DC = _meta(layout, rows_D, pairs_E, bad)
     return RowPlan(
@@ -263,6 +267,7 @@ def _dedup_slots(device_TK, local_TK, weights_TK, token_S, device_S):
     """(ids_SK, weights_SK) of rows (token, destination): each row keeps all K slots in place (slot k of a
     row is slot k of its token, as DeepEP's `recv_topk_idx`); slots served elsewhere become the
     sentinel with weight exactly 0 (`where`, not a product, so the router's gradient there is 0)."""
+    # here_SK[s, k]: slot k of row s's token is served on the row's destination device
     here_SK = device_TK[token_S] == device_S[:, None]
     ids_SK = torch.where(here_SK, local_TK[token_S], LOCAL_SENTINEL)
     gathered_SK = weights_TK[token_S]
@@ -293,6 +298,7 @@ def layout_from_plan(plan: RowPlan, send_splits: tuple[int, ...]) -> DispatchLay
         assert plan.order_N is not None  # a per-expert plan has it
         # The first num_rows pairs of the expert-sorted order are the valid ones; pair n = t * K + k.
         pair_S = plan.order_N[:num_rows]
+        # pair n = t * K + k: the token is n // K; its destination was planned per slot
         token_S, device_S = pair_S // k, plan.slot_device_TK.reshape(-1)[pair_S]
         ids_SJ = plan.slot_local_TK.reshape(-1)[pair_S].unsqueeze(1)  # J = 1: one slot per row
         weights_SJ = plan.weights_TK.reshape(-1)[pair_S].unsqueeze(1)
@@ -324,6 +330,7 @@ def capacity_layout(plan: RowPlan, capacity: int) -> DispatchLayout:
     # Position of token t within device d's block = how many present tokens precede it (cumsum - 1);
     # its buffer slot is d * capacity + that position. Absent pairs all target one spare slot d * C.
     pos_DT = plan.present_DT.long().cumsum(dim=1) - 1
+    # slot_DT[d, t] = d * capacity + position of t in d's block (valid where present_DT[d, t])
     slot_DT = torch.arange(d, device=dev)[:, None] * capacity + pos_DT
     target_X = torch.where(plan.present_DT, slot_DT, d * capacity).reshape(-1)
     token_X = torch.arange(t, device=dev).expand(d, t).reshape(-1)
@@ -331,6 +338,7 @@ def capacity_layout(plan: RowPlan, capacity: int) -> DispatchLayout:
     # is cut off), so the scatter is deterministic despite the repeated index.
     token_S = torch.full((d * capacity + 1,), t, dtype=torch.long, device=dev)
     token_S = token_S.scatter_(0, target_X, torch.where(plan.present_DT.reshape(-1), token_X, t))[:-1]
+    # block d of the buffer is destination d: every row s in [d * C, (d + 1) * C) goes to device d
     device_S = torch.arange(d, device=dev).repeat_interleave(capacity)
     # One extra token row T for the pads: its slots go to the spare device D, so no real destination
     # matches them and they become sentinels with weight 0.

@@ -59,10 +59,12 @@ def reference_moe(
     rows = []
     for t in range(num_tokens):
         acc_H = None
+        # the oracle: one token, one slot at a time, in slot order, no batching, no de-duplication
         for k in range(top_k):
             y_H = expert_fn(int(topk_ids_TK[t, k]), hidden_TH[t : t + 1])[0]
             term_H = weights_TK[t, k] * y_H
             acc_H = term_H if acc_H is None else acc_H + term_H
+        # a token with no slot (K = 0) contributes a zero row
         rows.append(acc_H if acc_H is not None else torch.zeros_like(hidden_TH[t]))
     if not rows:
         return hidden_TH[:0] * 0  # (0, H), still attached to the graph
@@ -125,10 +127,12 @@ def experts_module_fn(experts: nn.Module) -> ExpertFn:
     def expert_fn(expert_id: int, x_NH: torch.Tensor) -> torch.Tensor:
         # read per call: the function sees the module's current tensors (replaced ones included)
         w = expert_weights(experts)
+        # (N, H) @ (H, 2I): the fused gate and up halves in one product, split by the module's _apply_gate
         up_NO = x_NH.to(w["up_EIO"].dtype) @ w["up_EIO"][expert_id]
         if w["up_bias_EO"] is not None:
             up_NO = up_NO + w["up_bias_EO"][expert_id]
         mid_NI = expert_activation(experts, up_NO)
+        # (N, I) @ (I, H): back to the hidden size
         y_NH = mid_NI @ w["down_EIO"][expert_id]
         if w["down_bias_EO"] is not None:
             y_NH = y_NH + w["down_bias_EO"][expert_id]

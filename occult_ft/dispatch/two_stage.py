@@ -173,7 +173,9 @@ class TwoStageExchange(Exchange):
                 f"{layout.num_nodes} nodes of {layout.devices_per_node} devices"
             )
         self.layout, self.groups, self.group = layout, groups, groups.ep_group
+        # rank = node * L + local index: the EP rank this rank holds (ranks of a node are consecutive)
         self.rank = groups.node * groups.local_size + groups.local_rank
+        # the fan-out layout: one node's L * P experts on its L devices (ids node-local, as stage 1 sends them)
         self.fanout = layout.node_local()
 
     def dispatch(self, hidden_TH, topk_ids_TK, weights_TK):
@@ -208,6 +210,7 @@ class TwoStageExchange(Exchange):
         ids_TK = plan1.topk_ids_TK.long()
         # devices each token reaches (a spare column D for invalid ids): stage 2 sends one row per pair
         valid_TK = (ids_TK >= 0) & (ids_TK < e)
+        # expert e lives on device e // P (contiguous blocks); invalid ids go to the spare column D
         dev_TK = torch.where(valid_TK, ids_TK, 0) // layout.experts_per_device
         dev_TK = torch.where(valid_TK, dev_TK, d)
         reached_TD = torch.zeros(ids_TK.shape[0], d + 1, dtype=torch.bool, device=ids_TK.device)
@@ -239,6 +242,7 @@ class TwoStageExchange(Exchange):
         # local index me on all nodes) had reaching that device; as host, device li of my node forwards
         # me the rows its senders had reaching me
         senders = [rank_of[m][me] for m in range(n)]
+        # column n + r of a table row: rows that sender had reaching device r (the D block after N node columns)
         sends2 = tuple(sum(table[s][n + rank_of[node][li]] for s in senders) for li in range(l_size))
         recvs2 = tuple(sum(table[rank_of[m][li]][n + self.rank] for m in range(n)) for li in range(l_size))
         # my P experts' pairs: their columns (after the N + D row counts), summed over every sender

@@ -113,6 +113,7 @@ def check_load_bound(max_load_imbalance) -> None:
         isinstance(max_load_imbalance, bool)
         or not isinstance(max_load_imbalance, (int, float))
         or not (max_load_imbalance >= 1)
+        # >= 1 also rejects NaN (every comparison with NaN is False); inf would allow any imbalance
         or max_load_imbalance == float("inf")
     ):
         raise PlacementError(
@@ -134,9 +135,11 @@ def incidence(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(T', E) float32 0/1 incidence of the tokens that selected at least one expert (-1 slots ignored)."""
     ids = topk_ids_TK.long().cpu()
     ids = torch.where(ids >= 0, ids, num_experts)  # -1 -> spare column E, dropped below
+    # scatter_add counts each (token, expert) hit in its column; the spare column E takes the -1 slots
     x = torch.zeros(ids.shape[0], num_experts + 1).scatter_add_(1, ids, torch.ones(ids.shape))
     # clamp: an expert listed twice in one row (padded or repeated ids) still counts once
     x = x[:, :num_experts].clamp_(max=1.0)
+    # a token with no expert left (all slots -1, e.g. outside a node's experts) loads nothing: dropped
     return x[x.sum(dim=1) > 0].contiguous()
 
 
@@ -160,6 +163,7 @@ def coactivation_matrix(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Te
 
 
 def device_to_groups(dev_E: torch.Tensor, num_devices: int) -> list[list[int]]:
+    # group d = the experts whose device is d, ascending
     return [sorted((dev_E == d).nonzero().flatten().tolist()) for d in range(num_devices)]
 
 
@@ -178,6 +182,7 @@ def devices_total(x_TE: torch.Tensor, dev_E: torch.Tensor, num_devices: int) -> 
 def imbalance(load_D: torch.Tensor) -> float:
     """max / mean of a load vector (`metrics.load_imbalance`'s definition; 0.0 for no load)."""
     mean = float(load_D.double().mean())
+    # float64: a mean of integer loads stays exact; no load at all has no imbalance (0.0, not NaN)
     return float(load_D.double().max()) / mean if mean > 0 else 0.0
 
 
@@ -225,9 +230,11 @@ def two_level(
     extra = {} if seed is None else {"seed": seed}
     if node_groups is None:
         top = solve(incidence(ids, num_experts), num_nodes, **extra)
+        # the node level: N groups of E/N experts, the tokens' distinct nodes as the objective
         node_groups = top.groups if isinstance(top, LayerResult) else top  # a solver may return either
     groups: list[list[int]] = []
     for node, members in enumerate(node_groups):
+        # the node's sub-problem: the tokens that selected one of its experts, on its experts only
         sub_x = node_incidence(ids, num_experts, members)
         extra = {} if seed is None else {"seed": seed + node + 1}
         sub = solve(sub_x, num_devices // num_nodes, **extra)  # D/N devices per node, ids local to it
@@ -241,7 +248,9 @@ def node_incidence(topk_ids_TK: torch.Tensor, num_experts: int, members: list[in
     """Incidence of the tokens on one node's experts, columns numbered 0..len(members)-1 in `members` order."""
     ids = topk_ids_TK.long().cpu()
     local = torch.full((num_experts + 1,), -1, dtype=torch.long)  # slot E: the -1 sentinel
+    # local[e] = position of global expert e in `members`, -1 for the experts of other nodes (and slot E)
     local[torch.tensor(members)] = torch.arange(len(members))
+    # -1 slots map to E, which maps to -1 again, so incidence drops them with the other nodes' experts
     return incidence(local[torch.where(ids >= 0, ids, num_experts)], len(members))
 
 

@@ -247,10 +247,12 @@ class Placement:
 
     def expert_device(self, layer: int) -> torch.Tensor:
         """(E,) int64 device of each original expert id of `layer`."""
+        # expert_device[e] = d for every e in group d: the (E,) map the router's budget and dispatch read
         return expert_device_from_groups(self._layer_groups(layer), self.num_experts)
 
     def expert_order(self, layer: int) -> torch.Tensor:
         """(E,) int64: new expert j is original expert order[j] (device d holds new ids d*E/D .. +E/D-1)."""
+        # the groups concatenated: position p of the placed model holds original expert order[p]
         return torch.tensor([e for group in self._layer_groups(layer) for e in group], dtype=torch.long)
 
     def check_model(
@@ -294,9 +296,11 @@ class Placement:
         lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + ['  "layers": {']
         for i, layer in enumerate(self.layers):
             body = ",\n".join(f"      {json.dumps(g)}" for g in self.groups[layer])
+            # each layer: its D groups one per line; a comma after every layer but the last (JSON has no trailing comma)
             lines.append(f'    "{layer}": [\n{body}\n    ]' + ("," if i < len(self.groups) - 1 else ""))
         try:
             # allow_nan=False: json.dumps would otherwise write NaN, which no strict JSON reader takes
+            # indented by two more spaces so the block nests under the top-level "metrics" key
             metrics = json.dumps(self.metrics, indent=2, allow_nan=False).replace("\n", "\n  ")
         except ValueError:
             raise PlacementError(
@@ -315,6 +319,7 @@ class Placement:
             raise PlacementError(
                 f"cannot write '{path}': it is a directory; give a file name like placement.json"
             )
+        # written to a temporary file and renamed: a reader never sees half a placement
         atomic_write_text(path, self.to_json())
 
     @classmethod
@@ -327,6 +332,7 @@ class Placement:
             )
         path = Path(path)
         data = _read_placement_json(path)
+        # the header first: a file of another format or version is refused before its groups are looked at
         _check_placement_header(path, data)
         try:
             _check_layer_keys(data["layers"], "placement file")
@@ -344,6 +350,7 @@ class Placement:
                 num_devices=data["num_devices"],
                 num_nodes=data["num_nodes"],
                 algorithm=str(data["algorithm"]),
+                # JSON object keys are strings: layer "12" becomes the int 12 the model's layer indices use
                 groups={int(k): v for k, v in data["layers"].items()},
                 metrics=data.get("metrics") or {},
             )

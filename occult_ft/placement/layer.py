@@ -114,6 +114,7 @@ def split_holdout(num_tokens: int, holdout: float) -> tuple[torch.Tensor, torch.
     blocks = -(-num_tokens // HOLDOUT_BLOCK)  # ceil: a last partial block counts as one
     if holdout <= 0 or blocks < 2:
         return torch.arange(num_tokens), torch.zeros(0, dtype=torch.long)
+    # block b is held out when floor(b h) steps up between b and b + 1: h of the blocks, evenly spaced
     out_B = torch.tensor([floor((b + 1) * holdout) > floor(b * holdout) for b in range(blocks)])
     if bool(out_B.all()):  # h >= 1 holds out every block (b = 0 is kept for any h < 1): keep one
         out_B[0] = False
@@ -175,8 +176,10 @@ def _place_one(
     x_TE = incidence(ids_TK, num_experts)
     if budget is None:
         result = solve_layer(ids_TK, num_experts, num_devices, algorithm, num_nodes, **options)
+        # the bound reported with the figures: the user's, or the automatic one the algorithm resolved alike
         beta = explicit if explicit is not None else _auto_bound(x_TE, num_devices)
     else:  # the bound belongs to the pruned routing: place unpruned, then refine on the pruned routing
+        # the user's bound is dropped for the unpruned solve: it is a bound on the pruned routing's loads
         plain = {k: v for k, v in options.items() if k != "max_load_imbalance"}
         result = solve_layer(ids_TK, num_experts, num_devices, algorithm, num_nodes, **plain)
         dev_E = expert_device_from_groups(result.groups, num_experts)
@@ -216,9 +219,11 @@ def _place_in_routing_groups(ids_TK, num_experts, num_devices, group_size, algor
     per_device = num_experts // num_devices
     if per_device % group_size == 0:
         # expert e of routing group u = e // group_size: the groups are placed as experts of their own
+        # ids // group_size maps each expert to its routing group: the groups are the units placed
         unit_groups = place_layer(
             ids_TK // group_size, num_experts // group_size, num_devices, algorithm, num_nodes, **options
         )
+        # unit u covers experts u*group_size .. (u+1)*group_size - 1: expand each device's units back
         return [
             sorted(e for u in g for e in range(u * group_size, (u + 1) * group_size)) for g in unit_groups
         ]
@@ -226,9 +231,11 @@ def _place_in_routing_groups(ids_TK, num_experts, num_devices, group_size, algor
     groups: list[list[int]] = []
     for q in range(num_experts // group_size):
         # (T, K) ids local to group q (0..group_size-1), -1 for the experts outside it
+        # an expert of group q has local id e - q*group_size in 0..group_size-1
         local = torch.where(ids_TK // group_size == q, ids_TK - q * group_size, -1)
         inside = local.max(dim=1).values >= 0  # tokens with at least one expert in this group
         sub = place_layer(local[inside], group_size, span, algorithm, **options)
+        # the group's span devices come in order: local ids back to global expert ids
         groups.extend(sorted(q * group_size + e for e in g) for g in sub)
     return groups
 
@@ -271,6 +278,7 @@ def _layer_figures(
     the gaps to them, and its time."""
     result = placed["result"]
     figures = _figures(ids_TK, dev_E, num_devices, num_nodes, budget)
+    # max(1, ...): a layer with no tokens divides by 1, not 0
     tokens = max(1, figures["tokens"])
     # the algorithms bound the summed devices over the tokens; per token it bounds comm_complexity
     bound = None if result.lower_bound is None else result.lower_bound / tokens
@@ -278,6 +286,7 @@ def _layer_figures(
         bound = min(bound, figures["comm_complexity"])
     figures.update(
         lower_bound=bound,
+        # gap = comm_complexity / bound - 1: the placement's distance from the proven optimum
         gap=None if not bound else figures["comm_complexity"] / bound - 1.0,  # 0.0: proven optimal
         optimal=bool(result.optimal),
         load_bound=placed["load_bound"],
@@ -345,6 +354,7 @@ def compute_placement(
     groups, per_layer = {}, {}
     for layer in todo:
         ids = profile.layers[layer].topk_ids.long()
+        # fit and held are token indices: a held-out block never shapes the placement it measures
         fit, held = split_holdout(ids.shape[0], holdout)  # placed on `fit`; `held` is only measured
         try:
             if group_size > 1:
@@ -458,6 +468,7 @@ def _overall(per_layer: dict, max_load_imbalance, holdout: float, budget) -> dic
         comm_complexity=mean(rows, "comm_complexity"),
         # the worst layer: the slowest device of any layer sets the step time
         load_imbalance=max(r["load_imbalance"] for r in rows),
+        # a mean bound needs every layer's: one layer without a bound leaves the overall unknown
         lower_bound=mean(rows, "lower_bound") if all(r["lower_bound"] is not None for r in rows) else None,
         max_load_imbalance=max_load_imbalance,
         holdout=holdout,
@@ -487,6 +498,7 @@ def sequential_placement(
 ) -> Placement:
     """The framework default (contiguous experts per device) as a `Placement`, for every listed layer."""
     validate_sizes(num_experts, num_devices, 1)
+    # sequential ignores the routing: zero tokens give the same groups
     groups = sequential(torch.zeros(0, num_experts), num_devices)
     return Placement(
         model,

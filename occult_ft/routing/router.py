@@ -70,14 +70,19 @@ def prune_topk(
     Returns:
         (topk_ids_TK, weights_TK, changed_T) where weights keep the dtype of `weights_TK`.
     """
+    # selection scores, not logits: what the model ranks experts by (the registry knows; DeepSeek-V3 adds
+    # its correction bias to sigmoid scores); detached because pruning only chooses, it is not differentiated.
     scores = arch.selection_scores(router, logits_TE.detach(), inputs)
     choice_TK = topk_ids_TK
     if device_bias_D is not None:
         scores = add_device_bias(scores, expert_device_E, device_bias_D)
+    # device_topk_sum replaces the router's group limit by its own node/device ranking, so no group mask.
     selectable = None if config.criterion == "device_topk_sum" else router_selectable(arch, router, scores)
     if device_bias_D is not None:
         # the router's own choice re-taken on the biased scores (its group limit included)
         ranked = scores if selectable is None else scores.masked_fill(~selectable, arch.group_mask_fill)
+        # with a device bias the router's own top-k (taken on unbiased scores) is stale: re-take it on the
+        # biased scores, masked to the groups the router allows, so the walk starts from the biased choice.
         choice_TK = ranked.topk(topk_ids_TK.shape[1], dim=-1).indices
     new_ids = limit_topk(
         scores,
@@ -92,11 +97,17 @@ def prune_topk(
         config.max_nodes_per_token,
         arch.group_score_topn,
     )
+    # compare as sets (sorted rows): the same experts in another slot order is not a change.
     changed_T = (new_ids.sort(dim=1).values != topk_ids_TK.sort(dim=1).values).any(dim=1)
+    # gate weights from the unbiased logits (DeepSeek-V3 Sec. 2.1.2: the bias only selects, never weighs).
     new_w = arch.gate_weights(router, logits_TE, new_ids, inputs)
+    # preserve_mass rescales the k weights to the sum the unpruned selection had; 1e-20 avoids 0/0
+    # for a row whose new experts all have zero probability.
     if config.gate_weights == "preserve_mass":
         new_w = new_w * (weights_TK.float().sum(-1, keepdim=True) / (new_w.sum(-1, keepdim=True) + 1e-20))
     new_w = new_w.to(weights_TK.dtype)
+    # tokens the budget did not touch keep the router's own output bit for bit (ids and weights), so an
+    # unconstrained model routes exactly as before; device_topk_sum re-selects every token by design.
     if config.criterion != "device_topk_sum":
         keep = ~changed_T.unsqueeze(1)
         new_w = torch.where(keep, weights_TK, new_w)
@@ -140,14 +151,17 @@ _Router = TypeVar("_Router", bound=nn.Module)
 
 def _pruned_class(base: type[_Router]) -> type[_Router]:
     """A subclass of the model's own router class whose forward prunes; parameters keep their names."""
+    # already pruned (apply_pruning called twice): subclassing again would stack two pruning forwards.
     if getattr(base, "_occult_pruned", False):
         return base
     if base not in _PRUNED_CLASSES:
 
         def forward(self, hidden_states, *args, **kwargs):
+            # the HF routers return (router_logits, routing_weights, selected_experts); the wrapper keeps that contract.
             logits, weights, ids = base.forward(self, hidden_states, *args, **kwargs)
             cfg: PruningConfig = self.occult_config
             ids_in = ids
+            # with no budget (cfg.active False) the forward is the model's own; only the recording below runs.
             if cfg.active:
                 inputs = self.occult_arch.call_inputs(args, kwargs)
                 ids, weights, _ = prune_topk(
@@ -164,6 +178,9 @@ def _pruned_class(base: type[_Router]) -> type[_Router]:
                 )
             if self.occult_recording:
                 probs = self.occult_arch.probabilities(self, logits)
+                # removed mass = the share of the unpruned top-k probability that the pruned top-k lost, in [0, 1];
+                # clamp_min(0): the pruned experts can hold more probability than the unpruned ones when the
+                # selection scores are not the probabilities (a correction bias or a device bias).
                 p = probs.detach()
                 before = p.gather(1, ids_in).sum(-1)
                 after = p.gather(1, ids).sum(-1)
@@ -173,6 +190,7 @@ def _pruned_class(base: type[_Router]) -> type[_Router]:
                 )
             return logits, weights, ids
 
+        # one subclass per router class, cached: every layer of a model (and every later call) shares it.
         _PRUNED_CLASSES[base] = type(
             f"Occult{base.__name__}",
             (base,),
@@ -205,6 +223,7 @@ def apply_pruning(
         The model's MoE layers.
     """
     layers = find_moe_layers(model)
+    # every layer is checked before any router changes: a bad budget leaves the model untouched
     for layer in layers:
         config.check(layer.num_experts, layer.top_k)
     if config.active and config.criterion == "similarity":
@@ -216,12 +235,14 @@ def apply_pruning(
             )
     for layer in layers:
         router = cast("PrunedRouter", layer.router)
+        # swapping __class__ keeps the instance, so parameters, hooks and state-dict names stay untouched.
         router.__class__ = _pruned_class(type(router))
         router.occult_arch = layer.arch
         router.occult_config = config
         router.occult_recording = getattr(router, "occult_recording", False)
         router.occult_keep_graph = getattr(router, "occult_keep_graph", False)
         router.occult_record = None
+        # any parameter or buffer gives the router's device (the buffers below must live beside the weights).
         ref = next(iter([*router.parameters(), *router.buffers()]))
         mapping = (
             expert_device[layer.index]
@@ -249,6 +270,7 @@ def _set_device_bias(
         if held is not None and held.numel() != num_devices:
             router._buffers.pop("occult_device_bias")  # learnt for another device count: meaningless here
         return
+    # {} or a table without this layer removes the layer's bias
     bias = device_bias.get(index)
     if bias is None:
         router._buffers.pop("occult_device_bias", None)
@@ -262,6 +284,7 @@ def _set_device_bias(
 
 
 def _set_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    # re-assigning a registered buffer keeps its non-persistent flag, so it stays out of the state dict.
     if name in module._buffers:
         module._buffers[name] = value
     else:
@@ -282,6 +305,7 @@ def remove_pruning(model: nn.Module) -> None:
     for layer in find_moe_layers(model):
         router = layer.router
         if getattr(router, "_occult_pruned", False):
+            # __mro__[1] is the model's own router class: the pruned class is a direct subclass of it.
             router.__class__ = router.__class__.__mro__[1]
             for name in ("occult_expert_device", "occult_similarity", "occult_device_bias"):
                 router._buffers.pop(name, None)
@@ -321,10 +345,13 @@ def unpruned_routing(model: nn.Module, record: bool = False):
     The teacher of distillation: the same weights with the unpruned routing."""
     saved = []
     for _, router in pruned_routers(model):
+        # what the block changes, restored in `finally` even when the teacher's forward raises
         saved.append((router, router.occult_config, router.occult_recording, router.occult_record))
+        # lifting both budgets makes cfg.active False: the forward returns the model's own routing.
         router.occult_config = replace(
             router.occult_config, max_devices_per_token=None, max_nodes_per_token=None
         )
+        # recording stays on only when asked, so the teacher's forward does not overwrite the student's record.
         router.occult_recording = router.occult_recording and record
     try:
         yield model
@@ -339,6 +366,7 @@ def router_similarity(model: nn.Module) -> dict[int, torch.Tensor] | None:
     buffers = {
         layer.index: router._buffers.get("occult_similarity") for layer, router in pruned_routers(model)
     }
+    # fp32 on the CPU: the checkpoint stores the table independent of the training dtype and device.
     tables = {i: t.detach().float().cpu() for i, t in buffers.items() if t is not None}
     return tables or None
 

@@ -1,59 +1,17 @@
 """Expert-parallel training inside `OccultTrainer`: groups, sharding, gradient reduction, clipping, checkpoints.
 
-With W processes and `expert_parallel_size` D (W % D == 0) the ranks form
+How the groups are laid out, why the gradients equal a single process's, and what a checkpoint holds:
+docs/expert-parallel.md, "Groups, gradients and checkpoints".
 
-* expert-parallel (EP) groups of consecutive ranks [g*D, (g+1)*D): each EP group holds one copy of
-  the experts, rank g*D + p holding the contiguous block p of E/D experts per layer, and exchanges
-  tokens with the de-duplicated all-to-all ("occult_ep"; `exchange`, `exchange_chunks` and
-  `exchange_capacity` choose the exchange, its pipelining and its capacity-bounded mode);
-* expert-data-parallel (EDP) groups of the ranks at the same position p of every EP group
-  (p, p + D, p + 2D, ...): the W/D replicas of one expert shard.
-
-The groups come from DeepSpeed (`occult_ft.integrations.deepspeed.deepspeed_expert_groups`) when the
-run uses a DeepSpeed config, otherwise from `torch.distributed.new_group` in the same layout.
-
-Every rank feeds its own micro-batch, as in plain data parallelism over all W ranks. Gradients:
-
-* replicated parameters (attention, embeddings, routers, ...) are averaged over all W ranks by DDP or
-  the DeepSpeed engine, as usual, on the last micro-batch of each optimizer step only; DDP's buckets
-  are sized to one decoder layer's replicated parameters (`replicated_bucket_cap_mb`, unless
-  `ddp_bucket_cap_mb` is set), so each layer's all-reduce starts when its backward is done;
-* an expert shard's gradient on rank r already sums, through the reverse all-to-all, the
-  contributions of the micro-batches of r's whole EP group. Summing it over the EDP group gives the
-  sum over all W micro-batches; dividing by W turns it into the same average DDP takes of replicated
-  gradients. With Trainer's loss (token sum / global token count * W per rank) that is exactly the
-  single-process gradient of the global batch. Without DeepSpeed, `ExpertGradientReducer` does this
-  during the backward of the last micro-batch of each optimizer step, one MoE layer's all-reduce
-  started as soon as the backward has left that layer, all waited for before clipping
-  (`reduce_expert_gradients` is the same sum, blocking, after backward). DDP is told to ignore the
-  shards, so it neither broadcasts rank 0's shard at wrap time nor averages the shards over all
-  ranks; DeepSpeed's engine does the same by itself for parameters marked as expert parameters.
-* the gradient norm for clipping (`clip_expert_parallel_grad_norm`) adds the shards' squared norms
-  over the EP group to the replicated parameters' squared norm, so every rank clips by the norm of
-  the whole model and the replicas stay identical.
-
-Routers are replicated, so routing metrics and the pruning-aware balance loss work as in data
-parallelism: the balance loss is a per-micro-batch mean, averaged over ranks (not the balance loss of
-the whole global batch, which is why the exactness tests run with `balance_loss_coef=0`).
-LoRA (`train_mode="lora"`, PEFT `target_parameters` on the fused expert tensors): the expert LoRA
-factors shard with the experts (`occult_ft.integrations.peft.shard_expert_lora`): rank r holds the
-factors of its own E/D experts, marked like the expert shards, so they are reduced over the EDP group,
-counted once in the clipping norm, kept out of DDP and, under DeepSpeed, marked as expert parameters.
-They are first broadcast from rank 0 (DDP does the same for the replicated attention LoRA and the
-`modules_to_save` routers), so every run starts from one initialisation whatever each process drew.
-Saving gathers them back into the layout a single-process PEFT run writes (`adapter_model.safetensors`
-with A (r * E, in) and B (out, r * E) per fused tensor); resuming cuts the saved adapter again
-(`load_expert_lora_shards`).
-
-Checkpoints: `gathered_state_dict` all-gathers the shards (collective) so rank 0 writes the standard
-HF layout; `shard_state_dict` cuts a full state dict down to this rank's shards when resuming.
-Without DeepSpeed, Trainer writes rank 0's optimizer state only, which holds the moments of rank 0's
-expert shards; `save_expert_optimizer_state` therefore also writes the state of every EP position p
-(from rank p of the first EP group) to `optimizer_expert_shard_{p}_of_{D}.pt`, and
-`load_expert_optimizer_state` gives each rank the file of its position. Under DeepSpeed every rank
-writes its own ZeRO partition, but the engine's model-state file comes from rank 0 alone, so after
-the engine has loaded it `load_expert_shards` puts every rank's own shards back from the HF weights
-saved beside it (ZeRO's fp32 master partitions are per rank and already right).
+    ExpertParallelGroups / expert_parallel_groups   EP groups [g*D, (g+1)*D) and EDP groups (p, p + D, ...),
+                                                    from DeepSpeed or `torch.distributed.new_group`
+    setup_expert_parallel                           shard the experts (and expert LoRA), mark and broadcast
+    ExpertGradientReducer / reduce_expert_gradients   the shards' gradients summed over EDP, divided by W
+                                                    (during the last backward; blocking reference)
+    clip_expert_parallel_grad_norm                  the norm of the whole model: shards' squares over EP
+    gathered_state_dict / shard_state_dict          full HF layout for saving, this rank's shards on resume
+    save_expert_optimizer_state / load_expert_optimizer_state   an optimizer file per EP position (no DeepSpeed)
+    load_expert_shards / load_expert_lora_shards / load_sharded_adapter   resuming each rank's own shards
 
 Shape legend: W world size, D expert-parallel size, E experts of a layer, P = E / D.
 """
@@ -324,7 +282,7 @@ def reduce_expert_gradients(model: nn.Module, groups: ExpertParallelGroups) -> N
     """Sum the expert-shard gradients over the EDP group and divide by W, in place (collective).
 
     Call once per optimizer step, after the last backward of the step, on every rank; the shards
-    are then averaged exactly as DDP averages the replicated parameters (see the module docstring).
+    are then averaged exactly as DDP averages the replicated parameters (docs/expert-parallel.md).
     Shards without a gradient (frozen experts) are skipped on every rank alike. `ExpertGradientReducer`
     does the same while backward runs (what `OccultTrainer` uses); this is its blocking reference.
     """

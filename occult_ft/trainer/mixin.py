@@ -1,40 +1,26 @@
 """`OccultTrainerMixin`: the Occult behaviour of a `transformers.Trainer`, for any trainer built on it.
 
-One implementation serves `OccultTrainer` (occult_ft's own data handling) and
-`occult_ft.trl.OccultSFTTrainer` (TRL's). The mixin is a `Trainer` subclass meant to sit directly above
-`transformers.Trainer` in a trainer's method order:
+One implementation serves `OccultTrainer` (occult_ft's data handling) and `occult_ft.trl.OccultSFTTrainer`
+(TRL's). The mixin sits directly above `transformers.Trainer` in a trainer's method order:
 
     class OccultTrainer(OccultTrainerMixin)                     # mixin -> Trainer
     class OccultSFTTrainer(SFTTrainer, OccultTrainerMixin)     # SFTTrainer -> mixin -> Trainer
 
-so its `__init__` runs where `Trainer.__init__` would, with the model and the data as the trainer above
-made them (tokenized, packed, collated by TRL or by occult_ft), and there places and prunes the model
-(`occult_ft.trainer.prepare`), applies LoRA (occult_ft's targets or a given `peft_config`) and shards the
-experts over expert-parallel groups, before `Trainer.__init__` sees the model. Its overrides then add:
+so its `__init__` runs where `Trainer.__init__` would, with the data as the trainer above made it, and
+places and prunes the model (`occult_ft.trainer.prepare`), applies LoRA and shards the experts
+(`occult_ft.trainer.expert_parallel`) before `Trainer.__init__` sees the model. Its overrides:
 
-- `occult_loss(inner, ...)`: the loss `inner` computes (Trainer's, or SFTTrainer's fused-LM-head loss)
-  + `balance_loss_coef` * the pruning-aware balance loss of `occult_ft.trainer.losses` (from the routing
-  the forward actually used), scaled so that gradient accumulation and data parallelism leave it a plain
-  mean over micro-batches; with `distill_coef` > 0 and a budget, + `distill_coef` * KL(unpruned teacher ||
-  pruned student) (`occult_ft.trainer.distill`), logged as `distill_kl`. `compute_loss` calls it with
-  Trainer's loss; a trainer above the mixin that computes its own loss calls it with that;
-- with `device_bias_rate` > 0 and a budget, every optimizer step moves each pruned router's selection
-  bias per device towards balance (`_balance_devices`: the meter's device loads of the step, summed
-  over processes in one all-reduce of an (L, D) tensor, no host read);
-- every forward feeds a `RoutingMeter`; each log line carries `comm_complexity`, `intra_share`,
-  `removed_mass`, `load_imbalance`, `max_token_devices`, `balance_loss` and `padding_share` averaged
-  since the last line; evaluation reports the same routing metrics (prefixed `eval_`) plus
-  `eval_perplexity`;
-- checkpoints are pruned checkpoints: a full run writes a standard HF checkpoint whose `config.json`
-  carries the `occult` block (placement provenance, budget, criterion) plus
-  `occult_similarity.tables`; a LoRA run writes the adapter directory plus `occult_config.json`.
-  `occult_ft.from_pretrained(dir)` loads either with the pruned routing active (the Trainer hooks call
-  `occult_ft.trainer.checkpointing`);
-- resuming takes the placement and similarity tables from the checkpoint, so a resumed run ends where
-  the uninterrupted one does;
-- with `expert_parallel_size` D > 1 (launched on W processes, W % D == 0) the experts are sharded over
-  groups of D processes after placement and pruning (`occult_ft.trainer.expert_parallel`), with or
-  without DeepSpeed (ZeRO 0-2); checkpoints gather the shards back into the standard HF layout.
+    occult_loss / compute_loss      inner loss + `balance_loss_coef` * the pruning-aware balance loss
+                                    (`losses.py`) + `distill_coef` * KL(unpruned || pruned), a plain mean
+                                    under gradient accumulation and data parallelism
+    training_step / _balance_devices   the per-device selection bias moved after each optimizer step
+                                    (`device_bias_rate`; one all-reduce of (L, D) loads, no host read)
+    log / evaluation_loop           routing metrics (`comm_complexity`, `removed_mass`, ...) per log line
+    _clip_grad_norm / create_optimizer   expert-parallel norm and reduction; `CompensatedAdamW`
+    save_model / _save / _load_*    pruned checkpoints (`occult` block, similarity tables; `checkpointing`)
+                                    and a resume that ends where the uninterrupted run ends
+
+Legend: L MoE layers, D devices; user-facing behaviour: docs/fine-tuning.md.
 """
 
 from __future__ import annotations
