@@ -15,6 +15,8 @@ repository's `recipes/`, installed with the package as `occult_ft/recipes/`).
 (`max_length`, `packing`, `completion_only_loss`, `assistant_only_loss`, `dataset_text_field`, ...)
 plus the same Occult fields; `docs/trl.md` has an example.
 
+    occult-ft train --trainer trl sft-recipe.yaml
+
 Launchers work as with any Trainer script (they set the environment Trainer reads); the module
 `occult_ft.cli` and this one (`occult_ft.commands.train`) both accept the `--local_rank=N` that the
 `deepspeed` launcher inserts:
