@@ -1,12 +1,13 @@
 # Set-up and the two everyday jobs. Every target installs what it needs into .venv first.
 #   make demo   - the whole pipeline on the embedded default model and corpus (CPU, a few minutes)
 #   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU): the fast tier, then the slow one
+#                 (which serves pruned checkpoints with vLLM: it builds vLLM's environment .venv-vllm first)
 #   make test-fast - the fast tier alone (no multi-process or training runs; a few minutes on 2 cores)
 #   make lint   - ruff check + ruff format --check + codespell + mypy occult_ft (CI runs it before the tests)
 #   make docs   - the documentation site into site/ (mkdocs build --strict: a broken link or reference fails)
 #   make style  - fix what make lint checks (ruff format + ruff check --fix)
 #   make test-gpu / make bench-gpu - the CUDA tests and the one-GPU layer benchmark (on a GPU machine)
-#   make test-vllm - pruned checkpoints served by vLLM (builds vLLM's own environment .venv-vllm first)
+#   make test-vllm - the vLLM tests alone, every case (builds vLLM's own environment .venv-vllm first)
 # Override TORCH to pick another torch build, e.g. make test TORCH="torch==2.11.0".
 PYTHON ?= python3
 VENV   ?= .venv
@@ -18,6 +19,8 @@ BIN     = $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM ?= false
+# the Python the vLLM tests start vLLM with (tests/test_vllm.py, tests/test_card_load_lines.py)
+export OCCULT_FT_VLLM_PYTHON ?= $(CURDIR)/$(VLLM_VENV)/bin/python
 
 .PHONY: install demo test test-all test-fast test-gpu bench-gpu lint style docs clean vllm-env test-vllm
 
@@ -33,11 +36,11 @@ install: $(BIN)/.installed
 demo: $(BIN)/.installed
 	$(BIN)/occult-ft demo
 
-test: $(BIN)/.installed
+test: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
 	$(BIN)/python -m pytest -q -m "not slow"
 	$(BIN)/python -m pytest -q -m "slow and not extended"
 
-test-all: $(BIN)/.installed
+test-all: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
 	$(BIN)/python -m pytest -q -m "not slow"
 	$(BIN)/python -m pytest -q -m slow
 
@@ -59,9 +62,10 @@ $(VLLM_VENV)/bin/.installed: pyproject.toml
 
 vllm-env: $(VLLM_VENV)/bin/.installed
 
-# tests/test_vllm.py starts vLLM with .venv-vllm's Python (one engine per checkpoint, ~1-4 minutes each)
+# tests/test_vllm.py starts vLLM with .venv-vllm's Python: one worker process, one engine per checkpoint
+# (~1-4 minutes each); `make test` runs its default tier, this runs every case (extended included)
 test-vllm: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
-	OCCULT_FT_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -rs tests/test_serving.py tests/test_vllm.py
+	$(BIN)/python -m pytest -q -rs tests/test_serving.py tests/test_vllm.py
 
 # the CUDA cases of the suite (parametrized over device; skipped without a GPU) and the GPU layer benchmark
 test-gpu: $(BIN)/.installed

@@ -85,7 +85,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out_path: str) -> None
 
     def run_experts():
         xx, ww = recv_x.clone().requires_grad_(), recv_w.clone().requires_grad_()
-        out = local_experts_forward(xx, handle.recv_local_ids_RK, ww, experts, counts=handle.expert_counts)
+        out = local_experts_forward(xx, handle.recv_local_ids_RJ, ww, experts, counts=handle.expert_counts)
         out.backward(torch.ones_like(out))
 
     def run_layer(n):

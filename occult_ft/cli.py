@@ -16,12 +16,13 @@ see one).
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import os
 import sys
 import warnings
 from typing import NoReturn
+
+from .checks import close_match
 
 __all__ = [
     "COMMANDS",
@@ -52,12 +53,6 @@ COMMANDS = (
 
 def _load(name: str):
     return importlib.import_module(f"occult_ft.commands.{name}")
-
-
-def close_match(name: str, candidates) -> str | None:
-    """The candidate closest to a misspelt `name` (difflib ratio >= 0.6), else None."""
-    found = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return found[0] if found else None
 
 
 def _default_text(value) -> str:
@@ -186,7 +181,7 @@ def build_parser(commands=COMMANDS) -> argparse.ArgumentParser:
     return parser
 
 
-def run_command(name: str, run, args) -> int:
+def run_command(name: str, run, args: argparse.Namespace) -> int:
     """Run one command, turning user errors into one line and exit status 2."""
     _quiet_libraries()
     try:

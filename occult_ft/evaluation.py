@@ -55,6 +55,21 @@ def data_batches(
     return make_batches(tokenizer, ds, seq_len, batch_size, max_tokens, response_only)
 
 
+def _recording_pruning(model, num_devices: int | None) -> PruningConfig:
+    """The model's pruning (its D must be `num_devices` when given); an unpruned model gets a
+    recording-only one for D = `num_devices` (default 4), its routing unchanged."""
+    routers = pruned_routers(model)
+    pruning = routers[0][1].occult_config if routers else None
+    if pruning is not None and num_devices is not None and num_devices != pruning.num_devices:
+        raise ValueError(
+            f"--devices {num_devices} disagrees with the model's pruning for {pruning.num_devices} devices; drop --devices"
+        )
+    if pruning is None:
+        pruning = PruningConfig(num_devices or 4)
+        apply_pruning(model, pruning)  # record only: the routing is unchanged
+    return pruning
+
+
 def evaluate_model(model, batches, num_devices: int | None = None, max_tokens: int | None = None) -> dict:
     """Loss, perplexity and routing metrics of `model` over `batches`.
 
@@ -67,15 +82,7 @@ def evaluate_model(model, batches, num_devices: int | None = None, max_tokens: i
     import torch
     import torch.nn.functional as F
 
-    routers = pruned_routers(model)
-    pruning = routers[0][1].occult_config if routers else None
-    if pruning is not None and num_devices is not None and num_devices != pruning.num_devices:
-        raise ValueError(
-            f"--devices {num_devices} disagrees with the model's pruning for {pruning.num_devices} devices; drop --devices"
-        )
-    if pruning is None:
-        pruning = PruningConfig(num_devices or 4)
-        apply_pruning(model, pruning)  # record only: the routing is unchanged
+    pruning = _recording_pruning(model, num_devices)
     d = pruning.num_devices
     layers = find_moe_layers(model)
     e, k = layers[0].num_experts, layers[0].top_k

@@ -4,7 +4,7 @@ Writing. Every artifact goes to a temporary sibling and is renamed into place, s
 old artifact or the new one, never a mix; a crash, a full disk or `kill -9` in the middle leaves the
 previous artifact readable. Files and directories get the permissions a plain `open()` / `mkdir`
 would give them (the umask applied; an existing file keeps its mode), not the private 0600 / 0700 of
-`tempfile`.
+`tempfile`. The directory swap, step by step: the comments above `recover_directory`.
 
     atomic_write_text(path, text)          one file (JSON, model card, placement)
     atomic_save(path, save_fn)             one file written by a library call (`save_fn(tmp_path)`)
@@ -13,37 +13,7 @@ would give them (the umask applied; an existing file keeps its mode), not the pr
     recover_directory(out_dir)             finish (or undo) a directory swap that was interrupted
     umask_modes(path)                      files written private by a library (safetensors) get the
                                            modes of a plain open() / mkdir
-
-The directory swap. On Linux the new copy and NAME are exchanged in one atomic step
-(`renameat2(RENAME_EXCHANGE)`, through ctypes), so NAME is at every instant the old artifact or the
-new one, for any reader (stock transformers, PEFT, `ls`, a copy script):
-
-    write .NAME.tmp-*             NAME = old       incomplete: removed by the next write, ignored by readers
-    exchange .NAME.tmp-* <-> NAME NAME = new       the old copy, now at .NAME.tmp-*, is removed by the next write
-    .NAME.tmp-* -> .NAME.old      NAME = new       .NAME.old is removed (by `recover_directory` if killed)
-    remove .NAME.old              NAME = new       what is left of .NAME.old is removed
-
-Where the call is unavailable (another OS, an old kernel or libc, a filesystem that answers EINVAL)
-the swap is journalled by names, `.NAME.new` (complete) and `.NAME.old` (retired): NAME is missing
-for a moment, and `recover_directory` (run by the next write and by the model loader) always ends a
-swap killed at any instant in the last state:
-
-    write .NAME.tmp-*         NAME = old       incomplete: removed by the next write, ignored by readers
-    .NAME.tmp-* -> .NAME.new  NAME = old       the new artifact is complete: the swap is finished
-    NAME -> .NAME.old         NAME missing     the swap is finished (.NAME.new -> NAME)
-    .NAME.new -> NAME         NAME = new       .NAME.old is removed
-    remove .NAME.old          NAME = new       what is left of .NAME.old is removed
-
-Where outputs may go (`check_output_path`, used by every command and by the trainer). An output is
-refused, in one line naming it, when it is empty or would overwrite an input. Who owns an entry of an
-output directory is decided in one place, `WRITTEN`: every name transformers, PEFT, Trainer, DeepSpeed,
-TensorBoard and occult_ft write into a checkpoint or a run's `output_dir` (`checkpoint-N` folders are
-looked into; a README.md is ours only when it is occult_ft's model card, or PEFT's beside an adapter;
-`model_card_writer`); everything else is the user's (`foreign_entries`). A directory replaced whole (a
-checkpoint) must be missing, empty or an artifact of this project (`is_artifact`: nothing foreign, and a
-mark of occult_ft or of a training run), and is never the working directory; a directory written into
-(a training run's `output_dir`) must not hold files of the user's at the names the run writes (their
-README.md, a model occult_ft did not write). So a user's own files are never replaced.
+    check_output_path / WRITTEN            where outputs may go; who owns each entry of an output folder
 
 Reading (`reading`, `reading_directory`, `read_json_object`, `read_text`, `load_safetensors`,
 `torch_load`): a file that cannot be read (missing, not UTF-8, not JSON, a truncated safetensors file,
@@ -68,6 +38,7 @@ import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__ = [
     "OutputPathError",
@@ -187,6 +158,25 @@ def _retired(out_dir: str) -> list[str]:
     return sorted(set(found), key=lambda p: os.stat(p).st_mtime, reverse=True)
 
 
+# The directory swap. On Linux the new copy and NAME are exchanged in one atomic step
+# (`renameat2(RENAME_EXCHANGE)`, through ctypes), so NAME is at every instant the old artifact or the
+# new one, for any reader (stock transformers, PEFT, `ls`, a copy script):
+#
+#     write .NAME.tmp-*             NAME = old       incomplete: removed by the next write, ignored by readers
+#     exchange .NAME.tmp-* <-> NAME NAME = new       the old copy, now at .NAME.tmp-*, is removed by the next write
+#     .NAME.tmp-* -> .NAME.old      NAME = new       .NAME.old is removed (by `recover_directory` if killed)
+#     remove .NAME.old              NAME = new       what is left of .NAME.old is removed
+#
+# Where the call is unavailable (another OS, an old kernel or libc, a filesystem that answers EINVAL)
+# the swap is journalled by names, `.NAME.new` (complete) and `.NAME.old` (retired): NAME is missing
+# for a moment, and `recover_directory` (run by the next write and by the model loader) always ends a
+# swap killed at any instant in the last state:
+#
+#     write .NAME.tmp-*         NAME = old       incomplete: removed by the next write, ignored by readers
+#     .NAME.tmp-* -> .NAME.new  NAME = old       the new artifact is complete: the swap is finished
+#     NAME -> .NAME.old         NAME missing     the swap is finished (.NAME.new -> NAME)
+#     .NAME.new -> NAME         NAME = new       .NAME.old is removed
+#     remove .NAME.old          NAME = new       what is left of .NAME.old is removed
 def recover_directory(out_dir: str | os.PathLike) -> None:
     """Finish a directory swap of `atomic_directory` that a killed process left half done (see the module
     docstring): afterwards `out_dir` is the old or the new artifact and no `.new` / `.old` sibling is
@@ -349,7 +339,9 @@ WRITTEN = (
     Written(r"README\.md", "PEFT or occult_ft", kind="card"),
     # occult_ft (its model card: the README.md row above)
     Written(r"occult_config\.json|occult_similarity\.tables|occult_pruned_routing\.py", "occult_ft"),
-    Written(r"occult_similarity\.safetensors", "occult_ft"),  # the tables file before issue 25
+    Written(
+        r"occult_similarity\.safetensors", "occult_ft"
+    ),  # occult_ft 0.1's tables file (vLLM read it as weights)
     Written(r"comm_complexity\.png", "occult_ft"),
     Written(r"optimizer_expert_shard_\d+_of_\d+\.pt", "occult_ft"),
     # Trainer: run state in every checkpoint-N, results and the checkpoint folders at the top
@@ -488,6 +480,16 @@ def _shown(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
+# Where outputs may go (`check_output_path`, used by every command and by the trainer). An output is
+# refused, in one line naming it, when it is empty or would overwrite an input. Who owns an entry of an
+# output directory is decided in one place, `WRITTEN`: every name transformers, PEFT, Trainer, DeepSpeed,
+# TensorBoard and occult_ft write into a checkpoint or a run's `output_dir` (`checkpoint-N` folders are
+# looked into; a README.md is ours only when it is occult_ft's model card, or PEFT's beside an adapter;
+# `model_card_writer`); everything else is the user's (`foreign_entries`). A directory replaced whole (a
+# checkpoint) must be missing, empty or an artifact of this project (`is_artifact`: nothing foreign, and a
+# mark of occult_ft or of a training run), and is never the working directory; a directory written into
+# (a training run's `output_dir`) must not hold files of the user's at the names the run writes (their
+# README.md, a model occult_ft did not write). So a user's own files are never replaced.
 def check_output_path(
     out: str | os.PathLike | None,
     *inputs: str | os.PathLike | None,
@@ -513,50 +515,70 @@ def check_output_path(
         raise OutputPathError(f"{what} is empty; pass the {kind} to write, e.g. {what} my-{kind}")
     out = os.fspath(out)
     for source in inputs:
-        if source is None or not os.fspath(source) or not os.path.exists(source):
-            continue
-        source = os.fspath(source)
-        contains = os.path.isdir(out) and _inside(source, out)
-        if contains and directory and not replace:  # written into: only an input at a written name is hit
-            top = os.path.relpath(os.path.realpath(source), os.path.realpath(out)).split(os.sep)[0]
-            contains = top == "." or bool(_WRITTEN_NAME.fullmatch(top))
-        if _inside(out, source) or contains:
-            raise OutputPathError(
-                f"{what} {out!r} would overwrite the input {source!r}; write to a new path outside it"
-            )
+        if source is not None and os.fspath(source) and os.path.exists(source):
+            _check_not_input(out, os.fspath(source), what, written_into=directory and not replace)
     if not directory:
         if os.path.isdir(out):
             raise OutputPathError(f"{what} {out!r} is a directory; pass a file path inside it")
         return
+    _check_directory_path(out, what, replace)
+    if not os.path.isdir(out) or not os.listdir(out):
+        return
+    if replace:
+        _check_replaced_directory(out, what)
+    else:
+        _check_written_directory(out, what)
+
+
+def _check_directory_path(out: str, what: str, replace: bool) -> None:
+    """A directory output is not a file, nor (replaced whole) the working directory or one above it."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise OutputPathError(f"{what} {out!r} is a file; pass a directory path")
     if replace and _inside(os.getcwd(), out):
         raise OutputPathError(
             f"{what} {out!r} is the working directory or holds it; pass a new directory, e.g. {what} out"
         )
-    if not os.path.isdir(out) or not os.listdir(out):
-        return
-    foreign = foreign_entries(out)
-    if not replace:  # only what the run writes counts: the user's other files stay as they are
-        foreign = [f for f in foreign if _WRITTEN_NAME.fullmatch(f.split("/")[0])]
-        written = [  # files the run writes over (logs and checkpoint folders are checked above)
-            n
-            for n in sorted(os.listdir(out))
-            if _WRITTEN_NAME.fullmatch(n) and os.path.isfile(os.path.join(out, n))
-        ]
-        if foreign:
-            raise OutputPathError(
-                f"{what} {out!r} holds files of yours that training would overwrite ({_shown(foreign)}); "
-                "pass a new or empty directory"
-            )
-        if written and not _marked(out):
-            raise OutputPathError(
-                f"{what} {out!r} holds a model occult_ft did not write ({_shown(written)}), which training "
-                "would overwrite; pass a new or empty directory"
-            )
-        return
+
+
+def _check_not_input(out: str, source: str, what: str, written_into: bool) -> None:
+    """Refuse `out` equal to the existing input `source`, inside it, or holding it (a directory written
+    into holds it only at a name the run writes)."""
+    contains = os.path.isdir(out) and _inside(source, out)
+    if contains and written_into:  # written into: only an input at a written name is hit
+        top = os.path.relpath(os.path.realpath(source), os.path.realpath(out)).split(os.sep)[0]
+        contains = top == "." or bool(_WRITTEN_NAME.fullmatch(top))
+    if _inside(out, source) or contains:
+        raise OutputPathError(
+            f"{what} {out!r} would overwrite the input {source!r}; write to a new path outside it"
+        )
+
+
+def _check_written_directory(out: str, what: str) -> None:
+    """A training run's non-empty `output_dir`: refuse files the run would overwrite that are not this
+    project's; the user's other files stay as they are."""
+    foreign = [f for f in foreign_entries(out) if _WRITTEN_NAME.fullmatch(f.split("/")[0])]
+    written = [  # files the run writes over (logs and checkpoint folders are checked above)
+        n
+        for n in sorted(os.listdir(out))
+        if _WRITTEN_NAME.fullmatch(n) and os.path.isfile(os.path.join(out, n))
+    ]
+    if foreign:
+        raise OutputPathError(
+            f"{what} {out!r} holds files of yours that training would overwrite ({_shown(foreign)}); "
+            "pass a new or empty directory"
+        )
+    if written and not _marked(out):
+        raise OutputPathError(
+            f"{what} {out!r} holds a model occult_ft did not write ({_shown(written)}), which training "
+            "would overwrite; pass a new or empty directory"
+        )
+
+
+def _check_replaced_directory(out: str, what: str) -> None:
+    """A non-empty directory replaced whole: only an artifact of this project may go."""
     if is_artifact(out):
         return
+    foreign = foreign_entries(out)
     if foreign:
         raise OutputPathError(
             f"{what} {out!r} holds files occult_ft did not write ({_shown(foreign)}); they would be lost: "
@@ -568,32 +590,45 @@ def check_output_path(
 
 
 # ---- reading ----------------------------------------------------------------------------------------
+def _not_utf8(exc: UnicodeDecodeError) -> tuple[str, str]:
+    byte = exc.object[exc.start : exc.start + 1].hex() if exc.object else "?"
+    return (
+        f"it is not UTF-8 text (byte 0x{byte} at offset {exc.start})",
+        "convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`)",
+    )
+
+
+def _not_tensors(exc: pickle.UnpicklingError) -> tuple[str, str]:
+    text = " ".join(str(exc).split())
+    detail = next((part for part in text.split(". ") if "GLOBAL" in part or "global" in part), "")
+    detail = detail.split("Unsupported global: ")[-1][:120] if detail else "non-tensor objects"
+    return (
+        f"it holds Python objects that are not tensors ({detail}), which weights_only loading refuses",
+        "replace it with a file you trust; nothing in it was run",
+    )
+
+
+_REASONS: tuple[tuple[type[BaseException], Callable[[Any], tuple[str, str]]], ...] = (
+    (UnicodeDecodeError, _not_utf8),
+    (
+        json.JSONDecodeError,
+        lambda exc: (f"it is not valid JSON ({exc.msg} at line {exc.lineno})", "rewrite or remove it"),
+    ),
+    (pickle.UnpicklingError, _not_tensors),
+    (FileNotFoundError, lambda exc: ("it does not exist", "check the path")),
+    (IsADirectoryError, lambda exc: ("it is a directory", "pass a file")),
+    (PermissionError, lambda exc: ("permission denied", "make it readable (chmod) or pass another copy")),
+    (OSError, lambda exc: (exc.strerror or str(exc), "check the file")),
+)
+"""Exception type -> (what is wrong, how to fix it), the first match wins (subclasses before OSError)."""
+
+
 def _reason(exc: BaseException) -> tuple[str, str]:
     """(what is wrong, how to fix it) of an exception raised while reading a file."""
-    if isinstance(exc, UnicodeDecodeError):
-        byte = exc.object[exc.start : exc.start + 1].hex() if exc.object else "?"
-        return (
-            f"it is not UTF-8 text (byte 0x{byte} at offset {exc.start})",
-            "convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`)",
-        )
-    if isinstance(exc, json.JSONDecodeError):
-        return f"it is not valid JSON ({exc.msg} at line {exc.lineno})", "rewrite or remove it"
-    if isinstance(exc, pickle.UnpicklingError):
-        text = " ".join(str(exc).split())
-        detail = next((part for part in text.split(". ") if "GLOBAL" in part or "global" in part), "")
-        detail = detail.split("Unsupported global: ")[-1][:120] if detail else "non-tensor objects"
-        return (
-            f"it holds Python objects that are not tensors ({detail}), which weights_only loading refuses",
-            "replace it with a file you trust; nothing in it was run",
-        )
-    if isinstance(exc, FileNotFoundError):
-        return "it does not exist", "check the path"
-    if isinstance(exc, IsADirectoryError):
-        return "it is a directory", "pass a file"
-    if isinstance(exc, PermissionError):
-        return "permission denied", "make it readable (chmod) or pass another copy"
-    if isinstance(exc, OSError):
-        return exc.strerror or str(exc), "check the file"
+    for kind, reason in _REASONS:
+        if isinstance(exc, kind):
+            return reason(exc)
+    # the rest are told apart by their message: safetensors, a truncated file, a broken torch zip
     text = " ".join(str(exc).split()) or type(exc).__name__
     lowered = text.lower()
     if type(exc).__name__ == "SafetensorError" or "deserializ" in lowered or "header" in lowered:

@@ -19,15 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_nodes, check_positive_int, divisors, is_int
+
 __all__ = ["ExpertLayout"]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass(frozen=True)
@@ -48,20 +42,14 @@ class ExpertLayout:
     num_nodes: int = 1
 
     def __post_init__(self):
-        if not _positive_int(self.num_experts):
-            raise ValueError(f"num_experts={self.num_experts!r} must be a positive integer")
-        if not _positive_int(self.num_devices):
-            raise ValueError(f"devices={self.num_devices!r} must be a positive integer, e.g. devices=4")
+        check_positive_int("num_experts", self.num_experts)
+        check_positive_int("devices", self.num_devices, "devices=4")
         if self.num_experts % self.num_devices:
             raise ValueError(
                 f"devices={self.num_devices} must divide the {self.num_experts} experts; "
-                f"use one of {_divisors(self.num_experts)}"
+                f"use one of {divisors(self.num_experts)}"
             )
-        if not _positive_int(self.num_nodes) or self.num_devices % self.num_nodes:
-            raise ValueError(
-                f"nodes={self.num_nodes!r} does not divide devices={self.num_devices}; "
-                f"use one of {_divisors(self.num_devices)}"
-            )
+        check_nodes(self.num_devices, self.num_nodes)
 
     @property
     def experts_per_device(self) -> int:
@@ -78,21 +66,9 @@ class ExpertLayout:
         """L * P = E / N."""
         return self.num_experts // self.num_nodes
 
-    def device_of(self, expert: int) -> int:
-        """Device holding `expert` (contiguous blocks of P)."""
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert={expert} is outside [0, num_experts={self.num_experts})")
-        return expert // self.experts_per_device
-
-    def node_of(self, device: int) -> int:
-        """Node of `device` (consecutive blocks of L devices)."""
-        if not 0 <= device < self.num_devices:
-            raise ValueError(f"device={device} is outside [0, devices={self.num_devices})")
-        return device // self.devices_per_node
-
     def check_rank(self, rank: int) -> None:
         """Raise a one-line ValueError unless 0 <= rank < D."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_devices:
+        if not is_int(rank) or not 0 <= rank < self.num_devices:
             raise ValueError(f"rank={rank!r} is outside [0, num_devices={self.num_devices})")
 
     def expert_device(self, device: torch.device | str | None = None) -> torch.Tensor:

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .checks import divisors
 from .layout import ExpertLayout
 
 __all__ = [
@@ -50,12 +51,11 @@ __all__ = [
 def contiguous_expert_device(num_experts: int, num_devices: int, device=None) -> torch.Tensor:
     """Device of each expert when device d holds experts [d*E/D, (d+1)*E/D) (every framework's default).
 
-    Self-contained (torch only, no `ExpertLayout`): `occult_ft.checkpoint.remote_code` copies this
+    Self-contained (torch and `occult_ft.checks` only, no `ExpertLayout`): `occult_ft.checkpoint.remote_code` copies this
     function's source into checkpoints; its check and message are `ExpertLayout`'s."""
     if num_devices < 1 or num_experts % num_devices:
-        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
         raise ValueError(
-            f"devices={num_devices} must divide the {num_experts} experts; use one of {divisors}"
+            f"devices={num_devices} must divide the {num_experts} experts; use one of {divisors(num_experts)}"
         )
     return torch.arange(num_experts, device=device) // (num_experts // num_devices)
 

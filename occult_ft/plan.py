@@ -1,39 +1,17 @@
 """Per-GPU memory plan of an Occult fine-tuning run, before any GPU is touched (`occult-ft plan`).
 
-What each GPU holds, in bytes:
+What each GPU holds (weights, gradients, optimizer states, activations, communication buffers) and how
+each is counted: docs/recipes.md, "The memory plan". Parameter counts come from the model built on the
+`meta` device from its config (every architecture counted exactly); `tests/test_plan.py` checks
+weights, gradients and optimizer states against what `OccultTrainer` really allocates.
 
-- **weights**: every parameter in the weights' dtype (`model_dtype`, `auto` = the checkpoint's); with
-  expert parallelism D (`expert_parallel_size`) a GPU holds E/D routed experts of every MoE layer and
-  all the replicated parameters (attention, embeddings, routers, shared experts, norms). LoRA adds
-  its adapters (float32: PEFT up-casts 16-bit adapters) and a trainable copy of every router
-  (`modules_to_save`, in the weights' dtype).
-- **gradients**: one per trainable parameter, in its dtype (`train_mode`: `full` = all, `moe` = the MoE
-  blocks, `lora` = adapters + router copies).
-- **optimizer states**: AdamW's two moments, float32 (8 B per trainable parameter), plus for 16-bit
-  weights the 2-byte Kahan compensation of `occult_ft.trainer.optim.CompensatedAdamW`, which
-  `OccultTrainer` uses in place of `torch.optim.AdamW` so that bf16 runs lose no update to rounding
-  (bf16 weights: 10 B per trainable parameter; with the weight and its gradient, 14 B), plus a 4-byte
-  `step` per tensor; other optimizers as they allocate (8-bit: int8 moments, SGD: none). Under DeepSpeed with bf16/fp16 the engine keeps a float32 master copy and float32 moments
-  (12 B per trainable parameter); ZeRO-1/2 partition them over the data-parallel ranks: the replicated
-  parameters' over all GPUs, the experts' over the expert-data-parallel group (GPUs / D). ZeRO-2 also
-  partitions the (float32) gradients.
-- **activations**: an ESTIMATE (saved tensors per token per layer, counted from the layer's projection
-  widths, top-k routed copies and the float32 logits and their gradient); with gradient checkpointing
-  only every layer's input plus one layer being recomputed. On tiny OLMoE / Qwen2-MoE / Mixtral /
-  DeepSeek-V2 models it is 0.76-0.90x of the tensors autograd saves (tests/test_plan.py).
-- **communication buffers**: the expert-parallel all-to-all send/receive rows of one MoE layer (at most
-  one row per token and device reached; with the two-stage exchange, `exchange: two_stage` over
-  `nodes` nodes, also the inter-node stage's rows, at most one per token and node reached, sent to and
-  received by the gateway ranks), DDP's gradient buckets (a copy of the replicated trainable
-  gradients) or DeepSpeed's reduce/all-gather buckets.
+    count_params / ModelCounts     parameters split the way memory is (routed experts, MoE rest, the rest)
+    Setup / _setup                 what of an `OccultConfig` and the launch the memory depends on
+    Plan / _plan                   bytes per category and per GPU; `_optimizer_bytes` the optimizer's share
+    _suggestions / _smallest_fitting   what to change when a run does not fit
+    check_fits_before_loading / plan_for_config   the entry points (`occult-ft train`, `occult-ft plan`)
 
-Multi-node runs are planned with `nodes` x `gpus_per_node` GPUs (`occult-ft plan --nodes N
---gpus-per-node G`); an expert-parallel group wider than one node spans `expert_parallel_size / G`
-nodes, which is what the run's `nodes` should say (a note tells when it does not).
-
-The parameter counts come from the model itself, built on the `meta` device from its config, so every
-architecture is counted exactly; routed experts are told apart with `find_moe_layers`. `tests/test_plan.py`
-checks weights, gradients and optimizer states against what `OccultTrainer` really allocates.
+Legend: E routed experts per layer, D = `expert_parallel_size`, G GPUs per node; B = bytes.
 """
 
 from __future__ import annotations
@@ -143,7 +121,27 @@ def count_params(model_config) -> ModelCounts:
         if id(p) in router_ids:
             groups["router"] += Group(p.numel(), 1)
 
-    # LoRA at rank 1: A (r, in) + B (out, r) per Linear; r * E * (a + b) per fused expert tensor (E, a, b)
+    lora_rep, lora_exp = _lora_counts(model, layers)
+    hidden = int(model.get_input_embeddings().embedding_dim)
+    elems = _layer_elems(model, layers, hidden)
+    return ModelCounts(
+        expert=groups["expert"],
+        moe_other=groups["moe_other"],
+        rest=groups["rest"],
+        router=groups["router"],
+        lora_replicated=lora_rep,
+        lora_expert=lora_exp,
+        layer_elems=tuple(elems),
+        hidden=hidden,
+        vocab=int(model.get_output_embeddings().weight.shape[0]),
+        num_experts=layers[0].num_experts,
+        top_k=layers[0].top_k,
+    )
+
+
+def _lora_counts(model: nn.Module, layers: list) -> tuple[Group, Group]:
+    """LoRA at rank 1 on the replicated Linears and on the fused expert tensors: A (r, in) + B (out, r)
+    per Linear; r * E * (a + b) per fused expert tensor (E, a, b)."""
     targets = lora_targets(model)
     lora_rep = Group()
     for name, m in model.named_modules():
@@ -155,8 +153,11 @@ def count_params(model_config) -> ModelCounts:
         for pname, p in layer.experts.named_parameters(recurse=False):
             if pname in wanted and p.dim() == 3:
                 lora_exp += Group(p.shape[0] * (p.shape[1] + p.shape[2]), 2)
+    return lora_rep, lora_exp
 
-    hidden = int(model.get_input_embeddings().embedding_dim)
+
+def _layer_elems(model: nn.Module, layers: list, hidden: int) -> list[int]:
+    """Per decoder layer, the activation elements one token keeps for backward."""
     arch = layers[0].arch
     _, decoder = decoder_layers(model)
     moe_by_index = {layer.index: layer for layer in layers}
@@ -180,25 +181,19 @@ def count_params(model_config) -> ModelCounts:
             outs, gates = outs + o, gates + g
         per_token += hidden + outs + gates  # norm output, projections, silu(gate) * up
         if moe is not None:
-            pair = hidden  # one routed copy: dispatched input, projections, activation product
-            for p in moe.experts.parameters():
-                if p.dim() == 3:
-                    pair += p.shape[1] + p.shape[2] - hidden + min(p.shape[1], p.shape[2]) // 2
-            per_token += 2 * moe.num_experts + moe.top_k * pair
+            per_token += _routed_elems(moe, hidden)
         elems.append(per_token)
-    return ModelCounts(
-        expert=groups["expert"],
-        moe_other=groups["moe_other"],
-        rest=groups["rest"],
-        router=groups["router"],
-        lora_replicated=lora_rep,
-        lora_expert=lora_exp,
-        layer_elems=tuple(elems),
-        hidden=hidden,
-        vocab=int(model.get_output_embeddings().weight.shape[0]),
-        num_experts=layers[0].num_experts,
-        top_k=layers[0].top_k,
-    )
+    return elems
+
+
+def _routed_elems(moe, hidden: int) -> int:
+    """A token's routed-expert activations: router scores and probabilities, and per routed copy the
+    dispatched input, projections and activation product."""
+    pair = hidden
+    for p in moe.experts.parameters():
+        if p.dim() == 3:
+            pair += p.shape[1] + p.shape[2] - hidden + min(p.shape[1], p.shape[2]) // 2
+    return 2 * moe.num_experts + moe.top_k * pair
 
 
 # ---- the run's settings -----------------------------------------------------------------------------
@@ -230,35 +225,10 @@ class Setup:
 
 def _setup(args, model_config, gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = None) -> Setup:
     ep = int(getattr(args, "expert_parallel_size", 1) or 1)
-    if not isinstance(gpus, int) or gpus < 1 or gpus % ep:
-        raise ValueError(
-            f"gpus={gpus!r} must be a positive multiple of expert_parallel_size={ep}; set --gpus {ep}"
-        )
-    if gpus_per_node is not None and (
-        not isinstance(gpus_per_node, int) or gpus_per_node < 1 or gpus % gpus_per_node
-    ):
-        raise ValueError(
-            f"gpus_per_node={gpus_per_node!r} must be a positive divisor of the {gpus} GPUs; e.g. --gpus-per-node 8"
-        )
-    if not gpu_memory_gb or gpu_memory_gb <= 0:
-        raise ValueError(f"gpu_memory_gb={gpu_memory_gb!r} must be > 0, e.g. 80 for an H100")
-    dtype = getattr(args, "model_dtype", "auto") or "auto"
-    if dtype == "auto":
-        dtype = (
-            getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None) or "float32"
-        )
-    dtype = str(dtype).replace("torch.", "")
-    weight_bytes = _DTYPE_BYTES.get(dtype, 4)
+    _check_launch(gpus, ep, gpus_per_node, gpu_memory_gb)
+    weight_bytes = _weight_bytes(args, model_config)
     mixed = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
-    stage, buckets = None, (0, 0)
-    if getattr(args, "deepspeed", None):
-        zero = read_deepspeed_config(args.deepspeed).get("zero_optimization") or {}
-        stage = int(zero.get("stage", 0)) if str(zero.get("stage", 0)).isdigit() else 0
-        reduce_size, allgather_size = (
-            int(float(zero.get(k, 5e8))) if not isinstance(zero.get(k), str) else int(5e8)
-            for k in ("reduce_bucket_size", "allgather_bucket_size")
-        )
-        buckets = (reduce_size, allgather_size)
+    stage, buckets = _deepspeed_zero(args)
     optim = str(getattr(args, "optim", "adamw_torch"))
     return Setup(
         gpus=gpus,
@@ -282,6 +252,46 @@ def _setup(args, model_config, gpus: int, gpu_memory_gb: float, gpus_per_node: i
         ep_nodes=int(getattr(args, "nodes", 1) or 1),
         node_budget=getattr(args, "max_nodes_per_token", None),
     )
+
+
+def _check_launch(gpus, ep: int, gpus_per_node, gpu_memory_gb) -> None:
+    """The launch's GPUs (a multiple of the expert-parallel size), GPUs per node (a divisor), memory (> 0)."""
+    if not isinstance(gpus, int) or gpus < 1 or gpus % ep:
+        raise ValueError(
+            f"gpus={gpus!r} must be a positive multiple of expert_parallel_size={ep}; set --gpus {ep}"
+        )
+    if gpus_per_node is not None and (
+        not isinstance(gpus_per_node, int) or gpus_per_node < 1 or gpus % gpus_per_node
+    ):
+        raise ValueError(
+            f"gpus_per_node={gpus_per_node!r} must be a positive divisor of the {gpus} GPUs; e.g. --gpus-per-node 8"
+        )
+    if not gpu_memory_gb or gpu_memory_gb <= 0:
+        raise ValueError(f"gpu_memory_gb={gpu_memory_gb!r} must be > 0, e.g. 80 for an H100")
+
+
+def _weight_bytes(args, model_config) -> int:
+    """Bytes per weight: model_dtype, or with "auto" the checkpoint's dtype (float32 when it names none)."""
+    dtype = getattr(args, "model_dtype", "auto") or "auto"
+    if dtype == "auto":
+        dtype = (
+            getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None) or "float32"
+        )
+    return _DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 4)
+
+
+def _deepspeed_zero(args) -> tuple[int | None, tuple[int, int]]:
+    """(ZeRO stage, (reduce, all-gather) bucket elements) of the run's DeepSpeed config; (None, (0, 0))
+    without DeepSpeed. A bucket size given as a string ("auto") counts as DeepSpeed's default 5e8."""
+    if not getattr(args, "deepspeed", None):
+        return None, (0, 0)
+    zero = read_deepspeed_config(args.deepspeed).get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if str(zero.get("stage", 0)).isdigit() else 0
+    reduce_size, allgather_size = (
+        int(float(zero.get(k, 5e8))) if not isinstance(zero.get(k), str) else int(5e8)
+        for k in ("reduce_bucket_size", "allgather_bucket_size")
+    )
+    return stage, (reduce_size, allgather_size)
 
 
 # ---- the plan ---------------------------------------------------------------------------------------
@@ -347,6 +357,19 @@ def _optimizer_bytes(s: Setup, trainable: Group, param_bytes: int) -> int:
     return 2 * param_bytes * trainable.numel + 4 * trainable.tensors  # exp_avg, exp_avg_sq, step
 
 
+def _exchange_bytes(c: ModelCounts, s: Setup, tokens: int) -> int:
+    """Send + receive rows of one layer's dispatch (0 without expert parallelism): a token reaches at most
+    min(k, D, M) devices, and with the two-stage exchange also min(k, N, node budget) nodes."""
+    if s.ep <= 1:
+        return 0
+    reach = min(c.top_k, s.ep, s.budget or s.ep)
+    comm = 2 * tokens * reach * c.hidden * s.act_bytes
+    if s.exchange == "two_stage" and s.ep_nodes > 1:  # + the inter-node stage: one row per node reached
+        reach_nodes = min(c.top_k, s.ep_nodes, s.node_budget or s.ep_nodes)
+        comm += 2 * tokens * reach_nodes * c.hidden * s.act_bytes
+    return comm
+
+
 def _plan(c: ModelCounts, s: Setup) -> Plan:
     notes = []
     w = s.weight_bytes
@@ -381,14 +404,7 @@ def _plan(c: ModelCounts, s: Setup) -> Plan:
     else:
         per_token = sum(c.layer_elems)
     acts = tokens * (per_token + 2 * c.hidden) * s.act_bytes + tokens * c.vocab * (s.act_bytes + 8)
-
-    comm = 0
-    if s.ep > 1:  # send + receive rows of one layer's dispatch; a token reaches at most min(k, D, M) devices
-        reach = min(c.top_k, s.ep, s.budget or s.ep)
-        comm += 2 * tokens * reach * c.hidden * s.act_bytes
-        if s.exchange == "two_stage" and s.ep_nodes > 1:  # + the inter-node stage: one row per node reached
-            reach_nodes = min(c.top_k, s.ep_nodes, s.node_budget or s.ep_nodes)
-            comm += 2 * tokens * reach_nodes * c.hidden * s.act_bytes
+    comm = _exchange_bytes(c, s, tokens)
     if s.gpus_per_node and s.ep > s.gpus_per_node and s.ep_nodes != s.ep // s.gpus_per_node:
         notes.append(
             f"expert_parallel_size={s.ep} spans {s.ep // s.gpus_per_node} nodes of {s.gpus_per_node} GPUs but the "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .checks import is_int
 from .fileio import atomic_save
 from .models.registry import find_moe_layers, get_arch, unwrap_model
 
@@ -150,7 +151,7 @@ def _layers_from_tensors(path: str, header: dict, tensors: dict) -> dict[int, La
         )
 
     e, k, n, g = (cast(Any, header.get(key)) for key in ("num_experts", "top_k", "num_tokens", "group_size"))
-    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (e, k, n))
+    ints = all(is_int(v) for v in (e, k, n))
     if not ints or not 1 <= k <= e or n < 1:
         raise bad(
             f"header num_experts={e!r}, top_k={k!r}, num_tokens={n!r} are not 1 <= top_k <= num_experts, tokens >= 1"
@@ -160,25 +161,29 @@ def _layers_from_tensors(path: str, header: dict, tensors: dict) -> dict[int, La
     layers = header.get("layers")
     if not isinstance(layers, list) or not layers:
         raise bad(f"header lists no MoE layers ({layers!r})")
-    out = {}
-    for i in layers:
-        names = [f"layers.{i}.{part}" for part in ("topk_ids", "coactivation", "load", "prob_gram")]
-        missing = [name for name in names if name not in tensors]
-        if missing:
-            raise bad(f"tensors {missing} are missing")
-        ids, coact, load, gram = (tensors[name] for name in names)
-        expected = {names[1]: (e, e), names[2]: (e,), names[3]: (e, e)}
-        for name, shape in expected.items():
-            if tuple(tensors[name].shape) != shape:
-                raise bad(f"{name} has shape {tuple(tensors[name].shape)}, the header says {shape}")
-        if ids.dim() != 2 or ids.shape[1] != k or ids.shape[0] < 1:
-            raise bad(f"{names[0]} has shape {tuple(ids.shape)}, expected (tokens >= 1, top_k={k})")
-        if int(ids.min()) < 0 or int(ids.max()) >= e:
-            raise bad(f"{names[0]} holds expert ids outside [0, {e})")
-        if not torch.isfinite(gram).all():
-            raise bad(f"{names[3]} holds NaN or infinite values")
-        out[int(i)] = LayerProfile(int(i), ids, coact, load, gram)
-    return out
+    return {int(i): _layer_from_tensors(int(i), tensors, e, k, bad) for i in layers}
+
+
+def _layer_from_tensors(
+    i: int, tensors: dict, e: int, k: int, bad: Callable[[str], ProfileError]
+) -> LayerProfile:
+    """MoE layer i of a profile file: its four tensors present, of the header's shapes, ids in [0, E)."""
+    names = [f"layers.{i}.{part}" for part in ("topk_ids", "coactivation", "load", "prob_gram")]
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise bad(f"tensors {missing} are missing")
+    ids, coact, load, gram = (tensors[name] for name in names)
+    expected = {names[1]: (e, e), names[2]: (e,), names[3]: (e, e)}
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise bad(f"{name} has shape {tuple(tensors[name].shape)}, the header says {shape}")
+    if ids.dim() != 2 or ids.shape[1] != k or ids.shape[0] < 1:
+        raise bad(f"{names[0]} has shape {tuple(ids.shape)}, expected (tokens >= 1, top_k={k})")
+    if int(ids.min()) < 0 or int(ids.max()) >= e:
+        raise bad(f"{names[0]} holds expert ids outside [0, {e})")
+    if not torch.isfinite(gram).all():
+        raise bad(f"{names[3]} holds NaN or infinite values")
+    return LayerProfile(i, ids, coact, load, gram)
 
 
 class RoutingRecorder:

@@ -14,6 +14,7 @@ import torch
 
 from occult_ft.bench.costmodel import get_cluster, predict_exchange_ms, rows_matrix
 from occult_ft.bench.step import (
+    Contender,
     StepSettings,
     _compare,
     _cost_model,
@@ -66,6 +67,56 @@ def test_contender_names_say_what_runs():
     # 8 experts on 4 devices: 2 per device; a budget of 1 device holds 2 experts, enough for top-2 only
     with pytest.raises(ValueError, match="a budget of 1 devices holds 2 experts < top_k=4"):
         contender_spec("occult_ep_budget1", StepSettings(**{**TINY, "top_k": 4}, devices=4))
+    with pytest.raises(ValueError, match="a budget of 3 devices exceeds devices=2"):
+        contender_spec("occult_ep_budget3", s)
+
+
+def test_a_contender_is_its_fields_and_its_name_spells_them():
+    # the suffixes in any order, as the command line takes them; the label keeps the spelling given
+    given = Contender.from_name("occult_ep_budget2_per_expert")
+    assert given == Contender(exchange="per_expert", budget=2)
+    assert (given.name, Contender(exchange="per_expert", budget=2).name) == (
+        "occult_ep_budget2_per_expert",
+        "occult_ep_per_expert_budget2",
+    )
+    for name in (
+        "occult_ep",
+        "occult_ep_two_stage_budget1_chunks4_capacity",
+        "data_parallel",
+        "hf_native_ep",
+    ):
+        assert Contender.from_name(name).name == name
+        assert Contender.from_name(name) == Contender.from_name(Contender.from_name(name).name)
+    assert Contender.from_name("occult_ep_chunks3").spec()["chunks"] == 3
+    assert (
+        not Contender.from_name("occult_ep_per_expert").ours
+        and Contender.from_name("occult_ep_capacity").ours
+    )
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("occult_epx", "unknown contender 'occult_epx'"),
+        ("occult_ep_budget", "_budget needs a number"),
+        ("occult_ep_chunks2_chunks4", "sets its chunks twice"),
+        ("occult_ep_per_expert_two_stage", "sets its exchange twice"),
+        ("occult_ep_budget0", "budget=0 must be at least 1"),
+        ("occult_ep_chunks0", "chunks=0 must be at least 1"),
+    ],
+)
+def test_contender_name_errors_are_one_line(name, message):
+    with pytest.raises(ValueError, match=message):
+        Contender.from_name(name)
+
+
+def test_contender_fields_are_checked():
+    with pytest.raises(ValueError, match="kind='tutel'"):
+        Contender(kind="tutel")
+    with pytest.raises(ValueError, match="deepspeed_moe takes no exchange, budget, chunks or capacity"):
+        Contender(kind="deepspeed_moe", budget=2)
+    with pytest.raises(ValueError, match="exchange='ring'"):
+        Contender(exchange="ring")
 
 
 @pytest.mark.parametrize(
@@ -315,3 +366,9 @@ def test_the_clock_tells_waiting_dense_reductions_and_other_collectives_apart():
         assert event[0] == "world" and event[1] == 0
         assert g["times"]["exchange_fwd"] >= waited[0] * (g is got[0])
         assert g["times"]["dense_allreduce"] > 0 and g["times"]["other_collectives"] > 0
+
+
+def test_a_contender_named_twice_is_refused_before_any_launch():
+    s = StepSettings(**TINY, devices=2)
+    with pytest.raises(ValueError, match="contender 'occult_ep' is named twice"):
+        run_train_step(s, ["occult_ep", Contender()])

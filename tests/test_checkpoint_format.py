@@ -145,7 +145,7 @@ def test_a_broken_block_is_one_line_naming_the_file(data, match):
 
 
 def test_a_checkpoint_whose_block_contradicts_its_placement_is_refused(tmp_path):
-    # the case of issue 18: the block says 2 devices, its placement lists 4 groups
+    # a hand-edited config.json: the block says 2 devices, its placement lists 4 groups (one per device)
     shutil.copytree(FIXTURES / "pruned-v0.1", tmp_path / "ckpt")
     config_file = tmp_path / "ckpt" / "config.json"
     config = json.loads(config_file.read_text())
@@ -173,7 +173,7 @@ def test_a_checkpoint_written_by_occult_ft_0_1_loads_with_its_pruned_routing():
 
 
 def test_an_earlier_release_s_checkpoint_saved_again_keeps_no_file_that_looks_like_weights(tmp_path):
-    # occult_ft 0.1 wrote its tables as occult_similarity.safetensors: vLLM loaded them as weights (issue 25)
+    # occult_ft 0.1 wrote its tables as occult_similarity.safetensors: vLLM loaded them as weights
     folder = tmp_path / "ckpt"
     shutil.copytree(FIXTURES / "pruned-v0.1", folder)
     assert (folder / LEGACY_SIMILARITY_FILES[0]).is_file() and describe_checkpoint(folder).has_similarity

@@ -17,19 +17,18 @@ import torch.nn.functional as F
 
 from occult_ft.dispatch import (
     EXPERTS_IMPLEMENTATION,
-    LOCAL_SENTINEL,
     FlatExchange,
-    compute_layout,
-    dedup_moe_forward,
     expert_shard_parameters,
     experts_module_fn,
     gather_experts,
     gather_experts_state_dict,
     local_experts_forward,
     local_moe_forward,
+    moe_forward,
     reference_moe,
     shard_experts,
 )
+from occult_ft.dispatch.plan import LOCAL_SENTINEL, dedup_plan, layout_from_plan
 from occult_ft.layout import ExpertLayout
 from occult_ft.metrics import contiguous_expert_device, device_load, devices_per_token
 from occult_ft.models import CORE_MODEL_TYPES, find_moe_layers, get_arch, tiny_config
@@ -84,6 +83,18 @@ def _oracle(x, ids, w, experts):
     return reference_moe(x, ids, w, experts_module_fn(experts))
 
 
+def _layout(ids_TK, weights_TK, num_experts: int, num_devices: int, rank: int):
+    """The de-duplicated layout of rank `rank`'s tokens, planned alone (as `FlatExchange.dispatch` does
+    before its count exchange; the send counts read here are what that exchange reads)."""
+    plan = dedup_plan(ids_TK, weights_TK, ExpertLayout(num_experts, num_devices), rank)
+    return layout_from_plan(plan, tuple(plan.meta_DC[:, 0].tolist()))
+
+
+def _flat_forward(x_TH, ids_TK, w_TK, experts):
+    """One layer through the flat exchange of all the experts on this one rank (D = 1)."""
+    return moe_forward(x_TH, ids_TK, w_TK, experts, FlatExchange(ExpertLayout(8, 1)))
+
+
 def _assert_same_run(actual, expected):
     out, gx, gw, gp = actual
     out_ref, gx_ref, gw_ref, gp_ref = expected
@@ -100,7 +111,7 @@ def test_layout_worked_example_from_the_docstring():
     # E=4, D=2 -> P=2: experts {0,1} on device 0, {2,3} on device 1.
     ids_TK = torch.tensor([[0, 1], [1, 2], [3, 2]])
     w_TK = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
-    layout = compute_layout(ids_TK, w_TK, num_experts=4, num_devices=2, rank=0)
+    layout = _layout(ids_TK, w_TK, num_experts=4, num_devices=2, rank=0)
     # devices per slot: [[0,0],[0,1],[1,1]] -> token 0 reaches {0}, token 1 {0,1}, token 2 {1}.
     # Device-major send order: device 0 gets tokens 0, 1; device 1 gets tokens 1, 2.
     assert layout.send_token_idx_S.tolist() == [0, 1, 1, 2]
@@ -120,7 +131,7 @@ def test_layout_worked_example_from_the_docstring():
 def test_layout_sends_token_once_per_device_however_many_experts_live_there():
     # E=8, D=4 -> P=2: device d holds experts {2d, 2d+1}. K=4.
     ids_TK = torch.tensor([[0, 1, 2, 3], [6, 7, 0, 4], [1, 3, 5, 7]])
-    layout = compute_layout(ids_TK, torch.ones(3, 4), num_experts=8, num_devices=4, rank=1)
+    layout = _layout(ids_TK, torch.ones(3, 4), num_experts=8, num_devices=4, rank=1)
     # token 0: devices 0,0,1,1 -> 2 rows; token 1: 3,3,0,2 -> 3 rows; token 2: 0,1,2,3 -> 4 rows.
     # device 0 gets tokens 0,1,2; device 1: 0,2; device 2: 1,2; device 3: 1,2.
     assert layout.send_splits == (3, 2, 2, 2)
@@ -143,7 +154,7 @@ def test_layout_sends_token_once_per_device_however_many_experts_live_there():
 
 def test_layout_rows_sent_is_the_sum_of_comm_complexity():
     ids_TK, w_TK = _routing(50, 4, num_experts=16, seed=3)
-    layout = compute_layout(ids_TK, w_TK, num_experts=16, num_devices=4, rank=0)
+    layout = _layout(ids_TK, w_TK, num_experts=16, num_devices=4, rank=0)
     expert_device = contiguous_expert_device(16, 4)
     assert layout.rows_sent == int(devices_per_token(ids_TK, expert_device, 4).sum())
     assert layout.send_splits == tuple(device_load(ids_TK, expert_device, 4).tolist())
@@ -152,14 +163,20 @@ def test_layout_rows_sent_is_the_sum_of_comm_complexity():
 
 
 def test_layout_with_zero_tokens():
-    layout = compute_layout(torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2), 8, 2, rank=1)
+    layout = _layout(torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2), 8, 2, rank=1)
     assert layout.send_splits == (0, 0) and layout.rows_sent == 0 and layout.comm_complexity == 0.0
     assert layout.send_local_ids_SK.shape == (0, 2) and layout.send_weights_SK.shape == (0, 2)
 
 
 def test_layout_on_one_device_sends_each_token_once_unchanged():
     ids_TK, w_TK = _routing(6, 2)
-    layout = compute_layout(ids_TK, w_TK, num_experts=8, num_devices=1, rank=0)
+    x_TH = torch.randn(6, 4)
+    recv_x_RH, recv_w_RK, handle = FlatExchange(ExpertLayout(8, 1)).dispatch(x_TH, ids_TK, w_TK)
+    layout = handle.layout
+    assert torch.equal(recv_x_RH, x_TH) and torch.equal(recv_w_RK, w_TK)
+    assert torch.equal(handle.recv_local_ids_RJ, ids_TK) and handle.expert_counts == (
+        tuple(torch.bincount(ids_TK.reshape(-1), minlength=8).tolist())
+    )
     assert layout.send_token_idx_S.tolist() == list(range(6))
     assert torch.equal(layout.send_local_ids_SK, ids_TK)
     assert torch.equal(layout.send_weights_SK, w_TK)
@@ -168,27 +185,34 @@ def test_layout_on_one_device_sends_each_token_once_unchanged():
 def test_layout_weights_carry_the_router_gradient():
     ids_TK, w_TK = _routing(7, 3)
     w_TK.requires_grad_()
-    layout = compute_layout(ids_TK, w_TK, num_experts=8, num_devices=4, rank=0)
+    layout = _layout(ids_TK, w_TK, num_experts=8, num_devices=4, rank=0)
     layout.send_weights_SK.sum().backward()
     # Each slot's weight is live in exactly one row: d(sum)/d(weight) = 1 everywhere.
     torch.testing.assert_close(w_TK.grad, torch.ones(7, 3))
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "build, message",
     [
         (
-            dict(num_experts=8, num_devices=3, rank=0),
+            lambda ids, w: _layout(ids, w, 8, 3, 0),
             "devices=3 must divide the 8 experts; use one of [1, 2, 4, 8]",
         ),
-        (dict(num_experts=8, num_devices=2, rank=2), "rank=2 is outside [0, num_devices=2)"),
-        (dict(num_experts=4, num_devices=2, rank=0), "expert ids [5] outside [0, num_experts=4)"),
+        (lambda ids, w: _layout(ids, w, 8, 2, 2), "rank=2 is outside [0, num_devices=2)"),
+        (
+            lambda ids, w: FlatExchange(ExpertLayout(4, 1)).dispatch(torch.zeros(2, 3), ids, w),
+            "expert ids [5] outside [0, num_experts=4)",
+        ),
+        (
+            lambda ids, w: FlatExchange(ExpertLayout(8, 1)).dispatch(torch.zeros(3, 3), ids, w),
+            "hidden has 3 tokens but topk_ids has 2; they must match",
+        ),
     ],
 )
-def test_layout_errors_quote_the_offending_values(kwargs, message):
+def test_layout_errors_quote_the_offending_values(build, message):
     ids_TK = torch.tensor([[0, 5], [1, 2]])
     with pytest.raises(ValueError) as err:
-        compute_layout(ids_TK, torch.ones(2, 2), **kwargs)
+        build(ids_TK, torch.ones(2, 2))
     assert message in str(err.value)
 
 
@@ -273,7 +297,7 @@ def test_dedup_forward_on_one_rank_matches_reference(arch):
     ids_TK, w_TK = _routing(10, 2)
     x_TH = torch.randn(10, _hidden_size(experts), generator=torch.Generator().manual_seed(2))
     expected = _run(_oracle, experts, x_TH, ids_TK, w_TK)
-    _assert_same_run(_run(dedup_moe_forward, experts, x_TH, ids_TK, w_TK), expected)
+    _assert_same_run(_run(_flat_forward, experts, x_TH, ids_TK, w_TK), expected)
     _, _, handle = FlatExchange(ExpertLayout(8, 1)).dispatch(x_TH, ids_TK, w_TK)
     assert handle.layout.num_devices == 1 and handle.rows_sent == 10  # one row per token, C_T = 1
 
@@ -283,8 +307,12 @@ def test_dedup_forward_checks_the_expert_count():
     with pytest.raises(
         ValueError, match="num_experts=16 but the module holds 8 experts on each of 1 devices"
     ):
-        dedup_moe_forward(
-            torch.zeros(1, 64), torch.tensor([[0, 1]]), torch.ones(1, 2), experts, num_experts=16
+        moe_forward(
+            torch.zeros(1, 64),
+            torch.tensor([[0, 1]]),
+            torch.ones(1, 2),
+            experts,
+            FlatExchange(ExpertLayout(16, 1)),
         )
 
 
@@ -332,3 +360,30 @@ def test_shard_experts_twice_is_an_error():
     model = shard_experts(AutoModelForCausalLM.from_config(tiny_config("olmoe")))
     with pytest.raises(ValueError, match="already sharded"):
         shard_experts(model)
+
+
+# ---- the pipelining capability ------------------------------------------------------------------
+def test_pipelining_follows_the_exchange_capability():
+    from occult_ft.dispatch import PerExpertExchange, TwoStageExchange, node_groups, pipelined_moe_forward
+
+    experts = _experts("olmoe")
+    ids_TK, w_TK = _routing(6, 2)
+    x_TH = torch.randn(6, _hidden_size(experts), generator=torch.Generator().manual_seed(2))
+    layout = ExpertLayout(8, 1)
+    two_stage = TwoStageExchange(layout, node_groups(1))
+    capped = FlatExchange(layout, capacity=8)
+    exact = [FlatExchange(layout), PerExpertExchange(layout)]
+    assert [e.pipelinable for e in exact] == [True, True]
+    assert not two_stage.pipelinable and not capped.pipelinable
+    expected = local_moe_forward(x_TH, ids_TK, w_TK, experts)
+    for exchange in exact:
+        out = pipelined_moe_forward(x_TH, ids_TK, w_TK, experts, exchange, 3)
+        torch.testing.assert_close(out, expected, **TOL)
+    for exchange in (two_stage, capped):
+        # one chunk is the plain layer, whatever the exchange; more need the capability
+        out = pipelined_moe_forward(x_TH, ids_TK, w_TK, experts, exchange, 1)
+        torch.testing.assert_close(out, expected, **TOL)
+        with pytest.raises(
+            ValueError, match=rf"chunks=2 .*this {exchange.name} exchange is not one: use chunks=1"
+        ):
+            pipelined_moe_forward(x_TH, ids_TK, w_TK, experts, exchange, 2)

@@ -125,6 +125,42 @@ def _gather_dim0(t: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(pieces)
 
 
+def _row_failures(
+    handle, rows_all: int, case: dict, rank: int, world: int, ids_all, mine: slice
+) -> list[str]:
+    """The rows this rank sent and their splits against the routing (K per token per expert, C_T per token
+    de-duplicated; a capacity layout sends fixed splits holding the real rows), and all ranks' rows."""
+    from occult_ft.metrics import contiguous_expert_device, device_load, devices_per_token
+
+    failures = []
+    total, top_k = sum(case["tokens"]), case["top_k"]
+    expert_device = contiguous_expert_device(NUM_EXPERTS, world)
+    if case.get("exchange", "flat") == "per_expert":
+        expected_rows, global_rows = case["tokens"][rank] * top_k, total * top_k
+        expected_splits = tuple(
+            torch.bincount(expert_device[ids_all[mine]].reshape(-1), minlength=world).tolist()
+        )
+    else:
+        expected_rows = int(devices_per_token(ids_all[mine], expert_device, world).sum())
+        global_rows = int(devices_per_token(ids_all, expert_device, world).sum())
+        expected_splits = tuple(device_load(ids_all[mine], expert_device, world).tolist())
+    sent = int(handle.layout.send_counts_D.sum())
+    if sent != expected_rows:
+        failures.append(f"rows sent={sent}, expected {expected_rows}")
+    if "capacity" in case:
+        if handle.layout.send_splits != (case["capacity"],) * world:
+            failures.append(f"capacity layout splits {handle.layout.send_splits}")
+        if tuple(handle.layout.send_counts_D.tolist()) != expected_splits:
+            failures.append(
+                f"real rows per device {handle.layout.send_counts_D.tolist()}, expected {expected_splits}"
+            )
+    elif handle.layout.send_splits != expected_splits:
+        failures.append(f"send_splits={handle.layout.send_splits}, expected {expected_splits}")
+    if rows_all != global_rows:
+        failures.append(f"rows sent by all ranks={rows_all}, expected {global_rows}")
+    return failures
+
+
 def _layer_case(rank: int, world: int, case: dict) -> list[str]:
     import torch.distributed as dist
 
@@ -139,7 +175,6 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
         shard_experts_module,
     )
     from occult_ft.layout import ExpertLayout
-    from occult_ft.metrics import contiguous_expert_device, device_load, devices_per_token
     from occult_ft.models import get_arch
 
     failures: list[str] = []
@@ -200,30 +235,7 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
     rows_all = torch.tensor([int(handle.layout.send_counts_D.sum())])
     dist.all_reduce(rows_all)
 
-    expert_device = contiguous_expert_device(NUM_EXPERTS, world)
-    if kind == "per_expert":
-        expected_rows, global_rows = case["tokens"][rank] * top_k, total * top_k
-        expected_splits = tuple(
-            torch.bincount(expert_device[ids_all[mine]].reshape(-1), minlength=world).tolist()
-        )
-    else:
-        expected_rows = int(devices_per_token(ids_all[mine], expert_device, world).sum())
-        global_rows = int(devices_per_token(ids_all, expert_device, world).sum())
-        expected_splits = tuple(device_load(ids_all[mine], expert_device, world).tolist())
-    sent = int(handle.layout.send_counts_D.sum())
-    if sent != expected_rows:
-        failures.append(f"rows sent={sent}, expected {expected_rows}")
-    if "capacity" in case:
-        if handle.layout.send_splits != (case["capacity"],) * world:
-            failures.append(f"capacity layout splits {handle.layout.send_splits}")
-        if tuple(handle.layout.send_counts_D.tolist()) != expected_splits:
-            failures.append(
-                f"real rows per device {handle.layout.send_counts_D.tolist()}, expected {expected_splits}"
-            )
-    elif handle.layout.send_splits != expected_splits:
-        failures.append(f"send_splits={handle.layout.send_splits}, expected {expected_splits}")
-    if int(rows_all) != global_rows:
-        failures.append(f"rows sent by all ranks={int(rows_all)}, expected {global_rows}")
+    failures += _row_failures(handle, int(rows_all), case, rank, world, ids_all, mine)
     _close(failures, "output", out, out_ref[mine].detach())
     _close(failures, "hidden grad", _grad(x), _grad(x_ref)[mine])
     _close(failures, "router weight grad", _grad(w), _grad(w_ref)[mine])
@@ -236,6 +248,23 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
         _close(failures, "chunked vs unchunked weight grad", _grad(w), _grad(w1))
         for name in names:
             _close(failures, f"chunked vs unchunked {name} grad", grads[name], grads1[name])
+    return failures
+
+
+def _reload_failures(rank: int, model, state: dict, ref_state: dict) -> list[str]:
+    """Rank 0 saves the gathered state as a normal HF checkpoint and reloads it without occult_ft."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if rank == 0:
+            model.save_pretrained(tmp, state_dict=state)
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp)
+            for key, value in reloaded.state_dict().items():
+                if not torch.equal(value, ref_state[key]):
+                    failures.append(f"reloaded checkpoint differs at {key}")
+        dist.barrier()
     return failures
 
 
@@ -310,14 +339,7 @@ def _model_case(rank: int, world: int, case: dict) -> list[str]:
             failures.append(f"gathered state_dict differs at {key}")
 
     if case["save"]:  # a normal HF checkpoint, reloadable without occult_ft
-        with tempfile.TemporaryDirectory() as tmp:
-            if rank == 0:
-                model.save_pretrained(tmp, state_dict=state)
-                reloaded = AutoModelForCausalLM.from_pretrained(tmp)
-                for key, value in reloaded.state_dict().items():
-                    if not torch.equal(value, ref_state[key]):
-                        failures.append(f"reloaded checkpoint differs at {key}")
-            dist.barrier()
+        failures += _reload_failures(rank, model, state, ref_state)
 
     gather_experts(model)
     if model.config._experts_implementation == EXPERTS_IMPLEMENTATION or expert_shard_parameters(model):

@@ -1,6 +1,6 @@
 """The two-stage (node-aware) exchange: a token crosses the network once per node.
 
-Single-process tests check `fanout_layout` on a worked example. The multi-process tests run 4 gloo
+Single-process tests check the stage-2 (fan-out) plan on a worked example. The multi-process tests run 4 gloo
 processes as 2 nodes x 2 devices (ranks 0, 1 on node 0; ranks 2, 3 on node 1) with 8 experts (P = 2,
 node 0 holds experts 0-3, node 1 experts 4-7): the two-stage layer must equal the flat exchange and
 the single-process oracle in outputs and gradients (fp32, 1e-5), and the rows it sends must be the
@@ -44,15 +44,19 @@ CASES_2X4 = {
 }
 
 
-def test_fanout_layout_worked_example():
-    from occult_ft.dispatch import fanout_layout
+def test_fanout_plan_worked_example():
+    from occult_ft.dispatch.plan import dedup_plan, layout_from_plan
+    from occult_ft.layout import ExpertLayout
 
     # A gateway of a node with L=2 devices, P=2 experts each (node-local ids 0..3), 3 received rows:
     #   row 0: ids [1, -1] -> device 0 only          row 1: ids [2, 0] -> devices 0 and 1
     #   row 2: ids [-1, 3] -> device 1 only
     ids_RK = torch.tensor([[1, -1], [2, 0], [-1, 3]])
     w_RK = torch.tensor([[0.6, 0.0], [0.3, 0.7], [0.0, 0.5]])
-    layout = fanout_layout(ids_RK, w_RK, experts_per_device=2, num_devices=2, rank=1)
+    # what TwoStageExchange.dispatch plans at a gateway: node-local ids, -1 for other nodes' experts
+    plan = dedup_plan(ids_RK, w_RK, ExpertLayout(4, 2), rank=1, sentinel_in=True)
+    layout = layout_from_plan(plan, tuple(plan.meta_DC[:, 0].tolist()))
+    assert plan.meta_DC[:, -1].tolist() == [0, 0]  # -1 is no bad id in a fan-out stage
     # device-major: device 0 gets rows 0, 1; device 1 gets rows 1, 2
     assert layout.send_token_idx_S.tolist() == [0, 1, 1, 2]
     assert layout.send_splits == (2, 2) and layout.rows_sent == 4 and layout.rows_kept_local == 2
@@ -64,26 +68,29 @@ def test_fanout_layout_worked_example():
 
 def test_single_process_two_stage_equals_local_layer():
     """Without torch.distributed (D = 1, N = 1) the two-stage layer is the single-device layer."""
-    from occult_ft.dispatch import local_moe_forward, node_groups, two_stage_dispatch, two_stage_moe_forward
+    from occult_ft.dispatch import TwoStageExchange, local_moe_forward, moe_forward, node_groups
+    from occult_ft.layout import ExpertLayout
 
     experts = _full_experts("olmoe", seed=1)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, experts.down_proj.shape[1], generator=gen)
     ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:2] for _ in range(5)])
     w = torch.rand(5, 2, generator=gen)
-    out = two_stage_moe_forward(x, ids, w, experts, nodes=1)
+    exchange = TwoStageExchange(ExpertLayout(NUM_EXPERTS, 1, 1), node_groups(1))
+    out = moe_forward(x, ids, w, experts, exchange)
     torch.testing.assert_close(out, local_moe_forward(x, ids, w, experts), rtol=1e-5, atol=1e-5)
-    _, _, handle = two_stage_dispatch(x, ids, w, NUM_EXPERTS, node_groups(1))
+    _, _, handle = exchange.dispatch(x, ids, w)
     assert handle.node_rows == 5 and handle.cross_node_rows == 0 and handle.intra_node_rows == 0
 
 
 def test_nodes_must_divide_the_ranks():
-    from occult_ft.dispatch import two_stage_moe_forward
+    from occult_ft.dispatch import TwoStageExchange, node_groups
+    from occult_ft.layout import ExpertLayout
 
-    experts = _full_experts("olmoe", seed=1)
-    x, ids, w = torch.zeros(1, experts.down_proj.shape[1]), torch.tensor([[0, 1]]), torch.ones(1, 2)
     with pytest.raises(ValueError, match=r"nodes=2 does not divide devices=1; use one of \[1\]"):
-        two_stage_moe_forward(x, ids, w, experts, nodes=2)
+        node_groups(2)
+    with pytest.raises(ValueError, match=r"node groups of 1 x 1 ranks do not match the layout's 2 nodes"):
+        TwoStageExchange(ExpertLayout(NUM_EXPERTS, 2, 2), node_groups(1))
 
 
 # ---- multi-process (run inside the workers) -----------------------------------------------------

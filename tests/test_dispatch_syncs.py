@@ -1,6 +1,6 @@
 """Host synchronisations per MoE layer, counted on CPU with `occult_ft.bench.syncs.HostSyncCounter`.
 
-Targets (issue 15): the pruned router reads nothing on the host, the exchange at most once per layer
+Targets (each host read stalls a GPU's kernel queue): the pruned router reads nothing on the host, the exchange at most once per layer
 (its count exchange), the capacity-bounded exchange never; the backward pass never. Before this
 change a layer read the device 5 times unpruned (the layout's range check, nonzero and send counts,
 the received counts, the local bincount) and 12-14 times pruned. The multi-process counts (4 gloo

@@ -65,7 +65,8 @@ DEVICES = 4  # 8 experts: 2 per device, so top-2 fits a budget of 1
 
 
 def test_the_family_is_the_installed_transformers_moe_family():
-    # the discovery finds the families the issue names, and about 65 folders of them
+    # the discovery finds the recent MoE families (GLM-4.x, DeepSeek-V3.2, Qwen3-Next, Qwen3.5, MiniMax-M2,
+    # GPT-OSS), and about 65 folders of them in the installed transformers 5.x
     assert {"glm4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe", "minimax_m2", "gpt_oss"} <= set(FAMILY)
     assert len(FAMILY) >= 60
     assert "llama" not in FAMILY and "qwen3" not in FAMILY  # dense models are not in it

@@ -280,7 +280,14 @@ def _exchange_on(rank: int, world: int, device: str) -> float:
     """De-duplicated exchange of a sharded OLMoE layer on `device` against the one-process reference."""
     import copy
 
-    from occult_ft.dispatch import dedup_moe_forward, experts_module_fn, reference_moe, shard_experts_module
+    from occult_ft.dispatch import (
+        FlatExchange,
+        experts_module_fn,
+        moe_forward,
+        reference_moe,
+        shard_experts_module,
+    )
+    from occult_ft.layout import ExpertLayout
     from occult_ft.models import find_moe_layers
 
     dev = torch.device(device, rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
@@ -293,7 +300,7 @@ def _exchange_on(rank: int, world: int, device: str) -> float:
     local = copy.deepcopy(full)
     shard_experts_module(local, ("gate_up_proj", "down_proj"))
     mine = slice(rank * 8, (rank + 1) * 8)
-    out = dedup_moe_forward(x_all[mine], ids_all[mine], w_all[mine], local)
+    out = moe_forward(x_all[mine], ids_all[mine], w_all[mine], local, FlatExchange(ExpertLayout(8, world)))
     return float((out.detach() - ref[mine]).abs().max())
 
 

@@ -22,12 +22,16 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "occult_ft"
 #: lowest first; a module may import modules of its own layer or of lower layers. Entries name modules
 #: or packages under occult_ft (dotted for a module inside a package); the longest match wins.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("fileio", "layout", "metrics", "embedded", "hub_access"),
+    ("checks", "fileio", "layout", "metrics", "embedded", "hub_access"),
     ("models",),
     ("routing", "placement", "profiling", "dispatch", "integrations"),
     ("checkpoint",),  # the format and its writers (format, save, card, remote_code, convert)
     ("apply",),  # records blocks through checkpoint.format / checkpoint.save
-    ("checkpoint.load", "configs"),  # loading re-applies a checkpoint's placement and budget
+    (
+        "checkpoint.load",
+        "checkpoint.sharded",
+        "configs",
+    ),  # loading re-applies a checkpoint's placement and budget
     ("data", "evaluation", "plots", "trainer", "trl", "plan"),  # trl: the trainer on TRL's SFTTrainer
     ("studies", "bench", "hub", "serving"),
     ("commands", "cli", "__main__", "__init__"),

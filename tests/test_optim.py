@@ -48,7 +48,7 @@ def test_bf16_weights_move_like_float32_ones_where_torch_adamw_loses_two_thirds(
     grads = _gradients(n, STEPS)
     reference = _train(w16.float(), torch.optim.AdamW, grads) - w16.float()  # the same start, in fp32
     changed, ratio = _moved(w16, _train(w16, torch.optim.AdamW, grads), reference)
-    assert ratio < 0.6  # the issue: most updates are rounded away (30% of the weights move, 0.35x)
+    assert ratio < 0.6  # plain bf16 AdamW rounds most updates away (30% of the weights move, 0.35x)
     ours = _train(w16, CompensatedAdamW, grads)
     changed, ratio = _moved(w16, ours, reference)
     assert changed > 0.99 and 0.9 < ratio < 1.1
@@ -258,7 +258,7 @@ def test_a_float32_start_is_rounded_as_loading_it_in_bf16_would_be(tmp_path, tin
 def test_a_bf16_run_from_a_float32_checkpoint_saves_the_float32_runs_update_through_the_cli(
     tmp_path, tiny_tokenizer
 ):
-    """The issue's measurement: tiny OLMoE (initializer std 0.02) saved in float32, 10 `moe` steps at lr
+    """The measurement that showed bf16 updates lost: tiny OLMoE (initializer std 0.02) saved in float32, 10 `moe` steps at lr
     2e-5 through `occult-ft train` in float32 and in bfloat16; the bf16 run's saved expert weights move as
     far as the float32 run's result rounded to bf16 (>= 0.95x in mean |update| and in the share of
     weights that moved; 0.92x / 0.97x before the compensation was seeded with the load rounding)."""

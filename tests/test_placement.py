@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,7 +34,7 @@ from occult_ft.placement import (
     solve_layer,
 )
 from occult_ft.placement.algorithms import occult
-from occult_ft.placement.core import LayerResult, divisors, incidence, level_totals, two_level
+from occult_ft.placement.core import LayerResult, incidence, level_totals, two_level
 from occult_ft.placement.layer import split_holdout
 from occult_ft.placement.lns import pair_move
 from occult_ft.placement.partition import LoadBound, TokenSets, price, solve_partition
@@ -247,9 +248,9 @@ def test_hierarchical_placement_keeps_each_node_on_consecutive_devices():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(num_devices=3), "devices=3 does not divide the 64 experts; use one of 1, 2, 4, 8, 16, 32, 64"),
-        (dict(num_devices=0), "devices=0 does not divide"),
-        (dict(num_devices=8, num_nodes=3), "nodes=3 does not divide devices=8; use one of 1, 2, 4, 8"),
+        (dict(num_devices=3), "devices=3 must divide the 64 experts; use one of [1, 2, 4, 8, 16, 32, 64]"),
+        (dict(num_devices=0), "devices=0 must be a positive integer"),
+        (dict(num_devices=8, num_nodes=3), "nodes=3 does not divide devices=8; use one of [1, 2, 4, 8]"),
         (
             dict(num_devices=8, algorithm="metis"),
             "unknown placement algorithm 'metis'; use one of greedy_pairs",
@@ -260,7 +261,7 @@ def test_hierarchical_placement_keeps_each_node_on_consecutive_devices():
 def test_invalid_requests_raise_one_line_placement_error(kwargs, message):
     ids = random_routing(64, tokens=32)
     kwargs = dict(dict(num_experts=64), **kwargs)
-    with pytest.raises(PlacementError, match=message) as info:
+    with pytest.raises(PlacementError, match=re.escape(message)) as info:
         place_layer(ids, **kwargs)
     assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
 
@@ -430,7 +431,7 @@ BAD_FILES = {
         lambda: json.dumps({k: v for k, v in _good_file().items() if k != "num_devices"}),
         "lacks the 'num_devices' field",
     ),
-    "devices_not_dividing": (_with(num_devices=3), "devices=3 does not divide the 8 experts"),
+    "devices_not_dividing": (_with(num_devices=3), "devices=3 must divide the 8 experts"),
     "no_layers": (_with(layers={}), "no layers"),
     "bad_layer_key": (_with(layers={"mlp": [[0, 1, 2, 3], [4, 5, 6, 7]]}), "layer key 'mlp'"),
     "wrong_group_count": (_with_layer([[0, 1, 2, 3, 4, 5, 6, 7]]), "layer 0 has 1 device groups"),
@@ -717,13 +718,7 @@ def test_two_level_takes_a_solver_that_returns_a_layer_result():
     assert sorted(e for g in expected for e in g) == list(range(16))
 
 
-# ---- file sizes, divisors, atomic save --------------------------------------------------------------------
-def test_divisors_match_a_brute_force_list():
-    for n in [1, 2, 12, 36, 64, 97, 360]:
-        assert divisors(n) == ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-    assert divisors(10**12).endswith(", 500000000000, 1000000000000")  # 10**6 steps, not 10**12
-
-
+# ---- file sizes, atomic save ------------------------------------------------------------------------------
 def test_a_file_claiming_a_huge_expert_count_is_rejected_at_once(tmp_path):
     import time
 

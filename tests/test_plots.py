@@ -279,7 +279,7 @@ def bench_result():
 def test_plot_bench_writes_png(tmp_path):
     plots.plot_bench(bench_result(), tmp_path / "bench.png")
     assert_png(tmp_path / "bench.png")
-    # the minimal form the issue names: backend, rows_per_token, exchange_ms
+    # the minimal form a hand-written result takes: backend, rows_per_token, exchange_ms
     minimal = {
         "backends": [
             {"backend": b["backend"], "rows_per_token": b["rows_per_token"], "exchange_ms": b["exchange_ms"]}

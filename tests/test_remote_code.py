@@ -174,7 +174,8 @@ def test_trust_remote_code_routes_like_occult_ft(run, name):
     model_type = CASES.get(name, CASES["olmoe-score"])[0]
     got = run["got"][name]
     assert got["remote_class"] == remote_class_name(model_type)
-    # the saved config names the remote class: a serving engine without the budget refuses it (issue 25)
+    # the saved config names the remote class: a serving engine without the budget refuses it (vLLM has
+    # no `Occult<Base>` class) instead of serving the checkpoint with the unpruned routing
     saved = json.loads(open(os.path.join(run["dirs"][name], "config.json")).read())
     assert saved["architectures"] == [remote_class_name(model_type)]
     torch.testing.assert_close(got["remote"], run["ref"][name], atol=1e-5, rtol=0)

@@ -5,7 +5,7 @@ Two real gloo processes under torchrun, data parallel (expert_parallel_size 1) a
 checkpoints at 6, 12 and 13. Two resumed runs, each in a fresh output directory, must end where the
 uninterrupted one ends: one from checkpoint-6 (mid-epoch, mid-run) and one from checkpoint-13, the
 checkpoint at max_steps that a job killed before its final save leaves behind; from it, Trainer itself
-would take a 14th step and write checkpoint-14 (the issue's "step 61 of 60").
+would take a 14th step and write checkpoint-14 (a run of 60 steps resumed at 60 logged "step 61 of 60").
 
 The workers are `tests/test_expert_parallel.py`'s (`launch`, `train_case`)."""
 

@@ -1,4 +1,4 @@
-"""Issue 18, "nothing lost, nothing silently wrong", case by case through the commands, the trainer and
+"""Nothing lost, nothing silently wrong: every write atomic, every bad input a one-line error, case by case through the commands, the trainer and
 the Python API (tiny real models, real Trainer runs). The families behind them have their own files:
 the output-path check and the directory swap (`test_fileio.py`), the row validator
 (`test_data_rows.py`), resume (`test_resume.py`), bf16 updates (`test_optim.py`)."""

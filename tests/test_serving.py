@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM
 from occult_ft.apply import apply_occult
 from occult_ft.checkpoint import CheckpointError, describe_checkpoint
 from occult_ft.checkpoint.load import from_pretrained
+from occult_ft.checkpoint.remote_code import remote_class_name
 from occult_ft.models import CORE_MODEL_TYPES, find_moe_layers, tiny_config
 from occult_ft.routing import CRITERIA, PruningConfig
 from occult_ft.serving.routing import STATS_ENV, ServedRouting
-from occult_ft.serving.vllm_plugin import SERVED
+from occult_ft.serving.vllm_plugin import SERVED, unserved_refusal
 
 
 def _similarity(model):
@@ -41,6 +42,16 @@ def _saved(path, model_type, pruning):
 
 def test_the_plugin_serves_the_core_model_types():
     assert set(CORE_MODEL_TYPES) <= set(SERVED)
+
+
+def test_a_pruned_type_the_plugin_does_not_serve_is_refused_in_one_line():
+    message = unserved_refusal(remote_class_name("glm4_moe"))
+    assert message is not None and "\n" not in message
+    assert message.startswith("OccultGlm4MoeForCausalLM: ") and "model type 'glm4_moe'" in message
+    assert "olmoe" in message and "occult_ft.from_pretrained" in message  # what it serves, and the fix
+    # served types, and names of no pruned checkpoint, are vLLM's to resolve
+    assert unserved_refusal(remote_class_name("olmoe")) is None
+    assert unserved_refusal("OlmoeForCausalLM") is None and unserved_refusal("LlamaForCausalLM") is None
 
 
 @pytest.mark.parametrize("model_type", CORE_MODEL_TYPES)
@@ -137,6 +148,12 @@ def test_routing_counts_the_devices_each_token_reaches(tmp_path, monkeypatch):
     logits[0, [0, 1]] = 5.0
     logits[1, [0, 2]] = 5.0
     logits[2, [0, 7]] = 5.0
-    served.route(layer, logits)
-    entry = json.loads(stats.read_text())["layers"][str(layer)]
-    assert entry == {"tokens": 3, "max_devices": 2, "histogram": [0, 1, 2, 0, 0]}
+    weights, ids = served.route(layer, logits)
+    assert not stats.exists()  # written by `record`, which the engine calls after `route`
+    inputs = torch.randn(3, 5)
+    served.record(layer, inputs, weights, ids)
+    written = json.loads(stats.read_text())
+    assert written["layers"][str(layer)] == {"tokens": 3, "max_devices": 2, "histogram": [0, 1, 2, 0, 0]}
+    kept = written["tokens"][str(layer)]
+    assert kept["ids"] == ids.tolist() and torch.equal(torch.tensor(kept["inputs"]), inputs)
+    torch.testing.assert_close(torch.tensor(kept["weights"]), weights)

@@ -1,4 +1,4 @@
-"""`occult_ft.trainer.sharded_load`: a rank built from disk equals the shard of a normally loaded,
+"""`occult_ft.checkpoint.sharded` (`load_sharded_model`): a rank built from disk equals the shard of a normally loaded,
 placed and sharded model, and reads no expert it does not hold.
 
 The reference is the slow, obvious path: `from_pretrained` the whole model, `apply_occult(placement)`
@@ -20,15 +20,10 @@ import torch
 from dist_utils import free_port
 from helpers import build_tokenizer, safety_timeout, save_tiny_model
 
+from occult_ft.checkpoint.load import can_load_sharded, load_sharded_model
+from occult_ft.checkpoint.sharded import SafetensorsReader, place_sharded, sharded_placement
 from occult_ft.models import CORE_MODEL_TYPES, find_moe_layers
 from occult_ft.placement import Placement
-from occult_ft.trainer.sharded_load import (
-    SafetensorsReader,
-    can_load_sharded,
-    load_sharded_model,
-    place_sharded,
-    sharded_placement,
-)
 
 #: a placement that moves every expert: device d holds the original ids GROUPS[d] (sorted within a
 #: device), so the placed order is 2 7 0 5 3 4 1 6 (placed expert j is original expert ORDER[j])

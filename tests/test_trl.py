@@ -331,7 +331,7 @@ def test_sft_losses_equal_occult_trainers_on_the_same_prepared_rows(shape, tmp_p
 def test_placed_pruned_checkpoint_holds_the_budget_and_loads_three_ways(tmp_path):
     """placement=auto + similarity criterion on TRL's data; the saved model routes within the budget
     when loaded by occult_ft.from_pretrained, stock transformers and the lines of its model card."""
-    from test_card_load_lines import load_blocks, run_blocks
+    from test_card_load_lines import run_blocks, transformers_blocks
     from transformers import AutoModelForCausalLM
 
     import occult_ft
@@ -361,7 +361,7 @@ def test_placed_pruned_checkpoint_holds_the_budget_and_loads_three_ways(tmp_path
     torch.testing.assert_close(stock(input_ids=ids).logits.detach(), trained, rtol=0, atol=1e-5)
     card = (out / "README.md").read_text()
     assert "max_devices_per_token" in card or "devices per token" in card
-    run_blocks(load_blocks(card), out.parent)
+    run_blocks(transformers_blocks(card), out.parent)
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ Report fields (`definitions` in the report repeats them):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from ..layout import ExpertLayout
 from ..metrics import contiguous_expert_device, device_counts, devices_per_token, expert_node
 from .costmodel import (
     CLUSTER_PRESETS,
+    ClusterShape,
     capacity_rows_matrix,
     get_cluster,
     predict_exchange_ms,
@@ -228,79 +230,322 @@ def _cost_model(
         ],
     }
     for shape in shapes:
-        d = shape.num_devices
-        entry: dict[str, Any] = {
-            **shape.to_dict(),
-            "num_devices": d,
-            "volumes": "measured" if d == settings.devices else "derived",
-        }
-        if workload.num_experts % d or workload.tokens < d:
-            entry["skipped"] = (
-                f"{d} devices do not divide the {workload.num_experts} experts or exceed the tokens"
-            )
-            out["clusters"].append(entry)
-            continue
-        preds, left_out = [], []
-        for b in backends:
-            name, kind, budget = b["backend"], b["kind"], b["max_devices_per_token"]
-            if budget is not None and budget * (workload.num_experts // d) < workload.top_k:
-                left_out.append(name)
-                continue
-            total = 0.0
-            rows = cross = intra = 0
-            for li, lr in enumerate(workload.layers):
-                stage2_DD = None
-                if kind == "two_stage":
-                    dev_E = contiguous_expert_device(workload.num_experts, d)
-                    ids_TK = lr.topk_ids_TK
-                    if budget is not None:
-                        ids_TK = pruned_topk(lr.scores_TE, ids_TK, dev_E, d, min(budget, d))
-                    rows_DD, stage2_DD = two_stage_rows(ids_TK, dev_E, d, shape.nodes)
-                    total += predict_two_stage_exchange_ms(rows_DD, stage2_DD, bytes_per_row, shape)
-                else:
-                    if d == settings.devices and (name, li) in measured_rows:
-                        rows_DD = measured_rows[(name, li)]
-                    else:
-                        factor = settings.capacity_factor if name == "deepspeed_classic" else None
-                        rows_DD = _cluster_rows(
-                            kind,
-                            factor,
-                            lr.topk_ids_TK,
-                            lr.scores_TE,
-                            workload.num_experts,
-                            d,
-                            settings,
-                            budget,
-                        )
-                    total += predict_exchange_ms(rows_DD, bytes_per_row, shape)
-                rows += int(rows_DD.sum())
-                split = _node_split(name, rows_DD, stage2_DD, shape.devices_per_node)
-                cross += split["cross_node_rows"]
-                intra += split["intra_node_rows"]
-            preds.append(
-                {
-                    "backend": name,
-                    "kind": kind,
-                    "max_devices_per_token": budget,
-                    "rows_per_token": rows / (workload.tokens * len(workload.layers)),
-                    "cross_node_MB": 2 * cross * bytes_per_row / 1e6,
-                    "intra_node_MB": 2 * intra * bytes_per_row / 1e6,
-                    "predicted_ms": total,
-                }
-            )
-        best_peer = min((p["predicted_ms"] for p in preds if p["backend"] in PEERS), default=None)
-        for p in preds:
-            p["speedup_vs_best_peer"] = (
-                best_peer / p["predicted_ms"] if best_peer and p["predicted_ms"] else None
-            )
-        entry["backends"] = preds
-        if left_out:
-            entry["not_predicted"] = (
-                f"{', '.join(left_out)}: {workload.num_experts // d} experts per device x budget "
-                f"< top_k={workload.top_k}"
-            )
-        out["clusters"].append(entry)
+        out["clusters"].append(_cluster_entry(shape, workload, backends, measured_rows, settings))
     return out
+
+
+def _cluster_entry(
+    shape: ClusterShape,
+    workload: Workload,
+    backends: list[dict],
+    measured_rows: dict,
+    settings: BenchSettings,
+) -> dict[str, Any]:
+    """One cluster's predictions for every backend whose budget holds top_k experts at its size."""
+    d = shape.num_devices
+    entry: dict[str, Any] = {
+        **shape.to_dict(),
+        "num_devices": d,
+        "volumes": "measured" if d == settings.devices else "derived",
+    }
+    if workload.num_experts % d or workload.tokens < d:
+        entry["skipped"] = (
+            f"{d} devices do not divide the {workload.num_experts} experts or exceed the tokens"
+        )
+        return entry
+    preds, left_out = [], []
+    for b in backends:
+        budget = b["max_devices_per_token"]
+        if budget is not None and budget * (workload.num_experts // d) < workload.top_k:
+            left_out.append(b["backend"])
+            continue
+        preds.append(_predict_backend(b, shape, workload, measured_rows, settings))
+    best_peer = min((p["predicted_ms"] for p in preds if p["backend"] in PEERS), default=None)
+    for p in preds:
+        p["speedup_vs_best_peer"] = best_peer / p["predicted_ms"] if best_peer and p["predicted_ms"] else None
+    entry["backends"] = preds
+    if left_out:
+        entry["not_predicted"] = (
+            f"{', '.join(left_out)}: {workload.num_experts // d} experts per device x budget < top_k={workload.top_k}"
+        )
+    return entry
+
+
+def _predict_backend(
+    b: dict, shape: ClusterShape, workload: Workload, measured_rows: dict, settings: BenchSettings
+) -> dict:
+    """One backend's predicted exchange on `shape` over all layers: the measured volumes when the cluster
+    has as many devices as the run, else volumes re-derived from the routing at its size."""
+    d, bytes_per_row = shape.num_devices, workload.hidden * settings.element_size
+    name, kind, budget = b["backend"], b["kind"], b["max_devices_per_token"]
+    total = 0.0
+    rows = cross = intra = 0
+    for li, lr in enumerate(workload.layers):
+        stage2_DD = None
+        if kind == "two_stage":
+            dev_E = contiguous_expert_device(workload.num_experts, d)
+            ids_TK = lr.topk_ids_TK
+            if budget is not None:
+                ids_TK = pruned_topk(lr.scores_TE, ids_TK, dev_E, d, min(budget, d))
+            rows_DD, stage2_DD = two_stage_rows(ids_TK, dev_E, d, shape.nodes)
+            total += predict_two_stage_exchange_ms(rows_DD, stage2_DD, bytes_per_row, shape)
+        else:
+            if d == settings.devices and (name, li) in measured_rows:
+                rows_DD = measured_rows[(name, li)]
+            else:
+                factor = settings.capacity_factor if name == "deepspeed_classic" else None
+                rows_DD = _cluster_rows(
+                    kind, factor, lr.topk_ids_TK, lr.scores_TE, workload.num_experts, d, settings, budget
+                )
+            total += predict_exchange_ms(rows_DD, bytes_per_row, shape)
+        rows += int(rows_DD.sum())
+        split = _node_split(name, rows_DD, stage2_DD, shape.devices_per_node)
+        cross += split["cross_node_rows"]
+        intra += split["intra_node_rows"]
+    return {
+        "backend": name,
+        "kind": kind,
+        "max_devices_per_token": budget,
+        "rows_per_token": rows / (workload.tokens * len(workload.layers)),
+        "cross_node_MB": 2 * cross * bytes_per_row / 1e6,
+        "intra_node_MB": 2 * intra * bytes_per_row / 1e6,
+        "predicted_ms": total,
+    }
+
+
+def _lineup(kept: list[int], nodes: int, backends: Sequence[str] | None) -> tuple[list[str], dict, dict]:
+    """(names to measure, backend -> dispatch family, backend -> pruning budget) of one run."""
+    budget_of = {pruned_name(m): m for m in kept}
+    kind_of = {**KINDS, **dict.fromkeys(budget_of, "dedup")}
+    all_names = list(BACKENDS) + list(budget_of)
+    if nodes > 1:
+        staged = {two_stage_name(): None, **{two_stage_name(m): m for m in kept}}
+        budget_of.update({n: m for n, m in staged.items() if m is not None})
+        kind_of.update(dict.fromkeys(staged, "two_stage"))
+        all_names += list(staged)
+    names = all_names if backends is None else list(backends)
+    unknown = [n for n in names if n not in all_names]
+    if unknown:
+        raise ValueError(f"unknown or unmeasurable backends {unknown}; choose from {', '.join(all_names)}")
+    return names, kind_of, budget_of
+
+
+def _remote_rows(rows_DD: torch.Tensor | None) -> int:
+    """Rows of one dispatch stage that leave their process (the diagonal stays home)."""
+    return 0 if rows_DD is None else int(rows_DD.sum() - rows_DD.diagonal().sum())
+
+
+_MEASURED = ("exchange_ms", "path_ms", "collective_bytes", "exchange_ms_runs", "path_ms_runs")
+"""What a process measured of one backend and layer, copied into that layer's row."""
+
+
+@dataclass
+class _Run:
+    """One measured run and what its aggregation steps share: the workload, the settings, the backends
+    (names, dispatch family, pruning budget), the routing variants and the raw measurements; every (D, D)
+    rows matrix measured lands in `measured_rows` (the cost model reuses them)."""
+
+    workload: Workload
+    settings: BenchSettings
+    names: list[str]
+    kind_of: dict[str, str]
+    budget_of: dict[str, int]
+    kept: list[int]
+    variants: dict
+    raw: dict
+    measured_rows: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+
+    def layer_entry(self, li: int) -> dict[str, Any]:
+        """Layer li: its comm complexities (pruned and node-level too) and one row per backend."""
+        lr, e, d, nodes = (
+            self.workload.layers[li],
+            self.workload.num_experts,
+            self.settings.devices,
+            self.settings.nodes,
+        )
+        tokens = self.workload.tokens
+        entry: dict[str, Any] = {
+            "layer": lr.layer,
+            "comm_complexity": mean_comm_complexity(lr.topk_ids_TK, e, d),
+        }
+        for m in self.kept:
+            entry[f"comm_complexity_prune{m}"] = mean_comm_complexity(
+                self.variants[pruned_name(m)][li][0], e, d
+            )
+        if nodes > 1:
+            entry["node_comm_complexity"] = _node_counts(lr.topk_ids_TK, e, d, nodes)[0] / tokens
+            for m in self.kept:
+                ids_m = self.variants[pruned_name(m)][li][0]
+                entry[f"node_comm_complexity_prune{m}"] = _node_counts(ids_m, e, d, nodes)[0] / tokens
+        entry["backends"] = [self.backend_row(name, li) for name in self.names]
+        return entry
+
+    def backend_row(self, name: str, li: int) -> dict[str, Any]:
+        """One backend on layer li: its rows (measured and checked against the routing, or derived from
+        it when the backend was not measured), remote and dropped routes, load, node split, timings."""
+        e, d, nodes = self.workload.num_experts, self.settings.devices, self.settings.nodes
+        ids_TK = self.variants[name][li][0]
+        measured = self.raw["layers"][li].get(name)
+        if measured is not None:
+            _check_volumes(name, li, measured, ids_TK, e, self.settings)
+            rows_DD = torch.tensor(measured["rows_DD"], dtype=torch.long)
+            self.measured_rows[(name, li)] = rows_DD
+            dropped = measured["dropped_routes"]
+        else:
+            rows_DD, dropped = layer_volumes(
+                ids_TK, name, e, d, self.settings.capacity_factor, self.settings.min_capacity
+            )
+        stage2_DD = None
+        if name.startswith(TWO_STAGE):
+            if measured is not None:
+                stage2_DD = torch.tensor(measured["stage2_rows_DD"], dtype=torch.long)
+            else:
+                stage2_DD = two_stage_rows(ids_TK, contiguous_expert_device(e, d), d, nodes)[1]
+        row = {
+            "backend": name,
+            "rows": int(rows_DD.sum()),
+            "rows_per_token": float(rows_DD.sum()) / self.workload.tokens,
+            "remote_rows": _remote_rows(rows_DD) + _remote_rows(stage2_DD),
+            "dropped_routes": dropped,
+            "load_imbalance": _load_imbalance(stage2_DD if stage2_DD is not None else rows_DD),
+        }
+        if stage2_DD is not None:
+            row["stage2_rows"] = int(stage2_DD.sum())
+        if nodes > 1:
+            row.update(_node_split(name, rows_DD, stage2_DD, d // nodes))
+        if measured is not None:
+            row.update({key: measured[key] for key in _MEASURED})
+        return row
+
+    def implementation(self) -> dict[str, str]:
+        """Backend -> what ran it, for every backend some layer measured."""
+        return {name: r["implementation"] for layer in self.raw["layers"] for name, r in layer.items()}
+
+    def summary_row(self, name: str, per_layer: list[dict]) -> dict[str, Any]:
+        """One backend over all layers: rows, bytes, load, node split, dropped share, timings."""
+        tokens, n_layers = self.workload.tokens, len(self.workload.layers)
+        row_bytes = self.workload.hidden * self.settings.element_size
+        implementation = self.implementation()
+        rows_l = [next(b for b in pl["backends"] if b["backend"] == name) for pl in per_layer]
+        rows = sum(r["rows"] for r in rows_l)
+        row = {
+            "backend": name,
+            "peer": name in PEERS,
+            "kind": self.kind_of[name],
+            "max_devices_per_token": self.budget_of.get(name),
+            "measured": name in implementation,
+            "rows_per_token": rows / (tokens * n_layers),
+            "rows": rows,
+            "remote_rows": sum(r["remote_rows"] for r in rows_l),
+            "bytes": 2 * (rows + sum(r.get("stage2_rows", 0) for r in rows_l)) * row_bytes,
+            "load_imbalance": sum(r["load_imbalance"] for r in rows_l) / max(1, len(rows_l)),
+        }
+        if row["kind"] == "dedup":
+            row["comm_complexity"] = row["rows_per_token"]
+        if row["kind"] == "two_stage":
+            row["stage2_rows"] = sum(r["stage2_rows"] for r in rows_l)
+            row["node_comm_complexity"] = row["rows_per_token"]
+        if self.settings.nodes > 1:
+            cross = sum(r["cross_node_rows"] for r in rows_l)
+            row.update(
+                cross_node_rows=cross,
+                cross_node_rows_per_token=cross / (tokens * n_layers),
+                cross_node_bytes=2 * cross * row_bytes,
+                intra_node_rows=sum(r["intra_node_rows"] for r in rows_l),
+            )
+        if row["kind"] == "capacity":
+            routes = tokens * self.workload.top_k * n_layers
+            row["dropped_share"] = sum(r["dropped_routes"] for r in rows_l) / routes
+        if row["measured"]:
+            row.update(
+                exchange_ms=sum(r["exchange_ms"] for r in rows_l),
+                path_ms=sum(r["path_ms"] for r in rows_l),
+                collective_bytes=sum(r["collective_bytes"] for r in rows_l),
+                implementation=implementation[name],
+            )
+        else:
+            row.update(
+                exchange_ms=None, path_ms=None, reason=self.raw["unavailable"].get(name, "not measured")
+            )
+        return row
+
+    def targets(self, summary: list[dict], per_layer: list[dict]) -> dict[str, Any]:
+        """Whether the speed-up targets were met, and the exact-volume checks (C_T and N_T rows)."""
+        targets: dict[str, Any] = {}
+        for name, goal in TARGETS.items():
+            found = next((r for r in summary if r["backend"] == name and r["measured"]), None)
+            if found is not None and found["speedup_vs_best_peer"] is not None:
+                targets[name] = {
+                    "target_speedup_vs_best_peer": goal,
+                    "measured": found["speedup_vs_best_peer"],
+                    "met": found["speedup_vs_best_peer"] >= goal,
+                }
+        if "occult_dedup" in self.names:
+            targets["rows_equal_comm_complexity_x_tokens"] = self._dedup_rows_exact(per_layer)
+        if TWO_STAGE in self.names:
+            targets["cross_node_rows_equal_node_count"] = self._two_stage_rows_exact(per_layer)
+        return targets
+
+    def _dedup_rows_exact(self, per_layer: list[dict]) -> bool:
+        # sum over tokens of C_T, in integers: the exact rows a de-duplicated dispatch must send
+        e, d = self.workload.num_experts, self.settings.devices
+        dev_E = contiguous_expert_device(e, d)
+        return all(
+            _layer_row(pl, "occult_dedup")["rows"] == int(devices_per_token(lr.topk_ids_TK, dev_E, d).sum())
+            for pl, lr in zip(per_layer, self.workload.layers)
+        )
+
+    def _two_stage_rows_exact(self, per_layer: list[dict]) -> bool:
+        # the inter-node stage sends sum over tokens of N_T rows; those to other nodes cross the network
+        e, d, nodes = self.workload.num_experts, self.settings.devices, self.settings.nodes
+        checks = []
+        for pl, lr in zip(per_layer, self.workload.layers):
+            node_rows, remote_node_rows = _node_counts(lr.topk_ids_TK, e, d, nodes)
+            b = _layer_row(pl, TWO_STAGE)
+            checks.append(b["rows"] == node_rows and b["cross_node_rows"] == remote_node_rows)
+        if not all(checks):
+            raise RuntimeError(
+                "the two-stage exchange's cross-node rows differ from the node-level count; please report this bug"
+            )
+        return True
+
+    def notes(self, budget_notes: list[str]) -> list[str]:
+        """The workload's notes, the budgets left out, replicas run instead of a library, what was not run."""
+        notes = list(self.workload.notes) + budget_notes
+        notes += [
+            f"{name}: {how}"
+            for name, how in self.implementation().items()
+            if how.startswith("occult_ft replica")
+        ]
+        unavailable = self.raw["unavailable"]
+        if "hf_native_ep" in unavailable:
+            notes.append(
+                f"hf_native_ep not measured: {unavailable['hf_native_ep']}; it sends what per_expert sends"
+            )
+        notes.append(
+            "DeepSpeed AutoEP is not run: with transformers >= 5.23 deepspeed.initialize crashes on its "
+            "HF-model replacement; it sends one row per (token, expert), the per_expert volume"
+        )
+        return notes
+
+
+def _layer_row(layer_entry: dict, name: str) -> dict:
+    """Backend `name`'s row in one layer's entry."""
+    return next(b for b in layer_entry["backends"] if b["backend"] == name)
+
+
+def _add_speedups(summary: list[dict]) -> dict | None:
+    """Each measured backend's speed-up over the best measured peer (exchange and whole path), in place;
+    returns that best peer (by exchange time), or None when no peer was measured."""
+    peers = [r for r in summary if r["peer"] and r["measured"]]
+    best = {key: min((r[key] for r in peers), default=None) for key in ("exchange_ms", "path_ms")}
+    for row in summary:
+        for key, out_key in (
+            ("exchange_ms", "speedup_vs_best_peer"),
+            ("path_ms", "path_speedup_vs_best_peer"),
+        ):
+            row[out_key] = best[key] / row[key] if row["measured"] and best[key] and row[key] else None
+    return min(peers, key=lambda r: r["exchange_ms"], default=None)
 
 
 def run_benchmark(
@@ -332,196 +577,27 @@ def run_benchmark(
     for c in clusters or ():
         get_cluster(c)  # unknown presets fail before minutes of measuring
     workload.truncate(workload.tokens - workload.tokens % d)
-    kept, notes = _feasible_budgets(budgets, e, k, d)
-    nodes = settings.nodes
-    budget_of = {pruned_name(m): m for m in kept}
-    kind_of = {**KINDS, **dict.fromkeys(budget_of, "dedup")}
-    all_names = list(BACKENDS) + list(budget_of)
-    if nodes > 1:
-        staged = {two_stage_name(): None, **{two_stage_name(m): m for m in kept}}
-        budget_of.update({n: m for n, m in staged.items() if m is not None})
-        kind_of.update(dict.fromkeys(staged, "two_stage"))
-        all_names += list(staged)
-    names = all_names if backends is None else list(backends)
-    unknown = [n for n in names if n not in all_names]
-    if unknown:
-        raise ValueError(f"unknown or unmeasurable backends {unknown}; choose from {', '.join(all_names)}")
+    kept, budget_notes = _feasible_budgets(budgets, e, k, d)
+    names, kind_of, budget_of = _lineup(kept, settings.nodes, backends)
     if on_start is not None:
         on_start()
     variants = routing_variants(workload, d, kept)
     layers = [{name: variants[name][li] for name in names} for li in range(len(workload.layers))]
     raw = run_exchanges(layers, names, e, workload.hidden, settings)
 
-    tokens, n_layers, elem = workload.tokens, len(workload.layers), settings.element_size
-    measured_rows: dict[tuple[str, int], torch.Tensor] = {}
-    per_layer = []
-    for li, lr in enumerate(workload.layers):
-        got = raw["layers"][li]
-        entry: dict[str, Any] = {
-            "layer": lr.layer,
-            "comm_complexity": mean_comm_complexity(lr.topk_ids_TK, e, d),
-        }
-        for m in kept:
-            entry[f"comm_complexity_prune{m}"] = mean_comm_complexity(variants[pruned_name(m)][li][0], e, d)
-        if nodes > 1:
-            entry["node_comm_complexity"] = _node_counts(lr.topk_ids_TK, e, d, nodes)[0] / tokens
-            for m in kept:
-                ids_m = variants[pruned_name(m)][li][0]
-                entry[f"node_comm_complexity_prune{m}"] = _node_counts(ids_m, e, d, nodes)[0] / tokens
-        entry["backends"] = []
-        for name in names:
-            ids_TK = variants[name][li][0]
-            if name in got:
-                _check_volumes(name, li, got[name], ids_TK, e, settings)
-                rows_DD = torch.tensor(got[name]["rows_DD"], dtype=torch.long)
-                measured_rows[(name, li)] = rows_DD
-                dropped = got[name]["dropped_routes"]
-            else:
-                rows_DD, dropped = layer_volumes(
-                    ids_TK, name, e, d, settings.capacity_factor, settings.min_capacity
-                )
-            stage2_DD = None
-            if name.startswith(TWO_STAGE):
-                if name in got:
-                    stage2_DD = torch.tensor(got[name]["stage2_rows_DD"], dtype=torch.long)
-                else:
-                    stage2_DD = two_stage_rows(ids_TK, contiguous_expert_device(e, d), d, nodes)[1]
-            remote = int(rows_DD.sum() - rows_DD.diagonal().sum())
-            if stage2_DD is not None:
-                remote += int(stage2_DD.sum() - stage2_DD.diagonal().sum())
-            row = {
-                "backend": name,
-                "rows": int(rows_DD.sum()),
-                "rows_per_token": float(rows_DD.sum()) / tokens,
-                "remote_rows": remote,
-                "dropped_routes": dropped,
-                "load_imbalance": _load_imbalance(stage2_DD if stage2_DD is not None else rows_DD),
-            }
-            if stage2_DD is not None:
-                row["stage2_rows"] = int(stage2_DD.sum())
-            if nodes > 1:
-                row.update(_node_split(name, rows_DD, stage2_DD, d // nodes))
-            if name in got:
-                row.update(
-                    exchange_ms=got[name]["exchange_ms"],
-                    path_ms=got[name]["path_ms"],
-                    collective_bytes=got[name]["collective_bytes"],
-                    exchange_ms_runs=got[name]["exchange_ms_runs"],
-                    path_ms_runs=got[name]["path_ms_runs"],
-                )
-            entry["backends"].append(row)
-        per_layer.append(entry)
-
-    summary: list[dict[str, Any]] = []
-    implementation = {}
-    for layer in raw["layers"]:
-        for name, r in layer.items():
-            implementation[name] = r["implementation"]
-    for name in names:
-        rows_l = [next(b for b in pl["backends"] if b["backend"] == name) for pl in per_layer]
-        rows = sum(r["rows"] for r in rows_l)
-        row = {
-            "backend": name,
-            "peer": name in PEERS,
-            "kind": kind_of[name],
-            "max_devices_per_token": budget_of.get(name),
-            "measured": name in implementation,
-            "rows_per_token": rows / (tokens * n_layers),
-            "rows": rows,
-            "remote_rows": sum(r["remote_rows"] for r in rows_l),
-            "bytes": 2 * (rows + sum(r.get("stage2_rows", 0) for r in rows_l)) * workload.hidden * elem,
-            "load_imbalance": sum(r["load_imbalance"] for r in rows_l) / max(1, len(rows_l)),
-        }
-        if row["kind"] == "dedup":
-            row["comm_complexity"] = row["rows_per_token"]
-        if row["kind"] == "two_stage":
-            row["stage2_rows"] = sum(r["stage2_rows"] for r in rows_l)
-            row["node_comm_complexity"] = row["rows_per_token"]
-        if nodes > 1:
-            cross = sum(r["cross_node_rows"] for r in rows_l)
-            row.update(
-                cross_node_rows=cross,
-                cross_node_rows_per_token=cross / (tokens * n_layers),
-                cross_node_bytes=2 * cross * workload.hidden * elem,
-                intra_node_rows=sum(r["intra_node_rows"] for r in rows_l),
-            )
-        if row["kind"] == "capacity":
-            row["dropped_share"] = sum(r["dropped_routes"] for r in rows_l) / (tokens * k * n_layers)
-        if row["measured"]:
-            row.update(
-                exchange_ms=sum(r["exchange_ms"] for r in rows_l),
-                path_ms=sum(r["path_ms"] for r in rows_l),
-                collective_bytes=sum(r["collective_bytes"] for r in rows_l),
-                implementation=implementation[name],
-            )
-        else:
-            row.update(exchange_ms=None, path_ms=None, reason=raw["unavailable"].get(name, "not measured"))
-        summary.append(row)
-    best = {
-        key: min((r[key] for r in summary if r["peer"] and r["measured"]), default=None)
-        for key in ("exchange_ms", "path_ms")
-    }
-    best_peer = min(
-        (r for r in summary if r["peer"] and r["measured"]), key=lambda r: r["exchange_ms"], default=None
-    )
-    for row in summary:
-        for key, out_key in (
-            ("exchange_ms", "speedup_vs_best_peer"),
-            ("path_ms", "path_speedup_vs_best_peer"),
-        ):
-            row[out_key] = best[key] / row[key] if row["measured"] and best[key] and row[key] else None
-
-    targets: dict[str, Any] = {}
-    for name, goal in TARGETS.items():
-        found = next((r for r in summary if r["backend"] == name and r["measured"]), None)
-        if found is not None and found["speedup_vs_best_peer"] is not None:
-            targets[name] = {
-                "target_speedup_vs_best_peer": goal,
-                "measured": found["speedup_vs_best_peer"],
-                "met": found["speedup_vs_best_peer"] >= goal,
-            }
-    if "occult_dedup" in names:
-        # sum over tokens of C_T, in integers: the exact rows a de-duplicated dispatch must send
-        dev_E = contiguous_expert_device(e, d)
-        targets["rows_equal_comm_complexity_x_tokens"] = all(
-            next(b for b in pl["backends"] if b["backend"] == "occult_dedup")["rows"]
-            == int(devices_per_token(lr.topk_ids_TK, dev_E, d).sum())
-            for pl, lr in zip(per_layer, workload.layers)
-        )
-
-    if TWO_STAGE in names:
-        # the inter-node stage sends sum over tokens of N_T rows; those to other nodes cross the network
-        checks = []
-        for pl, lr in zip(per_layer, workload.layers):
-            node_rows, remote_node_rows = _node_counts(lr.topk_ids_TK, e, d, nodes)
-            b = next(b for b in pl["backends"] if b["backend"] == TWO_STAGE)
-            checks.append(b["rows"] == node_rows and b["cross_node_rows"] == remote_node_rows)
-        targets["cross_node_rows_equal_node_count"] = all(checks)
-        if not all(checks):
-            raise RuntimeError(
-                "the two-stage exchange's cross-node rows differ from the node-level count; please report this bug"
-            )
-
-    notes = list(workload.notes) + notes
-    for name, how in implementation.items():
-        if how.startswith("occult_ft replica"):
-            notes.append(f"{name}: {how}")
-    if "hf_native_ep" in raw["unavailable"]:
-        notes.append(
-            f"hf_native_ep not measured: {raw['unavailable']['hf_native_ep']}; it sends what per_expert sends"
-        )
-    notes.append(
-        "DeepSpeed AutoEP is not run: with transformers >= 5.23 deepspeed.initialize crashes on its "
-        "HF-model replacement; it sends one row per (token, expert), the per_expert volume"
-    )
+    run = _Run(workload, settings, names, kind_of, budget_of, kept, variants, raw)
+    per_layer = [run.layer_entry(li) for li in range(len(workload.layers))]
+    summary = [run.summary_row(name, per_layer) for name in names]
+    best_peer = _add_speedups(summary)
+    targets = run.targets(summary, per_layer)
     return {
         "model": workload.name,
         "placement": workload.placement,
         "devices": d,
-        "nodes": nodes,
+        "nodes": settings.nodes,
         "transport": raw["transport"],
-        "tokens": tokens,
-        "tokens_per_device": tokens // d,
+        "tokens": workload.tokens,
+        "tokens_per_device": workload.tokens // d,
         "hidden": workload.hidden,
         "dtype": settings.dtype,
         "num_experts": e,
@@ -534,8 +610,8 @@ def run_benchmark(
         "best_peer": best_peer["backend"] if best_peer else None,
         "backends": summary,
         "layers": per_layer,
-        "cost_model": _cost_model(workload, summary, measured_rows, settings, clusters),
+        "cost_model": _cost_model(workload, summary, run.measured_rows, settings, clusters),
         "targets": targets,
-        "notes": notes,
+        "notes": run.notes(budget_notes),
         "definitions": DEFINITIONS,
     }

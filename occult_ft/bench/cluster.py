@@ -11,20 +11,16 @@ qdisc needed; `check_cluster_support` refuses in one line naming what is missing
                 traffic to a node's own address never leaves it).
     nodes == 1: one namespace whose loopback is shaped (every process-to-process byte crosses it).
 
-Nothing is created in the caller's namespace and no route leads out of the namespaces, so all traffic
-stays inside them; the addresses are private and exist only there. Names start with "oft{pid}{n}-", so
-concurrent runs do not collide. `__exit__` kills every process the cluster launched (their process
-groups), deletes its namespaces (their devices and qdiscs go with them) and restores the signal
-handlers; SIGTERM and SIGHUP are turned into `SystemExit` while the cluster is up, so a terminated run
-unwinds through `__exit__` as Ctrl-C (KeyboardInterrupt) does.
+Nothing is created in the caller's namespace and no route leads out, so all traffic (private addresses)
+stays inside; names start with "oft{pid}{n}-", so concurrent runs do not collide. `__exit__` kills the
+process groups the cluster launched, deletes its namespaces (devices and qdiscs go with them) and
+restores the signal handlers (SIGTERM and SIGHUP become `SystemExit` while the cluster is up, so a
+terminated run unwinds through `__exit__` as Ctrl-C does).
 
 `cluster.torchrun(module_args, env, log_dir, timeout_s)` runs one torchrun agent per node (`ip netns
 exec NS python -m torch.distributed.run --nnodes N --node_rank R --nproc_per_node G --rdzv_backend c10d
 --rdzv_endpoint ADDR:PORT --local-addr ADDR ...`), with gloo bound to the node's link
-(`GLOO_SOCKET_IFNAME`), and waits for all of them.
-
-Measured on this kind of machine: a tbf-shaped veth between two namespaces holds 293 Mbit/s at a
-300 Mbit/s setting, a shaped loopback 399 at 400 (docs/cluster.md).
+(`GLOO_SOCKET_IFNAME`), and waits for all of them. What the shaped links hold when measured: docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -39,6 +35,8 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+
+from ..checks import check_positive_int
 
 __all__ = [
     "ClusterUnavailable",
@@ -137,12 +135,10 @@ class EmulatedCluster:
         burst: str = "256kb",
         latency: str = "100ms",
     ):
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise ValueError(f"nodes={nodes!r} must be a positive integer")
+        check_positive_int("nodes", nodes)
         if nodes > 250:
             raise ValueError(f"nodes={nodes} exceeds the 250 addresses of the cluster's /24; use fewer nodes")
-        if isinstance(procs_per_node, bool) or not isinstance(procs_per_node, int) or procs_per_node < 1:
-            raise ValueError(f"procs_per_node={procs_per_node!r} must be a positive integer")
+        check_positive_int("procs_per_node", procs_per_node)
         self.nodes, self.procs_per_node = nodes, procs_per_node
         self.link_rate = parse_rate(link_rate)
         self.burst, self.latency = burst, latency

@@ -1,33 +1,18 @@
 """A bandwidth cost model for the expert-parallel all-to-all: measured volumes -> predicted time.
 
-The exchange benchmark (`occult_ft.bench`) measures how many rows each backend sends from every
-device to every other device (a D x D row matrix per MoE layer). This module turns such a matrix into
-a predicted all-to-all time on a named cluster shape, so users can see what de-duplication and
-pruning would gain on their hardware rather than on the gloo processes of the benchmark.
+The exchange benchmark (`occult_ft.bench`) measures how many rows each backend sends from every device
+to every other device (a D x D row matrix per MoE layer). This module turns such a matrix into a
+predicted all-to-all time on a named cluster shape, so users see what de-duplication and pruning would
+gain on their hardware rather than on the benchmark's gloo processes. The model is deliberately simple,
+every term visible, and written out at the lines that compute it (`predict_all_to_all_ms`).
 
-The model (deliberately simple, every term visible):
-
-    bytes(i -> j)  = rows_DD[i, j] * bytes_per_row            (rows a device sends itself are free)
-    link(i, j)     = intra_node_GBps if i and j share a node, else inter_node_GBps
-    send_ms(i)     = sum over j != i of bytes(i -> j) / link(i, j)
-    recv_ms(i)     = sum over j != i of bytes(j -> i) / link(j, i)
-    all_to_all_ms  = max over devices i of max(send_ms(i), recv_ms(i)) + latency
-
-Links are full duplex (a device sends and receives at once, hence the max of the two), but intra- and
-inter-node traffic of one device are *added*, not overlapped: a conservative choice (NVLink and the
-NIC can run concurrently on real hardware, but both draw on the same GPU copy engines and memory).
-Bandwidths are per device and per direction, in GB/s = 1e9 bytes/s. The combine all-to-all of a MoE
-layer sends the transposed matrix, which has the same per-device maxima, so one layer's exchange
-(dispatch + combine) costs twice `predict_all_to_all_ms` (`predict_exchange_ms`).
-
-Two-stage exchange (`occult_ft.dispatch.two_stage`, N nodes of L = D/N devices): a token goes once to
-each destination node, to the device of that node with the sender's local index (its "gateway"), and
-is fanned out there to the node's devices that host its experts; the combine runs the other way. It is
-priced as four all-to-alls: stage 1 (inter-node rows only, `two_stage_rows`), stage 2 (intra-node rows
-only) and their transposes, each paying its own latency (`predict_two_stage_exchange_ms`).
-`split_rows` divides any rows matrix into rows kept on the device, rows inside a node and rows that
-cross nodes; `predict_node_exchange` compares per-expert, flat and two-stage de-duplication, with and
-without a node budget (node-limited routing: at most M nodes per token).
+    ClusterShape / get_cluster         named shapes: nodes, devices per node, link GB/s, latency
+    rows_matrix / capacity_rows_matrix / token_ranks   rows_DD of a routing; of a capacity-based dispatch
+    predict_all_to_all_ms / predict_exchange_ms        one all-to-all; dispatch + combine (its transpose)
+    pruned_topk / predict_speedup      the score criterion; per-expert vs dedup vs pruned dedup times
+    two_stage_rows / split_rows / predict_two_stage_exchange_ms   the two-stage exchange (stage 1 across
+                                       nodes to the gateway, stage 2 inside; four all-to-alls)
+    predict_node_exchange              per-expert, flat and two-stage, with and without a node budget
 
 Shape legend: T tokens, K experts per token, E experts, D devices, N nodes, L = D / N devices per node.
     rows_DD[i, j]    rows device i sends to device j in one all-to-all (diagonal: rows kept local)
@@ -43,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..checks import is_positive_int
 from ..metrics import contiguous_expert_device, device_counts, expert_node
 from ..routing import limit_topk
 
@@ -274,7 +260,7 @@ def capacity_rows_matrix(num_devices: int, num_experts: int, capacity: int) -> t
 def predict_all_to_all_ms(
     rows_DD: torch.Tensor | Sequence[Sequence[int]], bytes_per_row: float, shape: ClusterShape
 ) -> float:
-    """Predicted time of one all-to-all (see the module docstring for the formula).
+    """Predicted time of one all-to-all (the formula is in the comments of the body).
 
     Args:
         rows_DD: (D, D) rows device i sends to device j; D must equal `shape.num_devices`.
@@ -293,6 +279,13 @@ def predict_all_to_all_ms(
             f"rows matrix covers {d} devices but cluster {shape.name!r} has {shape.num_devices} "
             f"({shape.nodes} x {shape.devices_per_node}); compute the volumes for {shape.num_devices} devices"
         )
+    # The model: bytes(i -> j) = rows_DD[i, j] * bytes_per_row (rows a device sends itself are free);
+    # link(i, j) = intra_node_GBps if i and j share a node, else inter_node_GBps (per device and
+    # direction, 1 GB/s = 1e9 B/s); send_ms(i) = sum_{j != i} bytes(i -> j) / link(i, j), recv_ms(i)
+    # likewise over what i receives; all_to_all_ms = max_i max(send_ms(i), recv_ms(i)) + latency.
+    # Links are full duplex (hence the max of send and receive), but one device's intra- and inter-node
+    # traffic is *added*, not overlapped: conservative (NVLink and the NIC can run concurrently, but
+    # both draw on the same GPU copy engines and memory).
     node_D = torch.arange(d) // shape.devices_per_node
     same_node_DD = node_D[:, None] == node_D[None, :]
     # ms per byte on each link: 1 GB/s = 1e9 B/s = 1e6 B/ms
@@ -307,6 +300,7 @@ def predict_all_to_all_ms(
 
 def predict_exchange_ms(rows_DD, bytes_per_row: float, shape: ClusterShape) -> float:
     """One MoE layer's forward exchange: dispatch (rows_DD) + combine (its transpose) = 2 all-to-alls."""
+    # the transpose has the same per-device maxima (a device's sends become its receives): twice one all-to-all
     rows = torch.as_tensor(rows_DD)
     return predict_all_to_all_ms(rows, bytes_per_row, shape) + predict_all_to_all_ms(
         rows.T, bytes_per_row, shape
@@ -487,7 +481,7 @@ def predict_node_exchange(
     routings: dict[str, torch.Tensor] = {"": ids_TK}
     for m in node_budgets:
         per_node = num_experts // nodes
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or m * per_node < top_k:
+        if not is_positive_int(m) or m * per_node < top_k:
             raise ValueError(
                 f"node budget {m!r} cannot hold top-{top_k} with {per_node} experts per node; use at least "
                 f"{math.ceil(top_k / per_node)}"

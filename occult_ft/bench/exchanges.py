@@ -1,41 +1,22 @@
 """The exchange of one MoE layer, per backend, as each library runs it on one rank (inside a worker).
 
-Every backend is measured on the same tokens (`hidden_TH`, this rank's share) and the same routing
-(`topk_ids_TK`, `weights_TK`), with the experts replaced by the identity: `run()` is the layer's
-forward *dispatch + combine* and nothing else. Routing decisions (gating) are made beforehand;
-whatever the backend derives from them on the way (sorting, layouts, dense buffers, split sizes) is
-part of `run()`.
+Every backend runs on the same tokens (`hidden_TH`) and routing (`topk_ids_TK`, `weights_TK`) with
+identity experts: `run()` is the layer's forward *dispatch + combine* and nothing else; whatever a backend
+derives from the routing on the way (sorting, layouts, dense buffers, split sizes) is part of `run()`.
 
-    deepspeed_classic         DeepSpeed's classic MoE (deepspeed.moe.sharded_moe): its own `topkgating`
-                              on the given routing (router logits built so that its top-k is exactly
-                              the given experts, its gate values the given weights), capacity factor
-                              1.0 and min_capacity 4 (the `MoE` defaults), then its `_sparse_encode`
-                              into the dense [E, C, H] buffer, two `_AllToAll` (equal splits) and
-                              `_sparse_decode`.
-    deepspeed_classic_nodrop  the same with `drop_tokens=False`: C = largest expert load over all ranks
-                              (DeepSpeed all-reduces it every forward; that all-reduce is in `run()`).
-    per_expert                one row per (token, expert) (what transformers' native EP, DeepSpeed AutoEP,
-                              Tutel and MegaBlocks send) through occult_ft's own exchange
-                              (`occult_ft.dispatch.PerExpertExchange`, the one `exchange: per_expert`
-                              trains with): count exchange, rows out, rows back, sum per token.
-    hf_native_ep              transformers' `AllToAllEP` itself (`DistributedConfig(ep_implementation=
-                              "all_to_all")`), called with an identity experts module.
-    occult_dedup[_pruneM]     `occult_ft.dispatch.FlatExchange`: dispatch + combine, one row per
-                              (token, device).
-    occult_dedup_capacity     the same with capacity-bounded buffers (C = ceil(T / D) rows to every
-                              process, padded; no count exchange, no host synchronisation).
-    occult_two_stage[_pruneM] `occult_ft.dispatch.TwoStageExchange` (with --nodes N > 1): one row per
-                              (token, node) to the node's gateway, fanned out to the node's devices;
-                              combine in reverse.
+    deepspeed_classic         DeepSpeed's classic MoE (`sharded_moe`): its `topkgating` on the given routing
+                              (capacity factor 1.0, min_capacity 4), the dense [E, C, H] buffer, two
+                              equal-split `_AllToAll`; without deepspeed, `CapacityReplicaRun`
+    deepspeed_classic_nodrop  the same with `drop_tokens=False` (C = largest expert load, all-reduced)
+    per_expert                one row per (token, expert) (transformers' native EP, AutoEP, Tutel and
+                              MegaBlocks send that) through `occult_ft.dispatch.PerExpertExchange`
+    hf_native_ep              transformers' `AllToAllEP` itself, called with identity experts
+    occult_dedup[_pruneM]     `occult_ft.dispatch.FlatExchange`: one row per (token, device)
+    occult_dedup_capacity     the same, capacity-bounded (C = ceil(T / D) rows to every process, padded)
+    occult_two_stage[_pruneM] `occult_ft.dispatch.TwoStageExchange` (--nodes N > 1): one row per (token,
+                              node) to its gateway, fanned out to the node's devices
 
-Without an importable deepspeed (e.g. on a GPU machine without it), the two DeepSpeed rows fall back to
-`CapacityReplicaRun`: the same [E, C, H] buffer and capacity formula, built here ("position" drop
-policy instead of "probs": the same number of dropped routes), moved by the same equal-split
-all-to-alls; its `implementation` says so.
-
-`CollectiveClock` adds up the time spent inside collectives (and the bytes they were handed) while
-it is active, by wrapping `torch.distributed.all_to_all_single` / `all_reduce` and the collective
-functions transformers' EP module imported by name. On CUDA it synchronises around each collective.
+`CollectiveClock` adds up the time (and bytes) spent inside collectives while it is active.
 
 Shape legend: T tokens on this rank, K top-k, H hidden, E experts, D ranks, P = E / D, C capacity.
 """
@@ -63,6 +44,9 @@ from ..layout import ExpertLayout
 __all__ = ["CollectiveClock", "BackendRun", "build_exchange", "init_deepspeed_comm"]
 
 
+# CollectiveClock wraps `torch.distributed.all_to_all_single` / `all_reduce` and the collective functions
+# transformers' EP module imported by name (a module-level rebind would miss those); on CUDA it
+# synchronises around each collective so the time is the collective's own.
 class CollectiveClock:
     """Context manager: time and input bytes of every collective called while it is active."""
 
@@ -80,9 +64,9 @@ class CollectiveClock:
 
         def wrapper(*args, **kwargs):
             tensor = args[arg_index] if len(args) > arg_index else kwargs.get(arg_name)
-            on_cuda = isinstance(tensor, torch.Tensor) and tensor.is_cuda
-            if on_cuda:
-                torch.cuda.synchronize(tensor.device)
+            cuda = tensor.device if isinstance(tensor, torch.Tensor) and tensor.is_cuda else None
+            if cuda is not None:
+                torch.cuda.synchronize(cuda)
             start = time.perf_counter()
             out = fn(*args, **kwargs)
             if functional:  # functional collectives return a tensor that completes lazily
@@ -90,8 +74,8 @@ class CollectiveClock:
                 out = torch.ops._c10d_functional.wait_tensor(out)
             elif kwargs.get("async_op") and out is not None:
                 out.wait()
-            if on_cuda:
-                torch.cuda.synchronize(tensor.device)
+            if cuda is not None:
+                torch.cuda.synchronize(cuda)
             clock.seconds += time.perf_counter() - start
             clock.calls += 1
             if isinstance(tensor, torch.Tensor):
@@ -257,6 +241,9 @@ class DeepSpeedClassicRun(BackendRun):
         )
 
 
+# Without an importable deepspeed (e.g. on a GPU machine without it) the two DeepSpeed rows fall back to
+# this replica: the same buffer and capacity formula, "position" drop policy instead of "probs" (the same
+# number of dropped routes), the same equal-split all-to-alls; its `implementation` says so.
 class CapacityReplicaRun(BackendRun):
     """DeepSpeed classic's exchange shape when deepspeed is not importable: the same [E, C, H] buffer
     (same capacity formula), built here, moved by two equal-split `all_to_all_single` calls."""

@@ -121,86 +121,128 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
+def _deepspeed_comm(names: list[str], backend: str, device: torch.device, group) -> str | None:
+    """deepspeed.comm set up when a DeepSpeed backend is measured: None, or why not (on every process alike)."""
+    if not any(n.startswith("deepspeed_classic") for n in names):
+        return None
+    ds_error = init_deepspeed_comm(backend)
+    if not _agree(ds_error is None, device, group) and ds_error is None:
+        ds_error = "deepspeed.comm failed to initialise on another process"
+    return ds_error
+
+
+def _hf_mesh(names: list[str], world: int, device: torch.device, group, unavailable: dict[str, str]):
+    """transformers native EP's device mesh when hf_native_ep is measured; when it cannot run, None and
+    the reason in `unavailable`."""
+    if "hf_native_ep" not in names:
+        return None
+    error, mesh = None, None
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers.distributed.expert_parallel import AllToAllEP  # noqa: F401
+
+        mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("ep", "tp"))
+    except Exception as exc:  # noqa: BLE001 - reported as "not measured, because ..."
+        error = f"transformers native EP cannot run here: {_one_line(exc)}"
+    if not _agree(error is None, device, group):
+        unavailable["hf_native_ep"] = error or "transformers native EP failed on another process"
+    return mesh
+
+
+def _build_exchanges(
+    layer: dict,
+    hidden_TH: torch.Tensor,
+    rank: int,
+    world: int,
+    spec: dict,
+    device: torch.device,
+    group,
+    context: dict,
+) -> dict:
+    """Every available backend's exchange of one layer on this process, each tried once; a backend that
+    fails on any process is dropped everywhere and its reason lands in `context["unavailable"]`."""
+    names: list[str] = spec["backends"]
+    settings, unavailable = spec["settings"], context["unavailable"]
+    exchanges = {}
+    for name in names:
+        if name in unavailable:
+            continue
+        ids_TK, weights_TK = (t.tensor_split(world)[rank].to(device) for t in layer[name])
+        error = None
+        try:
+            with torch.no_grad():
+                exchanges[name] = build_exchange(
+                    name,
+                    hidden_TH,
+                    ids_TK,
+                    weights_TK,
+                    spec["num_experts"],
+                    group,
+                    capacity_factor=settings["capacity_factor"],
+                    min_capacity=settings["min_capacity"],
+                    deepspeed_error=context["deepspeed_error"],
+                    mesh=context["mesh"],
+                    node_groups=context["node_groups"],
+                    capacity=-(-int(layer[names[0]][0].shape[0]) // world),
+                )
+                exchanges[name].run()  # a trial run: failures surface here, on every process alike
+        except Exception as exc:  # noqa: BLE001 - reported as "not measured, because ..."
+            error = f"{name} could not be set up: {_one_line(exc)}"
+        if not _agree(error is None, device, group):
+            exchanges.pop(name, None)
+            unavailable[name] = error or f"{name} failed to set up on another process"
+    return exchanges
+
+
+def _time_exchanges(
+    exchanges: dict, settings: dict, clock: CollectiveClock, device: torch.device, group
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(times (B, iters, 2): whole path and inside collectives, seconds; bytes (B,) handed to the
+    collectives) of the B exchanges, after the warm-up; each iteration starts one backend later."""
+    active = list(exchanges)
+    times = torch.zeros(len(active), settings["iters"], 2, dtype=torch.float64)
+    nbytes = torch.zeros(len(active), dtype=torch.float64)
+    with torch.no_grad(), clock:
+        for _ in range(settings["warmup"]):
+            for name in active:
+                exchanges[name].run()
+        for it in range(settings["iters"]):
+            shift = it % max(1, len(active))
+            for name in active[shift:] + active[:shift]:
+                i = active.index(name)
+                dist.barrier(group)
+                clock.reset()
+                start = time.perf_counter()
+                exchanges[name].run()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[i, it, 0] = time.perf_counter() - start
+                times[i, it, 1] = clock.seconds
+                nbytes[i] = clock.bytes
+    return times, nbytes
+
+
 def _measure(rank: int, world: int, spec: dict, device: torch.device, backend: str) -> dict:
     group = dist.group.WORLD
     dtype = DTYPES[spec["dtype"]]
     names: list[str] = spec["backends"]
-    unavailable: dict[str, str] = {}
-    ds_error = None
-    if any(n.startswith("deepspeed_classic") for n in names):
-        ds_error = init_deepspeed_comm(backend)
-        if not _agree(ds_error is None, device, group) and ds_error is None:
-            ds_error = "deepspeed.comm failed to initialise on another process"
-    mesh = None
-    if "hf_native_ep" in names:
-        error = None
-        try:
-            from torch.distributed.device_mesh import init_device_mesh
-            from transformers.distributed.expert_parallel import AllToAllEP  # noqa: F401
-
-            mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("ep", "tp"))
-        except Exception as exc:  # noqa: BLE001 - reported as "not measured, because ..."
-            error = f"transformers native EP cannot run here: {_one_line(exc)}"
-        if not _agree(error is None, device, group):
-            unavailable["hf_native_ep"] = error or "transformers native EP failed on another process"
     settings = spec["settings"]
-    groups = None
-    if settings.get("nodes", 1) > 1:
-        groups = node_groups(settings["nodes"], group)
+    unavailable: dict[str, str] = {}
+    context = {
+        "unavailable": unavailable,
+        "deepspeed_error": _deepspeed_comm(names, backend, device, group),
+        "mesh": _hf_mesh(names, world, device, group, unavailable),
+        "node_groups": node_groups(settings["nodes"], group) if settings.get("nodes", 1) > 1 else None,
+    }
     layers_out = []
     clock = CollectiveClock()
     for li, layer in enumerate(spec["layers"]):
         gen = torch.Generator().manual_seed(settings["seed"] * 1_000_003 + li * 101 + rank)
         share = int(layer[names[0]][0].tensor_split(world)[rank].shape[0])  # this process's tokens
         hidden_TH = torch.randn(share, spec["hidden"], generator=gen).to(device, dtype)
-        exchanges = {}
-        for name in names:
-            if name in unavailable:
-                continue
-            ids_TK, weights_TK = (t.tensor_split(world)[rank].to(device) for t in layer[name])
-            error = None
-            try:
-                with torch.no_grad():
-                    exchanges[name] = build_exchange(
-                        name,
-                        hidden_TH,
-                        ids_TK,
-                        weights_TK,
-                        spec["num_experts"],
-                        group,
-                        capacity_factor=settings["capacity_factor"],
-                        min_capacity=settings["min_capacity"],
-                        deepspeed_error=ds_error,
-                        mesh=mesh,
-                        node_groups=groups,
-                        capacity=-(-int(layer[names[0]][0].shape[0]) // world),
-                    )
-                    exchanges[name].run()  # a trial run: failures surface here, on every process alike
-            except Exception as exc:  # noqa: BLE001 - reported as "not measured, because ..."
-                error = f"{name} could not be set up: {_one_line(exc)}"
-            if not _agree(error is None, device, group):
-                exchanges.pop(name, None)
-                unavailable[name] = error or f"{name} failed to set up on another process"
+        exchanges = _build_exchanges(layer, hidden_TH, rank, world, spec, device, group, context)
         active = list(exchanges)
-        times = torch.zeros(len(active), settings["iters"], 2, dtype=torch.float64)
-        nbytes = torch.zeros(len(active), dtype=torch.float64)
-        with torch.no_grad(), clock:
-            for _ in range(settings["warmup"]):
-                for name in active:
-                    exchanges[name].run()
-            for it in range(settings["iters"]):
-                shift = it % max(1, len(active))
-                for name in active[shift:] + active[:shift]:
-                    i = active.index(name)
-                    dist.barrier(group)
-                    clock.reset()
-                    start = time.perf_counter()
-                    exchanges[name].run()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    times[i, it, 0] = time.perf_counter() - start
-                    times[i, it, 1] = clock.seconds
-                    nbytes[i] = clock.bytes
+        times, nbytes = _time_exchanges(exchanges, settings, clock, device, group)
         rows = torch.tensor([exchanges[n].send_rows_D for n in active], dtype=torch.float64).reshape(
             len(active), world
         )

@@ -56,11 +56,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from ..dispatch import EXCHANGES
 from ..embedded import embedded_data_path, embedded_model_path
 from ..fileio import read_text
 from ..layout import ExpertLayout
@@ -78,6 +79,7 @@ from .step_worker import KINDS
 
 __all__ = [
     "StepSettings",
+    "Contender",
     "DEFAULT_CONTENDERS",
     "SHAPES",
     "contender_spec",
@@ -104,7 +106,6 @@ DEFAULT_CONTENDERS = (
     "hf_native_ep",
     "deepspeed_moe",
 )
-_OCCULT = re.compile(r"^occult_ep((?:_per_expert|_two_stage|_budget\d+|_chunks\d+|_capacity)*)$")
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,10 @@ class StepSettings:
                 f"micro_batch_tokens={self.micro_batch_tokens} must be a multiple of devices x seq_len = "
                 f"{per_step} (every rank trains whole sequences)"
             )
+        self._check_run()
+
+    def _check_run(self) -> None:
+        """The step and the measurement: micro-batches, model, link rate, steps, dtype, device."""
         if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(
                 f"grad_accum={self.grad_accum!r} must be a positive integer (micro-batches per step)"
@@ -209,43 +214,128 @@ class StepSettings:
         return self.device
 
 
+_GRAMMAR = "occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_capacity]"
+# name suffix of an occult_ep contender -> (field, value; int: the digits that follow the suffix)
+_SUFFIXES: dict[str, tuple[str, Any]] = {
+    "_per_expert": ("exchange", "per_expert"),
+    "_two_stage": ("exchange", "two_stage"),
+    "_budget": ("budget", int),
+    "_chunks": ("chunks", int),
+    "_capacity": ("capacity", True),
+}
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One tool of the train-step benchmark and how it runs.
+
+    Args:
+        kind: the runner (`KINDS`): data_parallel, occult_ep, hf_native_ep or deepspeed_moe.
+        exchange / budget / chunks / capacity: occult_ep only: its exchange (`OccultConfig.exchange`), device
+            budget M (`max_devices_per_token`), pipelined chunks (None: not pipelined), and
+            capacity-bounded buffers.
+        name: the label in the report; default: the canonical name of the fields (`from_name` keeps
+            the spelling the user gave). Not compared: two contenders with the same fields are equal.
+    """
+
+    kind: str = "occult_ep"
+    exchange: str = "flat"
+    budget: int | None = None
+    chunks: int | None = None
+    capacity: bool = False
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if not self.name:
+            object.__setattr__(self, "name", self._canonical_name())
+        if self.kind not in KINDS:
+            raise ValueError(f"kind={self.kind!r}: use one of {', '.join(KINDS)}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange={self.exchange!r}: use one of {', '.join(EXCHANGES)}")
+        options = (self.exchange != "flat", self.budget is not None, self.chunks is not None, self.capacity)
+        if self.kind != "occult_ep" and any(options):
+            raise ValueError(f"{self.kind} takes no exchange, budget, chunks or capacity (occult_ep does)")
+        for label, value in (("budget", self.budget), ("chunks", self.chunks)):
+            if value is not None and value < 1:
+                raise ValueError(f"{self.name}: {label}={value} must be at least 1")
+
+    def _canonical_name(self) -> str:
+        if self.kind != "occult_ep":
+            return self.kind
+        name = "occult_ep" + ("" if self.exchange == "flat" else f"_{self.exchange}")
+        name += "" if self.budget is None else f"_budget{self.budget}"
+        name += "" if self.chunks is None else f"_chunks{self.chunks}"
+        return name + ("_capacity" if self.capacity else "")
+
+    @property
+    def ours(self) -> bool:
+        """occult_ft's de-duplicated expert parallelism (the per-expert exchange is the others' way)."""
+        return self.kind == "occult_ep" and self.exchange != "per_expert"
+
+    @classmethod
+    def from_name(cls, name: str) -> Contender:
+        """The contender a command-line name spells: data_parallel, hf_native_ep, deepspeed_moe, or
+        occult_ep followed by any of _per_expert or _two_stage, _budget{M}, _chunks{N}, _capacity."""
+        if name in KINDS and name != "occult_ep":
+            return cls(kind=name, name=name)
+        if not name.startswith("occult_ep"):
+            raise _unknown(name)
+        chosen: dict[str, Any] = {}
+        rest = name[len("occult_ep") :]
+        while rest:
+            suffix = next((s for s in _SUFFIXES if rest.startswith(s)), None)
+            if suffix is None:
+                raise _unknown(name)
+            rest = rest[len(suffix) :]
+            key, value = _SUFFIXES[suffix]
+            if value is int:  # the digits after _budget / _chunks
+                digits = len(rest) - len(rest.lstrip("0123456789"))
+                if not digits:
+                    raise ValueError(f"contender {name!r}: {suffix} needs a number, e.g. {suffix}2")
+                value, rest = int(rest[:digits]), rest[digits:]
+            if key in chosen:
+                raise ValueError(f"contender {name!r} sets its {key} twice; keep one of them")
+            chosen[key] = value
+        return cls(name=name, **chosen)
+
+    def check(self, settings: StepSettings) -> Contender:
+        """`self` when it can run with `settings`; a one-line error otherwise."""
+        if self.exchange == "two_stage" and settings.nodes < 2:
+            raise ValueError(f"{self.name} needs nodes > 1 (got nodes={settings.nodes}); pass --nodes 2")
+        if self.budget is not None:
+            m, per_device = self.budget, settings.experts // settings.devices
+            if m > settings.devices:
+                raise ValueError(f"{self.name}: a budget of {m} devices exceeds devices={settings.devices}")
+            if m * per_device < settings.top_k:
+                raise ValueError(
+                    f"{self.name}: a budget of {m} devices holds {m * per_device} experts < "
+                    f"top_k={settings.top_k}; raise the budget"
+                )
+        return self
+
+    def spec(self) -> dict[str, Any]:
+        """The contender as the worker reads it (`step_worker.run_occult_ep`) and the report's row shows it."""
+        if self.kind != "occult_ep":
+            return {"name": self.name, "kind": self.kind, "ours": False}
+        out: dict[str, Any] = {"name": self.name, "kind": self.kind, "exchange": self.exchange}
+        if self.budget is not None:
+            out["max_devices_per_token"] = self.budget
+        if self.chunks is not None:
+            out["chunks"] = self.chunks
+        if self.capacity:
+            out["capacity"] = "auto"
+        return out | {"ours": self.ours}
+
+
+def _unknown(name: str) -> ValueError:
+    return ValueError(
+        f"unknown contender {name!r}; choose from {', '.join(DEFAULT_CONTENDERS)} or {_GRAMMAR}"
+    )
+
+
 def contender_spec(name: str, settings: StepSettings) -> dict:
-    """What contender `name` runs: data_parallel, hf_native_ep, deepspeed_moe, or
-    occult_ep[_per_expert|_two_stage][_budget{M}][_chunks{n}][_capacity] (occult_ft's expert parallelism
-    with that exchange, device budget M, n pipelined chunks, capacity-bounded buffers)."""
-    if name in KINDS and name != "occult_ep":
-        return {"name": name, "kind": name, "ours": False}
-    match = _OCCULT.match(name)
-    if not match:
-        raise ValueError(
-            f"unknown contender {name!r}; choose from {', '.join(DEFAULT_CONTENDERS)} or "
-            "occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_capacity]"
-        )
-    parts = match.group(1)
-    spec: dict[str, Any] = {"name": name, "kind": "occult_ep", "exchange": "flat"}
-    if "_per_expert" in parts:
-        spec["exchange"] = "per_expert"
-    if "_two_stage" in parts:
-        if settings.nodes < 2:
-            raise ValueError(f"{name} needs nodes > 1 (got nodes={settings.nodes}); pass --nodes 2")
-        spec["exchange"] = "two_stage"
-    budget = re.search(r"_budget(\d+)", parts)
-    if budget:
-        m = int(budget.group(1))
-        per_device = settings.experts // settings.devices
-        if not 1 <= m <= settings.devices or m * per_device < settings.top_k:
-            raise ValueError(
-                f"{name}: a budget of {m} devices holds {m * per_device} experts < top_k={settings.top_k} "
-                f"or exceeds devices={settings.devices}"
-            )
-        spec["max_devices_per_token"] = m
-    chunks = re.search(r"_chunks(\d+)", parts)
-    if chunks:
-        spec["chunks"] = int(chunks.group(1))
-    if "_capacity" in parts:
-        spec["capacity"] = "auto"
-    spec["ours"] = spec["exchange"] != "per_expert"
-    return spec
+    """What contender `name` runs with `settings`, as the worker reads it (`Contender.spec`)."""
+    return Contender.from_name(name).check(settings).spec()
 
 
 def _free_port() -> int:
@@ -338,7 +428,7 @@ def _save_model_and_data(settings: StepSettings, tmp: str) -> tuple[str, str, ob
 
 def _launch(
     settings: StepSettings,
-    contender: dict,
+    contender: Contender,
     model_dir: str,
     data_path: str,
     tmp: str,
@@ -346,11 +436,11 @@ def _launch(
 ) -> dict:
     """One contender on D processes (in `cluster` when given); returns the per-rank results, or
     {"error": why}."""
-    out = tempfile.mkdtemp(prefix=f"{contender['name']}-", dir=tmp)
+    out = tempfile.mkdtemp(prefix=f"{contender.name}-", dir=tmp)
     spec = {
         **asdict(settings),
         "device": settings.resolved_device(),
-        "contender": contender,
+        "contender": contender.spec(),
         "model_dir": model_dir,
         "data": data_path,
         "out": out,
@@ -390,18 +480,21 @@ def _launch(
                 return {"error": f"timed out after {settings.timeout_s:.0f} s (log {log})"}
         status = proc.returncode
     if status != 0 or not os.path.isfile(spec["result"]):
-        lines = []
-        for name in sorted(os.listdir(out)):  # every node's log: the failing rank may live on any node
-            if name.endswith(".txt") or name.endswith(".log"):
-                with open(os.path.join(out, name), errors="replace") as f:
-                    lines += [ln.strip() for ln in f if ln.strip()]
-        errors = [
-            ln for ln in lines if re.match(r"^[\w.]*(Error|Exception): ", ln) and "ChildFailed" not in ln
-        ]
-        last = errors[-1] if errors else (lines[-1] if lines else "no output")
-        return {"error": f"{last[:400]} (log {log})"}
+        return {"error": f"{_last_error(out)[:400]} (log {log})"}
     with open(spec["result"]) as f:
         return {"ranks": json.load(f)}
+
+
+def _last_error(out: str) -> str:
+    """The last `...Error: ` / `...Exception: ` line of a failed launch's logs in `out` (every node's: the
+    failing rank may live on any node), else its last line."""
+    lines = []
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".txt") or name.endswith(".log"):
+            with open(os.path.join(out, name), errors="replace") as f:
+                lines += [ln.strip() for ln in f if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception): ", ln) and "ChildFailed" not in ln]
+    return errors[-1] if errors else (lines[-1] if lines else "no output")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -521,15 +614,15 @@ def run_train_step(
 
     Args:
         settings: the model, step and measurement.
-        contenders: names (see `contender_spec`).
+        contenders: `Contender`s or their names (`Contender.from_name`).
         clusters: cost-model cluster shapes for the predicted exchange of the same step.
         progress: optional callable(str) told about each launch.
         workdir: keep the model, data and every launch's log there (default: a temporary directory,
             removed at the end).
     """
     settings = embedded_settings(settings)
-    names = list(contenders or DEFAULT_CONTENDERS)
-    specs = {n: contender_spec(n, settings) for n in names}
+    specs = _chosen(contenders or DEFAULT_CONTENDERS, settings)
+    names = list(specs)
     for cluster in clusters:
         get_cluster(cluster)
     results: dict[str, list[dict]] = {n: [] for n in names}
@@ -550,14 +643,13 @@ def run_train_step(
     finally:
         if workdir is None:
             shutil.rmtree(tmp, ignore_errors=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in names:
         if name in errors or not results[name]:
-            rows.append({"contender": name, "measured": False, "reason": errors.get(name, "no run")})
-            continue
-        rows.append({**_summarise(name, results[name], settings), "measured": True})
-    for row in rows:
-        row.update({k: v for k, v in specs[row["contender"]].items() if k not in ("name",)})
+            row: dict[str, Any] = {"contender": name, "measured": False, "reason": errors.get(name, "no run")}
+        else:
+            row = {**_summarise(name, results[name], settings), "measured": True}
+        rows.append(row | {k: v for k, v in specs[name].spec().items() if k != "name"})
     _compare(rows)
     return {
         "settings": asdict(settings),
@@ -568,6 +660,17 @@ def run_train_step(
         "cost_model": _cost_model(routing, settings, clusters),
         "notes": _notes(settings),
     }
+
+
+def _chosen(contenders, settings: StepSettings) -> dict[str, Contender]:
+    """Name -> contender, each checked against `settings` (names read by `Contender.from_name`)."""
+    specs: dict[str, Contender] = {}
+    for given in contenders:
+        contender = given if isinstance(given, Contender) else Contender.from_name(given)
+        if contender.name in specs:
+            raise ValueError(f"contender {contender.name!r} is named twice; name it once")
+        specs[contender.name] = contender.check(settings)
+    return specs
 
 
 def _rounds(settings, names, specs, model_dir, data_path, tmp, cluster, results, errors, progress) -> None:
@@ -772,7 +875,16 @@ def format_step_report(report: dict) -> str:
             lines.append(
                 f"{r['contender']:<28} " + " ".join(f"{r['phases_ms'].get(k, 0.0):>8.1f}" for k in keys)
             )
-    for c in report["cost_model"]["clusters"]:
+    lines += _cost_model_lines(report["cost_model"])
+    lines.append("")
+    lines += [f"note: {n}" for n in report["notes"]]
+    return "\n".join(lines)
+
+
+def _cost_model_lines(cost_model: dict) -> list[str]:
+    """The cost model's predictions, a blank line before each cluster."""
+    lines = []
+    for c in cost_model["clusters"]:
         lines.append("")
         if "skipped" in c:
             lines.append(f"cost model {c['name']}: skipped, {c['skipped']}")
@@ -784,6 +896,4 @@ def format_step_report(report: dict) -> str:
                 "predicted exchange ms per step (fwd + bwd): "
                 + ", ".join(f"{k} {v:.2f}" for k, v in p["exchange_ms_per_step"].items())
             )
-    lines.append("")
-    lines += [f"note: {n}" for n in report["notes"]]
-    return "\n".join(lines)
+    return lines

@@ -2,11 +2,10 @@
 
 `python -m torch.distributed.run --nproc_per_node D -m occult_ft.bench.step_worker SPEC.json`: every
 process loads the same saved model (`spec["model_dir"]`), feeds the same rows as every other contender
-(step s, rank r: rows (s * B + j) * D + r of the data, j < B: what Trainer's sequential distributed
-sampler gives), trains `warmup + steps` steps the way the contender's users would, and records per
-step: its wall time, the global mean loss, and the phase clock (`PhaseClock`); at the end its peak
-memory and the host synchronisations of one forward. Rank 0 writes everything, for all ranks, to
-`spec["result"]`.
+(`step_rows`), trains `warmup + steps` steps (`grad_accum` micro-batches each) the way the contender's
+users would, and records per step its wall time, the global mean loss and the phase clock (`PhaseClock`);
+at the end its peak memory and the host synchronisations of one forward. Rank 0 writes everything, for
+all ranks, to `spec["result"]`.
 
 Contenders (`KINDS`):
     data_parallel   transformers `Trainer`, the whole model on every rank (DDP), stock experts kernel
@@ -16,21 +15,6 @@ Contenders (`KINDS`):
                     ep_implementation="all_to_all")` (FSDP2 + transformers' own expert parallelism)
     deepspeed_moe   every MoE block replaced by `deepspeed.moe.layer.MoE(ep_size=D, k=K, drop_tokens=False)`
                     holding the same expert and router weights, trained by the DeepSpeed engine (ZeRO 0)
-
-Every contender trains `grad_accum` micro-batches per optimizer step (Trainer's and DeepSpeed's
-gradient accumulation: the dense gradients are reduced once per step, on the last micro-batch).
-
-The phase clock times, per step and rank: the model's forward, each attention, router and MoE block
-forward (forward hooks), every collective Python calls (all-to-all and friends, forward and backward
-told apart by whether the loss's backward call is running; with `barrier` a barrier before each one, timed as waiting), and the
-optimizer step (global optimizer hooks). On CUDA it synchronises around what it times. Each exchange
-collective is also recorded as an event (its group, its sequence number in that group, when this rank
-issued it, when this rank was blocked in it or in its `wait()`): the driver tells waiting for other
-ranks from transfer with them (`occult_ft.bench.step.waiting_by_rank`; one machine, one monotonic
-clock). Gradient reductions issued inside backward (DDP's buckets, through its Python all-reduce hook;
-DeepSpeed's all-reduce; FSDP's reduce-scatter) are the `dense_allreduce` phase: the blocking calls,
-and for asynchronous ones the time from the last one's issue to the end of backward (what backward
-waits for them).
 
 Shape legend: D processes (= expert-parallel size), B sequences per rank and step, S sequence length.
 """
@@ -50,6 +34,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..layout import ExpertLayout
+from ..models import unwrap_model
 from ..trainer import OccultConfig, OccultTrainer
 from .syncs import HostSyncCounter
 
@@ -87,8 +72,19 @@ def _now(cuda: bool) -> float:
     return time.perf_counter()
 
 
+# The phase clock times, per step and rank: the model's forward, each attention, router and MoE block
+# forward (forward hooks), every collective Python calls (all-to-all and friends, forward and backward
+# told apart by whether the loss's backward call is running; with `barrier` a barrier before each one,
+# timed as waiting), and the optimizer step (global optimizer hooks). On CUDA it synchronises around what
+# it times. Each exchange collective is also recorded as an event (its group, its sequence number in that
+# group, when this rank issued it, when this rank was blocked in it or in its `wait()`): the driver tells
+# waiting for other ranks from transfer with them (`occult_ft.bench.step.waiting_by_rank`; one machine,
+# one monotonic clock). Gradient reductions issued inside backward (DDP's buckets, through its Python
+# all-reduce hook; DeepSpeed's all-reduce; FSDP's reduce-scatter) are the `dense_allreduce` phase: the
+# blocking calls, and for asynchronous ones the time from the last one's issue to the end of backward
+# (what backward waits for them).
 class PhaseClock:
-    """Per-step phase times of one rank (see the module docstring); `snapshot()` returns and resets them.
+    """Per-step phase times of one rank (see the comment above); `snapshot()` returns and resets them.
 
     Keys (seconds): forward, attention, router, moe_block, exchange_fwd, exchange_fwd_wait, exchange_bwd,
     exchange_bwd_wait, dense_allreduce, other_collectives, optimizer. `exchange_*_wait` is the barrier
@@ -188,7 +184,7 @@ class PhaseClock:
                 if name == "all_to_all_single_autograd":
                     out = torch.ops._c10d_functional.wait_tensor(out)
                 end = _now(clock.cuda)
-                clock.times[key] += end - start  # async: the issue; the rest is timed at wait()
+                clock.times[key] += end - start  # async: launching the call; the rest is timed at wait()
                 event = clock._event(group, start, end) if exchange and not clock.barrier else None
                 if kwargs.get("async_op") and out is not None:
                     if key == "dense_allreduce":
@@ -274,6 +270,8 @@ def step_rows(spec: dict, micro: int, rank: int, world: int) -> torch.Tensor:
     sequential distributed order)."""
     data = torch.load(spec["data"], weights_only=True)
     b = spec["batch_per_rank"]
+    # micro-batch m, rank r: rows (m * B + j) * D + r, j < B: what Trainer's sequential distributed sampler
+    # gives, so every contender trains on the same rows
     index = [(micro * b + j) * world + rank for j in range(b)]
     return data[index]
 
@@ -385,7 +383,7 @@ def run_occult_ep(spec: dict, rank: int, world: int, records: list) -> tuple[nn.
     )
     trainer = OccultTrainer(spec["model_dir"], args=args, train_dataset=_dataset(spec))
     assert trainer.model is not None
-    clock = PhaseClock(_unwrapped(trainer.model), spec["barrier"], spec["device"] == "cuda")
+    clock = PhaseClock(unwrap_model(trainer.model), spec["barrier"], spec["device"] == "cuda")
     losses = _train_with_trainer(trainer, clock, spec, records)
     clock.close()
     return trainer.model, losses
@@ -501,15 +499,6 @@ RUNNERS = {
 }
 
 
-def _unwrapped(model: nn.Module) -> nn.Module:
-    for _ in range(4):
-        inner = getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            break
-        model = inner
-    return model
-
-
 def _syncs_per_layer(model: nn.Module, spec: dict, rank: int, world: int) -> float:
     """Host synchronisations inside the MoE blocks (router, exchange, experts) of one training forward,
     per MoE layer."""
@@ -548,7 +537,7 @@ def main(spec_path: str) -> None:
     base_rss = _peak_rss_mb()
     records: list[dict] = []
     model, losses = RUNNERS[spec["contender"]["kind"]](spec, rank, world, records)
-    syncs = _syncs_per_layer(_unwrapped(model), spec, rank, world) if spec["count_syncs"] else None
+    syncs = _syncs_per_layer(unwrap_model(model), spec, rank, world) if spec["count_syncs"] else None
     if spec["device"] == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:  # what training added to the process's peak RSS (torch, transformers and Python excluded)

@@ -1,31 +1,19 @@
 """Pruned checkpoints: standard HF checkpoints whose experts are placed and whose routing is pruned.
 
-A checkpoint written here is an ordinary transformers checkpoint (plain `from_pretrained` loads it)
-whose experts have been permuted so that device d of D holds the contiguous block
-[d*E/D, (d+1)*E/D). Without a budget it is the same function as the original model. With a budget,
-`config.json` carries an `occult` block and `occult_ft.from_pretrained` returns the model with the
-pruned routing active:
+A checkpoint written here is an ordinary transformers checkpoint (plain `from_pretrained` loads it) with
+its experts permuted so that device d holds [d*E/D, (d+1)*E/D); a budget rides in an `occult` block of
+`config.json` (`occult_config.json` for a LoRA adapter). What a checkpoint holds and how each loader
+sees it: docs/loading.md, "What a pruned checkpoint holds".
 
-    "occult": {"version": 1, "num_devices": 4, "num_nodes": 1, "max_devices_per_token": 2,
-               "criterion": "score", "gate_weights": "model", "placed": true,
-               "placement": {"algorithm": "search", "layers": {"0": [[...], ...]}}, ...}
+    format.py       the `occult` block, the similarity file, what a checkpoint directory holds (the one
+                    reader and writer of those files)
+    save.py         writing checkpoints
+    load.py         loading them (`from_pretrained`; imported as `occult_ft.checkpoint.load`, since it sits
+                    above `occult_ft.apply`, which records blocks through `format.py` and `save.py`)
+    remote_code.py  the `trust_remote_code` file for budgets the model's config cannot express
+    convert.py      DeepSeek-MoE -> qwen2_moe conversion
 
-`placement.layers` records which original experts each device holds (provenance; the weights are
-already permuted). The similarity criterion's tables live beside the weights in
-`occult_similarity.tables` (safetensors bytes, already in placed order; a name that no `*.safetensors`
-glob takes for a weight shard). A LoRA adapter directory carries the same
-block in `occult_config.json`; there `placed` is false and loading permutes the base model first.
-DeepSeek-V3 with `device_topk_sum` (and DeepSeek-V2 with `device_max`) also get the native
-`n_group`/`topk_group` fields, so stock transformers routes identically without occult_ft. Every other
-active budget gets remote code (`occult_pruned_routing.py` and `config.auto_map`, see
-`remote_code.py`): stock `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`
-then routes with the budget too.
-
-Modules: `format.py` the `occult` block, the similarity file and what a checkpoint directory holds
-(the one reader and writer of those files); `save.py` writing checkpoints; `load.py` loading them
-(`from_pretrained`; imported as `occult_ft.checkpoint.load`, since it sits above `occult_ft.apply`, which
-records blocks through `format.py` and `save.py`); `remote_code.py` the `trust_remote_code` file; `convert.py` DeepSeek-MoE ->
-qwen2_moe conversion.
+Legend: E experts per layer, D devices, d a device index.
 """
 
 from .card import build_model_card, is_occult_card, write_model_card

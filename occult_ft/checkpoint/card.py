@@ -13,7 +13,9 @@ The card is the Jinja2 template `occult_ft/templates/model_card.md` (as TRL rend
     _loading      how to load it: a pruned full checkpoint needs `occult_ft.from_pretrained` (stock
                   transformers loads the same weights with the original top-k routing); an unpruned one,
                   or one whose budget sits in its config (`n_group` / `topk_group`), routes identically
-                  in stock transformers. tests/test_card_load_lines.py runs every load line a card shows.
+                  in stock transformers; a full checkpoint of a type occult_ft's vLLM plugin serves gets
+                  the vLLM lines (`vllm serve`, `LLM(...)`). tests/test_card_load_lines.py runs every
+                  load line a card shows (the vLLM one in vLLM's environment).
 
 The base model is named by `base_model_reference`: its Hub id when there is one (a snapshot of the Hub
 cache included), `embedded` for the shipped model, else its path; a card for the Hub names a local base
@@ -32,7 +34,8 @@ from typing import Any
 from ..embedded import embedded_model_path
 from ..fileio import atomic_save, atomic_write_text, model_card_writer, read_json_object
 from ..metrics import comm_complexity_lower_bound, random_placement_comm_complexity
-from ..models.family import auto_model_class
+from ..models.family import VLLM_SERVED, auto_model_class
+from ..routing import PruningConfig
 from .format import CheckpointSummary, OccultBlock, describe_checkpoint
 
 __all__ = [
@@ -205,28 +208,27 @@ def _read_eval_results(path: str) -> dict[str, Any]:
 
 def _placement(s: CheckpointSummary) -> tuple[list[tuple[str, Any]], list[str]]:
     """Rows of the placement-and-budget table and the paragraphs under it."""
+    return _placement_rows(s), _placement_notes(s)
+
+
+def _placement_rows(s: CheckpointSummary) -> list[tuple[str, Any]]:
+    """The placement-and-budget table: model, experts, placement, devices and nodes, the budget."""
     b = s.block or OccultBlock()
-    d, p = b.num_devices, b.pruning
-    m = p.max_devices_per_token if p is not None else None
-    mn = p.max_nodes_per_token if p is not None else None
+    d = b.num_devices
     rows: list[tuple[str, Any]] = [("base model", s.base_model or "not recorded")]
-    if s.model_type:
-        rows.append(("model type", s.model_type))
-    if s.num_experts is not None:
-        rows.append(("routed experts per layer (E)", s.num_experts))
-    if s.top_k is not None:
-        rows.append(("experts per token (k)", s.top_k))
+    optional = (
+        ("model type", s.model_type, bool(s.model_type)),
+        ("routed experts per layer (E)", s.num_experts, s.num_experts is not None),
+        ("experts per token (k)", s.top_k, s.top_k is not None),
+    )
+    rows += [(label, value) for label, value, shown in optional if shown]
     algorithm = b.placement.algorithm if b.placement is not None else None
     rows.append(("placement algorithm", algorithm or "none (original expert order)"))
     rows.append(("devices (D)", d if d is not None else "not recorded"))
     rows.append(("nodes", b.num_nodes))
     if d and s.num_experts and s.num_experts % int(d) == 0:
         rows.append(("experts per device (E/D)", s.num_experts // int(d)))
-    rows.append(("max_devices_per_token (M)", m if m is not None else "none (routing unchanged)"))
-    if mn is not None:
-        rows.append(("max_nodes_per_token", mn))
-    rows.append(("criterion", p.criterion if p is not None else "n/a"))
-    rows.append(("gate weights", p.gate_weights if p is not None else "n/a"))
+    rows += _budget_rows(b.pruning)
     if algorithm and s.kind == "full":
         rows.append(("experts stored in placed order", b.placed))
     if s.native_routing:
@@ -236,6 +238,27 @@ def _placement(s: CheckpointSummary) -> tuple[list[tuple[str, Any]], list[str]]:
                 f"n_group={s.config.get('n_group')}, topk_group={s.config.get('topk_group')}",
             )
         )
+    return rows
+
+
+def _budget_rows(p: PruningConfig | None) -> list[tuple[str, Any]]:
+    """The pruning budget's rows: M (and the node budget when set), criterion, gate weights."""
+    m = p.max_devices_per_token if p is not None else None
+    rows: list[tuple[str, Any]] = [
+        ("max_devices_per_token (M)", m if m is not None else "none (routing unchanged)")
+    ]
+    if p is not None and p.max_nodes_per_token is not None:
+        rows.append(("max_nodes_per_token", p.max_nodes_per_token))
+    rows.append(("criterion", p.criterion if p is not None else "n/a"))
+    rows.append(("gate weights", p.gate_weights if p is not None else "n/a"))
+    return rows
+
+
+def _placement_notes(s: CheckpointSummary) -> list[str]:
+    """The paragraphs under the table: how the experts are stored, what the pruning restricts."""
+    b = s.block or OccultBlock()
+    d, p = b.num_devices, b.pruning
+    algorithm = b.placement.algorithm if b.placement is not None else None
     notes = []
     if algorithm and b.placed:
         notes.append(
@@ -250,6 +273,7 @@ def _placement(s: CheckpointSummary) -> tuple[list[tuple[str, Any]], list[str]]:
         )
     if s.pruned:
         assert p is not None  # s.pruned: a budget restricts the routing
+        m, mn = p.max_devices_per_token, p.max_nodes_per_token
         limits = []
         if m is not None and m < (d or m + 1):
             limits.append(f"at most {m} of the {d} devices")
@@ -259,7 +283,7 @@ def _placement(s: CheckpointSummary) -> tuple[list[tuple[str, Any]], list[str]]:
             f"Collaboration pruning: each token's top-k is restricted to experts on {' and '.join(limits)} "
             f"(criterion `{p.criterion}`), and the model was fine-tuned that way."
         )
-    return rows, notes
+    return notes
 
 
 def _comm_rows(s: CheckpointSummary) -> list[tuple[str, Any]]:
@@ -460,6 +484,8 @@ def _loading(s: CheckpointSummary) -> dict[str, Any]:
         "expert_order_original": s.block is not None and s.block.expert_order == "original",
         # the transformers class that loads this model type (a multimodal MoE is not a causal LM)
         "auto_class": auto_model_class(s.model_type).__name__ if s.model_type else "AutoModelForCausalLM",
+        # occult_ft's vLLM plugin serves full checkpoints of these types (docs/serving.md)
+        "vllm": s.kind == "full" and s.model_type in VLLM_SERVED,
     }
 
 

@@ -11,7 +11,7 @@ The block is an `OccultBlock`, a frozen, versioned, self-validating record (as P
 
 and `to_dict` writes the flat JSON object checkpoints have always carried:
 
-    "occult": {"version": 2, "placed": true, "num_devices": 4, "num_nodes": 1,
+    "occult": {"version": 3, "placed": true, "num_devices": 4, "num_nodes": 1,
                "max_devices_per_token": 2, "max_nodes_per_token": null, "criterion": "similarity",
                "gate_weights": "model", "placement": {"algorithm": "search", "layers": {"0": [[...]]}},
                "expert_order": "placed", "base_model": "...", "model_type": "olmoe", "train_mode": "moe",
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checks import is_int, is_positive_int, nodes_divide
 from ..fileio import atomic_save, atomic_write_text, load_safetensors, read_json_object
 from ..models.family import architecture_model_type
 from ..models.registry import config_num_experts, lookup_arch, unwrap_model
@@ -74,8 +75,8 @@ __all__ = [
 OCCULT_KEY = "occult"
 SIMILARITY_FILE = "occult_similarity.tables"
 """The similarity tables (safetensors bytes). Its name must not end in `.safetensors` (nor `.bin`, `.pt`):
-serving engines and Hub downloads glob `*.safetensors` as weight shards, and vLLM read the tables as
-weights of a model named `layers` (issue 25)."""
+serving engines and Hub downloads glob `*.safetensors` as weight shards, and vLLM read occult_ft 0.1's
+`occult_similarity.safetensors` as the weights of a model named `layers`."""
 LEGACY_SIMILARITY_FILES = ("occult_similarity.safetensors",)
 """Names earlier releases wrote the tables under (read, never written; removed when the tables are
 rewritten beside them)."""
@@ -104,10 +105,6 @@ KNOWN_KEYS = (
 
 class CheckpointError(ValueError):
     """A model path or checkpoint that cannot be used."""
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -158,7 +155,7 @@ class PlacementRecord:
             if (
                 not isinstance(layer, (list, tuple))
                 or not layer
-                or not all(isinstance(g, (list, tuple)) and all(_is_int(e) for e in g) for g in layer)
+                or not all(isinstance(g, (list, tuple)) and all(is_int(e) for e in g) for g in layer)
             ):
                 raise CheckpointError(
                     f"{source}: placement layer {index} must be a list of expert-id lists, one per device"
@@ -233,7 +230,7 @@ class OccultBlock:
         self._check("the occult block")
 
     def _check(self, source: str) -> None:
-        if not _is_int(self.version) or not 1 <= self.version <= BLOCK_VERSION:
+        if not is_int(self.version) or not 1 <= self.version <= BLOCK_VERSION:
             raise CheckpointError(
                 f"{source}: version {self.version!r} was written by a newer occult_ft (this one reads 1.."
                 f"{BLOCK_VERSION}); upgrade occult_ft"
@@ -241,9 +238,9 @@ class OccultBlock:
         if not isinstance(self.placed, bool):
             raise CheckpointError(f"{source}: placed={self.placed!r} must be true or false")
         d, n = self.num_devices, self.num_nodes
-        if d is not None and (not _is_int(d) or d < 1):
+        if d is not None and not is_positive_int(d):
             raise CheckpointError(f"{source}: num_devices={d!r} must be a positive integer")
-        if not _is_int(n) or n < 1 or (d is not None and d % n):
+        if not (is_positive_int(n) if d is None else nodes_divide(d, n)):
             raise CheckpointError(
                 f"{source}: num_nodes={n!r} must be a positive integer dividing num_devices={d}"
             )
@@ -280,7 +277,7 @@ class OccultBlock:
             )
         for index, values in self.device_bias.items():
             if (
-                not _is_int(index)
+                not is_int(index)
                 or len(values) != self.num_devices
                 or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
             ):

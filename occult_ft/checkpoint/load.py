@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed as dist
 from torch import nn
 from transformers.utils import logging
 
 from ..apply import apply_occult, permute_state_dict, placed_similarity
+from ..dispatch import EXCHANGES, check_exchange_settings, configure_exchange, enable_decode_capacity
 from ..embedded import embedded_model_path
 from ..fileio import ReadError, read_json_object, reading_directory, recover_directory
 from ..models.family import architecture_model_type, auto_model_class
@@ -26,6 +28,7 @@ from .format import (
 )
 from .remote_code import set_auto_map
 from .save import record_block
+from .sharded import build_sharded_model
 
 __all__ = [
     "resolve_model_path",
@@ -34,6 +37,8 @@ __all__ = [
     "load_model_and_tokenizer",
     "read_model_config",
     "from_pretrained",
+    "load_sharded_model",
+    "can_load_sharded",
     "restore_occult",
     "check_adapter_base",
     "describe_budget",
@@ -183,19 +188,167 @@ def _has_vocabulary(tokenizer) -> bool:
     return len(tokenizer) > 8
 
 
-def from_pretrained(path: str, dtype=None, is_trainable: bool = False, **kwargs) -> nn.Module:
+def from_pretrained(
+    path: str,
+    dtype=None,
+    is_trainable: bool = False,
+    expert_parallel_size: int | None = None,
+    exchange: str = "flat",
+    nodes: int = 1,
+    exchange_capacity: int | str | None = "auto",
+    expert_parallel_group: dist.ProcessGroup | None = None,
+    **kwargs,
+) -> nn.Module:
     """Load an occult_ft checkpoint with its pruned routing active.
 
     Accepts a full checkpoint directory (or Hub id) written by `save_pruned` / `OccultTrainer`, any
     plain HF MoE checkpoint (returned unchanged), or a LoRA adapter directory written by
     `OccultTrainer` (the base model named in it is loaded, placed, pruned, and the adapter attached).
+
+    Expert-parallel inference: with `expert_parallel_size=D` > 1, under an initialised
+    `torch.distributed` process group of D ranks (or `expert_parallel_group` of D ranks), every rank
+    reads only its E / D experts of every MoE layer (block `rank` of the stored, placed order) and the
+    MoE layers exchange tokens with the other ranks, so `model.generate` and plain forwards run expert
+    parallel. Every rank must make the same forward calls (collectives): the same number of
+    `generate` steps (identical inputs with greedy decoding, or `min_new_tokens == max_new_tokens`),
+    the same batch size is not required. docs/loading.md, "Expert-parallel inference".
+
+    Args:
+        expert_parallel_size: D (None or 1: the whole model in this process).
+        exchange: "flat" (de-duplicated, the default), "per_expert" (one row per (token, expert)) or
+            "two_stage" (with `nodes` > 1), as `OccultConfig.exchange`.
+        nodes: N nodes of D / N consecutive ranks, as `OccultConfig.nodes`.
+        exchange_capacity: the flat exchange's decode steps: "auto" (capacity-bounded, C = the largest
+            batch of any rank, no host synchronisation per layer), C rows per device, or None (exact, one
+            host synchronisation per layer). Prefill is always exact.
+        expert_parallel_group: the process group of the D ranks (None: the default group).
     """
     path = local_model_dir(path)
     adapter_cfg = os.path.join(path, "adapter_config.json")
+    if expert_parallel_size is not None and expert_parallel_size != 1:
+        return _from_pretrained_expert_parallel(
+            path,
+            expert_parallel_size,
+            dtype=dtype,
+            exchange=exchange,
+            nodes=nodes,
+            exchange_capacity=exchange_capacity,
+            group=expert_parallel_group,
+            **kwargs,
+        )
+    if (exchange, nodes, exchange_capacity, expert_parallel_group) != ("flat", 1, "auto", None):
+        raise ValueError(
+            "exchange, nodes, exchange_capacity and expert_parallel_group choose how expert-parallel ranks "
+            f"exchange tokens; they need expert_parallel_size > 1 (got {expert_parallel_size!r})"
+        )
     if os.path.isfile(adapter_cfg):
         return _from_adapter(path, dtype=dtype, is_trainable=is_trainable, **kwargs)
     model, _ = load_model_and_tokenizer(path, dtype=dtype, warn_pruned=False, **kwargs)
     return restore_occult(model, path)
+
+
+def _check_inference_settings(size, exchange, nodes, capacity, group) -> int:
+    """One-line errors for expert-parallel loading settings; returns this rank in its group."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"expert_parallel_size={size!r} must be a positive integer (1: no expert parallelism)"
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"expert_parallel_size={size} needs an initialised torch.distributed process group of {size} ranks; "
+            "launch with torchrun and call torch.distributed.init_process_group() first"
+        )
+    world = dist.get_world_size(group)
+    if world != size:
+        where = "expert_parallel_group" if group is not None else "the world"
+        raise ValueError(
+            f"expert_parallel_size={size} but {where} has {world} ranks; launch {size} processes or pass "
+            f"expert_parallel_size={world} (or an expert_parallel_group of {size} ranks)"
+        )
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange={exchange!r} is unknown; use one of {', '.join(EXCHANGES)}")
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or size % nodes:
+        divisors = [n for n in range(1, size + 1) if size % n == 0]
+        raise ValueError(f"nodes={nodes!r} must divide expert_parallel_size={size}; use one of {divisors}")
+    if capacity != "auto":
+        if isinstance(capacity, str):
+            raise ValueError(
+                f"exchange_capacity={capacity!r} must be 'auto', a number of rows per device, or None (exact)"
+            )
+        check_exchange_settings(exchange, nodes, 1, capacity)
+    else:
+        check_exchange_settings(exchange, nodes, 1, None)
+    return dist.get_rank(group)
+
+
+def _from_pretrained_expert_parallel(
+    path: str, size: int, dtype, exchange: str, nodes: int, exchange_capacity, group, **kwargs
+) -> nn.Module:
+    """`from_pretrained` under expert parallelism: this rank's experts only, the chosen exchange."""
+    rank = _check_inference_settings(size, exchange, nodes, exchange_capacity, group)
+    device = kwargs.pop("device_map", None)
+    if kwargs:
+        raise ValueError(
+            f"expert_parallel_size={size} loads with dtype and device_map only; drop {', '.join(sorted(kwargs))}"
+        )
+    if device is not None and not isinstance(device, str | int) and not hasattr(device, "type"):
+        raise ValueError(
+            f"device_map={device!r}: expert-parallel loading puts the whole rank on one device; pass a "
+            "device such as 'cuda:0'"
+        )
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        raise ValueError(
+            f"{path!r} is a LoRA adapter; expert-parallel loading reads full checkpoints: merge it "
+            "(occult_ft.from_pretrained(DIR).merge_and_unload().save_pretrained(OUT)) and load OUT"
+        )
+    path = maybe_convert(path)  # DeepSeek-MoE -> its qwen2_moe conversion, as without expert parallelism
+    model = load_sharded_model(
+        path, rank, size, placement=None, dtype=dtype, group=group, device=device, nodes=nodes
+    )
+    restore_occult(model, path)
+    capacity = exchange_capacity if exchange == "flat" else None
+    configure_exchange(model, exchange=exchange, capacity=None)
+    if capacity is not None:
+        enable_decode_capacity(model, capacity, group)
+    return model
+
+
+def load_sharded_model(
+    path: str,
+    rank: int,
+    size: int,
+    placement="sequential",
+    dtype=None,
+    group=None,
+    device=None,
+    nodes: int = 1,
+) -> nn.Module:
+    """A causal-LM whose MoE layers hold only expert block `rank` of `size`, read straight from disk
+    (`occult_ft.checkpoint.sharded.build_sharded_model`; same arguments, `path` a local directory or a
+    Hub id, whose config is read and checked here: an unsupported or refused type fails in one line)."""
+    path = local_model_dir(path)
+    config, _ = read_model_config(path)  # Kimi-K2's kimi_k2 reads as deepseek_v3
+    get_arch(config)  # an unsupported or refused type fails here, naming why
+    return build_sharded_model(path, config, rank, size, placement, dtype, group, device, nodes)
+
+
+def can_load_sharded(path: str) -> bool:
+    """Whether `path` is a model directory (or cached Hub snapshot) of plain safetensors weights that
+    the sharded loader reads: a LoRA adapter directory or a non-directory path is not."""
+
+    path = resolve_model_path(path)
+    if not os.path.isdir(path):
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(path, local_files_only=True)
+        except Exception:  # not cached: the ordinary loader downloads it
+            return False
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return False
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        f.endswith(".safetensors") for f in os.listdir(path)
+    )
 
 
 def restore_occult(model: nn.Module, path: str) -> nn.Module:

@@ -3,26 +3,15 @@
 A pruned checkpoint whose budget the model's own config cannot express (every architecture except
 DeepSeek with its native `n_group`/`topk_group` fields) would route with its original top-k under a
 stock loader. `write_remote_code` puts a self-contained `occult_pruned_routing.py` into the checkpoint
-and `set_auto_map` points `config.auto_map["AutoModelForCausalLM"]` at the class it defines, so
+and `set_auto_map` points `config.auto_map["AutoModelForCausalLM"]` (a multimodal model's
+`AutoModelForImageTextToText`) at the class it defines, so
 
     AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
 
-returns the stock model class's subclass `Occult<Base>ForCausalLM` whose routers apply the budget of
+returns `Occult<Base>ForCausalLM`, a subclass of the stock class whose routers apply the budget of
 config.json's `occult` block, on a machine without occult_ft. Without `trust_remote_code` transformers
-ignores `auto_map` for a model type it knows and loads the stock class, as before.
-
-The file is generated from occult_ft's own source, so there is one copy of the maths to maintain: the
-pure criteria of `occult_ft.routing.rules` and the router conventions of `occult_ft.models.arch`
-(`MoEArch`, `moe_blocks`, the config readers; both whole modules), `PruningConfig` (routing/config.py),
-`router_selectable` and `prune_topk` (routing/router.py), `contiguous_expert_device` (metrics.py) and
-`OccultBlock` with its `PlacementRecord` (checkpoint/format.py), plus the model type's registry entry
-written out as a constant and a short adapter (`_ADAPTER` below) that hooks every router: the hook
-receives the router's own `(logits, weights, indices)` and call arguments and returns `prune_topk`'s
-result, which is what occult_ft's pruned router class computes. A multimodal model's file subclasses its
-image-text-to-text class and `auto_map` points `AutoModelForImageTextToText` at it. The `similarity`
-criterion reads
-`occult_similarity.tables` (or an earlier release's `occult_similarity.safetensors`) from the checkpoint (local folder or Hub repo); without it the file
-warns and routes by `score`.
+loads the stock class, as before. The file is generated from occult_ft's own source (see
+`remote_code_source`), so there is one copy of the routing maths.
 
     needs_remote_code(pruning, native)   a full checkpoint with an active, non-native budget
     set_auto_map(config, on)             add (or drop a stale) occult entry of `config.auto_map`
@@ -38,7 +27,7 @@ import inspect
 import json
 import os
 
-from .. import metrics
+from .. import checks, metrics
 from ..fileio import atomic_write_text, read_json_object
 from ..models import arch as models_arch
 from ..models import registry
@@ -356,16 +345,27 @@ def remote_code_source(model_type: str) -> str:
     arch = registry.get_arch(model_type)
     base, cls = _stock_class_name(model_type), remote_class_name(model_type)
     imports = _absolute_imports(
-        [routing_rules, models_arch, routing_config, routing_router, format_],
+        [checks, routing_rules, models_arch, routing_config, routing_router, format_],
         ("dataclasses", "functools", "os"),
     )
     imports += [
         f"from transformers import {base} as _StockModel",
         "from transformers.utils import logging",
     ]
+    # One copy of the maths: the file is cut from occult_ft's own source, the input checks of checks.py,
+    # the pure criteria of routing/rules.py and the router conventions of models/arch.py (all three whole
+    # modules), PruningConfig, router_selectable and prune_topk, contiguous_expert_device and OccultBlock
+    # with its PlacementRecord, plus the model type's registry entry written out as a constant and
+    # `_ADAPTER`, which hooks every router: the hook receives the router's own (logits, weights, indices)
+    # and call arguments and returns prune_topk's result, what occult_ft's pruned router class computes.
+    # The `similarity` criterion reads `occult_similarity.tables` (or an earlier release's
+    # `occult_similarity.safetensors`) from the checkpoint, local or Hub; without it the file warns and
+    # routes by `score`. A multimodal model's file subclasses its image-text-to-text class.
     sections = [
         _HEADER.format(model_type=model_type, cls=cls, base=base, auto=remote_auto_class(model_type)),
         "\n".join(imports),
+        "# ---- copied from occult_ft/checks.py ------------------------------------------------------",
+        _module_body(checks),
         "# ---- copied from occult_ft/routing/rules.py -----------------------------------------------",
         _module_body(routing_rules),
         "# ---- copied from occult_ft/models/arch.py --------------------------------------------------",
@@ -379,7 +379,7 @@ def remote_code_source(model_type: str) -> str:
             f"{name} = {getattr(format_, name)!r}"
             for name in ("BLOCK_VERSION", "EXPERT_ORDERS", "PRUNING_KEYS", "KNOWN_KEYS")
         ),
-        inspect.getsource(format_.CheckpointError),  # its `_is_int` is routing/rules.py's (the same check)
+        inspect.getsource(format_.CheckpointError),
         inspect.getsource(format_.PlacementRecord),
         inspect.getsource(format_.OccultBlock),
         f"# ---- the {model_type!r} entry of occult_ft's architecture registry ----",

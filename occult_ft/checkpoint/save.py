@@ -132,7 +132,7 @@ _PUSH_KWARGS = (
 def with_router_bias(block: OccultBlock, model: nn.Module) -> OccultBlock:
     """`block` with the device bias `model`'s pruned routers hold now (training moves it after the block
     was recorded); the block as it is when no router holds one or it records no budget."""
-    bias = router_device_bias(_transformers_model(model))
+    bias = router_device_bias(unwrap_model(model))
     if bias is None or block.pruning is None:
         return block
     return block.with_changes(device_bias=OccultBlock.bias_values(bias))
@@ -141,7 +141,7 @@ def with_router_bias(block: OccultBlock, model: nn.Module) -> OccultBlock:
 def record_block(model: nn.Module, block: OccultBlock | None) -> None:
     """Record `block` (the live model's: its experts as they are in memory) in the model's config and
     make its `save_pretrained` write it (`attach_occult_save`); None removes the record."""
-    base = _transformers_model(model)
+    base = unwrap_model(model)
     if block is None:
         base.config.__dict__.pop(OCCULT_KEY, None)
         return
@@ -149,17 +149,10 @@ def record_block(model: nn.Module, block: OccultBlock | None) -> None:
     attach_occult_save(base)
 
 
-def _transformers_model(model: nn.Module) -> nn.Module:
-    base = unwrap_model(model)
-    if hasattr(base, "get_base_model"):  # a PEFT model: the transformers model inside
-        base = base.get_base_model()  # type: ignore[operator]
-    return base
-
-
 def attach_occult_save(model: nn.Module) -> None:
     """Make `model.save_pretrained` (also through `push_to_hub`, and on the model `merge_and_unload`
     returns) write a complete pruned checkpoint of the live model described by the block in its config."""
-    base = _transformers_model(model)
+    base = unwrap_model(model)
     if "save_pretrained" not in vars(base):
         base.save_pretrained = types.MethodType(_save_pretrained_with_occult, base)  # type: ignore[assignment]
 
@@ -190,7 +183,7 @@ def save_pruned(
         similarity: save these tables (placed order) instead of the routers'.
         extra: more recorded settings (e.g. `{"base_model": "org/name"}`).
     """
-    if hasattr(unwrap_model(model), "get_base_model") or hasattr(model, "peft_config"):
+    if hasattr(unwrap_model(model, keep_peft=True), "peft_config"):
         raise ValueError(
             "save_pruned writes full checkpoints and this is a PEFT (LoRA) model; merge it first "
             "(model.merge_and_unload()) or save the adapter with OccultTrainer.save_model"

@@ -174,7 +174,7 @@ def load_data(
     return load_text_dataset(data, split=split, skip_invalid_rows=skip_invalid_rows)
 
 
-def load_args_data(args):
+def load_args_data(args: argparse.Namespace):
     """`load_data` of a command's parsed --data, --split and --skip-invalid-rows."""
     return load_data(
         args.data,

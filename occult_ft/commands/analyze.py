@@ -11,6 +11,7 @@ the load bound, the lower bound and the gap).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -146,15 +147,15 @@ def analyze_model(
     return report
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
+    from ..checks import divisors, nodes_divide
     from ..fileio import check_output_path
 
     if args.plot is not None:
         check_output_path(args.plot, args.model, args.data, what="--plot")
-    if args.devices % args.nodes:
-        divisors = [n for n in range(1, args.devices + 1) if args.devices % n == 0]
+    if not nodes_divide(args.devices, args.nodes):
         raise ValueError(
-            f"--nodes {args.nodes} does not divide --devices {args.devices}; use one of {divisors}"
+            f"--nodes {args.nodes} does not divide --devices {args.devices}; use one of {divisors(args.devices)}"
         )
     budget = args.max_devices_per_token is not None or args.max_nodes_per_token is not None
     if budget and args.criterion == "similarity" and args.profile is None:

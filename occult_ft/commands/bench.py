@@ -22,6 +22,13 @@ benchmarks/train_step.py (`occult_ft.bench.step`), 1 round of 3 steps of --grad-
 default. `--link-rate RATE` (e.g. 1gbit) runs them in an emulated cluster (`occult_ft.bench.cluster`;
 root, iproute2): --nodes N network namespaces of D/N processes whose links are shaped to RATE (one
 node: its loopback), built for the run and removed after it.
+
+`occult-ft bench --generate --devices D` measures expert-parallel inference instead: prefill tokens/s
+and decode ms per token of greedy `generate` on the embedded model, for occult_ft without a budget and
+with budgets 2 and 1 (`occult_ft.from_pretrained(DIR, expert_parallel_size=D)`), per-expert rows through
+occult_ft's exchange, and transformers' native EP (`occult_ft.bench.generate`); --batch-size prompts
+of --seq-len tokens per rank (4 x 128 by default), --new-tokens generated, --iters generate calls per
+launch, --rounds; --link-rate and --nodes as for --train.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from ._common import (
     standalone,
 )
 
-__all__ = ["add_parser", "run", "run_train", "build_workload"]
+__all__ = ["add_parser", "run", "run_train", "run_generate", "build_workload"]
 
 
 def _positive_float(text: str) -> float:
@@ -74,8 +81,18 @@ def add_parser(sub):
         "--data", default=None, help="data to route (as for occult-ft analyze); 'embedded' = shipped text"
     )
     p.add_argument("--max-tokens", type=positive_int, default=4096, help="tokens to route and exchange")
-    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
+    p.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=None,
+        help="tokens per sequence (256; --generate: prompt tokens, 128)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help="sequences per forward pass (8; --generate: prompts per rank, 4)",
+    )
     p.add_argument(
         "--layers", type=_int_list, default=None, help="MoE layers to measure, e.g. 0,7 (default: all)"
     )
@@ -133,7 +150,7 @@ def add_parser(sub):
         help=f"comma-separated subset to measure: {', '.join(BENCH_BACKENDS)}, occult_dedup_pruneM "
         "(with --nodes > 1: occult_two_stage, occult_two_stage_pruneM); with --train the contenders: "
         "data_parallel, occult_ep[_budgetM][_per_expert][_chunksN][_capacity][_two_stage], hf_native_ep, "
-        "deepspeed_moe",
+        "deepspeed_moe; with --generate: occult_ep[_budgetM][_per_expert][_two_stage][_exact], hf_native_ep",
     )
     p.add_argument(
         "--cluster",
@@ -149,14 +166,27 @@ def add_parser(sub):
         action="store_true",
         help="measure whole training steps of every contender (occult_ft.bench.step) instead of the exchange",
     )
-    p.add_argument("--rounds", type=positive_int, default=1, help="--train: rounds over all contenders")
+    p.add_argument(
+        "--generate",
+        action="store_true",
+        help="measure expert-parallel prefill and decode of greedy generate (occult_ft.bench.generate) instead",
+    )
+    p.add_argument(
+        "--new-tokens", type=positive_int, default=None, help="--generate: tokens generated per prompt (16)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=None,
+        help="--train / --generate: rounds over all contenders (1 / 2)",
+    )
     p.add_argument(
         "--grad-accum", type=positive_int, default=4, help="--train: micro-batches per optimizer step"
     )
     p.add_argument(
         "--link-rate",
         default=None,
-        help="--train: run in an emulated cluster of --nodes network namespaces whose links are shaped to "
+        help="--train / --generate: run in an emulated cluster of --nodes network namespaces whose links are shaped to "
         "this rate (tc tbf), e.g. 1gbit or 300mbit; one node: its loopback is shaped (needs root, iproute2)",
     )
     p.add_argument(
@@ -168,7 +198,7 @@ def add_parser(sub):
     return p
 
 
-def build_workload(args, settings):
+def build_workload(args: argparse.Namespace, settings):
     """The `Workload` named by the arguments (model routed over data, or synthetic)."""
     from ..bench import check_inputs, model_workload, synthetic_workload
 
@@ -199,7 +229,7 @@ def build_workload(args, settings):
     if args.placement is not None:
         apply_occult(model, resolve_placement(args.placement, model, args.devices))
     batches = data_batches(
-        tokenizer, data, args.seq_len, args.batch_size, args.max_tokens, response_only=False
+        tokenizer, data, args.seq_len or 256, args.batch_size or 8, args.max_tokens, response_only=False
     )
     return model_workload(
         model,
@@ -212,7 +242,7 @@ def build_workload(args, settings):
     )
 
 
-def run_train(args) -> int:
+def run_train(args: argparse.Namespace) -> int:
     """`--train`: the train-step benchmark with the command's flags (a short run by default)."""
     from ..bench.step import DEFAULT_CONTENDERS, StepSettings, format_step_report, run_train_step
 
@@ -231,7 +261,7 @@ def run_train(args) -> int:
         layers=args.num_layers or 2,
         experts=args.experts,
         top_k=args.top_k,
-        seq_len=args.seq_len,
+        seq_len=args.seq_len or 256,
         micro_batch_tokens=args.tokens or 2048,
         grad_accum=args.grad_accum,
         devices=args.devices,
@@ -240,7 +270,7 @@ def run_train(args) -> int:
         model="embedded" if args.model == "embedded" else "random",
         steps=args.iters or 3,
         warmup=args.warmup,
-        rounds=args.rounds,
+        rounds=args.rounds or 1,
         barrier=args.barrier,
         device="cpu" if args.cpu else "auto",
         seed=args.seed,
@@ -260,7 +290,51 @@ def run_train(args) -> int:
     return 0
 
 
-def run(args) -> int:
+def run_generate(args: argparse.Namespace) -> int:
+    """`--generate`: the generation benchmark with the command's flags."""
+    from ..bench.generate import GenerateSettings, format_generate_report, run_generate_bench
+
+    if args.model not in (None, "embedded") or args.data is not None or args.placement is not None:
+        raise ValueError(
+            "--generate measures the embedded model on its corpus (it places and prunes it itself); drop "
+            "MODEL, --data and --placement"
+        )
+    if args.synthetic or args.barrier or args.max_devices_per_token is not None:
+        raise ValueError(
+            "--generate takes no --synthetic, --barrier or --max-devices-per-token; name budgets in "
+            "--backends (occult_ep_budgetM)"
+        )
+    if args.plot is not None:
+        raise ValueError("--generate draws no figure; drop --plot (--json gives the figures)")
+    settings = GenerateSettings(
+        devices=args.devices,
+        nodes=args.nodes,
+        link_rate=args.link_rate,
+        batch=args.batch_size or 4,
+        prompt_len=args.seq_len or 128,
+        new_tokens=args.new_tokens or 16,
+        iters=args.iters or 3,
+        warmup=args.warmup,
+        rounds=args.rounds or 2,
+        device="cpu" if args.cpu else "auto",
+        seed=args.seed,
+    )
+    contenders = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
+    if contenders:
+        from ..bench.generate import generate_contender
+
+        for name in contenders:
+            generate_contender(name, settings)
+    if args.link_rate is not None:
+        from ..bench.cluster import check_cluster_support
+
+        check_cluster_support()
+    report = run_generate_bench(settings, contenders, progress=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(report) if args.json else format_generate_report(report))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
     quiet_deepspeed_accelerator()
     from ..bench import DEFAULT_BUDGETS, BenchSettings, format_report, run_benchmark
     from ..bench.costmodel import get_cluster
@@ -268,8 +342,14 @@ def run(args) -> int:
 
     if args.plot is not None:
         check_output_path(args.plot, what="--plot")
+    if args.train and args.generate:
+        raise ValueError("--train and --generate measure different things; pass one of them")
     if args.train:
         return run_train(args)
+    if args.generate:
+        return run_generate(args)
+    if args.new_tokens is not None:
+        raise ValueError("--new-tokens is a --generate setting; drop it or pass --generate")
     settings = BenchSettings(
         devices=args.devices,
         nodes=args.nodes,

@@ -4,6 +4,8 @@ bar. The longer comparison (standard fine-tuning, both criteria, budgets 1 and 2
 
 from __future__ import annotations
 
+import argparse
+
 from ._choices import CRITERIA, DEFAULT_CRITERION
 from ._common import positive_int, quiet_deepspeed_accelerator, standalone
 
@@ -64,7 +66,7 @@ def add_settings_args(p, output_dir: str, steps: int) -> None:
     )
 
 
-def settings_from_args(args, **extra):
+def settings_from_args(args: argparse.Namespace, **extra):
     from ..studies.finetune import DemoSettings
 
     return DemoSettings(
@@ -92,7 +94,7 @@ def add_parser(sub):
     return p
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     quiet_deepspeed_accelerator()
     import torch
 

@@ -20,6 +20,7 @@ the command says which settings it took from the run.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from ._common import (
@@ -63,7 +64,7 @@ def add_parser(sub):
     return p
 
 
-def run_defaults(args, recorded: dict) -> list[str]:
+def run_defaults(args: argparse.Namespace, recorded: dict) -> list[str]:
     """Fill --data, --split and --seq-len left out from the run's recorded settings (`recorded`: the
     occult block's `run` entry of a training output, {} otherwise); returns the settings taken from it."""
     taken = []
@@ -87,7 +88,7 @@ def run_defaults(args, recorded: dict) -> list[str]:
     return taken
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     check_hub_sources("eval", models=[args.model], datasets=[args.data])
     quiet_deepspeed_accelerator()
 

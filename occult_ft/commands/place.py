@@ -8,6 +8,7 @@ and the same figures on the held-out tokens; all of them are stored in the place
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from ._choices import DEFAULT_ALGORITHM, PLACEMENT_ALGORITHMS
@@ -135,7 +136,7 @@ def format_figures(placement) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..fileio import check_output_path
 
     check_output_path(args.out, args.profile, what="--out")

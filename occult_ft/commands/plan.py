@@ -21,6 +21,7 @@ Activations are an estimate.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -59,7 +60,7 @@ def add_parser(sub):
 def _take_own(argv: list[str], fields: list[str] | None = None) -> tuple[dict, list[str]]:
     """Split plan's own flags from the OccultConfig fields (`fields`: their names, to tell a misspelt own
     flag such as `--gpu` from a field)."""
-    from ..cli import close_match
+    from ..checks import close_match
 
     own, rest, i = {"--json": False}, [], 0
     flags = ["--json", "--gpus", "--gpu-memory", "--config"]
@@ -151,18 +152,8 @@ def format_plan(plan, model: str | None) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
-    from ..plan import load_model_config, plan_for_config
-    from .train import parse_config
-
-    argv = list(args.argv)
-    if any(token in ("-h", "--help") for token in argv):
-        print(__doc__)
-        return 0
-    from .train import config_parser, field_names
-
-    own, rest = _take_own(argv, field_names(config_parser()))
-    ep = _expert_parallel_size(rest)
+def _planned_gpus(own: dict, ep: int) -> int:
+    """The GPUs of the launch: --nodes x --gpus-per-node, else --gpus, else the expert-parallel size."""
     nodes, per_node = own.get("--nodes"), own.get("--gpus-per-node")
     if (nodes is None) != (per_node is None):
         raise ValueError("--gpus-per-node needs --nodes (the machines), e.g. --nodes 4 --gpus-per-node 8")
@@ -179,6 +170,34 @@ def run(args) -> int:
         raise ValueError(
             f"--gpus {gpus} must be a positive multiple of expert_parallel_size={ep}; e.g. --gpus {ep}"
         )
+    return gpus
+
+
+def _check_config_source(model: str | None) -> None:
+    """A model that is neither shipped nor local must be reachable on the Hub (plan reads only its config)."""
+    from ..configs import shipped_config_path
+
+    if model and not shipped_config_path(model):
+        try:
+            check_hub_sources("plan", models=[model])
+        except ValueError as err:  # plan needs only the config: say how to give it
+            raise ValueError(f"{err}, or pass --config PATH/config.json") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..plan import load_model_config, plan_for_config
+    from .train import parse_config
+
+    argv = list(args.argv)
+    if any(token in ("-h", "--help") for token in argv):
+        print(__doc__)
+        return 0
+    from .train import config_parser, field_names
+
+    own, rest = _take_own(argv, field_names(config_parser()))
+    ep = _expert_parallel_size(rest)
+    per_node = own.get("--gpus-per-node")
+    gpus = _planned_gpus(own, ep)
     # parsed as one process (OccultConfig checks expert_parallel_size against this process's world size),
     # then given the planned expert parallelism back
     config = parse_config([*rest, "--expert_parallel_size", "1"])
@@ -191,13 +210,7 @@ def run(args) -> int:
     if config is None:
         return 0
     if own.get("--config") is None:
-        from ..configs import shipped_config_path
-
-        if config.model_name_or_path and not shipped_config_path(config.model_name_or_path):
-            try:
-                check_hub_sources("plan", models=[config.model_name_or_path])
-            except ValueError as err:  # plan needs only the config: say how to give it
-                raise ValueError(f"{err}, or pass --config PATH/config.json") from None
+        _check_config_source(config.model_name_or_path)
     model_config = load_model_config(config.model_name_or_path, own.get("--config"))
     plan = plan_for_config(
         config, model_config, gpus=gpus, gpu_memory_gb=own.get("--gpu-memory", 80.0), gpus_per_node=per_node

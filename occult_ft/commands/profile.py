@@ -6,6 +6,8 @@ reads the shipped training text here (the evaluation text stays held out for `ev
 
 from __future__ import annotations
 
+import argparse
+
 from ._common import (
     add_model_data_args,
     check_hub_sources,
@@ -36,7 +38,7 @@ def add_parser(sub):
     return p
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..fileio import check_output_path
 
     check_output_path(args.out, args.model, args.data, what="--out")

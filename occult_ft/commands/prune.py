@@ -7,6 +7,8 @@ its tokenizer. Without a budget it is the same function as MODEL; with one, the 
 
 from __future__ import annotations
 
+import argparse
+
 from ._choices import CRITERIA, DEFAULT_CRITERION, GATE_WEIGHT_POLICIES
 from ._common import check_hub_sources, positive_int, quiet_deepspeed_accelerator, standalone
 
@@ -51,7 +53,7 @@ def add_parser(sub):
     return p
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..fileio import check_output_path
 
     check_output_path(args.out, args.model, args.placement, args.profile, what="--out", directory=True)

@@ -8,6 +8,8 @@ distilled from the unpruned model (`--distill-coef`)."""
 
 from __future__ import annotations
 
+import argparse
+
 from ._choices import TASK_INFO
 from ._common import positive_int, quiet_deepspeed_accelerator, standalone
 from .demo import add_settings_args, settings_from_args
@@ -75,7 +77,7 @@ def add_parser(sub):
     return p
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     quiet_deepspeed_accelerator()
     import torch
 

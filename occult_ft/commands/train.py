@@ -28,11 +28,12 @@ Launchers work as with any Trainer script (they set the environment Trainer read
 
 from __future__ import annotations
 
-import difflib
+import argparse
 import os
 import sys
 from pathlib import Path
 
+from ..checks import close_match
 from ._common import check_hub_sources, quiet_deepspeed_accelerator, read_yaml, standalone
 
 __all__ = [
@@ -178,8 +179,8 @@ def split_trainer(argv: list[str]) -> tuple[str, list[str]]:
                 raise ValueError(f"--trainer needs a value: one of {', '.join(TRAINERS)}")
             break
     if trainer not in TRAINERS:
-        close = difflib.get_close_matches(trainer, TRAINERS, n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        close = close_match(trainer, TRAINERS, cutoff=0.5)
+        hint = f"did you mean {close!r}? " if close else ""
         raise ValueError(f"--trainer {trainer!r} is unknown; {hint}choose one of {', '.join(TRAINERS)}")
     return trainer, rest
 
@@ -273,8 +274,8 @@ def _unknown(name: str, names: list[str], where: str) -> ValueError:
         return ValueError(
             f"unknown field {name!r} {where}; it is a TRL SFTConfig field: run with --trainer trl"
         )
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else "; `occult-ft train --help` lists the fields"
+    close = close_match(name, names)
+    hint = f"; did you mean {close!r}?" if close else "; `occult-ft train --help` lists the fields"
     return ValueError(f"unknown field {name!r} {where}{hint}")
 
 
@@ -330,8 +331,8 @@ def split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
             if token.lower().endswith(_RECIPE_SUFFIXES):
                 return token, rest[:i] + rest[i + 1 :]  # load_recipe names the missing file
             names = sorted(shipped_recipes())
-            close = difflib.get_close_matches(token, names, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            close = close_match(token, names)
+            hint = f"did you mean {close!r}? " if close else ""
             raise ValueError(
                 f"{token!r} is neither a recipe file (.yaml/.yml/.json) nor a shipped recipe; {hint}shipped: "
                 f"{', '.join(names) or 'none'}; fields are given as --field value"
@@ -468,7 +469,7 @@ def missing_extras(config) -> list[str]:
     return missing
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     import importlib.util
 
     trainer_name, argv = split_trainer(list(args.argv))

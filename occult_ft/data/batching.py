@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from ..checks import is_int
+from ..models import unwrap_model
 from .loading import IGNORE_INDEX, DataError
 from .tokenize import tokenize_dataset
 
@@ -46,13 +48,10 @@ def pad_token_id(tokenizer=None, model=None) -> int:
     Raises:
         DataError: when none of them is set.
     """
-    config = getattr(model, "config", None)
-    base = getattr(model, "get_base_model", None)  # a PEFT wrapper
-    if base is not None:
-        config = getattr(base(), "config", config)
+    config = getattr(unwrap_model(model), "config", None)
     for owner, name in ((tokenizer, "pad_token_id"), (tokenizer, "eos_token_id"), (config, "pad_token_id")):
         value = getattr(owner, name, None) if owner is not None else None
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_int(value):
             return value
     if tokenizer is not None and model is None:
         raise DataError(
@@ -63,10 +62,7 @@ def pad_token_id(tokenizer=None, model=None) -> int:
 
 def flat_packing(model) -> bool:
     """Whether packed batches for `model` must be one flat row: its attention is a flash-attention kernel."""
-    config = getattr(model, "config", None)
-    base = getattr(model, "get_base_model", None)
-    if base is not None:
-        config = getattr(base(), "config", config)
+    config = getattr(unwrap_model(model), "config", None)
     return "flash" in str(getattr(config, "_attn_implementation", None) or "")
 
 

@@ -1,6 +1,7 @@
 """Loading training data: files, saved datasets, Hub ids and the embedded corpus, as rows of one layout.
 
-Sources `load_text_dataset` accepts:
+Sources `load_text_dataset` accepts (`streaming=True`: a `datasets.IterableDataset`; Hub ids and .jsonl
+files stream from their source, other files are read, then iterated):
 
     "embedded"              the shipped corpus (`split` = train / eval / instructions)
     path/to/file.txt        documents separated by blank lines (or fixed-size character chunks)
@@ -8,9 +9,6 @@ Sources `load_text_dataset` accepts:
     path/to/file.json       a JSON list of objects (or an object holding one such list)
     path/to/saved_dir       a directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`
     owner/name              a Hub dataset id, through `datasets.load_dataset`
-
-With `streaming=True` the result is a `datasets.IterableDataset` read lazily (Hub ids and .jsonl files
-stream from their source; other files are read, then iterated).
 
 Layouts (the columns of the returned rows; `dataset_layout` names them), the shapes TRL users have:
 
@@ -356,40 +354,47 @@ def load_text_dataset(
 
     path = Path(source_str).expanduser()
     if path.is_dir():
-        ds = _load_saved(path, split)
-    elif path.is_file():
-        suffix = path.suffix.lower()
-        if suffix not in _FILE_SUFFIXES:
-            raise DataError(
-                f"data file '{source_str}' has unsupported extension {suffix or '(none)'!r}; "
-                f"use .txt, .jsonl or .json, or convert it with datasets and save_to_disk"
-            )
-        if split not in (None, "train"):
-            raise DataError(
-                f"split={split!r} does not apply to the single file '{source_str}'; pass split=None"
-            )
-        if suffix == ".txt":
-            if text_field not in (None, "text"):
-                raise DataError(
-                    f"text_field={text_field!r} does not apply to the plain-text file '{source_str}'"
-                )
-            docs = _split_documents(read_text(path), chunk_chars)
-            if not docs:
-                raise DataError(f"dataset '{source_str}' is empty (the file holds no text)")
-            ds = Dataset.from_dict({"text": docs})
-            return ds.to_iterable_dataset() if streaming else ds
-        if suffix == ".jsonl" and streaming:
-            return _streamed_jsonl(path, text_field, skip_invalid_rows)
-        rows, unit = (_jsonl_rows(path), "line") if suffix == ".jsonl" else (_json_rows(path), "row")
-        ds = _rows_dataset(path, rows, unit, text_field, skip_invalid_rows)
+        ds = check_rows(_load_saved(path, split), source_str, text_field, skip_invalid_rows)
         return ds.to_iterable_dataset() if streaming else ds
-    elif (
+    if path.is_file():
+        return _load_file(path, source_str, split, text_field, chunk_chars, streaming, skip_invalid_rows)
+    if (
         path.suffix.lower() in _PATH_LIKE_SUFFIXES
         or source_str.startswith((".", "/", "~", "\\"))
         or source_str.count("/") > 1
     ):  # a Hub id is "name" or "owner/name"
         raise DataError(f"data file '{source_str}' does not exist; {_SOURCE_HELP}")
-    else:
-        return check_rows(_load_hub(source_str, split, streaming), source_str, text_field, skip_invalid_rows)
-    ds = check_rows(ds, source_str, text_field, skip_invalid_rows)
+    return check_rows(_load_hub(source_str, split, streaming), source_str, text_field, skip_invalid_rows)
+
+
+def _load_file(
+    path: Path,
+    source_str: str,
+    split: str | None,
+    text_field: str | None,
+    chunk_chars: int | None,
+    streaming: bool,
+    skip_invalid_rows: bool,
+) -> Dataset | IterableDataset:
+    """One .txt / .jsonl / .json file as a dataset (`load_text_dataset`)."""
+    suffix = path.suffix.lower()
+    if suffix not in _FILE_SUFFIXES:
+        raise DataError(
+            f"data file '{source_str}' has unsupported extension {suffix or '(none)'!r}; "
+            f"use .txt, .jsonl or .json, or convert it with datasets and save_to_disk"
+        )
+    if split not in (None, "train"):
+        raise DataError(f"split={split!r} does not apply to the single file '{source_str}'; pass split=None")
+    if suffix == ".txt":
+        if text_field not in (None, "text"):
+            raise DataError(f"text_field={text_field!r} does not apply to the plain-text file '{source_str}'")
+        docs = _split_documents(read_text(path), chunk_chars)
+        if not docs:
+            raise DataError(f"dataset '{source_str}' is empty (the file holds no text)")
+        ds = Dataset.from_dict({"text": docs})
+        return ds.to_iterable_dataset() if streaming else ds
+    if suffix == ".jsonl" and streaming:
+        return _streamed_jsonl(path, text_field, skip_invalid_rows)
+    rows, unit = (_jsonl_rows(path), "line") if suffix == ".jsonl" else (_json_rows(path), "row")
+    ds = _rows_dataset(path, rows, unit, text_field, skip_invalid_rows)
     return ds.to_iterable_dataset() if streaming else ds

@@ -53,7 +53,66 @@ def _kind(value) -> str:
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({shown})"
 
 
-def row_problem(row: dict, layout: str, field: str = "text") -> tuple[str, str] | None:
+_Problem = tuple[str, str] | None
+"""None (the row fits), ("blank", why) or ("invalid", why)."""
+
+
+def _text_problem(row: dict, field: str) -> _Problem:
+    value = row.get(field)
+    if field not in row or value is None:
+        return "invalid", f"has no {field!r} field"
+    if not isinstance(value, str):
+        return "invalid", f"holds {_kind(value)} in {field!r}, not a string"
+    return ("blank", f"{field!r} is blank") if not value.strip() else None
+
+
+def _instruction_problem(row: dict, field: str) -> _Problem:
+    for name in ("instruction", "output"):
+        if row.get(name) is None:
+            return "invalid", f"has no {name!r} field"
+    for name in ("instruction", "output", "input"):
+        value = row.get(name)
+        if value is not None and not isinstance(value, str):
+            return "invalid", f"holds {_kind(value)} in {name!r}, not a string"
+    if not row["instruction"].strip() or not row["output"].strip():
+        return "blank", "its 'instruction' or 'output' is blank"
+    return None
+
+
+def _prompt_problem(row: dict, field: str) -> _Problem:
+    values = [row.get("prompt"), row.get("completion")]
+    for name, value in zip(("prompt", "completion"), values):
+        if value is None:
+            return "invalid", f"has no {name!r} field"
+        if not isinstance(value, str) and not _is_messages(value):
+            return "invalid", f"holds {_kind(value)} in {name!r}, not a string or a list of chat messages"
+    # both strings or both conversations: a prompt of text and a completion of messages has no template
+    if isinstance(values[0], str) != isinstance(values[1], str):
+        return "invalid", "mixes a string and chat messages in 'prompt' and 'completion'"
+    if any((v.strip() == "") if isinstance(v, str) else not v for v in values):
+        return "blank", "its 'prompt' or 'completion' is blank"
+    return None
+
+
+def _messages_problem(row: dict, field: str) -> _Problem:
+    value = row.get("messages")
+    if value is None:
+        return "invalid", "has no 'messages' field"
+    if not _is_messages(value):
+        return "invalid", f"holds {_kind(value)} in 'messages', not a list of {{'role', 'content'}} objects"
+    return ("blank", "'messages' is empty") if not value else None
+
+
+_PROBLEMS = {
+    "text": _text_problem,
+    "instruction": _instruction_problem,
+    "prompt": _prompt_problem,
+    "messages": _messages_problem,
+}
+"""layout -> its row check (`row_problem`)."""
+
+
+def row_problem(row: dict, layout: str, field: str = "text") -> _Problem:
     """What is wrong with `row` read in `layout`: None when it fits, ("blank", why) when it holds
     nothing to learn, ("invalid", why) when it does not fit (`why` names the field).
 
@@ -62,42 +121,7 @@ def row_problem(row: dict, layout: str, field: str = "text") -> tuple[str, str] 
         layout: one of `LAYOUT_FIELDS`.
         field: the text layout's field (`text`, `content` or the `text_field` a user named).
     """
-    if layout == "text":
-        value = row.get(field)
-        if field not in row or value is None:
-            return "invalid", f"has no {field!r} field"
-        if not isinstance(value, str):
-            return "invalid", f"holds {_kind(value)} in {field!r}, not a string"
-        return ("blank", f"{field!r} is blank") if not value.strip() else None
-    if layout == "instruction":
-        for name in ("instruction", "output"):
-            if row.get(name) is None:
-                return "invalid", f"has no {name!r} field"
-        for name in ("instruction", "output", "input"):
-            value = row.get(name)
-            if value is not None and not isinstance(value, str):
-                return "invalid", f"holds {_kind(value)} in {name!r}, not a string"
-        if not row["instruction"].strip() or not row["output"].strip():
-            return "blank", "its 'instruction' or 'output' is blank"
-        return None
-    if layout == "prompt":
-        values = [row.get("prompt"), row.get("completion")]
-        for name, value in zip(("prompt", "completion"), values):
-            if value is None:
-                return "invalid", f"has no {name!r} field"
-            if not isinstance(value, str) and not _is_messages(value):
-                return "invalid", f"holds {_kind(value)} in {name!r}, not a string or a list of chat messages"
-        if isinstance(values[0], str) != isinstance(values[1], str):
-            return "invalid", "mixes a string and chat messages in 'prompt' and 'completion'"
-        if any((v.strip() == "") if isinstance(v, str) else not v for v in values):
-            return "blank", "its 'prompt' or 'completion' is blank"
-        return None
-    value = row.get("messages")
-    if value is None:
-        return "invalid", "has no 'messages' field"
-    if not _is_messages(value):
-        return "invalid", f"holds {_kind(value)} in 'messages', not a list of {{'role', 'content'}} objects"
-    return ("blank", "'messages' is empty") if not value else None
+    return _PROBLEMS.get(layout, _messages_problem)(row, field)
 
 
 def normalise_row(row: dict, layout: str, field: str = "text") -> dict:

@@ -19,14 +19,9 @@ end-of-turn token included).
 Labels are -100 on padding and, with `response_only=True`, on every prompt token, so the loss covers
 the responses only.
 
-Packing (`packing=True`):
-    text rows           the documents, each followed by eos, are concatenated and cut into full
-                        `seq_len` blocks (attention crosses documents, as in pre-training).
-    example rows        (instruction, prompt/completion, messages) are grouped into rows of at most
-                        `seq_len` tokens by best-fit decreasing over chunks of 1000 examples; each row
-                        carries `position_ids` that restart at 0 for every example, which is what keeps
-                        examples apart in attention (see `occult_ft.data.batching`). The first label of
-                        every example is -100, so no example learns to predict the next one's start.
+Packing (`packing=True`): text rows are concatenated (eos after each) and cut into full `seq_len`
+blocks, as in pre-training; example rows are grouped by best-fit decreasing (`pack_examples`, see
+`_pack_rows` for what keeps them apart).
 """
 
 from __future__ import annotations
@@ -195,6 +190,10 @@ def pack_examples(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+# Example rows (instruction, prompt/completion, messages) are grouped into rows of at most `seq_len`
+# tokens over chunks of PACKING_CHUNK examples. Each row carries `position_ids` that restart at 0 for every
+# example, which is what keeps examples apart in attention (`occult_ft.data.batching`); the first label
+# of every example is -100, so no example learns to predict the next one's start.
 def _pack_rows(examples: list[tuple[list, list]], seq_len: int) -> dict[str, list]:
     rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
     for members in pack_examples([len(ids) for ids, _ in examples], seq_len):
@@ -273,40 +272,70 @@ def tokenize_dataset(
         return ds
     ds = check_rows(ds, name, text_field, skip_invalid_rows)  # every row fits the layout, or is counted
     columns = dataset_columns(ds)
-    streamed = isinstance(ds, IterableDataset)
-    extra = {} if streamed else {"num_proc": num_proc}
+    extra = {} if isinstance(ds, IterableDataset) else {"num_proc": num_proc}
     if layout == "text":
-        if "text" not in columns:  # a `content` column straight from the user
-            ds = ds.rename_column("content", "text")
-            columns = ["text" if c == "content" else c for c in columns]
-        if packing is None or packing:
+        return _tokenize_text(ds, columns, tokenizer, (eos, pad), seq_len, packing is None or packing, extra)
+    return _tokenize_examples(
+        ds, columns, layout, tokenizer, (eos, pad), seq_len, bool(packing), response_only, extra
+    )
 
-            def pack(batch):
-                stream = [t for ids in _encode(tokenizer, batch["text"], eos, True) for t in ids + [eos]]
-                blocks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
-                return {
-                    "input_ids": blocks,
-                    "attention_mask": [[1] * seq_len for _ in blocks],
-                    "labels": [list(b) for b in blocks],
-                }
 
-            out = ds.map(pack, batched=True, batch_size=PACKING_CHUNK, remove_columns=columns, **extra)
-            if not streamed and len(out) == 0:
-                raise DataError(
-                    f"the text of this dataset is shorter than one block of seq_len={seq_len} tokens; "
-                    "lower seq_len, add text or pass packing=False"
-                )
-            return out
+def _tokenize_text(
+    ds, columns: list[str], tokenizer, specials: tuple[int, int], seq_len: int, packing: bool, extra: dict
+):
+    """Text rows: packed into full `seq_len` blocks of the document stream, or one padded example per
+    document (`tokenize_dataset`)."""
+    from datasets import IterableDataset
 
-        def one_per_doc(batch):
-            rows = [
-                _pad(ids + [eos], ids + [eos], seq_len, pad)
-                for ids in _encode(tokenizer, batch["text"], eos, True)
-            ]
-            return {key: [row[key] for row in rows] for key in _KEYS}
+    eos, pad = specials
+    if "text" not in columns:  # a `content` column straight from the user
+        ds = ds.rename_column("content", "text")
+        columns = ["text" if c == "content" else c for c in columns]
+    if packing:
 
-        return ds.map(one_per_doc, batched=True, remove_columns=columns, **extra)
+        def pack(batch):
+            stream = [t for ids in _encode(tokenizer, batch["text"], eos, True) for t in ids + [eos]]
+            blocks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+            return {
+                "input_ids": blocks,
+                "attention_mask": [[1] * seq_len for _ in blocks],
+                "labels": [list(b) for b in blocks],
+            }
 
+        out = ds.map(pack, batched=True, batch_size=PACKING_CHUNK, remove_columns=columns, **extra)
+        if not isinstance(out, IterableDataset) and len(out) == 0:
+            raise DataError(
+                f"the text of this dataset is shorter than one block of seq_len={seq_len} tokens; "
+                "lower seq_len, add text or pass packing=False"
+            )
+        return out
+
+    def one_per_doc(batch):
+        rows = [
+            _pad(ids + [eos], ids + [eos], seq_len, pad)
+            for ids in _encode(tokenizer, batch["text"], eos, True)
+        ]
+        return {key: [row[key] for row in rows] for key in _KEYS}
+
+    return ds.map(one_per_doc, batched=True, remove_columns=columns, **extra)
+
+
+def _tokenize_examples(
+    ds,
+    columns: list[str],
+    layout: str,
+    tokenizer,
+    specials: tuple[int, int],
+    seq_len: int,
+    packing: bool,
+    response_only: bool,
+    extra: dict,
+):
+    """Instruction, prompt and messages rows: one example per row, labels -100 on the prompt when
+    `response_only`, padded or packed (`tokenize_dataset`)."""
+    from datasets import IterableDataset
+
+    eos, pad = specials
     if layout == "messages":
         _check_chat_template(tokenizer)
 
@@ -322,7 +351,7 @@ def tokenize_dataset(
         return {key: [row[key] for row in rows] for key in _KEYS}
 
     out = ds.map(examples, batched=True, batch_size=PACKING_CHUNK, remove_columns=columns, **extra)
-    if not streamed and len(out) == 0:
+    if not isinstance(out, IterableDataset) and len(out) == 0:
         raise DataError(
             f"every prompt fills seq_len={seq_len} tokens, leaving no response to train on; raise seq_len"
         )

@@ -1,21 +1,13 @@
 """The exchange primitive: uneven all-to-all of row blocks, with an autograd rule.
 
-Row-block exchange is all the de-duplicated dispatch needs: rank i sends rows [o_j, o_j + send[j])
-of its buffer to rank j, and receives recv[j] rows from rank j, concatenated in rank order. The
-backward of such an exchange is the same exchange with the split sizes swapped (gradients of the
-received rows go back to the ranks that sent them), so `all_to_all_rows` is a small
-`torch.autograd.Function` around `torch.distributed.all_to_all_single` with explicit split sizes.
-(gloo handles uneven splits, zeros included, with the flat `all_to_all_single`; its list form
-`all_to_all` does not. `torch.distributed._functional_collectives.all_to_all_single_autograd` does
-the same but is private API, so we keep our own few lines.)
+    group_size_and_rank   (D, rank) of a group, (1, 0) without torch.distributed
+    exchange_meta         equal-split all-to-all of the (D, C) count table
+    start_exchange        row blocks of several tensors, asynchronous (`PendingRows.wait()` joins)
+    exchange_rows         the same, waited for (no autograd)
+    all_to_all_rows       the same, differentiable: the backward is the reverse exchange
 
-Several tensors with the same row count travel together: tensors of one dtype are packed side by
-side as columns of one buffer (hidden rows and fp32 gate weights in fp32 training: one collective
-per direction); each further dtype costs one more collective. Split sizes are Python ints taken from
-the layout, so no collective waits on a device-to-host copy.
-
-All ranks of the group must call these functions in the same order with the same list of dtypes
-and the same `requires_grad` pattern (true for replicas of one model running the same code).
+All ranks of the group must call these in the same order with the same list of dtypes and the same
+`requires_grad` pattern (true for replicas of one model running the same code).
 
 Shape legend:
     S  rows this rank sends     R  rows this rank receives     C  columns (trailing dims flattened)
@@ -32,7 +24,6 @@ import torch.distributed as dist
 
 __all__ = [
     "group_size_and_rank",
-    "exchange_counts",
     "exchange_meta",
     "exchange_rows",
     "all_to_all_rows",
@@ -46,18 +37,6 @@ def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
-
-
-def exchange_counts(send_counts_D: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[int, ...]:
-    """Tell every rank how many rows it will receive: returns recv[j] = rows rank j sends to us."""
-    world, _ = group_size_and_rank(group)
-    if world == 1:
-        return tuple(int(c) for c in send_counts_D.tolist())
-    if send_counts_D.numel() != world:
-        raise ValueError(f"send_counts has {send_counts_D.numel()} entries for a group of {world} ranks")
-    recv_D = torch.empty_like(send_counts_D)
-    dist.all_to_all_single(recv_D, send_counts_D.contiguous(), group=group)
-    return tuple(int(c) for c in recv_D.tolist())
 
 
 def exchange_meta(meta_DC: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -76,9 +55,12 @@ def exchange_meta(meta_DC: torch.Tensor, group: dist.ProcessGroup | None) -> tor
 def _split_kwargs(send_splits: Sequence[int], recv_splits: Sequence[int]) -> dict:
     """Split sizes for `all_to_all_single`; none when every block has the same size (the capacity-bounded
     exchange): the backend then runs its plain all-to-all instead of the uneven variant."""
+    # uneven splits need the size lists; equal ones let the backend take its plain (faster) path
     sizes = set(send_splits) | set(recv_splits)
     if len(sizes) == 1:
         return {}
+    # Split sizes are Python ints from the layout: no collective waits on a device-to-host copy.
+    # gloo handles uneven splits, zeros included, in this flat form; its list form `all_to_all` does not.
     return {"output_split_sizes": list(recv_splits), "input_split_sizes": list(send_splits)}
 
 
@@ -94,7 +76,10 @@ def _packed(
             )
         by_dtype.setdefault(t.dtype, []).append(i)
     out = []
+    # One collective per dtype: e.g. (S, H) hidden rows and (S, K) fp32 weights in fp32 training become
+    # one (S, H + K) buffer; row s of every member travels to the same rank, so columns can share it.
     for members in by_dtype.values():
+        # (S, ...) -> (S, prod(trailing)): a row's columns stay together, so row s of each member goes alike
         cols = [tensors[i].reshape(num_send, math.prod(tensors[i].shape[1:])) for i in members]
         send_SC = torch.cat(cols, dim=1).contiguous() if len(cols) > 1 else cols[0].contiguous()
         out.append((members, [c.shape[1] for c in cols], send_SC))
@@ -113,6 +98,7 @@ class PendingRows:
         for work, (members, widths, recv_RC) in zip(self._works, self._parts):
             if work is not None:
                 work.wait()
+            # unpack the columns back into the members, each with its own trailing shape
             for i, piece in zip(members, recv_RC.split(widths, dim=1)):
                 out[i] = piece.reshape(self._num_recv, *self._shapes[i])
         return out  # type: ignore[return-value]
@@ -124,17 +110,20 @@ def start_exchange(
     recv_splits: Sequence[int],
     group: dist.ProcessGroup | None,
 ) -> PendingRows:
-    """`exchange_rows` issued asynchronously (`async_op=True`; no autograd): the collectives run on the
-    process group's own worker (gloo) or stream (NCCL) while the caller computes; `wait()` joins them.
-    Collectives on one group complete in the order they were issued."""
+    """Send rows [o_j, o_j + send_splits[j]) of each (S, ...) tensor to rank j and receive recv_splits[j]
+    rows from rank j, concatenated in rank order, asynchronously (`async_op=True`; no autograd).
+
+    The collectives run on the process group's own worker (gloo) or stream (NCCL) while the caller
+    computes; `wait()` joins them. Collectives on one group complete in the order they were issued."""
     world, _ = group_size_and_rank(group)
     num_send, num_recv = sum(send_splits), sum(recv_splits)
     shapes = [tuple(t.shape[1:]) for t in tensors]
-    if world == 1:
-        parts = [(members, widths, send_SC) for members, widths, send_SC in _packed(tensors, num_send)]
+    if world == 1:  # the rows stay here: the packed send buffers are the received ones
+        parts = _packed(tensors, num_send)
         return PendingRows([None] * len(parts), parts, shapes, num_recv, len(tensors))
     works, parts = [], []
     for members, widths, send_SC in _packed(tensors, num_send):
+        # one receive buffer per dtype: R rows of the members' columns side by side, unpacked in wait()
         recv_RC = send_SC.new_empty(num_recv, sum(widths))
         works.append(
             dist.all_to_all_single(
@@ -151,36 +140,28 @@ def exchange_rows(
     recv_splits: Sequence[int],
     group: dist.ProcessGroup | None,
 ) -> list[torch.Tensor]:
-    """Exchange row blocks of several (S, ...) tensors (no autograd). Returns (R, ...) tensors.
-
-    Tensors of one dtype are packed as columns of one buffer and exchanged with one
-    `all_to_all_single`; the results keep each input's dtype and trailing shape.
-    """
+    """`start_exchange`, waited for: (R, ...) tensors in each input's dtype and trailing shape."""
     world, _ = group_size_and_rank(group)
     if world == 1:
         return list(tensors)
-    num_send, num_recv = sum(send_splits), sum(recv_splits)
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    for members, widths, send_SC in _packed(tensors, num_send):
-        recv_RC = send_SC.new_empty(num_recv, sum(widths))
-        dist.all_to_all_single(recv_RC, send_SC, **_split_kwargs(send_splits, recv_splits), group=group)
-        for i, piece in zip(members, recv_RC.split(widths, dim=1)):
-            out[i] = piece.contiguous().reshape(num_recv, *tensors[i].shape[1:])
-    return out  # type: ignore[return-value]
+    # the unpacked columns are strided views of the packed buffer: give each its own storage
+    return [t.contiguous() for t in start_exchange(tensors, send_splits, recv_splits, group).wait()]
 
 
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, send_splits, recv_splits, group, *tensors):
         ctx.send_splits, ctx.recv_splits, ctx.group = tuple(send_splits), tuple(recv_splits), group
-        ctx.shapes = [t.shape for t in tensors]
         ctx.dtypes = [t.dtype for t in tensors]
         return tuple(exchange_rows(tensors, send_splits, recv_splits, group))
 
     @staticmethod
     def backward(ctx, *grads):
-        # Reverse exchange, reusing the forward's split sizes (the layout): only for inputs that need
-        # a gradient; that pattern is the same on every rank, so the collectives still pair up.
+        # Received row r came from some rank's sent row s; its gradient goes back the same way: the
+        # reverse exchange with the splits swapped (no new counts, no host read). Only inputs that
+        # need a gradient travel; that pattern is the same on every rank, so the collectives pair up.
+        # Gradients are cast to the input's dtype so that dtype packing matches on every rank.
+        # forward's inputs are (send_splits, recv_splits, group, *tensors): tensor i is input 3 + i
         wanted = [i for i in range(len(grads)) if ctx.needs_input_grad[3 + i]]
         moved = exchange_rows(
             [grads[i].contiguous().to(ctx.dtypes[i]) for i in wanted],
@@ -191,7 +172,7 @@ class _AllToAllRows(torch.autograd.Function):
         result: list[torch.Tensor | None] = [None] * len(grads)
         for i, g in zip(wanted, moved):
             result[i] = g
-        return (None, None, None, *result)
+        return (None, None, None, *result)  # no gradient for the splits and the group
 
 
 def all_to_all_rows(

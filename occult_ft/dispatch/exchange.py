@@ -1,34 +1,13 @@
 """The exchange contract of an expert-parallel MoE layer, and its one-stage exchanges.
 
-Every exchange has the same two calls, joined by an immutable handle (as Megatron's token dispatchers,
-torchtitan's and DeepEP's do), and `moe_forward` runs any of them around the local experts:
+    Exchange           dispatch / combine joined by an immutable handle; `pipelinable` capability
+    ReceivedRows       the handle of a one-stage dispatch (what this rank sent and received)
+    FlatExchange       de-duplicated: one row per (token, device), exact or capacity-bounded
+    PerExpertExchange  one row per (token, expert), sorted by expert (for side-by-side measurement)
+    moe_forward        dispatch, local experts, combine: one layer through any exchange
+    read_counts / send_rows / return_rows   the steps the exchanges (and the pipeline) share
 
-    recv_x_RH, recv_weights_RJ, handle = exchange.dispatch(hidden_TH, topk_ids_TK, weights_TK)
-    out_RH = local_experts_forward(recv_x_RH, handle.recv_local_ids_RJ, recv_weights_RJ, experts,
-                                   counts=handle.expert_counts)
-    out_TH = exchange.combine(out_RH, handle)
-
-* `FlatExchange`: the de-duplicated all-to-all of Occult (mechanism 1). **A token is sent once per
-  device however many of its experts live there**; the receiving device sums the outputs of the token's
-  local experts, so one row also comes back. Rows per token = C_T, against K for per-expert dispatch.
-* `PerExpertExchange`: one row per (token, expert), what transformers' native EP, DeepSpeed AutoEP,
-  Tutel and MegaBlocks send; exact like the others, so that a training step can be measured both ways.
-* `TwoStageExchange` (`two_stage.py`): once per node across nodes, then fanned out inside the node.
-
-One host synchronisation per layer (exact mode). The rows a rank sends are planned on the device
-(`layout.dedup_plan`); one equal-split all-to-all of a small (D, P + 2) int64 table tells every rank
-how many rows it receives from each rank, how many (row, slot) pairs each of its P experts gets, and
-whether any rank saw an out-of-range id; the one `.tolist()` of the layer reads the sent and received
-tables together, so the row exchange, the local grouped matmuls (given `expert_counts`) and the
-backward pass need no further read. With `capacity=C` (`FlatExchange`) the layer needs none: every
-rank sends C rows to every rank (padded, equal splits), the local experts find their blocks on the
-device, and C >= tokens per rank is a proven bound (a token is sent at most once per device), checked
-on the host before anything is sent; ids outside [0, E) stop the run with a device-side assertion.
-
-Collectives per layer (exact): forward 1 (counts) + 1 (rows with their gate weights and local ids as
-extra columns; +1 for ids not exact in the hidden dtype, +1 for weights of another dtype) + 1 (combine);
-backward 2, reusing the forward's split sizes. Capacity mode: the same without the count exchange.
-Every rank of the group must call the layer (same layers, same order), also without tokens.
+How the exchanges work, their host reads and collectives per layer: docs/expert-parallel.md.
 
 Shape legend:
     T  tokens on this rank    K  experts per token    H  hidden size    E  experts    D  devices
@@ -48,8 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layout import ExpertLayout
-from .comm import all_to_all_rows, exchange_counts, exchange_meta, exchange_rows, group_size_and_rank
-from .layout import (
+from .comm import all_to_all_rows, exchange_meta, exchange_rows, group_size_and_rank
+from .local import local_experts_forward, num_local_experts
+from .plan import (
     DispatchLayout,
     RowPlan,
     capacity_layout,
@@ -58,7 +38,6 @@ from .layout import (
     per_expert_plan,
     raise_bad_ids,
 )
-from .local import local_experts_forward, num_local_experts
 
 __all__ = [
     "Exchange",
@@ -67,10 +46,8 @@ __all__ = [
     "FlatExchange",
     "PerExpertExchange",
     "moe_forward",
-    "dedup_moe_forward",
-    "dispatch",
-    "combine",
     "read_counts",
+    "largest_exact_integer",
     "check_hidden",
     "send_rows",
     "return_rows",
@@ -94,7 +71,7 @@ class ReceivedRows:
     Attributes:
         layout: this rank's `DispatchLayout` (what it sent).
         recv_splits: rows received from each rank, rank order (Python ints; sum R).
-        recv_local_ids_RK: (R, J) int64 local expert id per received row and slot, `LOCAL_SENTINEL`
+        recv_local_ids_RJ: (R, J) int64 local expert id per received row and slot, `LOCAL_SENTINEL`
             (-1) for slots whose expert lives on another device (and for pad rows).
         expert_counts: (P,) live (row, slot) pairs per local expert among the received rows, Python
             ints; "device" when they were never read on the host (capacity mode); None when unknown.
@@ -102,16 +79,12 @@ class ReceivedRows:
 
     layout: DispatchLayout
     recv_splits: tuple[int, ...]
-    recv_local_ids_RK: torch.Tensor
+    recv_local_ids_RJ: torch.Tensor
     expert_counts: tuple[int, ...] | str | None = None
 
     @property
     def rows_received(self) -> int:
         return sum(self.recv_splits)
-
-    @property
-    def recv_local_ids_RJ(self) -> torch.Tensor:
-        return self.recv_local_ids_RK
 
     @property
     def rows_sent(self) -> int:
@@ -160,6 +133,16 @@ class Exchange(ABC):
         """Bring each row's result home and sum a token's rows. Returns (T, H) in `out_dtype`
         (default out_RH's), accumulated in at least fp32."""
 
+    @property
+    def pipelinable(self) -> bool:
+        """Whether `pipelined_moe_forward` can run it in chunks: one stage with exact counts, so that
+        `plan` gives each chunk's rows and one count exchange serves all chunks."""
+        return False
+
+    def plan(self, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> RowPlan:
+        """The size-free row plan of this rank's tokens (exchanges with `pipelinable` only)."""
+        raise NotImplementedError(f"the {self.name} exchange has no one-stage row plan")
+
 
 def check_hidden(hidden_TH: torch.Tensor, topk_ids_TK: torch.Tensor) -> None:
     if hidden_TH.dim() != 2:
@@ -178,34 +161,40 @@ def read_counts(
     `recv_meta_DC` is the exchanged metadata of all `plans` side by side ((D, n * (P + 2)) for n
     plans). Raises the same one-line ValueError on every rank when any rank saw ids outside [0, E).
     """
-    d = plans[0].layout.num_devices
-    width = plans[0].meta_DC.shape[1]
+    experts = plans[0].layout
+    # the plans' tables side by side: n plans -> (D, n * C), in the column order they were exchanged
     sent = torch.cat([p.meta_DC for p in plans], dim=1)
-    flat = torch.cat([sent.reshape(-1), recv_meta_DC.reshape(-1)]).tolist()  # the one sync
-    half = d * width * len(plans)
-    sent_rows = [flat[i * width * len(plans) : (i + 1) * width * len(plans)] for i in range(d)]
-    recv_rows = [flat[half + i * width * len(plans) : half + (i + 1) * width * len(plans)] for i in range(d)]
+    # Both tables are (D, n * C): row d of `sent` is what this rank tells destination d, row d of
+    # `recv` what source rank d told us. One .tolist() of both is the layer's only host read.
+    sent_rows, recv_rows = torch.stack([sent, recv_meta_DC.reshape(sent.shape)]).tolist()
+    width = plans[0].meta_DC.shape[1]  # C = P + 2 columns per plan: [rows, P expert pairs, bad ids]
     sends, recvs, counts = [], [], []
     for c, plan in enumerate(plans):
-        lo = c * width
-        if any(row[lo + width - 1] for row in recv_rows) or sent_rows[0][lo + width - 1]:
-            if sent_rows[0][lo + width - 1]:
-                raise_bad_ids(plan.topk_ids_TK, plan.layout.num_experts, plan.sentinel_in)
-            bad = [j for j, row in enumerate(recv_rows) if row[lo + width - 1]]
+        rows, bad = c * width, c * width + width - 1  # this plan's first and last column
+        # Every rank sees every rank's bad-id count (it rides in each row), so all raise together:
+        # the rank that holds the bad ids names them, the others point at it.
+        if sent_rows[0][bad] or any(row[bad] for row in recv_rows):
+            if sent_rows[0][bad]:
+                raise_bad_ids(plan.topk_ids_TK, experts.num_experts, plan.sentinel_in)
+            ranks = [j for j, row in enumerate(recv_rows) if row[bad]]
             raise ValueError(
-                f"ranks {bad} routed tokens to expert ids outside [0, num_experts={plan.layout.num_experts}); "
+                f"ranks {ranks} routed tokens to expert ids outside [0, num_experts={experts.num_experts}); "
                 "see the error on those ranks"
             )
-        sends.append(tuple(int(row[lo]) for row in sent_rows))
-        recvs.append(tuple(int(row[lo]) for row in recv_rows))
-        counts.append(tuple(int(sum(row[lo + 1 + e] for row in recv_rows)) for e in range(width - 2)))
+        # column `rows` of row j: rows this rank sends to rank j (sent) / receives from rank j (recv)
+        sends.append(tuple(int(row[rows]) for row in sent_rows))
+        recvs.append(tuple(int(row[rows]) for row in recv_rows))
+        # Pairs for local expert j: column rows + 1 + j of what each source rank sent us, summed.
+        counts.append(tuple(int(sum(row[rows + 1 + j] for row in recv_rows)) for j in range(width - 2)))
     return sends, recvs, counts
 
 
-def _largest_exact_integer(dtype: torch.dtype) -> int:
+def largest_exact_integer(dtype: torch.dtype) -> int:
     """Largest n such that every integer in [-n, n] is exact in `dtype` (0 for non-float dtypes)."""
     if not dtype.is_floating_point:
         return 0
+    # eps = 2^-m for m stored mantissa bits; with the implicit leading bit every integer up to 2^(m+1)
+    # is exact: 256 in bf16 (m = 7), 2048 in fp16, 2^24 in fp32.
     mantissa_bits = round(-math.log2(torch.finfo(dtype).eps))
     return 2 ** (mantissa_bits + 1)
 
@@ -216,23 +205,27 @@ def send_rows(
     recv_splits: tuple[int, ...],
     group: dist.ProcessGroup | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The row exchange of a dispatch (differentiable): (recv_x_RH, recv_weights_RJ, recv_local_ids_RJ).
-
-    Local ids ride as extra columns of the hidden rows when they are exact in its dtype (up to 256
-    experts per device in bf16), saving a collective; pad rows (token index T) are zero rows."""
-    if layout.padded:
+    """The row exchange of a dispatch (differentiable): (recv_x_RH, recv_weights_RJ, recv_local_ids_RJ)."""
+    if layout.padded:  # pad rows hold token index T: give them a zero row to gather
         source_TH = torch.cat([hidden_TH, hidden_TH.new_zeros(1, hidden_TH.shape[1])])
     else:
         source_TH = hidden_TH
+    # row s = token send_token_idx_S[s]; rows are already grouped by destination, as the splits expect
     send_x_SH = source_TH[layout.send_token_idx_S]
-    if layout.experts_per_device <= _largest_exact_integer(send_x_SH.dtype):
+    # Bit-packing: the local ids (in [-1, P)) ride as J extra columns of the hidden rows, cast to the
+    # hidden dtype, so rows, weights (when of the same dtype) and ids go in one collective
+    # (`all_to_all_rows` packs same-dtype tensors side by side). The cast is lossless only while every
+    # id is an exact float there: P <= 256 in bf16. Beyond that the ids take a collective of their own.
+    if layout.experts_per_device <= largest_exact_integer(send_x_SH.dtype):
         recv_x_RH, recv_weights_RJ, recv_ids_RJ = all_to_all_rows(
             [send_x_SH, layout.send_weights_SK, layout.send_local_ids_SK.to(send_x_SH.dtype)],
             layout.send_splits,
             recv_splits,
             group,
         )
+        # exact floats round-trip exactly; round() only guards the conversion back to int64
         return recv_x_RH, recv_weights_RJ, recv_ids_RJ.round().long()
+    # int64 ids need no gradient: the plain exchange, outside autograd
     (recv_ids_RJ,) = exchange_rows([layout.send_local_ids_SK], layout.send_splits, recv_splits, group)
     recv_x_RH, recv_weights_RJ = all_to_all_rows(
         [send_x_SH, layout.send_weights_SK], layout.send_splits, recv_splits, group
@@ -248,10 +241,13 @@ def return_rows(
 ) -> torch.Tensor:
     """The combine of a one-stage exchange: reverse exchange, then a sum per token in at least fp32."""
     layout = received.layout
+    # The reverse exchange: the splits swap roles, so row s comes back to where it left (position s).
     (back_SH,) = all_to_all_rows([out_RH], received.recv_splits, layout.send_splits, group)
+    # A token's rows (one per device it reached) are summed in at least fp32, then rounded once.
     acc_dtype = torch.promote_types(back_SH.dtype, torch.float32)
     rows = layout.num_tokens + (1 if layout.padded else 0)  # pad rows land on a spare row T
     out_TH = back_SH.new_zeros(rows, back_SH.shape[-1], dtype=acc_dtype)
+    # backward of the per-token sum: each returned row gets its token's gradient (a gather by index)
     out_TH = out_TH.index_add(0, layout.send_token_idx_S, back_SH.to(acc_dtype))
     return out_TH[: layout.num_tokens].to(out_dtype or out_RH.dtype)
 
@@ -279,6 +275,11 @@ class FlatExchange(Exchange):
             raise ValueError(f"capacity={capacity!r} must be a positive number of rows per device, or None")
         self.capacity = capacity
 
+    @property
+    def pipelinable(self) -> bool:
+        # padded buffers need no host read to hide, and their pads do not split into chunks
+        return self.capacity is None
+
     def plan(self, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> RowPlan:
         return dedup_plan(topk_ids_TK, weights_TK, self.layout, self.rank)
 
@@ -286,12 +287,17 @@ class FlatExchange(Exchange):
         check_hidden(hidden_TH, topk_ids_TK)
         plan = self.plan(topk_ids_TK, weights_TK)
         if self.capacity is not None:
+            # No host read at all: every block is C rows (C >= T is checked in capacity_layout), and the
+            # local experts find their per-expert blocks on the device ("device" counts).
             layout = capacity_layout(plan, self.capacity)
             # ids outside [0, E) would be sent nowhere: stop the run on the device, no host read
             torch._assert_async(plan.meta_DC[0, -1] == 0, "topk_ids hold expert ids outside [0, num_experts)")
+            # every rank sends C rows to every rank, so the receive splits are known without a count exchange
             recv_splits = (self.capacity,) * self.layout.num_devices
             counts: tuple[int, ...] | str = "device"
         else:
+            # Exact: one equal-split all-to-all of the (D, P + 2) count table, one host read of it;
+            # the row exchange, the grouped matmuls and the backward then reuse these ints.
             sends, recvs, all_counts = read_counts([plan], exchange_meta(plan.meta_DC, self.group))
             layout = layout_from_plan(plan, sends[0])
             recv_splits, counts = recvs[0], all_counts[0]
@@ -347,71 +353,3 @@ def moe_forward(
         recv_x_RH, handle.recv_local_ids_RJ, recv_w_RJ, experts, backend, counts=handle.expert_counts
     )
     return exchange.combine(out_RH, handle, out_dtype=hidden_TH.dtype)
-
-
-def dedup_moe_forward(
-    hidden_TH: torch.Tensor,
-    topk_ids_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
-    local_experts_module: nn.Module,
-    group: dist.ProcessGroup | None = None,
-    *,
-    num_experts: int | None = None,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """One expert-parallel MoE layer with the de-duplicated all-to-all (`FlatExchange`).
-
-    Args:
-        hidden_TH: (T, H) this rank's tokens (T may be 0).
-        topk_ids_TK: (T, K) int *global* expert ids in [0, E).
-        weights_TK: (T, K) gate weights (the router's output; receives gradients).
-        local_experts_module: a transformers fused experts module holding this rank's P = E / D
-            contiguous experts [rank * P, (rank + 1) * P) (see `shard_experts`).
-        group: expert-parallel group of D ranks (None: default group, or D = 1 without
-            torch.distributed).
-        num_experts: E, to cross-check against P * D (default: P * D).
-        backend: grouped matmul backend of the local compute ("auto", "grouped_mm", "loop").
-
-    Returns:
-        out_TH: (T, H) in hidden_TH.dtype, equal to the unsharded layer on this rank's tokens. The rows
-        it sent are `FlatExchange.dispatch`'s handle's business: use the exchange to see them.
-    """
-    num_devices, _ = group_size_and_rank(group)
-    per_device = num_local_experts(local_experts_module)
-    if num_experts is not None and num_experts != per_device * num_devices:
-        raise ValueError(
-            f"num_experts={num_experts} but the module holds {per_device} experts on each of "
-            f"{num_devices} devices ({per_device * num_devices}); shard with shard_experts(model, group)"
-        )
-    exchange = FlatExchange(ExpertLayout(per_device * num_devices, num_devices), group)
-    return moe_forward(hidden_TH, topk_ids_TK, weights_TK, local_experts_module, exchange, backend)
-
-
-def dispatch(
-    hidden_TH: torch.Tensor, layout: DispatchLayout, group: dist.ProcessGroup | None = None
-) -> tuple[torch.Tensor, torch.Tensor, ReceivedRows]:
-    """The flat exchange's dispatch for a layout built beforehand (`compute_layout`): a count exchange
-    (its own host read), then the rows. `FlatExchange.dispatch` folds both reads into one.
-
-    Returns:
-        recv_x_RH: (R, H) received rows, grouped by source rank (differentiable).
-        recv_weights_RK: (R, K) their gate weights, 0 at sentinel slots (differentiable).
-        received: the `ReceivedRows` handle for `combine`.
-    """
-    if hidden_TH.shape[0] != layout.num_tokens:
-        raise ValueError(
-            f"hidden has {hidden_TH.shape[0]} tokens; the layout was built for {layout.num_tokens}"
-        )
-    recv_splits = exchange_counts(layout.send_counts_D, group)
-    recv_x_RH, recv_w_RK, recv_ids_RK = send_rows(hidden_TH, layout, recv_splits, group)
-    return recv_x_RH, recv_w_RK, ReceivedRows(layout, recv_splits, recv_ids_RK)
-
-
-def combine(
-    out_RH: torch.Tensor,
-    received: ReceivedRows,
-    group: dist.ProcessGroup | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Return each received row to the rank it came from and sum a token's rows over devices (T, H)."""
-    return return_rows(out_RH, received, group, out_dtype)

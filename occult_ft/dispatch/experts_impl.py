@@ -1,34 +1,11 @@
 """Expert parallelism inside a stock transformers model: the "occult_ep" experts implementation.
 
-transformers 5.x routes every fused experts module through `ALL_EXPERTS_FUNCTIONS`
-(`@use_experts_implementation`); the kernel is chosen by `config._experts_implementation`, set with
-`model.set_experts_implementation(name)`. We register `occult_ep_experts_forward` under
-`EXPERTS_IMPLEMENTATION = "occult_ep"`: it runs `moe_forward` through the exchange its `ExpertShard`
-record names (`exchange_for`): by default the de-duplicated all-to-all in which **a token is sent once
-per device however many of its experts live there** (`FlatExchange`, also in its capacity-bounded mode);
-`exchange="per_expert"` sends one row per (token, expert) instead (`PerExpertExchange`, for side-by-side
-measurement); `exchange="two_stage"` with `nodes=N` > 1 the two-stage exchange (`two_stage.py`: a token
-crosses the network once per node, then fans out inside the node); `chunks` > 1 pipelines the layer's
-tokens in chunks so that the exchange overlaps the local experts (`pipeline.py`). Results are the same
-in every case. `configure_exchange(model, ...)` changes these settings on a sharded model.
+    ExpertShard / check_exchange_settings   the record `shard_experts` leaves on an experts module
+    exchange_for / occult_ep_experts_forward   the kernel: `moe_forward` through the record's exchange
+    shard_experts[_module] / configure_exchange   cut the experts to this rank's block, change settings
+    gather_experts[_state_dict] / expert_shard_parameters   undo, save, find the shards
 
-`shard_experts(model, group)` turns a replicated model into an expert-parallel one: in every MoE
-layer (`occult_ft.models.find_moe_layers`) the fused expert tensors (`arch.expert_params`, dim 0 =
-expert) are cut to this rank's contiguous block [rank * P, (rank + 1) * P), P = E / D. Everything
-else (attention, embeddings, routers, shared experts) stays replicated, and each rank feeds its own
-batch. Expert-shard parameters are new `nn.Parameter`s marked `param.occult_expert_shard = True`:
-
-* their gradients are complete on their rank (they already sum the contributions of every rank's
-  tokens through the reverse all-to-all), so a data-parallel trainer must NOT all-reduce them across
-  the expert-parallel group; replicated parameters are all-reduced as usual. With per-rank mean
-  losses averaged over D ranks, scale the expert-shard gradients by 1 / D too;
-* build the optimizer after sharding (the shards are new parameter objects).
-
-`gather_experts_state_dict` / `gather_experts` all-gather the shards back into the standard fused
-layout, so `save_pretrained` writes an ordinary HF checkpoint.
-
-A LoRA model (PEFT `target_parameters` on the fused tensors) wraps the experts module in `ParamWrapper`s;
-`occult_ft.models.base_experts` finds the wrapped transformers module, which is what gets sharded.
+What sharding means for gradients, optimizers and checkpoints: docs/expert-parallel.md.
 
 Shape legend: E experts of a layer, D devices (expert-parallel size), P = E / D experts per device.
 """
@@ -138,7 +115,10 @@ def exchange_for(shard: ExpertShard) -> Exchange:
     """The `Exchange` a shard record names (built per call: it is a few attribute reads)."""
     layout = shard.layout
     if shard.exchange == "two_stage":
-        return TwoStageExchange(layout, node_groups(shard.nodes, shard.group))
+        # two_stage keeps the node count: its layout is E experts on N nodes of D / N devices
+        return TwoStageExchange(layout, node_groups(shard.nodes, shard.group))  # cached sub-groups
+    # The one-stage exchanges see the D devices only: their layout drops the node count (a flat
+    # exchange over several nodes is valid, it just sends a token once per device, not per node).
     if shard.exchange == "per_expert":
         return PerExpertExchange(ExpertLayout(shard.num_experts, shard.num_devices), shard.group)
     return FlatExchange(ExpertLayout(shard.num_experts, shard.num_devices), shard.group, shard.capacity)
@@ -158,6 +138,7 @@ def occult_ep_experts_forward(
             "experts; call occult_ft.dispatch.shard_experts(model, group) first"
         )
     exchange = exchange_for(shard)
+    # check_exchange_settings already refused chunks > 1 for exchanges that cannot be pipelined
     if shard.chunks > 1:
         return pipelined_moe_forward(hidden_states, top_k_index, top_k_weights, self, exchange, shard.chunks)
     return moe_forward(hidden_states, top_k_index, top_k_weights, self, exchange)
@@ -170,6 +151,9 @@ def register_experts_implementation() -> None:
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, occult_ep_experts_forward)
 
 
+# transformers 5.x routes every fused experts module through ALL_EXPERTS_FUNCTIONS, keyed by
+# config._experts_implementation; registering at import lets `set_experts_implementation("occult_ep")`
+# find the kernel on any model.
 register_experts_implementation()
 
 
@@ -201,6 +185,7 @@ def shard_experts_module(
         raise ValueError(f"{type(experts).__name__} is already sharded; shard_experts runs once per model")
     num_devices, rank = group_size_and_rank(group)
     names = tuple(param_names)
+    # dim 0 of every fused expert tensor is the expert: its length is E
     num_experts = int(getattr(experts, names[0]).shape[0])
     layout = ExpertLayout(num_experts, num_devices, nodes)  # D divides E, N divides D
     per_device = layout.experts_per_device
@@ -212,8 +197,12 @@ def shard_experts_module(
             )
     for name in names:
         full = getattr(experts, name)
+        # Contiguous block: rank r holds experts [r * P, (r + 1) * P), the layout every exchange
+        # assumes. clone() so the full tensor can be freed; a new Parameter, so the optimizer must be
+        # built after sharding.
         block = full.detach()[rank * per_device : (rank + 1) * per_device].clone()
         shard = nn.Parameter(block, requires_grad=full.requires_grad)
+        # The mark tells trainers not to all-reduce it over the EP group: its gradient is complete here
         shard.occult_expert_shard = True  # type: ignore[attr-defined]
         setattr(experts, name, shard)
     record = ExpertShard(
@@ -260,7 +249,9 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None, node
         except ValueError as err:
             raise ValueError(f"{layer.name}.experts: {err}") from None
     if nodes > 1:
-        node_groups(nodes, group)  # every rank builds the sub-groups now, not inside a forward
+        # new_group is collective over the whole world: build the sub-groups now, on every rank at
+        # once, rather than in the first forward (where ranks of other EP groups may not be yet)
+        node_groups(nodes, group)
     base.set_experts_implementation(EXPERTS_IMPLEMENTATION)  # type: ignore[operator]
     return model
 
@@ -295,7 +286,7 @@ def configure_exchange(
         )
         base_experts(layer.experts).occult_shard = updated
     first = layers[0][1]
-    if exchange == "two_stage":
+    if exchange == "two_stage":  # the sub-groups are a world collective: build them on every rank now
         node_groups(first.nodes, first.group)
     return model
 
@@ -308,10 +299,12 @@ def expert_shard_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def _gather_dim0(shard: torch.Tensor, group: dist.ProcessGroup | None, num_devices: int) -> torch.Tensor:
+    # Blocks are contiguous in rank order, so concatenating the gathered blocks restores (E, ...)
     if num_devices == 1:
         return shard.detach().clone()
     shard = shard.detach().contiguous()
     pieces = [torch.empty_like(shard) for _ in range(num_devices)]
+    # all_gather returns the blocks in rank order: block r = experts [r * P, (r + 1) * P)
     dist.all_gather(pieces, shard, group=group)
     return torch.cat(pieces, dim=0)
 
@@ -361,6 +354,7 @@ def gather_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
             gathered = _gather_dim0(part, shard.group or group, shard.num_devices)
             full = nn.Parameter(gathered, requires_grad=part.requires_grad)
             setattr(experts, name, full)
+        # the module holds all E experts again: stock kernels read E
         experts.num_experts = shard.num_experts
         del experts.occult_shard
         previous = shard.previous_implementation

@@ -1,27 +1,8 @@
 """Single-device expert compute: the base case of dispatch (D = 1, no communication).
 
-`local_experts_forward` is what a device runs on the rows it received: each row carries K slots of
-(local expert id, gate weight); slots holding `LOCAL_SENTINEL` (-1) belong to experts elsewhere and
-are skipped. For every row it returns sum over its non-sentinel slots of weight * expert(row): the
-outputs of all of a token's local experts are summed on the device, so one row goes back per
-(token, device) - the de-duplication rule "a token is sent once per device however many of its
-experts live there" read from the receiving side.
-
-Grouped computation: the (row, slot) pairs are sorted by local expert (stable, sentinels last), the
-rows gathered into one (N, H) buffer in that order, and each projection is one grouped matmul over
-contiguous per-expert blocks; the weighted outputs are summed per row (`_sum_slots`). Backends:
-    "grouped_mm"  torch.nn.functional.grouped_mm (CPU fp32/bf16 needs 16-byte aligned strides;
-                  CUDA needs bf16 and sm80+), one kernel per projection;
-    "loop"        one torch.mm per *active* expert on its block (any device/dtype, exact);
-    "auto"        grouped_mm where its constraints hold, else loop.
-Both give the same result as `reference_moe` to float rounding (tested at 1e-5 in fp32). The
-weighted pair outputs are summed per row with one index_add on CPU (only the N live pairs move); on
-CUDA they are put back in (row, slot) order and summed over slots with a reshape + sum (deterministic,
-unlike index_add there), as transformers' kernels do.
-
-Every output stays attached to the autograd graph of the inputs and of all expert parameters even
-when no row reaches any expert (zero-size ops), so a device that receives nothing still runs the same
-backward collectives as its peers.
+    local_experts_forward   received rows with K (local id, weight) slots -> one summed row each
+    local_moe_forward       the single-device dispatcher (every expert local, one row per token)
+    grouped_linear          one projection over contiguous per-expert blocks ("grouped_mm" / "loop")
 
 Shape legend:
     R  rows (received rows, or tokens when D = 1)     K  slots per row (top-k)     H  hidden size
@@ -37,11 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layout import LOCAL_SENTINEL
+from .plan import LOCAL_SENTINEL
 from .reference import expert_activation, expert_weights
 
 __all__ = ["BACKENDS", "local_experts_forward", "local_moe_forward", "grouped_linear", "num_local_experts"]
 
+# "grouped_mm": torch.nn.functional.grouped_mm, one kernel per projection (CPU fp32/bf16 with 16-byte
+# aligned strides; CUDA bf16 on sm80+). "loop": one torch.mm per active expert on its block (any device
+# or dtype). "auto": grouped_mm where its constraints hold, else loop. All equal `reference_moe` to
+# float rounding (tested at 1e-5 in fp32).
 BACKENDS = ("auto", "grouped_mm", "loop")
 
 
@@ -51,6 +36,8 @@ def num_local_experts(experts: nn.Module) -> int:
 
 
 def _aligned(t: torch.Tensor) -> bool:
+    # grouped_mm's kernels need a 16-byte aligned base and 16-byte multiples for every non-unit stride
+    # (size-1 dims have no stride to honour)
     size = t.element_size()
     if t.data_ptr() % 16:
         return False
@@ -116,6 +103,7 @@ def grouped_linear(
     use_grouped = backend == "grouped_mm" or (backend == "auto" and _grouped_mm_usable(x_NI, w_EIO))
     if use_grouped and x_NI.shape[0] > 0:
         # host ints -> device without a blocking copy (a blocking one waits for the queued kernels)
+        # offs_E[e] = end of expert e's block = counts[0] + ... + counts[e] (grouped_mm's offsets are block ends)
         offs_E = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         offs_E = offs_E.to(x_NI.device, non_blocking=True)
         y_NO = F.grouped_mm(x_NI, w_EIO, offs=offs_E)
@@ -146,7 +134,7 @@ def local_experts_forward(
         weights_RK: (R, K) gate weights (0 at sentinel slots by convention; they are ignored anyway).
         experts: a transformers fused experts module holding P experts (any layout of
             `reference.expert_weights`; its `_apply_gate`, biases and post-norm are honoured).
-        backend: "auto", "grouped_mm" or "loop" (see the module docstring).
+        backend: one of `BACKENDS` (see the comment above it).
         counts: the live (row, slot) pairs per local expert:
             None: counted here, with a range check of the ids (one host synchronisation);
             P Python ints: given by the exchange (it learnt them in its count exchange; no sync);
@@ -168,11 +156,13 @@ def local_experts_forward(
         raise ValueError(f"counts={counts!r}: give None, P integers or 'device'")
     w = expert_weights(experts)
     num_local = int(w["up_EIO"].shape[0])
+    # (row, slot) pairs flattened row-major: pair n is row n // K, slot n % K
     ids_N = local_ids_RK.reshape(-1).long()
     # Sort (row, slot) pairs by expert; the sentinel sorts last as key P and is cut off.
     key_N = torch.where(ids_N == LOCAL_SENTINEL, num_local, ids_N)
     if counts == "device" and backend != "loop":
         mats = (w["up_EIO"], w["down_EIO"])
+        # the byte widths of every row of both weight matrices (I and O of up and down) must be 16-byte multiples
         row_bytes = [m.shape[i] * m.element_size() for m in mats for i in (1, 2)]
         usable = all(_grouped_mm_supported(m) for m in mats)
         if ids_N.numel() and usable and all(b % 16 == 0 for b in row_bytes):
@@ -190,9 +180,13 @@ def local_experts_forward(
     elif len(counts) != num_local:
         raise ValueError(f"counts has {len(counts)} entries for {num_local} local experts")
     counts = [int(c) for c in counts]
+    # Stable sort by expert: the first counts[0] pairs are expert 0's, and so on; the live pairs are
+    # the first sum(counts) (sentinels sort last as key P). Each live pair gathers its row's hidden
+    # state: a row with j local slots is computed j times, once per expert, as in any grouped MoE.
     key_sorted, pair_order = torch.sort(key_N, stable=True)
     active = sum(counts)
     pair_g, expert_g = pair_order[:active], key_sorted[:active]
+    # pair n belongs to row n // K: each live pair gathers its row's hidden state
     x_g = x_RH[pair_g // top_k].to(w["up_EIO"].dtype)
 
     up_bias = w["up_bias_EO"][expert_g] if w["up_bias_EO"] is not None else None
@@ -202,6 +196,9 @@ def local_experts_forward(
     y_g = grouped_linear(mid_g, w["down_EIO"], counts, down_bias, backend)
     if getattr(experts, "has_post_expert_norm", False):
         y_g = experts.post_expert_norm(y_g)  # type: ignore[operator]
+    # The gate weight multiplies the expert output on this device, then a row's slots are summed: one
+    # row per (token, device) goes back, which is what de-duplication saves on the way home.
+    # weights_RK.reshape(-1)[n] is the weight of pair n = (row n // K, slot n % K)
     weighted_g = y_g * weights_RK.reshape(-1)[pair_g].unsqueeze(-1)
     return _sum_slots(weighted_g, pair_g, num_rows, top_k).to(x_RH.dtype)
 
@@ -214,7 +211,9 @@ def _sum_slots(weighted_NH: torch.Tensor, pair_N: torch.Tensor, num_rows: int, t
     unlike index_add on CUDA), as transformers' kernels do."""
     if weighted_NH.device.type == "cpu":
         out_RH = weighted_NH.new_zeros(num_rows, weighted_NH.shape[-1])
+        # pair n adds into row n // K
         return out_RH.index_add(0, torch.div(pair_N, top_k, rounding_mode="floor"), weighted_NH)
+    # pair n lands at position n = row * K + slot of an (R * K, H) buffer: view (R, K, H), sum over K
     pairs_NH = weighted_NH.new_zeros(num_rows * top_k, weighted_NH.shape[-1]).index_copy(
         0, pair_N, weighted_NH
     )
@@ -231,9 +230,11 @@ def _device_counted(x_RH, key_N, weights_RK, experts, w, num_local: int, top_k: 
     # counts by scatter_add: bincount's output size depends on the data, which a GPU reads on the host
     per_expert = torch.zeros(num_local + 1, dtype=torch.long, device=key_N.device)
     per_expert = per_expert.scatter_add_(0, key_N, torch.ones_like(key_N))[:num_local]
-    offs_E = per_expert.cumsum(0).to(torch.int32)
+    offs_E = per_expert.cumsum(0).to(torch.int32)  # block ends; pairs past offs_E[-1] are dead
+    # dead pairs borrow the last expert's bias only to keep the gather in range; they are masked
     expert_g = key_sorted.clamp_max(num_local - 1)
     dtype = w["up_EIO"].dtype
+    # pair n of the sorted order is row pair_order[n] // K: dead pairs read a zero row
     x_g = torch.where(live_N, x_RH[pair_order // top_k].to(dtype), 0.0)
     up_bias = w["up_bias_EO"][expert_g] if w["up_bias_EO"] is not None else None
     up_g = torch.where(live_N, grouped_linear(x_g, w["up_EIO"], None, up_bias, offs_E=offs_E), 0.0)

@@ -1,10 +1,9 @@
 """The test oracle: a plain loop over (token, slot) pairs, and the expert function of a HF experts module.
 
-Every fast path in `occult_ft.dispatch` (the grouped single-device dispatcher, the de-duplicated
-all-to-all) must agree with `reference_moe` to float rounding. It is deliberately slow and obvious:
-for each token t and each slot k, add `weights_TK[t, k] * expert_fn(topk_ids_TK[t, k], hidden_TH[t])`.
-No sorting, no grouping, no communication, so it also fixes the meaning of duplicated expert ids
-(a token that lists an expert twice gets it twice).
+    reference_moe       out[t] = sum_k w[t, k] * expert(ids[t, k], x[t]), one pair at a time
+    experts_module_fn   the `ExpertFn` of a transformers fused experts module
+    expert_weights      its fused parameters in one (E, in, out) orientation
+    expert_activation   its own nonlinearity between the two projections
 
 Shape legend:
     T  tokens            K  experts per token (top-k)        H  hidden size
@@ -54,13 +53,18 @@ def reference_moe(
             f"shapes disagree: hidden {tuple(hidden_TH.shape)}, topk_ids {tuple(topk_ids_TK.shape)}, "
             f"weights {tuple(weights_TK.shape)}; expected (T, H), (T, K), (T, K)"
         )
+    # Deliberately slow and obvious: no sorting, no grouping, no communication, so every fast path in
+    # occult_ft.dispatch is checked against it, and it fixes the meaning of a duplicated expert id (a
+    # token that lists an expert twice gets it twice).
     rows = []
     for t in range(num_tokens):
         acc_H = None
+        # the oracle: one token, one slot at a time, in slot order, no batching, no de-duplication
         for k in range(top_k):
             y_H = expert_fn(int(topk_ids_TK[t, k]), hidden_TH[t : t + 1])[0]
             term_H = weights_TK[t, k] * y_H
             acc_H = term_H if acc_H is None else acc_H + term_H
+        # a token with no slot (K = 0) contributes a zero row
         rows.append(acc_H if acc_H is not None else torch.zeros_like(hidden_TH[t]))
     if not rows:
         return hidden_TH[:0] * 0  # (0, H), still attached to the graph
@@ -93,7 +97,7 @@ def expert_weights(experts: nn.Module) -> ExpertWeights:
     transposed = getattr(experts, "is_transposed", False)
     up_name = "gate_up_proj" if has_gate else "up_proj"
     up, down = getattr(experts, up_name), cast(torch.Tensor, experts.down_proj)
-    if not transposed:
+    if not transposed:  # nn.Linear's (out, in) per expert -> (in, out), a view: gradients still flow
         up, down = up.transpose(1, 2), down.transpose(1, 2)
     return {
         "up_EIO": up,
@@ -121,11 +125,14 @@ def experts_module_fn(experts: nn.Module) -> ExpertFn:
     """
 
     def expert_fn(expert_id: int, x_NH: torch.Tensor) -> torch.Tensor:
+        # read per call: the function sees the module's current tensors (replaced ones included)
         w = expert_weights(experts)
+        # (N, H) @ (H, 2I): the fused gate and up halves in one product, split by the module's _apply_gate
         up_NO = x_NH.to(w["up_EIO"].dtype) @ w["up_EIO"][expert_id]
         if w["up_bias_EO"] is not None:
             up_NO = up_NO + w["up_bias_EO"][expert_id]
         mid_NI = expert_activation(experts, up_NO)
+        # (N, I) @ (I, H): back to the hidden size
         y_NH = mid_NI @ w["down_EIO"][expert_id]
         if w["down_bias_EO"] is not None:
             y_NH = y_NH + w["down_bias_EO"][expert_id]

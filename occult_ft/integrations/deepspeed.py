@@ -3,71 +3,22 @@
 occult_ft shards the experts itself (`occult_ft.dispatch.shard_experts`, the de-duplicated "occult_ep"
 all-to-all); DeepSpeed only has to (1) provide the process groups, (2) reduce the gradients of expert
 shards over the right ranks and (3) partition their optimizer state over the right ranks. It has all
-three for its own MoE layers; this module plugs our shards into that machinery.
+three for its own MoE layers; this module plugs our shards into that machinery. What is used from
+DeepSpeed 0.19.8, the gap worked around and what is not used (and why): docs/expert-parallel.md,
+"DeepSpeed: what is used and why".
 
-Used from DeepSpeed 0.19.8:
+    deepspeed_expert_groups / expert_group_name   the EP and EDP groups (`ep_size_{D}`)
+    mark_expert_parameters                        `allreduce = False`, `group_name`: reduced over EDP
+    attach_moe_marker                             the parameter-free `MoE` that turns the engine's MoE path on
+    split_moe_param_groups                        optimizer groups marked `moe`, partitioned over EDP
+    read_deepspeed_config / check_deepspeed_config   the config checks (no AutoEP, no ZeRO-3, clipping)
 
-* **Groups** (`deepspeed.utils.groups`): `_create_expert_and_data_parallel(D)` builds, under the name
-  `ep_size_{D}`, the expert-parallel (EP) groups of consecutive ranks [g*D, (g+1)*D) and the
-  expert-data-parallel (EDP) groups of the ranks holding the same position in their EP group
-  (r, r + D, r + 2D, ...); `_get_expert_parallel_group(name)` / `_get_expert_data_parallel_group(name)`
-  return them. `deepspeed_expert_groups` wraps these calls; without DeepSpeed,
-  `occult_ft.trainer.expert_parallel` builds the same groups with `torch.distributed.new_group`.
-* **Marking expert parameters** (`deepspeed.moe.utils.is_moe_param`): a parameter with
-  `allreduce = False` and `group_name = "ep_size_{D}"` is an expert parameter (we mark the expert shards
-  and, under LoRA, the expert LoRA factors, which shard with them). The engine then
-  all-reduces its gradient over that name's EDP group only, dividing by the data-parallel world size
-  W like every other gradient (`_reduce_expert_gradients`, and ZeRO-1/2's `average_tensor`). An
-  expert shard's gradient already sums the contributions of its EP group (reverse all-to-all), so the
-  sum over EDP / W is exactly the gradient of the global batch: no extra factor is needed. The
-  engine's gradient norm also treats them right (ZeRO's `_average_expert_grad_norms`), so gradient
-  clipping clips by the norm of the whole model.
-* **Optimizer parameter groups** (`split_params_into_different_moe_groups_for_optimizer`): ZeRO-1/2
-  refuses expert parameters unless they sit in param groups marked `moe` and named by their group
-  name; it then partitions those groups over the EDP group instead of all W ranks.
-  `split_moe_param_groups` rewrites an optimizer built by `Trainer` that way (an optimizer from the
-  DeepSpeed config's `"optimizer"` section is split by the engine itself).
-
-One gap is worked around here, without touching site-packages: the engine switches all of the above
-on only when the model contains a `deepspeed.moe.layer.MoE` module (`engine.has_moe_layers`, read
-once in `deepspeed.initialize`); without one, marked parameters crash the first gradient reduction
-(checked with 0.19.8: ZeRO-1/2 `average_tensor` indexes expert groups it was never given, TypeError;
-stage 0 `_get_gradients_for_reduction`, KeyError 'ep_size_2'). `attach_moe_marker` adds one
-parameter-free `MoE` subclass to the model (`model.occult_deepspeed_moe`) that only answers the
-engine's questions: its `num_local_experts` is 0, so DeepSpeed's own per-expert checkpoint files stay
-empty and nothing is removed from its model-state file. It adds no key to `state_dict()`.
-
-Not used, and why:
-
-* **The classic MoE layer** (`deepspeed.moe.layer.MoE`, `sharded_moe.py`): capacity-based gating and
-  a dense `[E, C, M]` dispatch buffer exchanged with equal splits, so every token costs E*C rows
-  whatever the routing, tokens over capacity are dropped, and the HF router/experts modules would be
-  replaced. Occult's point is the opposite: C_T rows per token, the model's own router and weights.
-* **AutoEP** (`"expert_parallel"` in the DeepSpeed config, `deepspeed.module_inject.auto_ep`): it
-  sends one row per (token, expert), i.e. no de-duplication; with transformers 5.2x (seen with 5.23)
-  it crashes inside `deepspeed.initialize` (`_CanRecordRegistry.get()` receives two arguments); its Trainer checkpoint
-  holds only rank 0's experts under non-HF names (`experts.w1/w2/w3`, per-expert files), so
-  `from_pretrained` cannot load it; and it replaces a PEFT-wrapped router. `check_deepspeed_config`
-  therefore refuses an `"expert_parallel"` section together with `expert_parallel_size > 1` (both
-  would shard the same experts). occult_ft writes standard HF checkpoints by gathering the shards
-  (`occult_ft.dispatch.gather_experts_state_dict`).
-* **ZeRO stage 3**: DeepSpeed refuses stage 3 with its native MoE layers (only AutoEP is allowed),
-  and our marker is such a layer; `check_deepspeed_config` says so in one line.
-* **ZeRO stage 0's gradient clipping** (`deepspeed.runtime.utils.clip_grad_norm_`): it averages the
-  per-rank norms (replicated part plus the local shards) over all ranks rather than summing the
-  shards' squares, so with clipping on a stage-0 run is close to, not equal to, one process.
-  `check_deepspeed_config` warns; ZeRO-1/2 clip by the exact norm.
-* **DeepSpeed's MoE checkpoint files** for resuming: the engine's model-state file is written by
-  data-parallel rank 0 only, so it holds rank 0's expert shards. Resuming does not rely on it:
-  ZeRO-1/2 restore each rank's fp32 partitions (EDP-aware) and `occult_ft.trainer.expert_parallel`
-  reloads every rank's shard from the standard HF weights saved beside it.
-
+Legend: D expert-parallel size, W data-parallel world size, EP / EDP expert(-data)-parallel groups.
 `deepspeed` is imported only inside these functions.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import warnings
 from collections.abc import Iterable
@@ -80,7 +31,6 @@ from ..fileio import read_json_object
 
 __all__ = [
     "MARKER_ATTRIBUTE",
-    "is_deepspeed_available",
     "expert_group_name",
     "deepspeed_expert_groups",
     "mark_expert_parameters",
@@ -91,11 +41,6 @@ __all__ = [
 ]
 
 MARKER_ATTRIBUTE = "occult_deepspeed_moe"
-
-
-def is_deepspeed_available() -> bool:
-    """Whether `import deepspeed` would succeed (without importing it)."""
-    return importlib.util.find_spec("deepspeed") is not None
 
 
 def expert_group_name(expert_parallel_size: int) -> str:

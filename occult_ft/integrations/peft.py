@@ -46,7 +46,6 @@ __all__ = [
     "expert_lora_wrappers",
     "shard_expert_lora",
     "gather_expert_lora",
-    "unshard_expert_lora",
     "shard_adapter_weights",
 ]
 
@@ -56,13 +55,7 @@ _EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")  # up_proj: experts w
 
 def is_peft_model(model: nn.Module) -> bool:
     """True for a PEFT-wrapped model (also inside DDP/DeepSpeed wrappers)."""
-    seen = 0
-    while (
-        seen < 4
-        and not hasattr(model, "peft_config")
-        and isinstance(getattr(model, "module", None), nn.Module)
-    ):
-        model, seen = cast(nn.Module, model.module), seen + 1
+    model = unwrap_model(model, keep_peft=True)
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
@@ -170,7 +163,7 @@ def seeded_lora_init(peft_model: nn.Module, seed: int) -> None:
     those experts. `lora_B` stays zero (PEFT's default), so the model is unchanged at start."""
     import zlib
 
-    for name, module in _peft_top(peft_model).named_modules():
+    for name, module in unwrap_model(peft_model, keep_peft=True).named_modules():
         lora_a = getattr(module, "lora_A", None)
         if not isinstance(lora_a, nn.ModuleDict):
             continue
@@ -328,31 +321,12 @@ def gather_expert_lora(
     return out
 
 
-@torch.no_grad()
-def unshard_expert_lora(experts: nn.Module, group, num_devices: int) -> None:
-    """Undo `shard_expert_lora` in place (collective over the EP group): full factors on every rank."""
-    full = {id(p): value for p, value in gather_expert_lora(experts, group, num_devices)}
-    for wrapper in expert_lora_wrappers(experts):
-        shard = getattr(wrapper, "occult_lora_shard", None)
-        if shard is None:
-            continue
-        for adapter in wrapper.lora_A.keys():
-            for which, attr in (("lora_A", "out_features"), ("lora_B", "in_features")):
-                linear = getattr(wrapper, which)[adapter]
-                value = full[id(linear.weight)]
-                linear.weight = nn.Parameter(value, requires_grad=linear.weight.requires_grad)
-                setattr(linear, attr, value.shape[0] if which == "lora_A" else value.shape[1])
-        wrapper.num_experts = shard[0]
-        wrapper.__dict__.pop("get_delta_weight", None)  # `_keep_expert_delta`'s override, if any
-        del wrapper.occult_lora_shard
-
-
 def shard_adapter_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A saved adapter's weights (PEFT file keys, full-E expert factors) cut to this rank's expert block.
 
     `model` is the sharded PEFT model; keys that are not sharded expert factors are returned unchanged.
     """
-    top = _peft_top(model)
+    top = unwrap_model(model, keep_peft=True)
     names = {id(p): n for n, p in top.named_parameters()}
     out = dict(weights)
     for layer in find_moe_layers(top):
@@ -376,12 +350,3 @@ def shard_adapter_weights(model: nn.Module, weights: dict[str, torch.Tensor]) ->
                         block = full.reshape(full.shape[0], -1, num_experts)[:, :, start : start + count]
                         out[key] = block.reshape(full.shape[0], -1)
     return out
-
-
-def _peft_top(model: nn.Module) -> nn.Module:
-    """The PEFT model inside DDP / DeepSpeed / accelerate wrappers (the module whose keys PEFT saves)."""
-    for _ in range(4):
-        if hasattr(model, "peft_config") or not isinstance(getattr(model, "module", None), nn.Module):
-            break
-        model = cast(nn.Module, model.module)
-    return model

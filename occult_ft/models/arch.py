@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..checks import is_positive_int
+
 __all__ = [
     "EXPERT_COUNT_FIELDS",
     "TOP_K_FIELDS",
@@ -69,7 +71,7 @@ def _config_int(config, fields) -> int | None:
             value = get(key)
             if isinstance(value, (list, tuple)) and value:  # per-layer values (Hunyuan): the largest
                 value = max(value)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            if is_positive_int(value):
                 return int(value)
     return None
 

@@ -23,11 +23,23 @@ from .arch import UnsupportedModelError
 __all__ = [
     "PUBLISHED_AS",
     "moe_family",
-    "family_folder",
     "loads_as",
     "auto_model_class",
     "architecture_model_type",
+    "VLLM_SERVED",
 ]
+
+#: the model types whose pruned routing occult_ft's vLLM plugin serves (`occult_ft.serving`), with
+#: vLLM's (and transformers') causal-LM class of each; the model card offers vLLM for these only
+VLLM_SERVED = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
 
 _DECORATOR = re.compile(r"^@use_experts_implementation\b", re.MULTILINE)
 _MODEL_TYPE = re.compile(r'^\s+model_type(?:\s*:\s*str)?\s*=\s*"([^"]+)"', re.MULTILINE)
@@ -65,11 +77,6 @@ def moe_family() -> list[str]:
     return sorted(_scan())
 
 
-def family_folder(model_type: str) -> str | None:
-    """The `transformers.models` folder of a family member (e.g. `qwen3_vl_moe` for `qwen3_vl_moe_text`)."""
-    return _scan().get(model_type)
-
-
 def loads_as(model_type: str) -> str | None:
     """`"causal_lm"` when `AutoModelForCausalLM` builds `model_type`, `"image_text_to_text"` when only
     `AutoModelForImageTextToText` does, else None."""
@@ -88,6 +95,7 @@ def auto_model_class(config_or_type):
     (Qwen3-VL-MoE, GLM-4.5V, Mistral Large 3, ...). Accepts a config, a config.json dict or a type."""
     import transformers
 
+    model_type: str | None
     if isinstance(config_or_type, str):
         model_type = config_or_type
     elif isinstance(config_or_type, dict):

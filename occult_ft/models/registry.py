@@ -259,16 +259,26 @@ def get_arch(obj) -> MoEArch:
     )
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP / DeepSpeed engine / accelerate (`.module`) and PEFT (`.get_base_model()`) wrappers,
-    down to the transformers `PreTrainedModel`."""
+def unwrap_model(model: nn.Module, keep_peft: bool = False) -> nn.Module:
+    """The model inside its wrappers: the one walker of occult_ft.
+
+    Strips, outermost first, DDP / DeepSpeed engine / accelerate wrappers (`.module`) and, unless
+    `keep_peft`, a PEFT model (`PeftModel.get_base_model()`); stops at the transformers
+    `PreTrainedModel`, or at whatever has no wrapper left (returned as it is, `None` included).
+
+    Args:
+        model: a model, wrapped or not.
+        keep_peft: stop at a PEFT model (`peft_config`) instead: the module whose parameter names DDP
+            and PEFT's saved adapters use. A model without PEFT unwraps as with False.
+    """
     from transformers import PreTrainedModel
 
-    for _ in range(8):
-        if isinstance(model, PreTrainedModel):
+    for _ in range(8):  # DDP(PeftModel(model)) is the deepest stack seen; 8 bounds a wrapper cycle
+        if isinstance(model, PreTrainedModel) or (keep_peft and hasattr(model, "peft_config")):
             break
-        if hasattr(model, "get_base_model") and callable(model.get_base_model):
-            model = model.get_base_model()
+        get_base_model = getattr(model, "get_base_model", None)  # PEFT's PeftModel
+        if callable(get_base_model):
+            model = get_base_model()
         elif isinstance(getattr(model, "module", None), nn.Module):
             model = cast(nn.Module, model.module)
         else:

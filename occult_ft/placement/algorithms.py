@@ -79,6 +79,7 @@ class PlacementAlgorithm:
     options: tuple[str, ...] = field(init=False)
 
     def __post_init__(self):
+        # the registry reads an algorithm's options from its signature: a catch-all would hide them
         params = inspect.signature(self.solve).parameters.values()
         if any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params):
             raise TypeError(
@@ -116,6 +117,7 @@ class PlacementAlgorithm:
         """
         check_routing(topk_ids_TK)
         validate_sizes(num_experts, num_devices, num_nodes)
+        # the bound is taken out of the options: an algorithm without it is checked after it ran (below)
         bound = options.pop("max_load_imbalance", None)
         check_load_bound(bound)
         self.check_options(options)
@@ -131,6 +133,7 @@ class PlacementAlgorithm:
         if takes_bound:
             options["max_load_imbalance"] = bound
         if num_nodes == 1:
+            # one level: the solver sees the (T, E) incidence; hierarchical ones take the raw routing ids
             out = self.solve(incidence(topk_ids_TK, num_experts), num_devices, **options)
         elif self.hierarchical is not None:
             out = self.hierarchical(topk_ids_TK, num_experts, num_devices, num_nodes, **options)
@@ -181,6 +184,7 @@ def get_algorithm(name: str) -> PlacementAlgorithm:
 # ---- the constructive algorithms (on the incidence matrix) --------------------------------------
 def sequential(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
     per = x_TE.shape[1] // num_devices
+    # device d holds experts d*per .. (d+1)*per - 1: the placement before any optimisation
     return [list(range(d * per, (d + 1) * per)) for d in range(num_devices)]
 
 
@@ -202,6 +206,7 @@ def occult(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
     placed[[a, b]] = True
     # devices 1..D-1: the unplaced expert least co-selected with all placed ones (ties: highest load)
     for d in range(1, num_devices):
+        # co-selection of each unplaced expert with the experts placed so far; placed ones never win (inf)
         score_E = co_EE[:, placed].sum(dim=1).masked_fill(placed, float("inf"))
         ties = score_E == score_E.min()
         e = int(load_E.masked_fill(~ties, -1.0).argmax())  # -1: below any load, so never a non-tie
@@ -235,6 +240,7 @@ def greedy_pairs(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
     members: dict[int, list[int]] = {e: [e] for e in range(num_experts)}
     for a, b in zip(rows[order].tolist(), cols[order].tolist()):
         ga, gb = group_of[a], group_of[b]
+        # already together, or the union would overflow a device of `per` experts
         if ga == gb or len(members[ga]) + len(members[gb]) > per:
             continue
         for e in members[gb]:  # union: gb's members join ga (groups stay at most `per` experts)
@@ -244,11 +250,13 @@ def greedy_pairs(x_TE: torch.Tensor, num_devices: int) -> list[list[int]]:
     leftovers = sorted(members.values(), key=lambda g: (-len(g), min(g)))
     devices: list[list[int]] = [[] for _ in range(num_devices)]
     for group in leftovers:
+        # the first device with room for the whole group
         target = next((dv for dv in devices if len(dv) + len(group) <= per), None)
         if target is not None:
             target.extend(group)
             continue
         for e in sorted(group, key=lambda e: (-load[e], e)):
+            # no device has room for it whole: its experts go one by one, heaviest first, into the first free slot
             next(dv for dv in devices if len(dv) < per).append(e)
     return [sorted(dv) for dv in devices]
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from math import isqrt
 
 import torch
+
+from ..checks import is_positive_int
+from ..layout import ExpertLayout
 
 __all__ = [
     "DEFAULT_LOAD_IMBALANCE",
@@ -30,10 +32,8 @@ __all__ = [
     "device_loads",
     "device_to_groups",
     "devices_total",
-    "divisors",
     "imbalance",
     "incidence",
-    "is_int",
     "level_totals",
     "resolve_load_bound",
     "shown",
@@ -50,16 +50,6 @@ class PlacementError(ValueError):
     """A placement request or file a user got wrong; the message names the value and the fix."""
 
 
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def divisors(n: int) -> str:
-    """The divisors of n >= 1 as "1, 2, ..., n", in O(sqrt n) steps."""
-    small = [d for d in range(1, isqrt(n) + 1) if n % d == 0]
-    return ", ".join(str(d) for d in small + [n // d for d in reversed(small) if d * d != n])
-
-
 def shown(value, width: int = 60) -> str:
     """`repr(value)` cut to `width` characters, for messages that quote what a caller passed."""
     text = repr(value)
@@ -68,18 +58,14 @@ def shown(value, width: int = 60) -> str:
 
 def validate_sizes(num_experts: int, num_devices: int, num_nodes: int) -> None:
     """E is a positive integer, D must divide E and N must divide D (a one-line `PlacementError` otherwise)."""
-    if not is_int(num_experts) or num_experts < 1:
+    if not is_positive_int(num_experts):
         raise PlacementError(
             f"num_experts={shown(num_experts)} must be a positive integer (routed experts per layer)"
         )
-    if not is_int(num_devices) or num_devices < 1 or num_experts % num_devices:
-        raise PlacementError(
-            f"devices={num_devices} does not divide the {num_experts} experts; use one of {divisors(num_experts)}"
-        )
-    if not is_int(num_nodes) or num_nodes < 1 or num_devices % num_nodes:
-        raise PlacementError(
-            f"nodes={num_nodes} does not divide devices={num_devices}; use one of {divisors(num_devices)}"
-        )
+    try:
+        ExpertLayout(num_experts, num_devices, num_nodes)
+    except ValueError as error:
+        raise PlacementError(str(error)) from None
 
 
 def check_routing(topk_ids_TK, where: str = "topk_ids_TK") -> None:
@@ -105,7 +91,7 @@ def check_profile(profile, where: str = "profile") -> None:
         raise PlacementError(
             f"{where} is a {type(profile).__name__} ({shown(profile)}) with no {' or '.join(missing)}; {need}"
         )
-    if not is_int(profile.num_experts) or profile.num_experts < 1:
+    if not is_positive_int(profile.num_experts):
         raise PlacementError(
             f"{where}.num_experts={shown(profile.num_experts)} must be a positive integer; {need}"
         )
@@ -127,6 +113,7 @@ def check_load_bound(max_load_imbalance) -> None:
         isinstance(max_load_imbalance, bool)
         or not isinstance(max_load_imbalance, (int, float))
         or not (max_load_imbalance >= 1)
+        # >= 1 also rejects NaN (every comparison with NaN is False); inf would allow any imbalance
         or max_load_imbalance == float("inf")
     ):
         raise PlacementError(
@@ -148,9 +135,11 @@ def incidence(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(T', E) float32 0/1 incidence of the tokens that selected at least one expert (-1 slots ignored)."""
     ids = topk_ids_TK.long().cpu()
     ids = torch.where(ids >= 0, ids, num_experts)  # -1 -> spare column E, dropped below
+    # scatter_add counts each (token, expert) hit in its column; the spare column E takes the -1 slots
     x = torch.zeros(ids.shape[0], num_experts + 1).scatter_add_(1, ids, torch.ones(ids.shape))
     # clamp: an expert listed twice in one row (padded or repeated ids) still counts once
     x = x[:, :num_experts].clamp_(max=1.0)
+    # a token with no expert left (all slots -1, e.g. outside a node's experts) loads nothing: dropped
     return x[x.sum(dim=1) > 0].contiguous()
 
 
@@ -165,7 +154,7 @@ def coactivation_matrix(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Te
         (E, E) int64: [a, b] = tokens that selected both a and b; the diagonal is each expert's load.
     """
     check_routing(topk_ids_TK)
-    if not is_int(num_experts) or num_experts < 1:
+    if not is_positive_int(num_experts):
         raise PlacementError(
             f"num_experts={shown(num_experts)} must be a positive integer (routed experts per layer)"
         )
@@ -174,6 +163,7 @@ def coactivation_matrix(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Te
 
 
 def device_to_groups(dev_E: torch.Tensor, num_devices: int) -> list[list[int]]:
+    # group d = the experts whose device is d, ascending
     return [sorted((dev_E == d).nonzero().flatten().tolist()) for d in range(num_devices)]
 
 
@@ -192,6 +182,7 @@ def devices_total(x_TE: torch.Tensor, dev_E: torch.Tensor, num_devices: int) -> 
 def imbalance(load_D: torch.Tensor) -> float:
     """max / mean of a load vector (`metrics.load_imbalance`'s definition; 0.0 for no load)."""
     mean = float(load_D.double().mean())
+    # float64: a mean of integer loads stays exact; no load at all has no imbalance (0.0, not NaN)
     return float(load_D.double().max()) / mean if mean > 0 else 0.0
 
 
@@ -239,9 +230,11 @@ def two_level(
     extra = {} if seed is None else {"seed": seed}
     if node_groups is None:
         top = solve(incidence(ids, num_experts), num_nodes, **extra)
+        # the node level: N groups of E/N experts, the tokens' distinct nodes as the objective
         node_groups = top.groups if isinstance(top, LayerResult) else top  # a solver may return either
     groups: list[list[int]] = []
     for node, members in enumerate(node_groups):
+        # the node's sub-problem: the tokens that selected one of its experts, on its experts only
         sub_x = node_incidence(ids, num_experts, members)
         extra = {} if seed is None else {"seed": seed + node + 1}
         sub = solve(sub_x, num_devices // num_nodes, **extra)  # D/N devices per node, ids local to it
@@ -255,7 +248,9 @@ def node_incidence(topk_ids_TK: torch.Tensor, num_experts: int, members: list[in
     """Incidence of the tokens on one node's experts, columns numbered 0..len(members)-1 in `members` order."""
     ids = topk_ids_TK.long().cpu()
     local = torch.full((num_experts + 1,), -1, dtype=torch.long)  # slot E: the -1 sentinel
+    # local[e] = position of global expert e in `members`, -1 for the experts of other nodes (and slot E)
     local[torch.tensor(members)] = torch.arange(len(members))
+    # -1 slots map to E, which maps to -1 again, so incidence drops them with the other nodes' experts
     return incidence(local[torch.where(ids >= 0, ids, num_experts)], len(members))
 
 

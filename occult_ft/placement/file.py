@@ -18,13 +18,14 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 
+from ..checks import is_int, is_positive_int
 from ..fileio import atomic_write_text
 from ..metrics import expert_device_from_groups
-from .core import RERUN, PlacementError, is_int, validate_sizes
+from .core import RERUN, PlacementError, validate_sizes
 
 __all__ = ["FIGURE_TYPES", "PLACEMENT_FORMAT", "PLACEMENT_VERSION", "READABLE_VERSIONS", "Placement"]
 
@@ -119,6 +120,41 @@ def _refuse_duplicate_keys(pairs: list) -> dict:
     return out
 
 
+def _read_placement_json(path: Path) -> Any:
+    """The JSON of a placement file (a key given twice is an error, not the last copy)."""
+    if not path.is_file():
+        raise PlacementError(f"placement file '{path}' not found; create it with `occult-ft place`")
+    try:
+        # object_pairs_hook sees every key, so a layer given twice is an error, not the last copy
+        return json.loads(path.read_text(), object_pairs_hook=_refuse_duplicate_keys)
+    except PlacementError as err:
+        raise PlacementError(f"placement file '{path}': {err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        where = f" at line {err.lineno}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
+        raise PlacementError(f"placement file '{path}' is not valid JSON{where}; {RERUN}") from None
+
+
+def _check_placement_header(path: Path, data: Any) -> None:
+    """An occult_ft placement file of a readable version with every field, `layers` a mapping."""
+    if not isinstance(data, dict) or data.get("format") != PLACEMENT_FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise PlacementError(
+            f"'{path}' is not an occult_ft placement file (format={found!r}, expected "
+            f"{PLACEMENT_FORMAT!r}); {RERUN}"
+        )
+    # True == 1 in Python: a version `true` would otherwise read as version 1
+    if data.get("version") not in READABLE_VERSIONS or isinstance(data.get("version"), bool):
+        raise PlacementError(
+            f"'{path}' has placement version {data.get('version')!r}; this occult_ft reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; {RERUN}"
+        )
+    for key in ("num_experts", "num_devices", "num_nodes", "algorithm", "layers"):
+        if key not in data:
+            raise PlacementError(f"placement file '{path}' lacks the {key!r} field; {RERUN}")
+    if not isinstance(data["layers"], dict):
+        raise PlacementError(f"placement file '{path}': 'layers' must map layer index -> groups; {RERUN}")
+
+
 def _check_listed_experts(groups: dict, num_experts: int) -> None:
     """num_experts must be what every layer lists: checked before anything O(num_experts) runs, so a
     file claiming 10**15 experts fails at once."""
@@ -182,7 +218,7 @@ class Placement:
 
     def __post_init__(self):
         for name in ("num_experts", "num_devices", "num_nodes"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+            if not is_positive_int(getattr(self, name)):
                 raise PlacementError(
                     f"placement {name}={getattr(self, name)!r} must be a positive integer; {RERUN}"
                 )
@@ -211,10 +247,12 @@ class Placement:
 
     def expert_device(self, layer: int) -> torch.Tensor:
         """(E,) int64 device of each original expert id of `layer`."""
+        # expert_device[e] = d for every e in group d: the (E,) map the router's budget and dispatch read
         return expert_device_from_groups(self._layer_groups(layer), self.num_experts)
 
     def expert_order(self, layer: int) -> torch.Tensor:
         """(E,) int64: new expert j is original expert order[j] (device d holds new ids d*E/D .. +E/D-1)."""
+        # the groups concatenated: position p of the placed model holds original expert order[p]
         return torch.tensor([e for group in self._layer_groups(layer) for e in group], dtype=torch.long)
 
     def check_model(
@@ -258,9 +296,11 @@ class Placement:
         lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + ['  "layers": {']
         for i, layer in enumerate(self.layers):
             body = ",\n".join(f"      {json.dumps(g)}" for g in self.groups[layer])
+            # each layer: its D groups one per line; a comma after every layer but the last (JSON has no trailing comma)
             lines.append(f'    "{layer}": [\n{body}\n    ]' + ("," if i < len(self.groups) - 1 else ""))
         try:
             # allow_nan=False: json.dumps would otherwise write NaN, which no strict JSON reader takes
+            # indented by two more spaces so the block nests under the top-level "metrics" key
             metrics = json.dumps(self.metrics, indent=2, allow_nan=False).replace("\n", "\n  ")
         except ValueError:
             raise PlacementError(
@@ -279,6 +319,7 @@ class Placement:
             raise PlacementError(
                 f"cannot write '{path}': it is a directory; give a file name like placement.json"
             )
+        # written to a temporary file and renamed: a reader never sees half a placement
         atomic_write_text(path, self.to_json())
 
     @classmethod
@@ -290,35 +331,9 @@ class Placement:
                 "create one with `occult-ft place`"
             )
         path = Path(path)
-        if not path.is_file():
-            raise PlacementError(f"placement file '{path}' not found; create it with `occult-ft place`")
-        try:
-            # object_pairs_hook sees every key, so a layer given twice is an error, not the last copy
-            data = json.loads(path.read_text(), object_pairs_hook=_refuse_duplicate_keys)
-        except PlacementError as err:
-            raise PlacementError(f"placement file '{path}': {err}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            where = (
-                f" at line {err.lineno}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
-            )
-            raise PlacementError(f"placement file '{path}' is not valid JSON{where}; {RERUN}") from None
-        if not isinstance(data, dict) or data.get("format") != PLACEMENT_FORMAT:
-            found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise PlacementError(
-                f"'{path}' is not an occult_ft placement file (format={found!r}, expected "
-                f"{PLACEMENT_FORMAT!r}); {RERUN}"
-            )
-        # True == 1 in Python: a version `true` would otherwise read as version 1
-        if data.get("version") not in READABLE_VERSIONS or isinstance(data.get("version"), bool):
-            raise PlacementError(
-                f"'{path}' has placement version {data.get('version')!r}; this occult_ft reads versions "
-                f"{', '.join(map(str, READABLE_VERSIONS))}; {RERUN}"
-            )
-        for key in ("num_experts", "num_devices", "num_nodes", "algorithm", "layers"):
-            if key not in data:
-                raise PlacementError(f"placement file '{path}' lacks the {key!r} field; {RERUN}")
-        if not isinstance(data["layers"], dict):
-            raise PlacementError(f"placement file '{path}': 'layers' must map layer index -> groups; {RERUN}")
+        data = _read_placement_json(path)
+        # the header first: a file of another format or version is refused before its groups are looked at
+        _check_placement_header(path, data)
         try:
             _check_layer_keys(data["layers"], "placement file")
             if data["version"] >= 2:  # version 1 kept free-form metrics: they are read unchecked
@@ -335,6 +350,7 @@ class Placement:
                 num_devices=data["num_devices"],
                 num_nodes=data["num_nodes"],
                 algorithm=str(data["algorithm"]),
+                # JSON object keys are strings: layer "12" becomes the int 12 the model's layer indices use
                 groups={int(k): v for k, v in data["layers"].items()},
                 metrics=data.get("metrics") or {},
             )

@@ -114,6 +114,7 @@ def split_holdout(num_tokens: int, holdout: float) -> tuple[torch.Tensor, torch.
     blocks = -(-num_tokens // HOLDOUT_BLOCK)  # ceil: a last partial block counts as one
     if holdout <= 0 or blocks < 2:
         return torch.arange(num_tokens), torch.zeros(0, dtype=torch.long)
+    # block b is held out when floor(b h) steps up between b and b + 1: h of the blocks, evenly spaced
     out_B = torch.tensor([floor((b + 1) * holdout) > floor(b * holdout) for b in range(blocks)])
     if bool(out_B.all()):  # h >= 1 holds out every block (b = 0 is kept for any h < 1): keep one
         out_B[0] = False
@@ -175,8 +176,10 @@ def _place_one(
     x_TE = incidence(ids_TK, num_experts)
     if budget is None:
         result = solve_layer(ids_TK, num_experts, num_devices, algorithm, num_nodes, **options)
+        # the bound reported with the figures: the user's, or the automatic one the algorithm resolved alike
         beta = explicit if explicit is not None else _auto_bound(x_TE, num_devices)
     else:  # the bound belongs to the pruned routing: place unpruned, then refine on the pruned routing
+        # the user's bound is dropped for the unpruned solve: it is a bound on the pruned routing's loads
         plain = {k: v for k, v in options.items() if k != "max_load_imbalance"}
         result = solve_layer(ids_TK, num_experts, num_devices, algorithm, num_nodes, **plain)
         dev_E = expert_device_from_groups(result.groups, num_experts)
@@ -216,9 +219,11 @@ def _place_in_routing_groups(ids_TK, num_experts, num_devices, group_size, algor
     per_device = num_experts // num_devices
     if per_device % group_size == 0:
         # expert e of routing group u = e // group_size: the groups are placed as experts of their own
+        # ids // group_size maps each expert to its routing group: the groups are the units placed
         unit_groups = place_layer(
             ids_TK // group_size, num_experts // group_size, num_devices, algorithm, num_nodes, **options
         )
+        # unit u covers experts u*group_size .. (u+1)*group_size - 1: expand each device's units back
         return [
             sorted(e for u in g for e in range(u * group_size, (u + 1) * group_size)) for g in unit_groups
         ]
@@ -226,11 +231,73 @@ def _place_in_routing_groups(ids_TK, num_experts, num_devices, group_size, algor
     groups: list[list[int]] = []
     for q in range(num_experts // group_size):
         # (T, K) ids local to group q (0..group_size-1), -1 for the experts outside it
+        # an expert of group q has local id e - q*group_size in 0..group_size-1
         local = torch.where(ids_TK // group_size == q, ids_TK - q * group_size, -1)
         inside = local.max(dim=1).values >= 0  # tokens with at least one expert in this group
         sub = place_layer(local[inside], group_size, span, algorithm, **options)
+        # the group's span devices come in order: local ids back to global expert ids
         groups.extend(sorted(q * group_size + e for e in g) for g in sub)
     return groups
+
+
+def _layers_to_place(profile, holdout: float, layers: Iterable[int] | None) -> list[int]:
+    """The profiled layers to place, sorted (all when `layers` is None); the holdout share checked."""
+    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
+        raise PlacementError(f"holdout={holdout!r} must be a share of the tokens in [0, 1), e.g. 0.5 or 0")
+    if not profile.layers:
+        raise PlacementError("profile has no MoE layers; profile the model with `occult-ft profile` first")
+    todo = sorted(profile.layers) if layers is None else sorted({int(i) for i in layers})
+    unknown = [i for i in todo if i not in profile.layers]
+    if unknown or not todo:
+        raise PlacementError(
+            f"layers={unknown or todo!r}: place profiled layers, a non-empty subset of {sorted(profile.layers)}"
+        )
+    return todo
+
+
+def _routing_group_size(profile, algorithm: str, num_experts: int, num_devices: int) -> int:
+    """Experts per routing group that must stay whole (DeepSeek group-limited routing; 1 = none):
+    whole groups per device, or each group split evenly over group_size / per_device devices."""
+    # sequential keeps every contiguous block whole anyway
+    group_size = int(getattr(profile, "group_size", 1) or 1) if algorithm != "sequential" else 1
+    per_device = num_experts // num_devices
+    if group_size > 1 and per_device % group_size and group_size % per_device:
+        num_group = num_experts // group_size
+        raise PlacementError(
+            f"the model routes within {num_group} groups of {group_size} experts, which must stay whole, and "
+            f"devices={num_devices} ({per_device} experts each) neither holds whole groups nor splits each group "
+            f"evenly; use devices dividing or divisible by {num_group}, or placement 'sequential'"
+        )
+    return group_size
+
+
+def _layer_figures(
+    ids_TK: torch.Tensor, dev_E: torch.Tensor, placed: dict, num_devices: int, num_nodes: int, budget
+) -> dict[str, Any]:
+    """One placed layer's figures on the tokens it was placed on, with the algorithm's bounds per token,
+    the gaps to them, and its time."""
+    result = placed["result"]
+    figures = _figures(ids_TK, dev_E, num_devices, num_nodes, budget)
+    # max(1, ...): a layer with no tokens divides by 1, not 0
+    tokens = max(1, figures["tokens"])
+    # the algorithms bound the summed devices over the tokens; per token it bounds comm_complexity
+    bound = None if result.lower_bound is None else result.lower_bound / tokens
+    if bound is not None:  # an LP bound may exceed the placement it proves by the solver's tolerance
+        bound = min(bound, figures["comm_complexity"])
+    figures.update(
+        lower_bound=bound,
+        # gap = comm_complexity / bound - 1: the placement's distance from the proven optimum
+        gap=None if not bound else figures["comm_complexity"] / bound - 1.0,  # 0.0: proven optimal
+        optimal=bool(result.optimal),
+        load_bound=placed["load_bound"],
+        seconds=placed["seconds"],
+        note=result.note,
+    )
+    if num_nodes > 1:
+        node_bound = None if result.node_lower_bound is None else result.node_lower_bound / tokens
+        figures["node_lower_bound"] = node_bound
+        figures["node_gap"] = None if not node_bound else figures["node_complexity"] / node_bound - 1.0
+    return figures
 
 
 def compute_placement(
@@ -279,34 +346,15 @@ def compute_placement(
     check_load_bound(max_load_imbalance)
     entry.check_options(options)
     check_budget(max_devices_per_token, criterion, num_devices)
-    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
-        raise PlacementError(f"holdout={holdout!r} must be a share of the tokens in [0, 1), e.g. 0.5 or 0")
-    if not profile.layers:
-        raise PlacementError("profile has no MoE layers; profile the model with `occult-ft profile` first")
-    todo = sorted(profile.layers) if layers is None else sorted({int(i) for i in layers})
-    unknown = [i for i in todo if i not in profile.layers]
-    if unknown or not todo:
-        raise PlacementError(
-            f"layers={unknown or todo!r}: place profiled layers, a non-empty subset of {sorted(profile.layers)}"
-        )
-    # DeepSeek group-limited routing: contiguous blocks of group_size experts must stay whole (sequential
-    # keeps every block whole anyway)
-    group_size = int(getattr(profile, "group_size", 1) or 1) if algorithm != "sequential" else 1
-    per_device = num_experts // num_devices
-    # whole groups per device, or each group split evenly over group_size / per_device devices
-    if group_size > 1 and per_device % group_size and group_size % per_device:
-        num_group = num_experts // group_size
-        raise PlacementError(
-            f"the model routes within {num_group} groups of {group_size} experts, which must stay whole, and "
-            f"devices={num_devices} ({per_device} experts each) neither holds whole groups nor splits each group "
-            f"evenly; use devices dividing or divisible by {num_group}, or placement 'sequential'"
-        )
+    todo = _layers_to_place(profile, holdout, layers)
+    group_size = _routing_group_size(profile, algorithm, num_experts, num_devices)
     budget = None if max_devices_per_token is None else (int(max_devices_per_token), criterion)
     if max_load_imbalance is not None:
         options["max_load_imbalance"] = max_load_imbalance
     groups, per_layer = {}, {}
     for layer in todo:
         ids = profile.layers[layer].topk_ids.long()
+        # fit and held are token indices: a held-out block never shapes the placement it measures
         fit, held = split_holdout(ids.shape[0], holdout)  # placed on `fit`; `held` is only measured
         try:
             if group_size > 1:
@@ -332,27 +380,9 @@ def compute_placement(
                 )
         except PlacementError as err:
             raise PlacementError(f"layer {layer}: {err}") from None
-        result = placed["result"]
-        groups[int(layer)] = result.groups
-        dev_E = expert_device_from_groups(result.groups, num_experts)
-        figures = _figures(ids[fit], dev_E, num_devices, num_nodes, budget)
-        tokens = max(1, figures["tokens"])
-        # the algorithms bound the summed devices over the tokens; per token it bounds comm_complexity
-        bound = None if result.lower_bound is None else result.lower_bound / tokens
-        if bound is not None:  # an LP bound may exceed the placement it proves by the solver's tolerance
-            bound = min(bound, figures["comm_complexity"])
-        figures.update(
-            lower_bound=bound,
-            gap=None if not bound else figures["comm_complexity"] / bound - 1.0,  # 0.0: proven optimal
-            optimal=bool(result.optimal),
-            load_bound=placed["load_bound"],
-            seconds=placed["seconds"],
-            note=result.note,
-        )
-        if num_nodes > 1:
-            node_bound = None if result.node_lower_bound is None else result.node_lower_bound / tokens
-            figures["node_lower_bound"] = node_bound
-            figures["node_gap"] = None if not node_bound else figures["node_complexity"] / node_bound - 1.0
+        groups[int(layer)] = placed["result"].groups
+        dev_E = expert_device_from_groups(placed["result"].groups, num_experts)
+        figures = _layer_figures(ids[fit], dev_E, placed, num_devices, num_nodes, budget)
         if len(held):
             figures["held_out"] = _figures(ids[held], dev_E, num_devices, num_nodes, budget)
         per_layer[str(layer)] = figures
@@ -438,6 +468,7 @@ def _overall(per_layer: dict, max_load_imbalance, holdout: float, budget) -> dic
         comm_complexity=mean(rows, "comm_complexity"),
         # the worst layer: the slowest device of any layer sets the step time
         load_imbalance=max(r["load_imbalance"] for r in rows),
+        # a mean bound needs every layer's: one layer without a bound leaves the overall unknown
         lower_bound=mean(rows, "lower_bound") if all(r["lower_bound"] is not None for r in rows) else None,
         max_load_imbalance=max_load_imbalance,
         holdout=holdout,
@@ -467,6 +498,7 @@ def sequential_placement(
 ) -> Placement:
     """The framework default (contiguous experts per device) as a `Placement`, for every listed layer."""
     validate_sizes(num_experts, num_devices, 1)
+    # sequential ignores the routing: zero tokens give the same groups
     groups = sequential(torch.zeros(0, num_experts), num_devices)
     return Placement(
         model,

@@ -36,11 +36,13 @@ MAX_FREE = 8  # experts freed per device of a pair: C(16, 8) = 12870 ways to spl
 def _splits(f: int) -> np.ndarray:
     """(W,) int64 bit masks over 2f bits with f bits set: the experts that go to the first device (the
     set is closed under complement, so both devices' choices are in it)."""
+    # each combination of f bit positions out of 2f is one way: C(2f, f) masks
     return np.array([sum(1 << i for i in c) for c in combinations(range(2 * f), f)], dtype=np.int64)
 
 
 def _hits(mask_P: np.ndarray, ways_W: np.ndarray) -> np.ndarray:
     """(W, P) bool: way w meets pattern p's freed experts."""
+    # bit i of a way = freed expert i goes to the first device; & with a pattern's mask: any of them there
     return (ways_W[:, None] & mask_P[None, :]) != 0
 
 
@@ -65,6 +67,7 @@ def pair_move(
         (objective change < 0, new dev_E, new loads_D) for the best improving split, else None.
     """
     X, w = sets.X, sets.w
+    # freed[:f] came from a, freed[f:] from b: bit i of every mask below means freed[i]
     freed = np.concatenate([free_a, free_b])
     f = len(free_a)
     kept_a, kept_b = dev_E == a, dev_E == b
@@ -73,18 +76,22 @@ def pair_move(
     reach_a, reach_b = X[:, kept_a].any(axis=1), X[:, kept_b].any(axis=1)
     # (U,) the set's freed experts as a bit mask: bit i = freed[i] (2f <= 16 bits, int64 is ample)
     bits = X[:, freed].astype(np.int64) @ (np.int64(1) << np.arange(2 * f, dtype=np.int64))
+    # what a and b carry whatever the split: the tokens of their kept experts
     base_a, base_b = float(w @ reach_a), float(w @ reach_b)
     live = bits != 0  # a set holding no freed expert loads a and b the same under every way
     # sets with the same (mask, reach a, reach b) load the devices alike: merged into P patterns
     key = np.stack([bits[live], reach_a[live], reach_b[live]], axis=1)  # type: ignore[index]
     pats, inv = np.unique(key, axis=0, return_inverse=True)
+    # wp: summed token count of each pattern (sets merged by np.unique, weights summed by bincount)
     wp = np.bincount(inv.ravel(), weights=w[live], minlength=len(pats))
     mask, ra, rb = pats[:, 0], pats[:, 1].astype(bool), pats[:, 2].astype(bool)
     ways = _splits(f)
     full = (1 << (2 * f)) - 1  # all 2f bits: full ^ way is the experts that go to b
     # (W,) a's load under each way: the kept experts' tokens plus the patterns a way's experts newly reach
+    # a pattern already reaching a (ra) adds nothing to a: only the others count, once per pattern
     load_a = base_a + _hits(mask, ways) @ (wp * ~ra)
     load_b = base_b + _hits(mask, full ^ ways) @ (wp * ~rb)
+    # the other devices keep their loads: they enter the bound's max and mean unchanged
     others = np.delete(loads_D, [a, b])
     total = others.sum() + load_a + load_b  # (W,) summed load: the mean the bound is relative to
     top = np.maximum(np.maximum(load_a, load_b), others.max(initial=0.0))
@@ -136,6 +143,7 @@ def improve_pairs(
     f = min(per, max_free)
     loads = _loads(sets, dev_E, num_devices)
     while time.perf_counter() < deadline:
+        # reach[u, d]: set u has an expert on device d under the current placement
         reach = (sets.Xf @ np.eye(num_devices, dtype=np.float32)[dev_E]) > 0.5
         shared = (reach * sets.w[:, None]).T @ reach  # tokens reaching both devices
         # pairs sharing the most tokens first (most to gain); the seeded draw orders ties
@@ -144,9 +152,11 @@ def improve_pairs(
         for a, b in pairs:
             if time.perf_counter() > deadline:
                 break
+            # f experts of each device are freed; the pair move re-splits those 2f between a and b
             free_a, free_b = _pick(sets, dev_E, a, b, f, rng), _pick(sets, dev_E, b, a, f, rng)
             move = pair_move(sets, dev_E, loads, a, b, free_a, free_b, bound, max_load)
             if move is not None:
+                # the move is taken at once: later pairs start from the improved placement and loads
                 _, dev_E, loads = move
                 improved = True
         if not improved:
@@ -158,7 +168,9 @@ def _pick(sets: TokenSets, dev_E: np.ndarray, a: int, b: int, f: int, rng) -> np
     """f experts of device a: all of them when a holds f, else drawn with weight 1 + tokens shared with b."""
     members = np.flatnonzero(dev_E == a)
     if len(members) == f:
+        # a device of exactly f experts frees all of them: the pair is re-solved exactly
         return members
+    # the sets that reach b: an expert of a sharing them is the one a move to b can save tokens on
     reach_b = sets.X[:, dev_E == b].any(axis=1)
     # 1 +: an expert sharing no token with b can still be drawn
     score = 1.0 + sets.w @ (sets.X[:, members] & reach_b[:, None])  # type: ignore[index]

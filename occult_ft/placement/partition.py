@@ -73,9 +73,11 @@ class TokenSets:
 
     @classmethod
     def from_bool(cls, x: np.ndarray) -> TokenSets:
+        # a token that reaches none of the m experts costs nothing on any partition: drop it
         x = x[x.any(axis=1)]
         if x.shape[0] == 0:
             return cls(np.zeros((0, x.shape[1]), bool), np.zeros(0))
+        # np.unique over rows merges tokens with the same expert set; the count of each is its weight w_S
         rows, counts = np.unique(x, axis=0, return_counts=True)
         return cls(rows, counts.astype(np.float64))
 
@@ -83,6 +85,7 @@ class TokenSets:
         """The token sets on the experts `keep` (bool (m,)), merged again (sets left empty are dropped)."""
         x = self.X[:, keep]
         live = x.any(axis=1)
+        # sets that differ only outside `keep` merge into one row; bincount sums their weights per new row
         rows, inv = np.unique(x[live], axis=0, return_inverse=True)
         return TokenSets(rows, np.bincount(inv.ravel(), weights=self.w[live], minlength=len(rows)))
 
@@ -94,6 +97,7 @@ class TokenSets:
     def ids(self) -> np.ndarray:
         """(U, k) int64 experts of each set, padded with m (sets hold at most k experts)."""
         if self._ids is None:
+            # k = the largest set size: the width of the padded (U, k) expert lists
             k = int(self.X.sum(axis=1).max(initial=0))
             # each row's members first (False sorts before True in ~X), in expert order; then the
             # non-members among the first k positions become the pad m (an index one past the columns)
@@ -105,6 +109,7 @@ class TokenSets:
     def rows_of(self) -> list[np.ndarray]:
         """Per expert, the sets holding it."""
         if self._rows_of is None:
+            # the inverse incidence: rows_of[e] lists the sets u with X[u, e]
             self._rows_of = [np.flatnonzero(self.X[:, e]) for e in range(self.X.shape[1])]
         return self._rows_of
 
@@ -117,19 +122,23 @@ class TokenSets:
     def cover(self, G: np.ndarray) -> np.ndarray:
         """(k,) float64 cost of each group of G (k, m) bool: tokens meeting the group."""
         G = np.atleast_2d(G)
+        # padding the group with a False column makes the pad index m of `ids` read "not in the group"
         if G.shape[0] <= 4:  # a few groups: through the sets' expert lists
             padded = np.concatenate([G, np.zeros((G.shape[0], 1), bool)], axis=1)
+            # row[ids] is (U, k): which of each set's experts lie in the group; any() = the set meets the group
             return np.array([float(self.w @ row[self.ids].any(axis=1)) for row in padded])
         out = np.empty(G.shape[0])
         # groups per matmul: the (U, step) hit matrix stays near 2**24 entries (64 MiB of float32)
         step = max(1, (1 << 24) // max(1, self.X.shape[0]))
         for lo in range(0, G.shape[0], step):
+            # (U, m) @ (m, step): hits[u, j] = |S_u & g_j| > 0, the set meets group j; w @ hits sums its tokens
             hits = (self.Xf @ G[lo : lo + step].T.astype(np.float32)) > 0.5
             out[lo : lo + step] = self.w @ hits
         return out
 
     def trivial_bound(self, group_size: int) -> float:
         """sum_S w_S ceil(|S| / s): a token of |S| experts reaches at least that many groups of s."""
+        # ceil(|S| / s): the fewest groups of s experts that can hold all |S| of a token's experts
         return float(self.w @ np.ceil(self.X.sum(axis=1) / group_size))
 
 
@@ -144,14 +153,17 @@ class LoadBound:
     other_max: float = 0.0
 
     def cap(self, z: float) -> float:
+        # cap(z) = beta * mean device load, the mean taken over all D devices (offset covers those outside)
         return self.beta * (self.offset + z) / self.num_devices
 
     def min_total(self) -> float:
         """The least z for which the devices outside the sub-problem keep the bound."""
+        # every device outside holds at most other_max, so cap(z) >= other_max needs z >= D other_max / beta - offset
         return max(0.0, self.num_devices * self.other_max / self.beta - self.offset)
 
     def keeps(self, loads: np.ndarray) -> bool:
         top = max(float(np.max(loads)) if len(loads) else 0.0, self.other_max)
+        # relative + absolute slack: costs are sums of floats, equal loads must not fail the bound by rounding
         return top <= self.cap(float(np.sum(loads))) * (1 + 1e-9) + 1e-9
 
 
@@ -179,23 +191,30 @@ def _local_descent(sets: TokenSets, g: np.ndarray, pi: np.ndarray, alpha: float,
     ids_UK, w, rows_of = sets.ids, sets.w, sets.rows_of
     g = g.copy()
     cost = float(sets.cover(g)[0])
+    # n_U[u] = members of g in set u (the pad index m reads False, so it counts nothing)
     n_U = np.concatenate([g, [False]])[ids_UK].sum(axis=1)
 
     def tally(rows: np.ndarray) -> np.ndarray:  # (m,) tokens of the sets `rows` per expert
         ids = ids_UK[rows]
+        # the pad id m lands in bin m, which [:m] drops
         return np.bincount(ids.ravel(), weights=np.repeat(w[rows], ids.shape[1]), minlength=m + 1)[:m]
 
     for _ in range(2 * int(g.sum()) + 4):
+        # gain[f]: tokens of the sets g misses that hold f; alone: the sets that only one member of g meets
         gain, alone = tally(np.flatnonzero(n_U == 0)), n_U == 1
         ins = np.flatnonzero(g)
         dc = np.empty((len(ins), m))
         for r, e in enumerate(ins):
             mine = rows_of[e][alone[rows_of[e]]]  # sets where e is g's only member
+            # dc[r, f] = change of c(g) when e leaves and f joins: + gain of f - sets only e met + those of them f meets
             dc[r] = gain - w[mine].sum() + tally(mine)
+        # drc[r, f] = alpha dc - (pi_f - pi_e): the change of the reduced cost alpha c(g) - pi(g) for the swap
         drc = alpha * dc - (pi[None, :] - pi[ins][:, None])
+        # f already in g is no swap; a swap that breaks the cap is not allowed either
         drc[:, g] = np.inf
         drc[cost + dc > cap + 1e-9] = np.inf
         i, j = np.unravel_index(int(np.argmin(drc)), drc.shape)
+        # no swap lowers the reduced cost by more than the tolerance: a local minimum
         if not drc[i, j] < -1e-9:
             break
         g[ins[i]], g[j] = False, True
@@ -213,15 +232,18 @@ def _greedy_groups(sets: TokenSets, pi: np.ndarray, alpha: float, size: int, cap
     for seed in range(m):
         g = np.zeros(m, bool)
         g[seed] = True
+        # covered[u]: set u already meets g (and so adds nothing to c(g) as the group grows)
         covered = np.zeros(len(w), bool)
         covered[sets.rows_of[seed]] = True
         cost = float(w[covered].sum())
         for _ in range(size - 1):
             rows = np.flatnonzero(~covered)
+            # gain[f] = tokens of the uncovered sets holding f: c(g + f) - c(g)
             gain = np.bincount(
                 ids_UK[rows].ravel(), weights=np.repeat(w[rows], ids_UK.shape[1]), minlength=m + 1
             )[:m]
             score = alpha * gain - pi
+            # members and experts that would break the cap are out of the choice
             score[g | (cost + gain > cap + 1e-9)] = np.inf
             f = int(np.argmin(score))
             if not np.isfinite(score[f]):
@@ -229,6 +251,7 @@ def _greedy_groups(sets: TokenSets, pi: np.ndarray, alpha: float, size: int, cap
             g[f] = True
             covered[sets.rows_of[f]] = True
             cost += float(gain[f])
+        # a seed whose growth the cap stopped early gives no full group
         if g.sum() == size:
             out.append(g)
     return out
@@ -263,6 +286,7 @@ def price(
         (best rc found, groups, lower bound of min rc (valid also when stopped early), complete).
     """
     search = _BranchAndBound(sets, pi, alpha, size, cap, threshold, collect, deadline, limit, exclude)
+    # the root: nothing chosen, cost and dual sum 0, every set still unmet, all candidates from 0
     search.visit([], 0.0, 0.0, search.X, sets.w, 0, np.inf)
     return float(search.best), search.groups(), float(search.lower), not search.stopped
 
@@ -281,6 +305,7 @@ class _BranchAndBound:
         self.m = X.shape[1]
         # candidates in order of their fair share of the cost less their dual: cheap groups are reached
         # first, so `best` falls early and the bound prunes more of the tail
+        # share_root[e] = sum_S w_S [e in S] / |S|: each token's 1 split equally over its experts
         share_root = w / np.maximum(X.sum(axis=1), 1) @ X if alpha >= 0 else w @ X
         self.order = np.argsort(alpha * share_root - pi, kind="stable")
         self.X, self.pi = X[:, self.order], pi[self.order]  # columns and duals in the search order
@@ -305,11 +330,14 @@ class _BranchAndBound:
             cnt = XC.sum(axis=1)  # |S & C|: candidates each set could still be met by
             keep = cnt > 0
             share = (wu[keep] / cnt[keep]) @ XC[keep]  # (m - i,) each candidate's share of the sets left
+            # the r smallest alpha share - pi over the candidates, added to what P already costs
             vals = alpha * share - cand_pi
             return alpha * base_c - base_pi + np.partition(vals, r - 1)[:r].sum()
+        # alpha < 0: bounding rc from below needs c from above, through the sum of gains or the cap
         gain = wu @ XC  # marginal gain of each candidate given P: c(P + R) <= c(P) + sum of gains, <= cap
         by_gain = alpha * base_c - base_pi + np.partition(alpha * gain - cand_pi, r - 1)[:r].sum()
         by_cap = (
+            # with alpha < 0 the cost term is at least alpha * cap; the r largest duals are subtracted
             alpha * self.cap - base_pi + np.partition(-cand_pi, r - 1)[:r].sum()
         )  # minus the r largest pi
         return max(by_gain, by_cap)
@@ -328,20 +356,24 @@ class _BranchAndBound:
             self.lower = min(self.lower, path)
             return
         r = self.size - len(P)
+        # a full group of `size` experts: a leaf with rc = alpha c - pi
         if r == 0:
             self._leaf(P, self.alpha * base_c - base_pi)
             return
         if self.m - i < r:  # fewer candidates left than experts to choose
             return
         bound = self.node_bound(r, base_c, base_pi, Xu, wu, i)
+        # this subtree cannot beat best (or the threshold): its bound still counts towards `lower`
         if self._prunes(bound):
             self.lower = min(self.lower, bound)
             return
         for j in range(i, self.m - r + 1):  # j: the next expert; at least r - 1 must remain after it
             col = Xu[:, j]
+            # the sets of Xu meet P not yet; those holding j now meet the group and add their tokens to the cost
             c_new = base_c + float(wu[col].sum())
             if c_new > self.cap + 1e-9:  # cost only grows with the group: no column below
                 continue
+            # the child drops the sets j meets: they cannot add to the cost again
             self.visit(P + [j], c_new, base_pi + self.pi[j], Xu[~col], wu[~col], j + 1, min(path, bound))
             if self.stopped:  # the siblings left unvisited are covered by this node's bound
                 self.lower = min(self.lower, bound)
@@ -354,6 +386,7 @@ class _BranchAndBound:
 
     def _leaf(self, P: list[int], val: float) -> None:
         if self.exclude and not self.collect:
+            # packbits of the (m,) mask: the same key as `_Pool` uses for its columns
             if np.packbits(self._mask(P)).tobytes() in self.exclude:
                 # a column of the master: its reduced cost is >= 0 at the master's duals
                 self.lower = min(self.lower, 0.0)
@@ -371,6 +404,7 @@ class _BranchAndBound:
     def _mask(self, P: list[int]) -> np.ndarray:
         """(m,) bool: the group of the positions P, in the experts' own order."""
         g = np.zeros(self.m, bool)
+        # positions in the search order map back to expert ids through `order`
         g[self.order[P]] = True
         return g
 
@@ -388,18 +422,22 @@ class _Pool:
         self.keys: set[bytes] = set()
         # artificial costs: twice each expert's fair share of the tokens (a token's 1 split over its experts)
         share = np.ones(m) if sets is None else (sets.w / np.maximum(sets.X.sum(axis=1), 1)) @ sets.X
+        # share (m,): each token's weight split equally over its experts, summed per expert (>= 1e-9)
         self.share = np.maximum(share, 1e-9)
+        # art[e] = 2 max(share_e, 1); `_column_generation` raises it while the LP still uses the artificial
         self.art = 2.0 * np.maximum(share, 1.0)
 
     def add(self, sets: TokenSets, groups: list[np.ndarray]) -> int:
         new = []
         for g in groups:
+            # packbits of the (m,) bool mask: a compact hashable key, so a duplicate column is never added twice
             key = np.packbits(g).tobytes()
             if key not in self.keys:
                 self.keys.add(key)
                 new.append(g)
         if new:
             self.G = np.vstack([self.G, np.array(new)])
+            # only the new columns' costs are computed (cover is the expensive part)
             self.cost = np.concatenate([self.cost, sets.cover(np.array(new))])
         return len(new)
 
@@ -415,12 +453,15 @@ def _solve_lp(G: np.ndarray, cost: np.ndarray, art: np.ndarray):
     from scipy.optimize import linprog
     from scipy.sparse import coo_array, hstack, identity
 
+    # columns of A_eq: the k groups (row e of column g = [e in g]) and then the m artificials (identity)
     k, m = G.shape
     A_eq = hstack([coo_array(G.T.astype(np.float64)), identity(m, format="coo")]).tocsr()
     c = np.concatenate([cost, art])
+    # sum_g [e in g] x_g + a_e = 1 per expert e: the partition rows, relaxed to x >= 0
     res = linprog(c, A_eq=A_eq, b_eq=np.ones(m), bounds=(0, None), method="highs")
     if res.status != 0:
         return None
+    # eqlin.marginals are the duals of the partition rows: pi (m,)
     return float(res.fun), res.x[:k], np.asarray(res.eqlin.marginals, dtype=np.float64)
 
 
@@ -438,28 +479,36 @@ def _solve_milp(G: np.ndarray, cost: np.ndarray, bound: LoadBound | None, z_low:
     k, m = G.shape
     if seconds < 0.5 or k == 0:  # no time left (or nothing to choose from): no solve
         return None, np.inf, -np.inf, False
+    # one more variable, z (the summed load), when there is a load bound
     nvar = k + (bound is not None)
     part = coo_array(G.T.astype(np.float64), shape=(m, k))
+    # the partition rows widened to nvar columns (z has no entry there): each expert in exactly one group
     constraints = [LinearConstraint(coo_array((part.data, (part.row, part.col)), shape=(m, nvar)), 1, 1)]
     lo, hi = np.zeros(nvar), np.ones(nvar)
     if bound is not None:
+        # z >= min_total: the devices outside the sub-problem need a total at least this large
         lo[k], hi[k] = bound.min_total(), np.inf
         z_row = np.zeros((1, nvar))
+        # z - sum_g c_g x_g = 0 defines z
         z_row[0, :k], z_row[0, k] = -cost, 1.0
         constraints.append(LinearConstraint(z_row, 0, 0))
+        # slope_g > 0 only for a column that can break the bound: D c_g / beta > offset + z_low
         slope = bound.num_devices * cost / bound.beta - bound.offset - z_low
+        # one row per such column: z - slope_g x_g >= z_low, i.e. z >= D c_g / beta - offset when x_g = 1
         band = np.flatnonzero(slope > 1e-9)
         if len(band):
             r = np.arange(len(band))
             A = coo_array(
                 (
                     np.concatenate([-slope[band], np.ones(len(band))]),
+                    # row r has -slope at column band[r] and 1 at column k (z)
                     (np.concatenate([r, r]), np.concatenate([band, np.full(len(band), k)])),
                 ),
                 shape=(len(band), nvar),
             )
             constraints.append(LinearConstraint(A, z_low, np.inf))
     integrality = np.zeros(nvar)
+    # x binary (0/1 through the bounds), z continuous
     integrality[:k] = 1
     c = np.concatenate([cost, np.zeros(nvar - k)])
     res = milp(
@@ -467,12 +516,14 @@ def _solve_milp(G: np.ndarray, cost: np.ndarray, bound: LoadBound | None, z_low:
         constraints=constraints,
         integrality=integrality,
         bounds=Bounds(lo, hi),
+        # HiGHS's default relative gap (1e-4) stops short of a proof: ask for 1e-9
         options={"time_limit": seconds, "mip_rel_gap": 1e-9, "disp": False},
     )
     dual = getattr(res, "mip_dual_bound", None)
     dual = float(dual) if dual is not None and np.isfinite(dual) else -np.inf
     if res.x is None:
         return None, np.inf, dual, False
+    # x of 0/1 variables comes back as floats near 0 or 1
     chosen = np.flatnonzero(res.x[:k] > 0.5)
     return chosen, float(cost[chosen].sum()), dual, res.status == 0
 
@@ -484,6 +535,7 @@ def _to_groups(G: np.ndarray) -> list[list[int]]:
 
 def _random_group(rng: np.random.Generator, m: int, size: int) -> np.ndarray:
     g = np.zeros(m, bool)
+    # a random group of `size` distinct experts (a pricing start when no column fits the cap)
     g[rng.choice(m, size, replace=False)] = True
     return g
 
@@ -510,12 +562,15 @@ def _heuristic_columns(
 ) -> list[np.ndarray]:
     """Columns priced negative against the LP duals `pi_lp`, searched at the duals `pi_price`: descents
     from the basis columns and from the best greedy groups."""
+    # the LP's basis columns, largest x first: descents from the groups the LP already leans on
     basis = np.flatnonzero(x > 1e-9)
     starts = [pool.G[inside[i]] for i in basis[np.argsort(-x[basis])][:8]]
     greedy = _greedy_groups(sets, pi_price, 1.0, size, cap)
+    # reduced cost of each greedy group at the pricing duals: the 8 cheapest become starts
     rc = np.array([sets.cover(g)[0] - pi_price[g].sum() for g in greedy])
     starts += [greedy[i] for i in np.argsort(rc)[:8]]
     found = [_local_descent(sets, g, pi_price, 1.0, cap) for g in starts]
+    # keep only what prices negative at the LP's own duals: only those columns can improve the LP
     return [g for g in found if sets.cover(g)[0] - pi_lp[g].sum() < -_EPS]
 
 
@@ -533,13 +588,16 @@ def _column_generation(
     long tail of columns that do not move it.
     """
     m = sets.num_experts
+    # groups of equal size: s = m / n
     size = m // num_groups
     center, center_lb_rc, best = None, -np.inf, -np.inf
     alpha, rounds = 0.5, 0
     lp = None
     while time.perf_counter() < deadline:
+        # the LP only takes the columns within the cap (costlier ones would break the load bound)
         inside = np.flatnonzero(pool.cost <= cap + 1e-9)
         if len(inside) == 0:
+            # no column fits: random groups to start from
             pool.add(sets, [_random_group(rng, m, size) for _ in range(8 * num_groups)])
             inside = np.flatnonzero(pool.cost <= cap + 1e-9)
         if len(inside) == 0:
@@ -566,6 +624,7 @@ def _column_generation(
             center = (
                 (weight / np.maximum(weight.sum(axis=1, keepdims=True), 1e-30)) * pool.cost[inside][:, None]
             ).sum(axis=0)
+        # Wentges smoothing: duals between the centre (best bound so far) and the LP's own
         smooth = alpha * center + (1.0 - alpha) * pi
         added = pool.add(sets, _heuristic_columns(sets, pool, inside, x, smooth, pi, size, cap))
         if added and rounds % 8:  # heuristic columns found: exact pricing only every 8th round
@@ -576,9 +635,11 @@ def _column_generation(
         best_rc, groups, lb_rc, complete = price(
             sets, smooth, 1.0, size, cap, -tol / num_groups, deadline=budget
         )
+        # the Lagrangian bound at the smoothed duals (lb_rc is a valid lower bound of min rc even when stopped)
         bound = float(smooth.sum()) + num_groups * min(0.0, lb_rc)
         if bound > best:
             best, center, center_lb_rc = bound, smooth.copy(), lb_rc
+        # a column helps the LP only if it prices negative at the LP's own duals pi, not just the smoothed ones
         useful = [g for g in groups if sets.cover(g)[0] - pi[g].sum() < -_EPS]
         if useful and pool.add(sets, useful):
             continue
@@ -587,6 +648,7 @@ def _column_generation(
                 best, center, center_lb_rc = max(best, bound), smooth.copy(), lb_rc
                 lp.converged = True
                 break
+            # price at the LP's duals from now on: a complete pricing there with nothing negative proves the LP
             alpha = 0.0
     if lp is not None and center is not None:
         lp.pi, lp.lb_rc = center, center_lb_rc
@@ -610,20 +672,25 @@ def _dive(
     rest = np.arange(m)
     cur_sets, cur_pool = sets, pool
     lp: _LP | None = top
+    # n - 1 groups are fixed one by one; the experts left form the last group
     for level in range(num_groups - 1):
         if lp is None or lp.artificial or time.perf_counter() > deadline:
             return None
+        # the column the LP uses most (largest x) is fixed
         g = cur_pool.G[lp.inside[int(np.argmax(lp.x))]]
         full = np.zeros(m, bool)
+        # g is over the experts left (`rest`): rest[g] maps back to the original expert ids
         full[rest[g]] = True
         chosen.append(full)
         rest = rest[~g]
         cur_sets = cur_sets.restrict(~g)
         removed = np.ones(m, bool)
         removed[rest] = False
+        # a pool column survives when it holds none of the removed experts
         within = ~pool.G[:, removed].any(axis=1)  # the top pool's columns among the experts left
         cur_pool = _Pool(len(rest), cur_sets)
         cur_pool.add(cur_sets, list(pool.G[within][:, rest]))
+        # after the last fixing only one group (`last`) is left: no LP for it
         if level < num_groups - 2:
             lp = _column_generation(cur_sets, num_groups - level - 1, cur_pool, cap, rng, deadline)
     last = np.zeros(m, bool)
@@ -656,6 +723,7 @@ def solve_partition(
         keeps the bounds and none was found).
     """
     m = sets.num_experts
+    # one group, groups of one, or no tokens: every partition costs the same (`_single_cost`)
     if num_groups == 1 or m // num_groups == 1 or sets.X.shape[0] == 0:
         return _single_cost(sets, num_groups, bound, max_load)
     search = _PartitionSearch(sets, num_groups, bound=bound, max_load=max_load, seconds=seconds, seed=seed)
@@ -673,6 +741,7 @@ def _single_cost(
     """One group, groups of one expert, or no tokens: every partition costs the same (one group: each
     token once; singletons: each token |S| times; no tokens: 0), so any partition is optimal."""
     m = sets.num_experts
+    # one group of all experts, or the identity (each expert its own group)
     G = np.ones((1, m), bool) if num_groups == 1 else np.eye(m, dtype=bool)
     cost = sets.cover(G)
     value = float(cost.sum())
@@ -743,6 +812,7 @@ class _PartitionSearch:
 
     def run(self, starts: list[list[list[int]]]) -> PartitionResult:
         for groups in starts:
+            # a start given as expert-id lists becomes an (n, m) incidence matrix
             G = np.zeros((self.num_groups, self.m), bool)
             for i, g in enumerate(groups):
                 G[i, g] = True
@@ -772,6 +842,7 @@ class _PartitionSearch:
         """Take the partition G (n, m) as the incumbent when it keeps the bounds and is cheaper."""
         if G is None or len(G) != self.num_groups:
             return
+        # cost[g] = tokens reaching group g's device: the loads the bounds are checked on
         cost = self.sets.cover(G)
         if _keeps(cost, self.bound, self.max_load) and cost.sum() < self.best - 1e-9:
             self.G, self.best = G.copy(), float(cost.sum())
@@ -784,13 +855,16 @@ class _PartitionSearch:
         if np.isfinite(self.best):
             return self.best
         # no incumbent yet: every token on each of min(|S|, n) groups is the most any partition costs
+        # a token of |S| experts reaches at most min(|S|, n) groups
         return float(self.sets.w @ np.minimum(self.sets.X.sum(axis=1), self.num_groups))
 
     def closed(self) -> bool:
         gap = self.best - self.lower
+        # integer costs: a gap below 1 is closed; otherwise a relative 1e-6
         return gap < (1.0 - 1e-6 if self.integral else 1e-6 * max(1.0, self.best))
 
     def result(self, status: str) -> PartitionResult:
+        # the lower bound can exceed the incumbent only by rounding: report min
         best, lower = self.best, min(self.lower, self.best)
         if self.G is None:
             return PartitionResult([], np.inf, lower, False, "infeasible")
@@ -808,6 +882,7 @@ class _PartitionSearch:
 
     def _root(self) -> _LP | None:
         """Step 1: the LP within the incumbent's cap, its bound, and a dive on it."""
+        # the LP within the incumbent's cap (or the largest cost any partition can reach, with no incumbent)
         top = self._lp_at(self.upper())
         self._learn(top)
         if top is not None and not self.closed():
@@ -826,6 +901,7 @@ class _PartitionSearch:
 
     def _milp_over_pool(self) -> bool:
         """Step 2: the exact MILP over the pool's columns within the incumbent's cap; True when proven."""
+        # columns costlier than the incumbent's cap cannot be in a partition better than the incumbent
         inside = self.pool.cost <= self.cap(self.upper()) + 1e-9
         G, cost = self.pool.G[inside], self.pool.cost[inside]
         # 90% of the time left: the steps after it still get a slice
@@ -839,9 +915,11 @@ class _PartitionSearch:
     def _raise_bound(self) -> _LP | None:
         """Step 3: bisection for the largest z whose cap's LP is >= z (a lower bound of the optimum),
         diving on the LPs below; returns the LP within the incumbent's cap, priced again."""
+        # bisection on z between the proven bound and the incumbent (or the largest possible cost)
         lo, hi = self.lower, self.upper()
         reserve = self.deadline - 0.3 * self.seconds  # 30% of the budget is kept for step 4
         while hi - lo > max(1.0, 1e-4 * hi) and not self.closed() and time.perf_counter() < reserve:
+            # the LP within cap(mid) >= mid proves that no partition costs less than mid: raise lo, else lower hi
             mid = 0.5 * (lo + hi)
             got = self._lp_at(mid)
             if got is None or not np.isfinite(got.bound):
@@ -876,9 +954,12 @@ class _PartitionSearch:
             self._milp_over_pool()
             late = time.perf_counter() >= self.deadline
             return self.result("time limit" if late else "gap (too many columns to enumerate)")
+        # each enumerated column is an (m,) mask: stacked to (k, m)
         G = np.array(enumerated).reshape(-1, self.m)
+        # the incumbent's columns join, so the MILP is never worse than the incumbent
         if self.G is not None:
             G = np.vstack([G, self.G])
+        # the costs of the enumerated columns and the incumbent's, the MILP's objective coefficients
         cost = self.sets.cover(G)
         chosen, val, dual, proven = _solve_milp(
             G, cost, self.bound, self.lower, 0.9 * (self.deadline - time.perf_counter())

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from ..checks import is_int
 from .core import PlacementError, device_to_groups, imbalance
 
 __all__ = [
@@ -43,7 +44,7 @@ def check_budget(max_devices_per_token, criterion: str, num_devices: int) -> Non
     """One-line `PlacementError` for a budget placement cannot evaluate."""
     if max_devices_per_token is None:
         return
-    if isinstance(max_devices_per_token, bool) or not isinstance(max_devices_per_token, int):
+    if not is_int(max_devices_per_token):
         raise PlacementError(
             f"max_devices_per_token={max_devices_per_token!r} must be an integer between 1 and {num_devices}"
         )
@@ -72,15 +73,18 @@ def admitted_devices(
         reach_TD: (T, D) bool, the devices each token reaches after pruning (its first M distinct ones);
         kept_TK: (T, K) bool, the selections pruning keeps (those on a reached device).
     """
+    # dev_TK[t, j]: device of the token's j-th choice (slots best first)
     dev_TK = expert_device_E[topk_ids_TK.long()]
     k = dev_TK.shape[1]
     # a slot is a token's first choice on its device when no earlier slot (a better choice) is on that
     # device; the first M such slots are the M devices the budget admits, in the router's order
+    # same_TKK[t, j, i]: slots j and i of token t sit on one device
     same_TKK = dev_TK[:, :, None] == dev_TK[:, None, :]
     earlier_KK = torch.tril(torch.ones(k, k, dtype=torch.bool), diagonal=-1)  # [j, i]: i before j
     first_TK = ~(same_TKK & earlier_KK).any(dim=2)
     admit_TK = first_TK & (first_TK.cumsum(dim=1) <= max_devices)  # cumsum: distinct devices so far
     reach_TD = torch.zeros(dev_TK.shape[0], num_devices, dtype=torch.bool)
+    # row index of every admitted slot, paired with its device: one True per admitted (token, device)
     reach_TD[torch.arange(dev_TK.shape[0])[:, None].expand_as(dev_TK)[admit_TK], dev_TK[admit_TK]] = True
     # a selection is kept when its device was admitted (by that device's first slot, perhaps another one)
     return reach_TD, reach_TD.gather(1, dev_TK)
@@ -95,6 +99,7 @@ def pruned_figures(
         return dict(comm_complexity=0.0, load_imbalance=0.0, removed_share=0.0)
     reach_TD, kept_TK = admitted_devices(topk_ids_TK, expert_device_E, num_devices, max_devices)
     return dict(
+        # reach_TD.sum() counts each token once per admitted device: comm_complexity = mean over tokens
         comm_complexity=float(reach_TD.sum()) / reach_TD.shape[0],
         # column sums: rows each device receives, one per token reaching it (de-duplicated dispatch)
         load_imbalance=imbalance(reach_TD.sum(dim=0)),
@@ -121,10 +126,13 @@ class PrunedState:
 
     def _measure(self, ids_RK: torch.Tensor, w_R: torch.Tensor, dev_E: torch.Tensor):
         reach_RD, kept_RK = admitted_devices(ids_RK, dev_E, self.num_devices, self.max_devices)
+        # kept_RK False = the selection is on a device the budget did not admit: pruning removes it
         removed = float(w_R @ (~kept_RK).sum(dim=1).double())  # token-weighted selections pruned away
         dev_RK = dev_E[ids_RK]
+        # plain_RD: the devices each row reaches without a budget (its whole top-k), for the tie-break
         plain_RD = torch.zeros_like(reach_RD).scatter_(1, dev_RK, True)
         unpruned = float(w_R @ plain_RD.sum(dim=1).double())  # summed devices before pruning: tie-break
+        # w_R @ reach: the pruned rows each device receives, every distinct row weighted by its token count
         return removed, unpruned, w_R @ reach_RD.double()
 
     def reset(self, dev_E: torch.Tensor) -> None:
@@ -137,6 +145,7 @@ class PrunedState:
         ids, w = self.ids_RK[rows], self.w_R[rows]
         removed0, unpruned0, load0 = self._measure(ids, w, self.dev_E)
         dev = self.dev_E.clone()
+        # the swap is tried on a copy: the state changes only in `apply`
         dev[a], dev[b] = self.dev_E[b], self.dev_E[a]
         removed1, unpruned1, load1 = self._measure(ids, w, dev)
         # the rows not holding a or b load the devices as before: only this subset's share is replaced
@@ -172,6 +181,7 @@ def refine_pruned(
         dev_E[g] = d
     state = PrunedState(topk_ids_TK, dev_E, num_devices, max_devices)
     gen = torch.Generator().manual_seed(seed)
+    # experts a < b, each unordered pair once
     pairs = [(a, b) for a in range(num_experts) for b in range(a + 1, num_experts)]  # E (E - 1) / 2 swaps
 
     def sweep(balance: bool) -> bool:
@@ -183,6 +193,7 @@ def refine_pruned(
             if state.dev_E[a] == state.dev_E[b]:  # same device: the swap changes nothing
                 continue
             d_removed, d_unpruned, load = state.swap_effect(a, b)
+            # the imbalance of the pruned routing's loads, before and after the swap
             now, after = imbalance(state.load_D), imbalance(load)
             if balance:
                 if after < now - 1e-12:

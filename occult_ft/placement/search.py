@@ -26,6 +26,7 @@ from functools import partial
 
 import torch
 
+from ..checks import is_int, is_positive_int
 from ..metrics import expert_device_from_groups
 from .algorithms import greedy_pairs, occult, register_algorithm, sequential
 from .core import (
@@ -35,7 +36,6 @@ from .core import (
     devices_total,
     imbalance,
     incidence,
-    is_int,
     level_totals,
     resolve_load_bound,
     two_level,
@@ -81,16 +81,20 @@ class SwapState:
 
     def reset(self, dev_E: torch.Tensor) -> None:
         self.dev_E = dev_E.clone()
+        # onehot_ED[e, d] = [dev(e) == d], so count_TD[t, d] = experts of token t on device d
         onehot_ED = torch.nn.functional.one_hot(self.dev_E, self.num_devices).float()
         self.count_TD = self.x_TE @ onehot_ED
         zero_TD, one_TD = (self.count_TD == 0).float(), (self.count_TD == 1).float()
         self.xz_ED, self.xo_ED = self.x_TE.T @ zero_TD, self.x_TE.T @ one_TD
+        # y[t, a] = x[t, a] O[t, dev(a)]: t holds a and a is t's only expert on a's device; a_EE = y^T x
         self.a_EE = (self.x_TE * one_TD[:, self.dev_E]).T @ self.x_TE
         self.xc_ED = self.x_TE.T @ self.count_TD
+        # a token loads a device once, however many of its experts sit there: T minus the tokens with none
         self.load_D = self.x_TE.shape[0] - zero_TD.sum(dim=0)  # tokens reaching each device
 
     @property
     def total(self) -> float:
+        # summed load = sum_d (tokens reaching d) = sum_t C_t, the objective
         return float(self.load_D.sum())
 
     def swap_deltas(self, bound: float) -> torch.Tensor:
@@ -103,15 +107,21 @@ class SwapState:
         """(E, E) change of the summed C_T and (E, E) max/mean device load after each swap; both +inf for
         same-device pairs."""
         dev = self.dev_E
+        # xo_self_E[a] = xo[a, dev(a)]: tokens that stop reaching a's device when a leaves it
         xo_self_E = self.xo_ED.gather(1, dev[:, None]).squeeze(1)
+        # column b picks device dev(b): move_EE[a, b] = xz[a, dev(b)] - xo[a, dev(a)]
         move_EE = (self.xz_ED - xo_self_E[:, None])[:, dev]  # [a, b]: move a onto b's device
         corr_EE = self.a_EE + self.a_EE.T
         delta_EE = move_EE + move_EE.T + corr_EE
         # new load of a's device after the swap (b's device: the transpose)
+        # a's device loses the tokens only a brought there, gains b's tokens that did not reach it yet, and
+        # a_EE adds back the tokens holding both (there b replaces a)
         load_a_EE = self.load_D[dev][:, None] - xo_self_E[:, None] + self.xz_ED[:, dev].T + self.a_EE
+        # others_DD[p, q] = the largest load among the devices other than p and q (they keep their loads)
         others_DD = self.load_D.expand(self.num_devices, self.num_devices, -1)
         others_DD = others_DD.masked_fill(self.excluded_DDD, float("-inf")).amax(dim=-1)
         new_max = torch.maximum(torch.maximum(load_a_EE, load_a_EE.T), others_DD[dev][:, dev])
+        # the objective is the summed load, so the mean after the swap is (total + delta) / D
         new_mean = (self.total + delta_EE) / self.num_devices
         same = dev[:, None] == dev[None, :]
         ratio_EE = (new_max / new_mean.clamp_min(1e-30)).masked_fill(same, float("inf"))
@@ -129,6 +139,7 @@ class SwapState:
             best_ratio = float(ratio_EE.min())
             if not best_ratio < now - 1e-12:
                 return False
+            # among the swaps that reach the best ratio, the one of least objective change; flat index -> (a, b)
             best = int(delta_EE.masked_fill(ratio_EE > best_ratio, float("inf")).argmin())
             self.apply_swap(*divmod(best, num_experts))
         return imbalance(self.load_D) <= bound * (1 + 1e-9)
@@ -136,25 +147,30 @@ class SwapState:
     def pair_gains(self) -> torch.Tensor:
         """(E, E) increase of the intra-device pair count for each swap (the tie-break on plateaus)."""
         dev = self.dev_E
+        # own_E[a] = xc[a, dev(a)], which counts a itself once per token: + load(a) (co's diagonal) removes it
         own_E = self.xc_ED.gather(1, dev[:, None]).squeeze(1)
         move_EE = (self.xc_ED - own_E[:, None])[:, dev] + self.co_EE.diagonal()[:, None]
         return move_EE + move_EE.T - 2 * self.co_EE
 
     def apply_swap(self, a: int, b: int) -> None:
         p, q = int(self.dev_E[a]), int(self.dev_E[b])
+        # only tokens holding a or b change their counts: every update below reads those rows only
         rows = torch.unique(torch.cat([self.tokens_of[a], self.tokens_of[b]]))
         x_RE, c_RD = self.x_TE[rows], self.count_TD[rows]
         zero_old, one_old = (c_RD == 0).float(), (c_RD == 1).float()
+        # the rows' old share of a_EE, subtracted once the new one is known
         y_old = x_RE * one_old[:, self.dev_E]
         step_R = x_RE[:, a] - x_RE[:, b]  # tokens with only a move a row p -> q, only b: q -> p
         c_RD[:, p] -= step_R
         c_RD[:, q] += step_R
         self.count_TD[rows] = c_RD
+        # xc = x^T count changes by x^T (the rows' count change) on columns p and q only
         self.xc_ED[:, p] -= x_RE.T @ step_R
         self.xc_ED[:, q] += x_RE.T @ step_R
         self.dev_E[a], self.dev_E[b] = q, p
         zero_new, one_new = (c_RD == 0).float(), (c_RD == 1).float()
         x_RE_T = x_RE.T
+        # xz, xo and a_EE move by the difference of the rows' new and old indicators
         self.xz_ED += x_RE_T @ (zero_new - zero_old)
         self.xo_ED += x_RE_T @ (one_new - one_old)
         self.a_EE += (x_RE * one_new[:, self.dev_E] - y_old).T @ x_RE
@@ -168,11 +184,14 @@ class SwapState:
         num_experts = self.x_TE.shape[1]
         for _ in range(max_swaps):
             delta_EE = self.swap_deltas(bound)
+            # integer deltas: > 0.5 means every allowed swap raises the objective
             best_delta = float(delta_EE.min())  # deltas are integers
             if best_delta > 0.5:
                 return
+            # among the swaps of the best delta, the one gaining the most intra-device pairs
             gain_EE = self.pair_gains().masked_fill(delta_EE != best_delta, float("-inf"))
             best = int(gain_EE.argmax())
+            # at equal objective a swap must gain pairs (so the descent cannot cycle); none does: a local minimum
             if best_delta > -0.5 and not float(gain_EE.view(-1)[best]) > 0.5:
                 return
             self.apply_swap(*divmod(best, num_experts))
@@ -185,7 +204,7 @@ def check_search_options(max_load_imbalance, seed, restarts, max_swaps, max_sear
         if not is_int(value) or value < low:
             raise PlacementError(f"{name}={value!r} must be an integer >= {low}")
     for name, value in (("max_swaps", max_swaps), ("max_search_tokens", max_search_tokens)):
-        if value is not None and (not is_int(value) or value < 1):
+        if value is not None and not is_positive_int(value):
             raise PlacementError(f"{name}={value!r} must be a positive integer, or None for the default")
 
 
@@ -203,14 +222,17 @@ def search(
     are evaluated on a seeded random subset, and the result is kept only if it beats every start on all
     tokens within the bound (so "never worse than occult" holds on the whole profile)."""
     check_search_options(max_load_imbalance, seed, restarts, max_swaps, max_search_tokens)
+    # default subset: SEARCH_CELLS / E tokens (at least 1024), so the (T, E) swap matrices stay bounded
     max_search_tokens = max_search_tokens or max(1024, SEARCH_CELLS // x_TE.shape[1])
     run = partial(_search_all, num_devices=num_devices, seed=seed, restarts=restarts, max_swaps=max_swaps)
     if x_TE.shape[0] <= max_search_tokens:
         return run(x_TE, max_load_imbalance=max_load_imbalance)
+    # the same seed draws the same subset, so the result is reproducible
     subset = torch.randperm(x_TE.shape[0], generator=torch.Generator().manual_seed(seed))[:max_search_tokens]
     num_experts = x_TE.shape[1]
 
     def score(groups) -> tuple[float, float]:  # (objective, load imbalance) on all tokens
+        # reach_TD[t, d]: token t has an expert on device d; its sum is the objective, its columns the loads
         reach_TD = (
             x_TE
             @ torch.nn.functional.one_hot(expert_device_from_groups(groups, num_experts), num_devices).float()
@@ -251,14 +273,17 @@ def _search_all(
         greedy_pairs(x_TE, num_devices),
         sequential(x_TE, num_devices),
     ]
+    # each start as an (E,) device map, the form SwapState works on
     devs = [expert_device_from_groups(g, num_experts) for g in starts]
     # token load stays bounded: by default max/mean device load within max(1.25, occult's), so a lopsided
     # greedy start cannot carry its imbalance into the result; occult is then always admissible
+    # devs[-3] is occult's start (the list ends occult, greedy_pairs, sequential): the bound's reference
     state = SwapState(x_TE, devs[-3], num_devices)
     bound = resolve_load_bound(max_load_imbalance, imbalance(state.load_D))
     max_swaps = max_swaps if max_swaps is not None else 2 * num_experts
     admissible, imbalances = [], []
     for dev in devs:
+        # the loads of each start under the bound: only those within it may start the descent
         state.reset(dev)
         imbalances.append(imbalance(state.load_D))
         if imbalances[-1] <= bound * (1 + 1e-9):
@@ -276,14 +301,17 @@ def _search_all(
     best_dev, best_total = state.dev_E.clone(), state.total
     # iterated local search: kick the best placement with a few random swaps, descend, keep if better
     gen = torch.Generator().manual_seed(seed)
+    # a kick of at least 2 random swaps, one more per 32 experts
     kicks = max(2, num_experts // 32)
     for _ in range(restarts):
         state.reset(best_dev)
         for _ in range(kicks):
             a = int(torch.randint(num_experts, (1,), generator=gen))
+            # the partner is any expert on another device
             others = (state.dev_E != state.dev_E[a]).nonzero().flatten()
             state.apply_swap(a, int(others[torch.randint(len(others), (1,), generator=gen)]))
         state.descend(bound, max_swaps)
+        # totals are integers: - 0.5 keeps only a strict improvement
         if state.total < best_total - 0.5 and imbalance(state.load_D) <= bound * (1 + 1e-9):
             best_dev, best_total = state.dev_E.clone(), state.total
     return device_to_groups(best_dev, num_devices)
@@ -342,9 +370,11 @@ def search_hierarchical(
 def _devices_first(x_TE: torch.Tensor, num_devices: int, num_nodes: int, solve, seed: int) -> list[list[int]]:
     """Search on the D devices, then place whole devices onto the N nodes (a device is a unit reached by
     the tokens reaching any of its experts). Groups are returned node by node."""
+    # the device level first: D groups of E/D experts
     groups = solve(x_TE, num_devices, seed=seed)
     onehot_ED = torch.nn.functional.one_hot(expert_device_from_groups(groups, x_TE.shape[1]), num_devices)
     reach_TD = ((x_TE @ onehot_ED.float()) > 0).float()  # (T, D): devices become the units placed on nodes
+    # solve returns node groups of device ids: expand each device to its experts, node by node
     return [groups[d] for node in solve(reach_TD, num_nodes, seed=seed) for d in node]
 
 

@@ -28,6 +28,7 @@ import warnings
 import numpy as np
 import torch
 
+from ..checks import is_int
 from ..metrics import expert_device_from_groups
 from .algorithms import occult, register_algorithm
 from .core import (
@@ -39,7 +40,6 @@ from .core import (
     devices_total,
     imbalance,
     incidence,
-    is_int,
     level_totals,
     node_incidence,
     resolve_load_bound,
@@ -111,6 +111,7 @@ def solver(
         return LayerResult(groups, value, True)
     started = time.perf_counter()
     deadline = started + time_limit
+    # beta: the bound on max/mean rows per device; None resolves against occult's own imbalance on this layer
     beta = resolve_load_bound(
         max_load_imbalance,
         imbalance(
@@ -123,8 +124,11 @@ def solver(
         start = search(x_TE, num_devices, max_load_imbalance=beta, seed=seed)
     except PlacementError:  # a strict bound search cannot reach: the exact model may still find one
         start = None
+    # dev[e] = device of expert e: the form the pair moves work on
     dev = None if start is None else expert_device_from_groups(start, num_experts).numpy()
+    # E/D experts per device: the group size of the partition model
     per = num_experts // num_devices
+    # past these sizes the pricing's branch and bound enumerates too many groups to finish in time
     large = num_experts > EXACT_MAX_EXPERTS or per > EXACT_MAX_GROUP
     if dev is not None:
         # 20% of the time for pair moves before the exact model, which takes the rest (a layer too large
@@ -140,6 +144,7 @@ def solver(
             )
         return LayerResult(
             _groups_of(dev, num_devices),
+            # each token reaches at least ceil(|S| / (E/D)) devices: the trivial bound (`TokenSets.trivial_bound`)
             sets.trivial_bound(per),
             False,
             note="bound: each token reaches ceil(k / (E/D)) devices (layer too large for the exact model)",
@@ -171,6 +176,7 @@ def solver(
             seed=seed + 1,
         )
         groups = _groups_of(dev, num_devices)
+    # the partition model's bound holds for the layer whatever the pair moves did afterwards (they only improve)
     return LayerResult(groups, res.lower_bound, res.optimal, note=None if res.optimal else res.status)
 
 
@@ -203,6 +209,7 @@ def solver_hierarchical(
         )
         return LayerResult(groups, note=_fallback_note())
     x_TE = incidence(topk_ids_TK, num_experts)
+    # occult's node groups and devices inside them: the reference the automatic bound is measured on
     occult_nodes = occult(x_TE, num_nodes)
     reference = two_level(topk_ids_TK, num_experts, num_devices, num_nodes, occult, node_groups=occult_nodes)
     ref_dev = expert_device_from_groups(reference, num_experts)
@@ -219,6 +226,7 @@ def solver_hierarchical(
         if got is None:
             continue
         groups, device_lower = got
+        # level_totals = (summed distinct nodes per token, summed distinct devices per token)
         totals = level_totals(x_TE, groups, num_devices, num_nodes)
         if best is None or totals < best[0]:  # (summed nodes, summed devices): nodes first
             best = (totals, groups, device_lower)
@@ -226,6 +234,7 @@ def solver_hierarchical(
         raise PlacementError(
             f"no hierarchical placement found within max_load_imbalance={beta}; raise max_load_imbalance"
         )
+    # the device-level bound holds for the node partition chosen; the node level has its own bound
     return LayerResult(best[1], best[2], False, node_lower_bound=nodes.lower_bound)
 
 
@@ -235,18 +244,21 @@ def _devices_in_nodes(topk_ids_TK, num_experts, num_devices, node_groups, start,
     num_nodes = len(node_groups)
     per_node = num_devices // num_nodes
     members = [list(g) for g in node_groups]
+    # the sub-problem of a node: its tokens restricted to its experts, in the node's local expert ids
     subs_x = [node_incidence(topk_ids_TK, num_experts, g) for g in members]
     subs = [TokenSets.from_incidence(x) for x in subs_x]
     local = []
     for n, g in enumerate(members):
         # device d of node n is device n * (D/N) + d over all D
         if start is not None:  # the given devices of this node, in local ids
+            # start holds global expert ids: map them to the node's local ids (the position in members[n])
             index = {e: i for i, e in enumerate(g)}
             local.append([sorted(index[e] for e in grp) for grp in start[n * per_node : (n + 1) * per_node]])
         else:
             local.append(search(subs_x[n], per_node, seed=seed + n + 1))
 
     def loads_of(n: int) -> np.ndarray:
+        # G[d, e] = local expert e sits on the node's device d; cover gives each device's load (tokens it receives)
         G = np.zeros((per_node, len(members[n])), bool)
         for d, grp in enumerate(local[n]):
             G[d, grp] = True
@@ -257,11 +269,14 @@ def _devices_in_nodes(topk_ids_TK, num_experts, num_devices, node_groups, start,
 
     def keeps() -> bool:
         every = np.concatenate(loads)
+        # max/mean load over all D devices (every node's loads concatenated), with relative slack for rounding
         return bool(every.max() <= beta * every.mean() * (1 + 1e-9))
 
     for _ in range(2):  # each node within the bound over all D devices, the other nodes as they stand
         for n in range(num_nodes):
+            # the loads of every device outside node n, held fixed while n is re-solved
             others = np.concatenate([loads[o] for o in range(num_nodes) if o != n])
+            # offset = their summed load, other_max = their largest: the bound over all D devices (`LoadBound`)
             bound = LoadBound(beta, num_devices, float(others.sum()), float(others.max(initial=0.0)))
             res = solve_partition(
                 subs[n], per_node, [local[n]], bound=bound, seconds=share, seed=seed + n + 1
@@ -278,6 +293,7 @@ def _devices_in_nodes(topk_ids_TK, num_experts, num_devices, node_groups, start,
     lower = 0.0
     for n in range(num_nodes):
         res = solve_partition(subs[n], per_node, [local[n]], max_load=cap, seconds=share, seed=seed + n + 1)
+        # the node's current cost is itself reachable, so a bound above it is capped there
         lower += min(res.lower_bound, float(loads[n].sum()))
     return [sorted(members[n][i] for i in grp) for n in range(num_nodes) for grp in local[n]], lower
 

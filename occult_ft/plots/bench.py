@@ -50,16 +50,7 @@ def plot_bench(
     Returns:
         The Figure (two axes: rows per token, milliseconds).
     """
-    backends = list(bench_result.get("backends") or [])
-    if not backends:
-        raise ValueError(
-            "bench result has no `backends` list; pass the report of run_benchmark / occult-ft bench --json"
-        )
-    missing = [k for k in ("backend", "rows_per_token", "exchange_ms") if k not in backends[0]]
-    if missing:
-        raise ValueError(
-            f"bench backends lack {missing}; pass the report of run_benchmark / occult-ft bench --json"
-        )
+    backends = _bench_backends(bench_result)
     names = [
         str(b["backend"])
         + (f" (M={b['max_devices_per_token']})" if b.get("max_devices_per_token") is not None else "")
@@ -68,48 +59,8 @@ def plot_bench(
     colors = [OURS if _is_ours(b) else PEER for b in backends]
     fig, (ax_rows, ax_ms) = new_figure(ncols=2, size=(12.0, 4.8))
     xs = list(range(len(backends)))
-    rows = [float(b["rows_per_token"]) for b in backends]
-    ax_rows.bar(xs, rows, color=colors)
-    for x, v in zip(xs, rows):
-        ax_rows.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
-    if bench_result.get("top_k"):
-        ax_rows.axhline(
-            float(bench_result["top_k"]),
-            color=PEER,
-            linestyle=":",
-            linewidth=1.2,
-            label=f"k = {bench_result['top_k']}",
-        )
-        ax_rows.legend(fontsize=8)
-    ax_rows.set_ylabel("rows per token (dispatch, per layer)")
-    ax_rows.set_title("volume")
-
-    ms = [b.get("exchange_ms") for b in backends]
-    has_path = any(b.get("path_ms") is not None for b in backends)
-    width = 0.4 if has_path else 0.7
-    shift = 0.2 if has_path else 0.0
-    ax_ms.bar([x - shift for x in xs], [v or 0.0 for v in ms], width=width, color=colors, label="exchange")
-    if has_path:
-        ax_ms.bar(
-            [x + shift for x in xs],
-            [b.get("path_ms") or 0.0 for b in backends],
-            width=width,
-            color=colors,
-            alpha=0.45,
-            label="whole dispatch + combine path",
-        )
-        ax_ms.legend(fontsize=8)
-    for x, v in zip(xs, ms):
-        ax_ms.text(
-            x - shift,
-            v or 0.0,
-            "not measured" if v is None else f"{v:.2f}",
-            ha="center",
-            va="bottom",
-            fontsize=7,
-            rotation=90 if v is None else 0,
-        )
-    ax_ms.set_ylabel("ms per forward (dispatch + combine)")
+    _draw_rows(ax_rows, xs, backends, colors, bench_result.get("top_k"))
+    _draw_ms(ax_ms, xs, backends, colors)
     ax_ms.set_title(str(bench_result.get("transport", "measured exchange time")))
     for ax in (ax_rows, ax_ms):
         ax.set_xticks(xs)
@@ -123,6 +74,64 @@ def plot_bench(
     if title:
         fig.suptitle(title)
     return finish(fig, path)
+
+
+def _bench_backends(bench_result: Mapping[str, Any]) -> list:
+    """The report's backends, each with the fields the figure reads (one-line error otherwise)."""
+    backends = list(bench_result.get("backends") or [])
+    if not backends:
+        raise ValueError(
+            "bench result has no `backends` list; pass the report of run_benchmark / occult-ft bench --json"
+        )
+    missing = [k for k in ("backend", "rows_per_token", "exchange_ms") if k not in backends[0]]
+    if missing:
+        raise ValueError(
+            f"bench backends lack {missing}; pass the report of run_benchmark / occult-ft bench --json"
+        )
+    return backends
+
+
+def _draw_rows(ax, xs: list[int], backends: list, colors: list, top_k) -> None:
+    """Rows per token per backend, labelled, with k (per-expert dispatch's rows) as a dotted line."""
+    rows = [float(b["rows_per_token"]) for b in backends]
+    ax.bar(xs, rows, color=colors)
+    for x, v in zip(xs, rows):
+        ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    if top_k:
+        ax.axhline(float(top_k), color=PEER, linestyle=":", linewidth=1.2, label=f"k = {top_k}")
+        ax.legend(fontsize=8)
+    ax.set_ylabel("rows per token (dispatch, per layer)")
+    ax.set_title("volume")
+
+
+def _draw_ms(ax, xs: list[int], backends: list, colors: list) -> None:
+    """Exchange milliseconds per backend ("not measured" where None), beside the whole path's when given."""
+    ms = [b.get("exchange_ms") for b in backends]
+    has_path = any(b.get("path_ms") is not None for b in backends)
+    width = 0.4 if has_path else 0.7
+    shift = 0.2 if has_path else 0.0
+    ax.bar([x - shift for x in xs], [v or 0.0 for v in ms], width=width, color=colors, label="exchange")
+    if has_path:
+        ax.bar(
+            [x + shift for x in xs],
+            [b.get("path_ms") or 0.0 for b in backends],
+            width=width,
+            color=colors,
+            alpha=0.45,
+            label="whole dispatch + combine path",
+        )
+        ax.legend(fontsize=8)
+    for x, v in zip(xs, ms):
+        ax.text(
+            x - shift,
+            v or 0.0,
+            "not measured" if v is None else f"{v:.2f}",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            rotation=90 if v is None else 0,
+        )
+    ax.set_ylabel("ms per forward (dispatch + combine)")
 
 
 def _label_2_and_5(value: float, _position) -> str:
@@ -144,14 +153,9 @@ def _entry(name: Any, entry: Mapping[str, Any], ms_key: str) -> tuple[str, int |
     return str(entry["kind"]), None if budget is None else int(budget), float(entry[ms_key])
 
 
-def _cost_series(predictions: Any) -> list[dict]:
-    """Normalise cost-model results to [{name, devices, budgets: [(M, ms)], peer_ms}], one per cluster.
-
-    Entries of kind `dedup` are de-duplicated dispatch, drawn at their `max_devices_per_token` M
-    (capped at D) or, unpruned (M None), at M = D (a budget of D restricts nothing); the rest are peers
-    (per-expert dispatch and the like), of which the fastest is the reference.
-    """
-
+def _cost_clusters(predictions: Any) -> list[tuple[str, int, list[tuple[str, int | None, float]]]]:
+    """(cluster name, devices, [(kind, budget, ms)]) of a bench report (or its cost_model) or of
+    {cluster: predict_speedup(...)}; skipped clusters left out."""
     if isinstance(predictions, Mapping) and "cost_model" in predictions:
         predictions = predictions["cost_model"]
     clusters: list[tuple[str, int, list[tuple[str, int | None, float]]]] = []
@@ -176,8 +180,19 @@ def _cost_series(predictions: Any) -> list[dict]:
         raise ValueError(
             "cost-model input must be {cluster: predict_speedup(...)} or a bench report / its cost_model"
         )
+    return clusters
+
+
+def _cost_series(predictions: Any) -> list[dict]:
+    """Normalise cost-model results to [{name, devices, budgets: [(M, ms)], peer_ms}], one per cluster.
+
+    Entries of kind `dedup` are de-duplicated dispatch, drawn at their `max_devices_per_token` M
+    (capped at D) or, unpruned (M None), at M = D (a budget of D restricts nothing); the rest are peers
+    (per-expert dispatch and the like), of which the fastest is the reference.
+    """
+
     out = []
-    for name, d, entries in clusters:
+    for name, d, entries in _cost_clusters(predictions):
         points, peers = [], []
         for kind, budget, ms in entries:
             if kind == "dedup":

@@ -123,20 +123,7 @@ def plot_quality_tradeoff(
     Returns:
         The Figure.
     """
-    rows = [dict(r) for r in rows]
-    bad = [
-        r
-        for r in rows
-        if metric not in r or ("criterion" not in r and r.get("max_devices_per_token") is not None)
-    ]
-    if bad:
-        raise ValueError(f"rows need `criterion`, `max_devices_per_token` and `{metric}`; got {bad[0]}")
-    unpruned = [float(r[metric]) for r in rows if r.get("max_devices_per_token") is None]
-    if baseline is None and unpruned:
-        baseline = sum(unpruned) / len(unpruned)
-    pruned = [r for r in rows if r.get("max_devices_per_token") is not None]
-    if not pruned and baseline is None:
-        raise ValueError("no rows to plot; pass rows with max_devices_per_token and the metric")
+    pruned, baseline = _tradeoff_rows(rows, metric, baseline)
     by_criterion: dict[str, list[Mapping[str, Any]]] = {}
     for r in pruned:
         by_criterion.setdefault(str(r["criterion"]), []).append(r)
@@ -155,23 +142,7 @@ def plot_quality_tradeoff(
             label=criterion,
         )
         if with_cc:
-            pts = [r for r in group if "comm_complexity" in r]
-            axes[1].plot(
-                [float(r["comm_complexity"]) for r in pts],
-                [float(r[metric]) for r in pts],
-                marker="o",
-                color=color,
-                label=criterion,
-            )
-            for r in pts:
-                axes[1].annotate(
-                    f"M={r['max_devices_per_token']}",
-                    (float(r["comm_complexity"]), float(r[metric])),
-                    textcoords="offset points",
-                    xytext=(4, 4),
-                    fontsize=7,
-                    color=color,
-                )
+            _plot_against_comm(axes[1], group, metric, criterion, color)
     for a in axes:
         if baseline is not None:
             a.axhline(baseline, color=PEER, linestyle=":", linewidth=1.4, label=f"unpruned: {baseline:.3f}")
@@ -186,6 +157,48 @@ def plot_quality_tradeoff(
     if title:
         fig.suptitle(title)
     return finish(fig, path)
+
+
+def _tradeoff_rows(
+    rows: Iterable[Mapping[str, Any]], metric: str, baseline: float | None
+) -> tuple[list[dict], float | None]:
+    """(the pruned rows, the baseline: given, or the mean `metric` of the unpruned rows), checked."""
+    copies = [dict(r) for r in rows]
+    bad = [
+        r
+        for r in copies
+        if metric not in r or ("criterion" not in r and r.get("max_devices_per_token") is not None)
+    ]
+    if bad:
+        raise ValueError(f"rows need `criterion`, `max_devices_per_token` and `{metric}`; got {bad[0]}")
+    unpruned = [float(r[metric]) for r in copies if r.get("max_devices_per_token") is None]
+    if baseline is None and unpruned:
+        baseline = sum(unpruned) / len(unpruned)
+    pruned = [r for r in copies if r.get("max_devices_per_token") is not None]
+    if not pruned and baseline is None:
+        raise ValueError("no rows to plot; pass rows with max_devices_per_token and the metric")
+    return pruned, baseline
+
+
+def _plot_against_comm(ax, group: list, metric: str, criterion: str, color) -> None:
+    """One criterion's rows that carry comm_complexity: `metric` against it, each point labelled M."""
+    pts = [r for r in group if "comm_complexity" in r]
+    ax.plot(
+        [float(r["comm_complexity"]) for r in pts],
+        [float(r[metric]) for r in pts],
+        marker="o",
+        color=color,
+        label=criterion,
+    )
+    for r in pts:
+        ax.annotate(
+            f"M={r['max_devices_per_token']}",
+            (float(r["comm_complexity"]), float(r[metric])),
+            textcoords="offset points",
+            xytext=(4, 4),
+            fontsize=7,
+            color=color,
+        )
 
 
 def plot_gain_kept(

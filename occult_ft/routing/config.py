@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..checks import divisors
 from .rules import check_pruning_settings
 
 __all__ = ["PruningConfig"]
@@ -47,6 +48,7 @@ class PruningConfig:
     @property
     def active(self) -> bool:
         m, n = self.max_devices_per_token, self.max_nodes_per_token
+        # a budget of all devices (M = D) or all nodes prunes nothing: the router then only records.
         return (m is not None and m < self.num_devices) or (n is not None and n < self.num_nodes)
 
     @property
@@ -54,25 +56,29 @@ class PruningConfig:
         """Devices a token may reach under both budgets: min(M, max_nodes * D / N)."""
         m = self.max_devices_per_token or self.num_devices
         if self.max_nodes_per_token is not None:
+            # N nodes hold D/N devices each, so a budget of n nodes reaches at most n * D/N devices.
             m = min(m, self.max_nodes_per_token * (self.num_devices // self.num_nodes))
         return m
 
     def check(self, num_experts: int, top_k: int) -> None:
         """Raise ValueError when the budget cannot hold k experts or D does not divide E."""
         if num_experts % self.num_devices:
-            divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
             raise ValueError(
-                f"devices={self.num_devices} does not divide the {num_experts} experts; use one of {divisors}"
+                f"devices={self.num_devices} does not divide the {num_experts} experts; "
+                f"use one of {divisors(num_experts)}"
             )
+        # experts are spread evenly: E/D per device, so M devices hold M * E/D candidates for the k picks.
         per_device = num_experts // self.num_devices
         m = self.max_devices_per_token
         if m is not None and m * per_device < top_k:
+            # the smallest M with M * E/D >= k: ceil(k * D / E), written -(-a // b) to stay in integers.
             need = -(-top_k * self.num_devices // num_experts)
             raise ValueError(
                 f"max_devices_per_token={m} holds only {m * per_device} experts "
                 f"({per_device} per device) but tokens pick top-{top_k}; use at least {need}"
             )
         n = self.max_nodes_per_token
+        # the node budget caps the devices too (device_budget), so it must still hold k experts.
         if n is not None and self.device_budget * per_device < top_k:
             per_node = per_device * (self.num_devices // self.num_nodes)
             with_m = "" if m is None else f" with max_devices_per_token={m}"

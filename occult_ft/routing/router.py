@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 from torch import nn
@@ -72,8 +72,11 @@ def prune_topk(
     Returns:
         (topk_ids_TK, weights_TK, changed_T) where weights keep the dtype of `weights_TK`.
     """
+    # selection scores, not logits: what the model ranks experts by (the registry knows; DeepSeek-V3 adds
+    # its correction bias to sigmoid scores); detached because pruning only chooses, it is not differentiated.
     scores = arch.selection_scores(router, logits_TE.detach(), inputs)
     topk_sum = config.criterion == "device_topk_sum"
+    # device_topk_sum replaces the router's group limit by its own node/device ranking, so no group mask.
     selectable = None if topk_sum else router_selectable(arch, router, scores)
     ranked, ranked_ids = None, None
     if device_bias_D is not None:
@@ -97,11 +100,17 @@ def prune_topk(
         ranked,
         ranked_ids,
     )
+    # compare as sets (sorted rows): the same experts in another slot order is not a change.
     changed_T = (new_ids.sort(dim=1).values != topk_ids_TK.sort(dim=1).values).any(dim=1)
+    # gate weights from the unbiased logits (DeepSeek-V3 Sec. 2.1.2: the bias only selects, never weighs).
     new_w = arch.gate_weights(router, logits_TE, new_ids, inputs)
+    # preserve_mass rescales the k weights to the sum the unpruned selection had; 1e-20 avoids 0/0
+    # for a row whose new experts all have zero probability.
     if config.gate_weights == "preserve_mass":
         new_w = new_w * (weights_TK.float().sum(-1, keepdim=True) / (new_w.sum(-1, keepdim=True) + 1e-20))
     new_w = new_w.to(weights_TK.dtype)
+    # tokens the budget did not touch keep the router's own output bit for bit (ids and weights), so an
+    # unconstrained model routes exactly as before; device_topk_sum re-selects every token by design.
     if config.criterion != "device_topk_sum":
         keep = ~changed_T.unsqueeze(1)
         new_w = torch.where(keep, weights_TK, new_w)
@@ -139,19 +148,23 @@ if TYPE_CHECKING:
         occult_expert_device: torch.Tensor  # (E,) buffer
 
 
-_PRUNED_CLASSES: dict[type, type] = {}
+_PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+_Router = TypeVar("_Router", bound=nn.Module)
 
 
-def _pruned_class(base: type) -> type:
+def _pruned_class(base: type[_Router]) -> type[_Router]:
     """A subclass of the model's own router class whose forward prunes; parameters keep their names."""
+    # already pruned (apply_pruning called twice): subclassing again would stack two pruning forwards.
     if getattr(base, "_occult_pruned", False):
         return base
     if base not in _PRUNED_CLASSES:
 
         def forward(self, hidden_states, *args, **kwargs):
+            # the HF routers return (router_logits, routing_weights, selected_experts); the wrapper keeps that contract.
             logits, weights, ids = base.forward(self, hidden_states, *args, **kwargs)
             cfg: PruningConfig = self.occult_config
             ids_in = ids
+            # with no budget (cfg.active False) the forward is the model's own; only the recording below runs.
             if cfg.active:
                 inputs = self.occult_arch.call_inputs(args, kwargs)
                 ids, weights, _ = prune_topk(
@@ -168,6 +181,9 @@ def _pruned_class(base: type) -> type:
                 )
             if self.occult_recording:
                 probs = self.occult_arch.probabilities(self, logits)
+                # removed mass = the share of the unpruned top-k probability that the pruned top-k lost, in [0, 1];
+                # clamp_min(0): the pruned experts can hold more probability than the unpruned ones when the
+                # selection scores are not the probabilities (a correction bias or a device bias).
                 p = probs.detach()
                 before = p.gather(1, ids_in).sum(-1)
                 after = p.gather(1, ids).sum(-1)
@@ -177,12 +193,13 @@ def _pruned_class(base: type) -> type:
                 )
             return logits, weights, ids
 
+        # one subclass per router class, cached: every layer of a model (and every later call) shares it.
         _PRUNED_CLASSES[base] = type(
             f"Occult{base.__name__}",
             (base,),
             {"forward": forward, "_occult_pruned": True, "__module__": __name__},
         )
-    return _PRUNED_CLASSES[base]
+    return cast("type[_Router]", _PRUNED_CLASSES[base])  # made from `base`, so a subclass of it
 
 
 def apply_pruning(
@@ -209,6 +226,7 @@ def apply_pruning(
         The model's MoE layers.
     """
     layers = find_moe_layers(model)
+    # every layer is checked before any router changes: a bad budget leaves the model untouched
     for layer in layers:
         config.check(layer.num_experts, layer.top_k)
     if config.active and config.criterion == "similarity":
@@ -220,12 +238,14 @@ def apply_pruning(
             )
     for layer in layers:
         router = cast("PrunedRouter", layer.router)
+        # swapping __class__ keeps the instance, so parameters, hooks and state-dict names stay untouched.
         router.__class__ = _pruned_class(type(router))
         router.occult_arch = layer.arch
         router.occult_config = config
         router.occult_recording = getattr(router, "occult_recording", False)
         router.occult_keep_graph = getattr(router, "occult_keep_graph", False)
         router.occult_record = None
+        # any parameter or buffer gives the router's device (the buffers below must live beside the weights).
         ref = next(iter([*router.parameters(), *router.buffers()]))
         mapping = (
             expert_device[layer.index]
@@ -235,24 +255,39 @@ def apply_pruning(
         _set_buffer(router, "occult_expert_device", mapping.to(ref.device, torch.long))
         if similarity is not None and layer.index in similarity:
             _set_buffer(router, "occult_similarity", similarity[layer.index].to(ref.device, torch.float32))
-        held = router._buffers.get("occult_device_bias")
-        if device_bias is None and held is not None and held.numel() != config.num_devices:
-            router._buffers.pop("occult_device_bias")  # learnt for another device count: meaningless here
-        if device_bias is not None:
-            bias = device_bias.get(layer.index)
-            if bias is None:
-                router._buffers.pop("occult_device_bias", None)
-            else:
-                if tuple(bias.shape) != (config.num_devices,):
-                    raise ValueError(
-                        f"device bias of MoE layer {layer.index} has shape {tuple(bias.shape)}, expected "
-                        f"({config.num_devices},) (one value per device); record it for devices={config.num_devices}"
-                    )
-                _set_buffer(router, "occult_device_bias", bias.detach().to(ref.device, torch.float32).clone())
+        _set_device_bias(router, layer.index, config.num_devices, device_bias, ref.device)
     return layers
 
 
+def _set_device_bias(
+    router: nn.Module,
+    index: int,
+    num_devices: int,
+    device_bias: dict[int, torch.Tensor] | None,
+    device: torch.device,
+) -> None:
+    """The router's device bias for MoE layer `index` (`apply_pruning`): None keeps the one it holds
+    (dropped when learnt for another device count), a table sets or (no entry) removes it."""
+    held = router._buffers.get("occult_device_bias")
+    if device_bias is None:
+        if held is not None and held.numel() != num_devices:
+            router._buffers.pop("occult_device_bias")  # learnt for another device count: meaningless here
+        return
+    # {} or a table without this layer removes the layer's bias
+    bias = device_bias.get(index)
+    if bias is None:
+        router._buffers.pop("occult_device_bias", None)
+        return
+    if tuple(bias.shape) != (num_devices,):
+        raise ValueError(
+            f"device bias of MoE layer {index} has shape {tuple(bias.shape)}, expected "
+            f"({num_devices},) (one value per device); record it for devices={num_devices}"
+        )
+    _set_buffer(router, "occult_device_bias", bias.detach().to(device, torch.float32).clone())
+
+
 def _set_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    # re-assigning a registered buffer keeps its non-persistent flag, so it stays out of the state dict.
     if name in module._buffers:
         module._buffers[name] = value
     else:
@@ -273,6 +308,7 @@ def remove_pruning(model: nn.Module) -> None:
     for layer in find_moe_layers(model):
         router = layer.router
         if getattr(router, "_occult_pruned", False):
+            # __mro__[1] is the model's own router class: the pruned class is a direct subclass of it.
             router.__class__ = router.__class__.__mro__[1]
             for name in ("occult_expert_device", "occult_similarity", "occult_device_bias"):
                 router._buffers.pop(name, None)
@@ -312,10 +348,13 @@ def unpruned_routing(model: nn.Module, record: bool = False):
     The teacher of distillation: the same weights with the unpruned routing."""
     saved = []
     for _, router in pruned_routers(model):
+        # what the block changes, restored in `finally` even when the teacher's forward raises
         saved.append((router, router.occult_config, router.occult_recording, router.occult_record))
+        # lifting both budgets makes cfg.active False: the forward returns the model's own routing.
         router.occult_config = replace(
             router.occult_config, max_devices_per_token=None, max_nodes_per_token=None
         )
+        # recording stays on only when asked, so the teacher's forward does not overwrite the student's record.
         router.occult_recording = router.occult_recording and record
     try:
         yield model
@@ -330,6 +369,7 @@ def router_similarity(model: nn.Module) -> dict[int, torch.Tensor] | None:
     buffers = {
         layer.index: router._buffers.get("occult_similarity") for layer, router in pruned_routers(model)
     }
+    # fp32 on the CPU: the checkpoint stores the table independent of the training dtype and device.
     tables = {i: t.detach().float().cpu() for i, t in buffers.items() if t is not None}
     return tables or None
 

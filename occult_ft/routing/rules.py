@@ -4,7 +4,7 @@
 admits devices by walking each other token's selected top-k (`walk_admitted_devices`, with an optional
 node budget), then re-selects (`score`, `device_max`) or replaces by similarity (`similarity`);
 `device_topk_sum` ranks devices (and nodes) by their top-n score sums for every token. The rules and
-their reasons are described in `occult_ft.routing`.
+their reasons are described in docs/pruning.md.
 
 Device balancing without an auxiliary loss (DeepSeek-V3's expert bias, Sec. 2.1.2, applied per device):
 `add_device_bias` adds a per-device bias to the selection scores, `update_device_bias` moves it after
@@ -23,9 +23,9 @@ Shape legend: T tokens, E experts, K top-k, D devices, N nodes.
 
 from __future__ import annotations
 
-import difflib
-
 import torch
+
+from ..checks import check_nodes, choice_error, is_int
 
 __all__ = [
     "CRITERIA",
@@ -45,16 +45,6 @@ CRITERIA = ("score", "similarity", "device_max", "device_topk_sum")
 GATE_WEIGHT_POLICIES = ("model", "preserve_mass")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _unknown(name: str, value, choices) -> ValueError:
-    close = difflib.get_close_matches(str(value), list(choices), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ValueError(f"{name}={value!r} is unknown{hint}; choose one of {', '.join(choices)}")
-
-
 def check_pruning_settings(
     num_devices,
     max_devices_per_token=None,
@@ -70,29 +60,27 @@ def check_pruning_settings(
         max_devices_per_token: None or 1..D. max_nodes_per_token: None or 1..N.
         criterion: one of `CRITERIA`. gate_weights: one of `GATE_WEIGHT_POLICIES`.
     """
-    if not _is_int(num_devices) or num_devices < 1:
+    if not is_int(num_devices) or num_devices < 1:
         raise ValueError(f"devices={num_devices!r} must be a positive integer, e.g. devices=4")
-    if not _is_int(num_nodes) or num_nodes < 1:
+    if not is_int(num_nodes) or num_nodes < 1:
         raise ValueError(f"nodes={num_nodes!r} must be a positive integer, e.g. nodes=1")
-    if num_devices % num_nodes:
-        divisors = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
-        raise ValueError(f"nodes={num_nodes} does not divide devices={num_devices}; use one of {divisors}")
+    check_nodes(num_devices, num_nodes)
     m = max_devices_per_token
-    if m is not None and (not _is_int(m) or not 1 <= m <= num_devices):
+    if m is not None and (not is_int(m) or not 1 <= m <= num_devices):
         raise ValueError(
             f"max_devices_per_token={m!r} must be between 1 and devices={num_devices}; "
             "leave it unset (None) for no device budget"
         )
     n = max_nodes_per_token
-    if n is not None and (not _is_int(n) or not 1 <= n <= num_nodes):
+    if n is not None and (not is_int(n) or not 1 <= n <= num_nodes):
         raise ValueError(
             f"max_nodes_per_token={n!r} must be between 1 and nodes={num_nodes}; "
             "leave it unset (None) for no node budget"
         )
     if criterion not in CRITERIA:
-        raise _unknown("criterion", criterion, CRITERIA)
+        raise choice_error("criterion", criterion, CRITERIA)
     if gate_weights not in GATE_WEIGHT_POLICIES:
-        raise _unknown("gate_weights", gate_weights, GATE_WEIGHT_POLICIES)
+        raise choice_error("gate_weights", gate_weights, GATE_WEIGHT_POLICIES)
 
 
 # ---- pure routing maths ------------------------------------------------------------------------
@@ -103,6 +91,8 @@ def add_device_bias(
 
     Every expert of device d gets bias_D[d], so a token's ranking of experts (its top-k) and of devices
     (the walk) shifts towards devices with a higher bias; a bias equal on all devices changes nothing."""
+    # expert_device_E[e] is the device of expert e, so indexing bias_D with it gives the (E,) bias per expert;
+    # fp32 so a bias of ~1e-3 is not lost against bf16 scores (bf16 keeps ~3 significant digits).
     bias_E = bias_D.to(scores_TE.device, torch.float32)[expert_device_E.to(scores_TE.device)]
     return scores_TE.float() + bias_E
 
@@ -119,6 +109,7 @@ def update_device_bias(bias_LD: torch.Tensor, load_LD: torch.Tensor, rate: float
         The new bias (fp32), each layer's mean subtracted: a shift shared by all devices selects
         nothing differently, so centring only keeps the values small and comparable."""
     load = load_LD.to(bias_LD.device, torch.float32)
+    # sign() makes the step size independent of the load's scale: every device moves by exactly +-rate.
     step = torch.sign(load.mean(dim=-1, keepdim=True) - load)
     new = bias_LD.float() + rate * step
     return new - new.mean(dim=-1, keepdim=True)
@@ -126,6 +117,8 @@ def update_device_bias(bias_LD: torch.Tensor, load_LD: torch.Tensor, rate: float
 
 def _grouped_by_device(x_TE: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int):
     """(T, D, E/D) view of per-expert values grouped by device, and the (E,) order used."""
+    # stable argsort lists device 0's experts first, then device 1's, ... each in expert order, and every
+    # device holds E/D experts, so after the gather column d*(E/D) + j is the j-th expert of device d.
     order_E = torch.argsort(expert_device_E, stable=True)
     return x_TE[:, order_E].reshape(x_TE.shape[0], num_devices, -1), order_E
 
@@ -135,9 +128,11 @@ def device_scores(
 ) -> torch.Tensor:
     """(T, D) device ranking scores: best expert (`max`) or sum of the top-n experts (`topk_sum`)."""
     grouped_TDX, _ = _grouped_by_device(scores_TE, expert_device_E, num_devices)
+    # grouped_TDX[t, d, j]: the score of device d's j-th expert for token t (X = E/D experts per device).
     if rank == "max":
         return grouped_TDX.max(dim=-1).values
     if rank == "topk_sum":
+        # n may exceed E/D (a small device): clamp it so topk does not fail, i.e. sum all of the device's experts.
         return grouped_TDX.topk(min(n, grouped_TDX.shape[-1]), dim=-1).values.sum(dim=-1)
     raise ValueError(f"rank={rank!r}: use 'max' or 'topk_sum'")
 
@@ -148,6 +143,8 @@ def _admitted_expert_mask(device_mask_TD: torch.Tensor, expert_device_E: torch.T
 
 def _order_desc(primary_TE: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
     """(T, E) expert indices of each row sorted by `primary` (descending), ties by score (descending)."""
+    # Two stable sorts = a lexicographic sort: first by score, then by primary; the second sort keeps the
+    # score order among rows with equal primary, so ties on `primary` are broken by score.
     by_score = scores_TE.argsort(dim=1, descending=True, stable=True)
     by_primary = primary_TE.gather(1, by_score).argsort(dim=1, descending=True, stable=True)
     return by_score.gather(1, by_primary)
@@ -174,10 +171,14 @@ def limit_devices(
         topk_ids_TK (long, sorted by descending score) and device_mask_TD (bool, admitted devices).
     """
     n = n or max(1, top_k // max_devices)
+    # n defaults to k / max_devices: the number of experts each admitted device has to supply on average.
     dev_TD = device_scores(scores_TE, expert_device_E, num_devices, rank, n)
+    # each token keeps its max_devices best devices by that ranking (topk over the D column scores)
     keep = dev_TD.topk(max_devices, dim=-1).indices
+    # one-hot of the kept device indices: device_mask_TD[t, d] is True when d is among token t's best devices.
     device_mask_TD = torch.zeros_like(dev_TD, dtype=torch.bool).scatter_(1, keep, True)
     allowed_TE = _admitted_expert_mask(device_mask_TD, expert_device_E)
+    # experts on other devices get -inf: topk reaches them only if the kept devices hold fewer than k experts.
     masked = scores_TE.masked_fill(~allowed_TE, float("-inf"))
     return masked.topk(top_k, dim=-1).indices, device_mask_TD
 
@@ -191,11 +192,14 @@ def fits_budget(
     max_nodes: int | None = None,
 ) -> torch.Tensor:
     """(T,) bool: the token's experts already lie on <= max_devices devices and <= max_nodes nodes."""
+    # dev_TK[t, j]: device of the token's j-th selected expert; scatter marks each device once, however many
+    # of the token's experts it holds (the de-duplication rule: one copy per device).
     dev_TK = expert_device_E.to(topk_ids_TK.device)[topk_ids_TK]
     t = topk_ids_TK.shape[0]
     on_TD = torch.zeros(t, num_devices, dtype=torch.bool, device=dev_TK.device).scatter_(1, dev_TK, True)
     fits_T = on_TD.sum(dim=1) <= (max_devices or num_devices)
     if max_nodes is not None:
+        # devices are numbered node-major (node n holds devices n*D/N .. (n+1)*D/N - 1), so a view groups them.
         on_TN = on_TD.view(t, num_nodes, num_devices // num_nodes).any(dim=2)
         fits_T &= on_TN.sum(dim=1) <= max_nodes
     return fits_T
@@ -251,7 +255,10 @@ def _admit(
     selection reaches (`_reach_caps`)."""
     t = scores_TE.shape[0]
     dev_of_E = expert_device_E.to(scores_TE.device)
+    # the walk stops adding devices once `cap` are admitted: the device budget, or all devices of the
+    # max_nodes nodes the node budget allows, whichever is smaller.
     per_node = num_devices // num_nodes
+    # no node budget = all N nodes allowed, so the node test below always passes
     mn = max_nodes or num_nodes
     cap = min(max_devices or num_devices, mn * per_node)
     caps = _reach_caps(reached_TK, dev_of_E, num_devices, num_nodes, cap, mn, max_nodes is not None, t)
@@ -262,12 +269,17 @@ def _admit(
         torch.zeros(t, dtype=torch.long, device=scores_TE.device),  # admitted node count
     )
     ids_TK = topk_ids_TK.long()
+    # the router's top-k is not necessarily sorted: re-order each row by its experts' scores, best first,
+    # so the walk admits devices in the order the paper's rule visits them.
     by_score_TK = ids_TK.gather(1, scores_TE.gather(1, ids_TK).argsort(dim=1, descending=True))
+    # rows_R for the full walk: every token is a row (a sub-walk could pass a subset of tokens)
     rows = torch.arange(t, device=scores_TE.device)
     _walk(dev_of_E[by_score_TK], rows, state, caps, per_node)
     if (
         beyond_topk and t
     ):  # a node budget can leave room after the top-k: walk on (full rows at cap admit nothing)
+        # rank 3/2/1 (below) + _order_desc sorts each row: selected experts, then selectable ones, then the
+        # rest, each group by descending score; re-visiting the selected ones admits nothing new.
         rank_TE = torch.ones(t, scores_TE.shape[1], dtype=torch.long, device=scores_TE.device)
         if selectable_TE is not None:
             rank_TE = rank_TE + selectable_TE.long()
@@ -310,14 +322,18 @@ def _walk(walk_RJ: torch.Tensor, rows_R: torch.Tensor, state, caps, per_node: in
     device_mask_TD, node_mask_TN, n_dev_T, n_node_T = state
     cap_R, mn_R = caps[0][rows_R], caps[1][rows_R]
     for j in range(walk_RJ.shape[1]):
+        # a token (row) can still admit a device while fewer than its cap of devices are admitted.
         open_R = n_dev_T[rows_R] < cap_R
         d_R = walk_RJ[:, j]
+        # node of a device: devices are numbered node-major, per_node = D/N per node.
         node_R = d_R // per_node
         node_in_R = node_mask_TN[rows_R, node_R]
+        # admit d if the token is open, d is new, and d's node is already admitted or a new node still fits.
         ok_R = open_R & ~device_mask_TD[rows_R, d_R] & (node_in_R | (n_node_T[rows_R] < mn_R))
         # rows_R holds each token once: the (token, device) pairs are distinct, so the writes are exact
         device_mask_TD.index_put_((rows_R, d_R), device_mask_TD[rows_R, d_R] | ok_R)
         node_mask_TN.index_put_((rows_R, node_R), node_in_R | ok_R)
+        # bool ok_R counts as 0/1: one more admitted device, and one more node when the node was new.
         n_dev_T[rows_R] += ok_R
         n_node_T[rows_R] += ok_R & ~node_in_R
 
@@ -332,9 +348,12 @@ def _top_admitted(
     """Top-k among the admitted experts, those the router could select first (sorted by score)."""
     allowed_TE = _admitted_expert_mask(device_mask_TD, expert_device_E)
     preferred_TE = allowed_TE if selectable_TE is None else allowed_TE & selectable_TE
+    # sort-free top-k: -inf outside the preferred experts; rows with < k preferred experts get -inf picks,
+    # which the torch.where below replaces.
     ids_TK = scores_TE.masked_fill(~preferred_TE, float("-inf")).topk(top_k, dim=-1).indices
     # tokens with fewer than k preferred experts fill up with the other admitted ones
     short_T = preferred_TE.sum(dim=1) < top_k
+    # rank 2 = admitted and preferred, 1 = admitted only, 0 = outside; ties broken by score.
     rank_TE = allowed_TE.long() + preferred_TE.long()
     return torch.where(short_T[:, None], _order_desc(rank_TE, scores_TE)[:, :top_k], ids_TK)
 
@@ -351,21 +370,28 @@ def _replace_outside(
     n_tok, k = topk_ids_TK.shape
     allowed_TE = _admitted_expert_mask(device_mask_TD, expert_device_E)
     preferred_TE = allowed_TE if selectable_TE is None else allowed_TE & selectable_TE
+    # process slots best-first, so a better slot gets first pick of the similar experts.
     slot_scores = scores_TE.gather(1, topk_ids_TK)
     ids_TK = topk_ids_TK.gather(1, slot_scores.argsort(dim=1, descending=True)).clone()
+    # ok_TK[t, j]: slot j's expert already lies on an admitted device and stays as it is.
     ok_TK = allowed_TE.gather(1, ids_TK)
+    # taken_TE: experts already in the selection (kept slots), which a replacement must not duplicate;
+    # scatter_add + "> 0" rather than scatter_ so a False never overwrites a True for a repeated id.
     taken_TE = torch.zeros(allowed_TE.shape, dtype=torch.long, device=ids_TK.device)
     taken_TE = taken_TE.scatter_add_(1, ids_TK, ok_TK.long()) > 0
     rows = torch.arange(n_tok, device=ids_TK.device)
     sim = similarity_EE.to(scores_TE.device, torch.float32)
     for j in range(k):  # every token, every slot; only slots outside the admitted devices change
         bad_T = ~ok_TK[:, j]
+        # sim[e] is expert e's similarity row: the candidates for slot j are ranked by their likeness to it.
         row_sim = sim[ids_TK[:, j]]
         first = row_sim.masked_fill(~preferred_TE | taken_TE, float("-inf"))
         other = row_sim.masked_fill(~allowed_TE | taken_TE, float("-inf"))
+        # prefer an expert the router could select; fall back to any admitted one when none is left.
         has_first = (preferred_TE & ~taken_TE).any(dim=-1)
         new_T = torch.where(has_first, first.argmax(dim=-1), other.argmax(dim=-1))
         ids_TK[:, j] = torch.where(bad_T, new_T, ids_TK[:, j])
+        # mark the new expert taken only where the slot was replaced (bad_T), so later slots skip it.
         taken_TE.index_put_((rows, new_T), taken_TE[rows, new_T] | bad_T)
     return ids_TK
 
@@ -379,7 +405,7 @@ def replace_by_similarity(
     similarity_EE: torch.Tensor,
     selectable_TE: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The paper's similarity criterion (see the module docstring); returns the new topk_ids_TK.
+    """The paper's similarity criterion (docs/pruning.md); returns the new topk_ids_TK.
 
     Devices are admitted by walking `topk_ids_TK` (`walk_admitted_devices`). Slots are processed in
     descending score order; a slot whose expert sits outside the admitted devices takes the most similar
@@ -411,15 +437,21 @@ def _topk_sum_devices(
     dev_of_E = expert_device_E.to(scores_TE.device)
     per_node = num_devices // num_nodes
     m = max_devices or num_devices
+    # each device is scored by its top-n experts: n defaults to k / max_devices, the share of the k picks
+    # each admitted device has to supply.
     dev_TD = device_scores(ranked_TE, dev_of_E, num_devices, "topk_sum", topn or max(1, top_k // m))
     if max_nodes is not None and max_nodes < num_nodes:
+        # nodes are ranked the same way, with each expert mapped to its node (device // D/N).
         node_TN = device_scores(
             ranked_TE, dev_of_E // per_node, num_nodes, "topk_sum", topn or max(1, top_k // max_nodes)
         )
         keep_nodes = node_TN.topk(max_nodes, dim=-1).indices
         node_mask_TN = torch.zeros_like(node_TN, dtype=torch.bool).scatter_(1, keep_nodes, True)
+        # repeat_interleave expands the (T, N) node mask to (T, D): node n covers columns n*D/N .. (n+1)*D/N - 1.
         dev_TD = dev_TD.masked_fill(~node_mask_TN.repeat_interleave(per_node, dim=1), float("-inf"))
+        # the node budget caps the devices too: max_nodes nodes hold at most max_nodes * D/N devices.
         m = min(m, max_nodes * per_node)
+    # the m best devices left (those of unkept nodes are -inf, so they come last)
     keep = dev_TD.topk(m, dim=-1).indices
     device_mask_TD = torch.zeros_like(dev_TD, dtype=torch.bool).scatter_(1, keep, True)
     masked = scores_TE.masked_fill(~_admitted_expert_mask(device_mask_TD, dev_of_E), float("-inf"))
@@ -475,7 +507,7 @@ def limit_topk(
             scores_TE, k, dev_of_E, num_devices, max_devices, num_nodes, max_nodes, topn, walk_scores_TE
         )
     if criterion not in CRITERIA:
-        raise _unknown("criterion", criterion, CRITERIA)
+        raise choice_error("criterion", criterion, CRITERIA)
     if criterion == "similarity" and similarity_EE is None:
         raise ValueError(
             "criterion='similarity' needs an expert similarity table; profile the model first "
@@ -486,7 +518,9 @@ def limit_topk(
         if selectable_TE is None
         else selectable_TE | torch.zeros_like(selectable_TE).scatter_(1, ids_TK, True)
     )  # the router's own choice is selectable whatever the mask says
-    # every token is walked (no host read to pick the ones over budget)
+    # every token is walked (no host read to pick the ones over budget). beyond_topk only with a node
+    # budget: a device budget alone fills inside the top-k of a token over it (see `_admit`), and a
+    # ranked walk's (biased) top-k always holds k experts on the devices it admits.
     device_mask_TD = _admit(
         walk_scores_TE,
         walk_ids_TK,
@@ -504,6 +538,7 @@ def limit_topk(
         new = _replace_outside(scores_TE, ids_TK, device_mask_TD, dev_of_E, similarity_EE, selectable)
     else:
         new = _top_admitted(scores_TE, device_mask_TD, dev_of_E, k, selectable)
-    # a token whose own experts were all admitted keeps them (without a ranking: the tokens that fit)
+    # a token whose own experts were all admitted keeps the router's choice bit for bit (without a
+    # ranking: exactly the tokens that fit the budget), the rest the pruned one.
     kept_T = _admitted_expert_mask(device_mask_TD, dev_of_E).gather(1, ids_TK).all(dim=1)
     return torch.where(kept_T[:, None], ids_TK, new)

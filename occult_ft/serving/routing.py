@@ -17,8 +17,9 @@ is the engine's loaded one, given with `set_router_tensor`. A block's `device_bi
 device balancing) is added to the selection scores of each layer as the pruned routers add it.
 
 `RoutingStats` counts, per MoE layer, the devices each routed token reaches (the budget's guarantee,
-checked where it is served); with `OCCULT_FT_VLLM_ROUTING_STATS=FILE` in the environment the engine's
-plugin writes them to FILE after every routed batch (a test hook: it reads the counts on the host).
+checked where it is served), and keeps each routed token's router input with the experts and weights
+chosen for it (`record`); with `OCCULT_FT_VLLM_ROUTING_STATS=FILE` in the environment the engine's
+plugin writes them to FILE after every routed batch (a test hook: it reads them on the host).
 
 Shape legend: T tokens, E routed experts, K experts per token, D devices.
 """
@@ -60,6 +61,9 @@ class RoutingStats:
 
     num_devices: int
     layers: dict[int, dict] = dataclasses.field(default_factory=dict)
+    #: per layer, every routed token's router input and routing (`add_tokens`): what the engine chose,
+    #: to be compared with the pruned routers of `occult_ft.from_pretrained` on the same inputs
+    tokens: dict[int, dict] = dataclasses.field(default_factory=dict)
 
     def add(self, layer: int, ids_TK: torch.Tensor, expert_device_E: torch.Tensor) -> None:
         t = ids_TK.shape[0]
@@ -72,10 +76,19 @@ class RoutingStats:
         entry["max_devices"] = max(entry["max_devices"], max((d for d, n in enumerate(hist) if n), default=0))
         entry["histogram"] = [a + b for a, b in zip(entry["histogram"], hist)]
 
+    def add_tokens(
+        self, layer: int, inputs_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor
+    ) -> None:
+        entry = self.tokens.setdefault(layer, {"inputs": [], "weights": [], "ids": []})
+        entry["inputs"] += inputs_TH.float().tolist()  # host read: test hook
+        entry["weights"] += weights_TK.float().tolist()
+        entry["ids"] += ids_TK.tolist()
+
     def to_dict(self) -> dict:
         return {
             "num_devices": self.num_devices,
             "layers": {str(k): v for k, v in sorted(self.layers.items())},
+            "tokens": {str(k): v for k, v in sorted(self.tokens.items())},
         }
 
     def write(self, path: str) -> None:
@@ -211,8 +224,16 @@ class ServedRouting:
             table,
             device_bias_D=bias,
         )
+        if os.environ.get(STATS_ENV):
+            self.stats.add(layer, ids_TK, expert_device)
+        return weights_TK.float(), ids_TK
+
+    def record(
+        self, layer: int, inputs_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor
+    ) -> None:
+        """With `OCCULT_FT_VLLM_ROUTING_STATS=FILE` set: keep layer `layer`'s router inputs and the
+        routing `route` gave them, and write the stats to FILE (the engine calls it after `route`)."""
         path = os.environ.get(STATS_ENV)
         if path:
-            self.stats.add(layer, ids_TK, expert_device)
+            self.stats.add_tokens(layer, inputs_TH, weights_TK, ids_TK)
             self.stats.write(path)
-        return weights_TK.float(), ids_TK

@@ -73,6 +73,7 @@ class OccultRouter(BaseRouter):
         if self.bias_attr is not None:  # the engine's loaded tensor (loaded after __init__)
             self.routing.set_router_tensor(self.layer, self.bias_attr, self.inner.e_score_correction_bias)
         weights_TK, ids_TK = self.routing.route(self.layer, router_logits)
+        self.routing.record(self.layer, hidden_states, weights_TK, ids_TK)
         if self.output_scale != 1.0:
             weights_TK = weights_TK / self.output_scale
         return weights_TK.float().contiguous(), ids_TK.to(indices_type or torch.int32).contiguous()

@@ -29,6 +29,7 @@ import random
 
 import torch
 
+from ..checks import check_positive_int, choice_error
 from ..models import unwrap_model
 
 __all__ = ["TASKS", "TASK_INFO", "make_task_rows", "task_split", "exact_match", "exact_match_counts"]
@@ -84,9 +85,8 @@ def make_task_rows(task: str, count: int, seed: int = 0) -> list[dict]:
         ValueError: for an unknown task or count < 1.
     """
     if task not in _GENERATORS:
-        raise ValueError(f"task={task!r} is unknown; choose one of {', '.join(TASKS)}")
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count={count!r} must be a positive integer")
+        raise choice_error("task", task, TASKS)
+    check_positive_int("count", count)
     rng = random.Random(f"{task}:{seed}")
     rows: list[dict] = []
     seen: set[str] = set()
@@ -101,8 +101,7 @@ def make_task_rows(task: str, count: int, seed: int = 0) -> list[dict]:
 def task_split(task: str, train_rows: int, eval_rows: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """Disjoint (train, held-out) rows of `task`: one deterministic draw of train_rows + eval_rows rows,
     the held-out rows first (so the held-out set does not change when train_rows does)."""
-    if isinstance(eval_rows, bool) or not isinstance(eval_rows, int) or eval_rows < 1:
-        raise ValueError(f"eval_rows={eval_rows!r} must be a positive integer")
+    check_positive_int("eval_rows", eval_rows)
     rows = make_task_rows(task, train_rows + eval_rows, seed)
     return rows[eval_rows:], rows[:eval_rows]
 

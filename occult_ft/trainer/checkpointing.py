@@ -158,8 +158,6 @@ def check_checkpoint_model(model, checkpoint: str) -> None:
     """Refuse, in one line naming the checkpoint, resuming `model` from a checkpoint of another model:
     its config.json (a full checkpoint) or its block (a LoRA adapter) must describe `model`."""
     base = unwrap_model(model)
-    if hasattr(base, "get_base_model"):
-        base = base.get_base_model()  # type: ignore[operator]
     ours = base.config.to_dict()  # type: ignore[operator, union-attr]
     ours["num_experts"] = config_num_experts(ours)
     path = os.path.join(checkpoint, "config.json")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import math
 import os
 import types
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from transformers import TrainingArguments
 
+from ..checks import check_positive_int, choice_error, did_you_mean, is_int
 from ..configs import load_model_config
 from ..dispatch import EXCHANGES, check_exchange_settings
 from ..fileio import check_output_path
@@ -57,17 +57,6 @@ DEVICE_BIAS_RATE = 0.0
 """Default `device_bias_rate`: off until measured on more than one model. On the tiny recipe (budget 2,
 solver placement with a 1.25 load bound) 0.0007 brings the worst layer's device load imbalance to 1.08
 at comm_complexity 1.95 and +0.18% held-out loss (docs/device-balance.md)."""
-
-
-def _suggest(value, choices) -> str:
-    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _choice_error(name: str, value, choices) -> ValueError:
-    return ValueError(
-        f"{name}={value!r} is unknown{_suggest(value, choices)}; choose one of {', '.join(map(str, choices))}"
-    )
 
 
 if TYPE_CHECKING:  # mypy reads the shared fields' host attributes (use_cpu, max_steps, ...)
@@ -343,13 +332,7 @@ class OccultArguments(_ArgumentsBase):
     def _check_occult_fields(self) -> None:
         if self.devices is None:
             ep = self.expert_parallel_size
-            self.devices = ep if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1 else 4
-
-        def positive(name: str) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-
+            self.devices = ep if is_int(ep) and ep > 1 else 4
         # devices, nodes, the budget, criterion and gate weights: the pruning router's own checks
         check_pruning_settings(
             self.devices,
@@ -361,13 +344,30 @@ class OccultArguments(_ArgumentsBase):
         )
         self._check_trainer_fields()
         for name in ("profile_tokens", "lora_r", "expert_parallel_size"):
-            positive(name)
+            check_positive_int(name, getattr(self, name))
         if self.streaming and self.max_steps <= 0:
             raise ValueError(
                 "streaming=True reads the data as it goes, so the run length is unknown; set max_steps"
             )
+        self._check_exchange()
+        if self.train_mode not in TRAIN_MODES:
+            raise choice_error("train_mode", self.train_mode, TRAIN_MODES)
+        refusal = offline_refusal("push_to_hub=True") if self.push_to_hub else None
+        if refusal is not None:  # refused before training, not by the push after it
+            raise ValueError(f"{refusal}; or leave push_to_hub off and `occult-ft push` the result later")
+        if self.model_dtype not in MODEL_DTYPES:
+            raise choice_error("model_dtype", self.model_dtype, MODEL_DTYPES)
+        self._check_loss_coefficients()
+        self._check_lora()
+        self._check_placement()
+        if self.expert_parallel_size > 1:
+            self._check_expert_parallel_size(self.devices)
+
+    def _check_exchange(self) -> None:
+        """exchange and its nodes; exchange_capacity (a digit string read as rows) against the rows a
+        rank can route in one forward."""
         if self.exchange not in EXCHANGES:
-            raise _choice_error("exchange", self.exchange, EXCHANGES)
+            raise choice_error("exchange", self.exchange, EXCHANGES)
         if self.exchange == "two_stage" and self.nodes < 2:
             raise ValueError(
                 f"exchange='two_stage' needs nodes > 1 (got nodes={self.nodes}); set --nodes N or use exchange='flat'"
@@ -375,11 +375,7 @@ class OccultArguments(_ArgumentsBase):
         capacity = self.exchange_capacity
         if isinstance(capacity, str) and capacity.strip().isdigit():
             self.exchange_capacity = capacity = int(capacity)
-        if (
-            capacity is not None
-            and capacity != "auto"
-            and (isinstance(capacity, bool) or not isinstance(capacity, int))
-        ):
+        if capacity is not None and capacity != "auto" and not is_int(capacity):
             raise ValueError(
                 f"exchange_capacity={capacity!r} must be a number of rows per device or 'auto'; leave it unset "
                 "for exact receive buffers"
@@ -403,13 +399,9 @@ class OccultArguments(_ArgumentsBase):
                     f"{self.tokens_per_row()}), so rows could be lost; set it to at least {bound}, 'auto', or "
                     "leave it unset"
                 )
-        if self.train_mode not in TRAIN_MODES:
-            raise _choice_error("train_mode", self.train_mode, TRAIN_MODES)
-        refusal = offline_refusal("push_to_hub=True") if self.push_to_hub else None
-        if refusal is not None:  # refused before training, not by the push after it
-            raise ValueError(f"{refusal}; or leave push_to_hub off and `occult-ft push` the result later")
-        if self.model_dtype not in MODEL_DTYPES:
-            raise _choice_error("model_dtype", self.model_dtype, MODEL_DTYPES)
+
+    def _check_loss_coefficients(self) -> None:
+        """balance_loss_coef, device_bias_rate, distill_coef, distill_temperature."""
         if not self.balance_loss_coef >= 0:
             raise ValueError(
                 f"balance_loss_coef={self.balance_loss_coef!r} must be >= 0 (0 turns the balance loss off)"
@@ -428,6 +420,9 @@ class OccultArguments(_ArgumentsBase):
             raise ValueError(
                 f"distill_temperature={self.distill_temperature!r} must be > 0 (1.0 = the plain distributions)"
             )
+
+    def _check_lora(self) -> None:
+        """lora_alpha, lora_dropout (0 for LoRA on the fused expert tensors)."""
         if not self.lora_alpha > 0:
             raise ValueError(f"lora_alpha={self.lora_alpha!r} must be > 0, e.g. 2 * lora_r")
         if not 0 <= self.lora_dropout < 1:
@@ -437,12 +432,14 @@ class OccultArguments(_ArgumentsBase):
                 f"lora_dropout={self.lora_dropout!r}: PEFT's LoRA on the fused expert tensors (target_parameters) "
                 "does not support dropout; set lora_dropout=0"
             )
+
+    def _check_placement(self) -> None:
+        """placement (a mode or a file), max_load_imbalance, placement_algorithm."""
         if self.placement not in PLACEMENT_MODES and not os.path.isfile(self.placement):
             raise ValueError(
                 f"placement={self.placement!r} is neither {' nor '.join(PLACEMENT_MODES)} nor an existing placement "
-                f"file{_suggest(self.placement, PLACEMENT_MODES)}; create one with `occult-ft place`"
+                f"file{did_you_mean(self.placement, PLACEMENT_MODES)}; create one with `occult-ft place`"
             )
-
         mli = self.max_load_imbalance
         if mli is not None and (
             isinstance(mli, bool) or not isinstance(mli, (int, float)) or not 1 <= mli < float("inf")
@@ -452,25 +449,27 @@ class OccultArguments(_ArgumentsBase):
                 "max(1.25, occult's imbalance)"
             )
         if self.placement_algorithm not in PLACEMENT_ALGORITHMS:
-            raise _choice_error("placement_algorithm", self.placement_algorithm, sorted(PLACEMENT_ALGORITHMS))
+            raise choice_error("placement_algorithm", self.placement_algorithm, sorted(PLACEMENT_ALGORITHMS))
+
+    def _check_expert_parallel_size(self, devices: int) -> None:
+        """expert_parallel_size > 1 against `devices`, nodes and the launched world size."""
         ep = self.expert_parallel_size
-        if ep > 1:
-            if self.devices % ep:
-                raise ValueError(
-                    f"devices={self.devices} is not a multiple of expert_parallel_size={ep} (each process holds the "
-                    f"experts of devices/{ep} consecutive devices); set devices to a multiple of {ep} or leave it unset"
-                )
-            if self.exchange == "two_stage" and ep % self.nodes:
-                raise ValueError(
-                    f"exchange='two_stage' needs nodes={self.nodes} to divide expert_parallel_size={ep}; "
-                    "set nodes to a divisor of the expert-parallel size"
-                )
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            if world % ep:
-                raise ValueError(
-                    f"expert_parallel_size={ep} does not divide the world size {world}; launch a multiple of {ep} "
-                    f"processes or set --expert_parallel_size to a divisor of {world}"
-                )
+        if devices % ep:
+            raise ValueError(
+                f"devices={self.devices} is not a multiple of expert_parallel_size={ep} (each process holds the "
+                f"experts of devices/{ep} consecutive devices); set devices to a multiple of {ep} or leave it unset"
+            )
+        if self.exchange == "two_stage" and ep % self.nodes:
+            raise ValueError(
+                f"exchange='two_stage' needs nodes={self.nodes} to divide expert_parallel_size={ep}; "
+                "set nodes to a divisor of the expert-parallel size"
+            )
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world % ep:
+            raise ValueError(
+                f"expert_parallel_size={ep} does not divide the world size {world}; launch a multiple of {ep} "
+                f"processes or set --expert_parallel_size to a divisor of {world}"
+            )
 
     def tokens_per_forward(self) -> int | None:
         """The most tokens a rank routes in one forward, max(per_device_train_batch_size,
@@ -596,8 +595,7 @@ class OccultConfig(OccultArguments, TrainingArguments):
             self.bf16 = _bf16_available() and not self.fp16 and not self.use_cpu
 
     def _check_trainer_fields(self) -> None:
-        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise ValueError(f"seq_len={self.seq_len!r} must be a positive integer")
+        check_positive_int("seq_len", self.seq_len)
         if self.seq_len < 2:
             raise ValueError(
                 f"seq_len={self.seq_len} is too short; use at least 2 tokens (typically 128-4096)"

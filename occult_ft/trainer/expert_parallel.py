@@ -1,61 +1,24 @@
 """Expert-parallel training inside `OccultTrainer`: groups, sharding, gradient reduction, clipping, checkpoints.
 
-With W processes and `expert_parallel_size` D (W % D == 0) the ranks form
+How the groups are laid out, why the gradients equal a single process's, and what a checkpoint holds:
+docs/expert-parallel.md, "Groups, gradients and checkpoints".
 
-* expert-parallel (EP) groups of consecutive ranks [g*D, (g+1)*D): each EP group holds one copy of
-  the experts, rank g*D + p holding the contiguous block p of E/D experts per layer, and exchanges
-  tokens with the de-duplicated all-to-all ("occult_ep"; `exchange`, `exchange_chunks` and
-  `exchange_capacity` choose the exchange, its pipelining and its capacity-bounded mode);
-* expert-data-parallel (EDP) groups of the ranks at the same position p of every EP group
-  (p, p + D, p + 2D, ...): the W/D replicas of one expert shard.
-
-The groups come from DeepSpeed (`occult_ft.integrations.deepspeed.deepspeed_expert_groups`) when the
-run uses a DeepSpeed config, otherwise from `torch.distributed.new_group` in the same layout.
-
-Every rank feeds its own micro-batch, as in plain data parallelism over all W ranks. Gradients:
-
-* replicated parameters (attention, embeddings, routers, ...) are averaged over all W ranks by DDP or
-  the DeepSpeed engine, as usual;
-* an expert shard's gradient on rank r already sums, through the reverse all-to-all, the
-  contributions of the micro-batches of r's whole EP group. Summing it over the EDP group gives the
-  sum over all W micro-batches; dividing by W turns it into the same average DDP takes of replicated
-  gradients. With Trainer's loss (token sum / global token count * W per rank) that is exactly the
-  single-process gradient of the global batch. Without DeepSpeed, `reduce_expert_gradients` does
-  this after the last backward of each optimizer step (DDP is told to ignore the shards, so it
-  neither broadcasts rank 0's shard at wrap time nor averages the shards over all ranks); DeepSpeed's
-  engine does the same by itself for parameters marked as expert parameters.
-* the gradient norm for clipping (`clip_expert_parallel_grad_norm`) adds the shards' squared norms
-  over the EP group to the replicated parameters' squared norm, so every rank clips by the norm of
-  the whole model and the replicas stay identical.
-
-Routers are replicated, so routing metrics and the pruning-aware balance loss work as in data
-parallelism: the balance loss is a per-micro-batch mean, averaged over ranks (not the balance loss of
-the whole global batch, which is why the exactness tests run with `balance_loss_coef=0`).
-LoRA (`train_mode="lora"`, PEFT `target_parameters` on the fused expert tensors): the expert LoRA
-factors shard with the experts (`occult_ft.integrations.peft.shard_expert_lora`): rank r holds the
-factors of its own E/D experts, marked like the expert shards, so they are reduced over the EDP group,
-counted once in the clipping norm, kept out of DDP and, under DeepSpeed, marked as expert parameters.
-They are first broadcast from rank 0 (DDP does the same for the replicated attention LoRA and the
-`modules_to_save` routers), so every run starts from one initialisation whatever each process drew.
-Saving gathers them back into the layout a single-process PEFT run writes (`adapter_model.safetensors`
-with A (r * E, in) and B (out, r * E) per fused tensor); resuming cuts the saved adapter again
-(`load_expert_lora_shards`).
-
-Checkpoints: `gathered_state_dict` all-gathers the shards (collective) so rank 0 writes the standard
-HF layout; `shard_state_dict` cuts a full state dict down to this rank's shards when resuming.
-Without DeepSpeed, Trainer writes rank 0's optimizer state only, which holds the moments of rank 0's
-expert shards; `save_expert_optimizer_state` therefore also writes the state of every EP position p
-(from rank p of the first EP group) to `optimizer_expert_shard_{p}_of_{D}.pt`, and
-`load_expert_optimizer_state` gives each rank the file of its position. Under DeepSpeed every rank
-writes its own ZeRO partition, but the engine's model-state file comes from rank 0 alone, so after
-the engine has loaded it `load_expert_shards` puts every rank's own shards back from the HF weights
-saved beside it (ZeRO's fp32 master partitions are per rank and already right).
+    ExpertParallelGroups / expert_parallel_groups   EP groups [g*D, (g+1)*D) and EDP groups (p, p + D, ...),
+                                                    from DeepSpeed or `torch.distributed.new_group`
+    setup_expert_parallel                           shard the experts (and expert LoRA), mark and broadcast
+    ExpertGradientReducer / reduce_expert_gradients   the shards' gradients summed over EDP, divided by W
+                                                    (during the last backward; blocking reference)
+    clip_expert_parallel_grad_norm                  the norm of the whole model: shards' squares over EP
+    gathered_state_dict / shard_state_dict          full HF layout for saving, this rank's shards on resume
+    save_expert_optimizer_state / load_expert_optimizer_state   an optimizer file per EP position (no DeepSpeed)
+    load_expert_shards / load_expert_lora_shards / load_sharded_adapter   resuming each rank's own shards
 
 Shape legend: W world size, D expert-parallel size, E experts of a layer, P = E / D.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, cast
@@ -87,6 +50,7 @@ from ..integrations.peft import (
 )
 from ..models import base_experts, experts_state_key
 from ..models.registry import find_moe_layers, unwrap_model
+from .config import OccultArguments
 
 __all__ = [
     "ExpertParallelGroups",
@@ -94,6 +58,8 @@ __all__ = [
     "expert_parallel_groups",
     "setup_expert_parallel",
     "reduce_expert_gradients",
+    "ExpertGradientReducer",
+    "replicated_bucket_cap_mb",
     "clip_expert_parallel_grad_norm",
     "gathered_state_dict",
     "shard_state_dict",
@@ -212,7 +178,7 @@ def expert_parallel_groups(size: int, use_deepspeed: bool = False) -> ExpertPara
     )
 
 
-def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
+def setup_expert_parallel(model: nn.Module, args: OccultArguments) -> ExpertParallelGroups:
     """Shard the experts of a placed, pruned model over the EP groups and prepare it for its trainer.
 
     Call on every rank after `prepare_model` and before the optimizer exists. It checks the layout,
@@ -263,7 +229,7 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
         shard = cast(ExpertShard, base_experts(layer.experts).occult_shard)
         shard_expert_lora(layer.experts, shard.rank * shard.experts_per_device, shard.experts_per_device)
     # DDP wraps `model` (the PEFT model under LoRA): name the shards as its named_parameters does
-    top = _strip_wrappers(model)
+    top = unwrap_model(model, keep_peft=True)
     shards = [(n, p) for n, p in top.named_parameters() if getattr(p, "occult_expert_shard", False)]
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         top, [n for n, _ in shards]
@@ -272,6 +238,29 @@ def setup_expert_parallel(model: nn.Module, args) -> ExpertParallelGroups:
         mark_expert_parameters((p for _, p in shards), size)
         attach_moe_marker(base, size, layers[0].num_experts)
     return groups
+
+
+def replicated_bucket_cap_mb(model: nn.Module) -> int:
+    """DDP's bucket size (MiB) for an expert-parallel model: the trainable replicated parameters of its
+    largest decoder layer, rounded up (at least 1).
+
+    DDP starts a bucket's all-reduce when every gradient in it is ready. Without the experts, the
+    replicated parameters of a decoder layer (attention, norms, router) are small, so DDP's default 25
+    MiB bucket can span several layers plus the embedding, and then nothing is reduced before the end
+    of backward. One layer per bucket starts each layer's all-reduce when its backward is done, hidden
+    behind the backward of the layers below it; only the embedding's stays exposed.
+    """
+    base = unwrap_model(model)
+    largest = 0
+    for layer in find_moe_layers(base):
+        decoder = base.get_submodule(layer.name.rsplit(".", 1)[0]) if "." in layer.name else layer.block
+        size = sum(
+            p.numel() * p.element_size()
+            for p in decoder.parameters()
+            if p.requires_grad and not getattr(p, "occult_expert_shard", False)
+        )
+        largest = max(largest, size)
+    return max(1, math.ceil(largest / 2**20))
 
 
 def _lora_factors(wrapper: Any) -> list[nn.Parameter]:  # a PEFT ParamWrapper
@@ -288,22 +277,14 @@ def _broadcast_from_rank0(params: list[nn.Parameter]) -> None:
         offset += p.numel()
 
 
-def _strip_wrappers(model: nn.Module) -> nn.Module:
-    """`model` without DDP / DeepSpeed engine / accelerate wrappers (`.module`), PEFT kept."""
-    for _ in range(4):
-        if hasattr(model, "peft_config") or not isinstance(getattr(model, "module", None), nn.Module):
-            break
-        model = cast(nn.Module, model.module)
-    return model
-
-
 @torch.no_grad()
 def reduce_expert_gradients(model: nn.Module, groups: ExpertParallelGroups) -> None:
     """Sum the expert-shard gradients over the EDP group and divide by W, in place (collective).
 
     Call once per optimizer step, after the last backward of the step, on every rank; the shards
-    are then averaged exactly as DDP averages the replicated parameters (see the module docstring).
-    Shards without a gradient (frozen experts) are skipped on every rank alike.
+    are then averaged exactly as DDP averages the replicated parameters (docs/expert-parallel.md).
+    Shards without a gradient (frozen experts) are skipped on every rank alike. `ExpertGradientReducer`
+    does the same while backward runs (what `OccultTrainer` uses); this is its blocking reference.
     """
     grads = [p.grad for _, p in expert_shard_parameters(model) if p.grad is not None]
     if not grads:
@@ -316,13 +297,115 @@ def reduce_expert_gradients(model: nn.Module, groups: ExpertParallelGroups) -> N
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
     for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=groups.edp_group)
-        flat.mul_(scale)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        work, flat, _ = _start_sum(same, groups.edp_group)
+        work.wait()
+        _scatter_back(flat, same, scale)
+
+
+def _start_sum(
+    grads: list[torch.Tensor], group: dist.ProcessGroup
+) -> tuple[Any, torch.Tensor, list[torch.Tensor]]:
+    """An asynchronous all-reduce (sum) of `grads` (one dtype) packed into one flat buffer."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    return dist.all_reduce(flat, group=group, async_op=True), flat, grads
+
+
+def _scatter_back(flat: torch.Tensor, grads: list[torch.Tensor], scale: float) -> None:
+    flat.mul_(scale)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class ExpertGradientReducer:
+    """`reduce_expert_gradients` overlapped with the backward of an optimizer step's last micro-batch.
+
+    One bucket per MoE layer (its expert-shard parameters, LoRA factors included; one flat buffer per
+    dtype). After `arm()`, gradient hooks (`register_post_accumulate_grad_hook`) follow the backward:
+    when a parameter of layer l receives its gradient, every layer above l has finished its backward
+    (backward visits the layers from the last to the first, and a weight's gradient is accumulated as
+    soon as it is ready), so their buckets' all-reduces over the EDP group are started then,
+    asynchronously, from the last layer down: the same order on every rank, while the lower layers'
+    backward still runs. `finish()`, after that backward, starts what is left (layer 0, and layers no
+    hook saw) and waits for all, then divides by W: the same sums as `reduce_expert_gradients` (each
+    element summed over the same ranks), so the same gradients to float rounding of the reduction
+    order. A layer's expert gradient may be accumulated several times in one backward (the chunked
+    pipeline runs one backward per chunk): only a later layer's hook closes it, never its own.
+    Micro-batches before the last (gradient accumulation) run no hook work: nothing is reduced there.
+    With one replica (W = D) there is nothing to sum: `finish()` only divides by W.
+    """
+
+    def __init__(self, model: nn.Module, groups: ExpertParallelGroups):
+        self.groups = groups
+        shard_ids = {id(p) for _, p in expert_shard_parameters(model)}
+        self._layers: list[list[nn.Parameter]] = []
+        for layer in find_moe_layers(unwrap_model(model)):
+            params = [p for p in layer.experts.parameters() if id(p) in shard_ids and p.requires_grad]
+            if params:
+                self._layers.append(params)
+        self._layer_of = {id(p): i for i, params in enumerate(self._layers) for p in params}
+        self._armed = False
+        self._next = len(self._layers) - 1
+        self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        self._hooks = []
+        if groups.replicas > 1:
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(self._on_gradient)
+                for params in self._layers
+                for p in params
+            ]
+
+    def arm(self) -> None:
+        """Call before the backward of an optimizer step's last micro-batch (every rank)."""
+        self._armed, self._next, self._pending = True, len(self._layers) - 1, []
+
+    @property
+    def layers_started(self) -> int:
+        """MoE layers whose all-reduce has started since `arm()` (during backward: the overlapped ones)."""
+        return len(self._layers) - 1 - self._next if self._armed else 0
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        layer = self._layer_of[id(param)]
+        while self._next > layer:
+            self._start(self._next)
+            self._next -= 1
+
+    @torch.no_grad()
+    def _start(self, layer: int) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self._layers[layer]:
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            self._pending.append(_start_sum(grads, self.groups.edp_group))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """After the last micro-batch's backward: the expert gradients summed over the EDP group / W."""
+        scale = 1.0 / self.groups.world_size
+        if self.groups.replicas == 1:
+            grads = [p.grad for params in self._layers for p in params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, scale)
+            return
+        if not self._armed:
+            self.arm()
+        while self._next >= 0:
+            self._start(self._next)
+            self._next -= 1
+        for work, flat, grads in self._pending:
+            work.wait()
+            _scatter_back(flat, grads, scale)
+        self._armed, self._pending = False, []
+
+    def remove(self) -> None:
+        """Remove the gradient hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
 
 @torch.no_grad()
@@ -374,7 +457,7 @@ def gathered_state_dict(
     """
 
     if is_peft_model(model):
-        top = _strip_wrappers(model)
+        top = unwrap_model(model, keep_peft=True)
         out = dict(state_dict) if state_dict is not None else dict(top.state_dict())
         names = {id(p): n for n, p in top.named_parameters()}
         for layer in find_moe_layers(top):
@@ -475,7 +558,7 @@ def load_expert_lora_shards(model: nn.Module, checkpoint: str) -> None:
         raise ValueError(
             f"checkpoint {checkpoint!r} has no adapter_config.json; it cannot restore the expert LoRA shards"
         )
-    top = _strip_wrappers(model)
+    top = unwrap_model(model, keep_peft=True)
     weights = shard_adapter_weights(top, load_peft_weights(checkpoint, device="cpu"))
     for name, param in top.named_parameters():
         if not getattr(param, "occult_expert_shard", False) or ".lora_" not in name:
@@ -501,7 +584,7 @@ def load_sharded_adapter(model: nn.Module, checkpoint: str) -> None:
     `load_adapter` would refuse the full-E factors. Raises a one-line ValueError for a foreign adapter."""
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
-    top = _strip_wrappers(model)
+    top = unwrap_model(model, keep_peft=True)
     weights = shard_adapter_weights(top, load_peft_weights(checkpoint, device="cpu"))
     adapter = top.active_adapters[0] if getattr(top, "active_adapters", None) else "default"  # type: ignore[index]
     # load_state_dict's (missing_keys, unexpected_keys); PEFT annotates it as the `namedtuple` function

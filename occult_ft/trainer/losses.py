@@ -3,35 +3,16 @@
 The model's own auxiliary loss (`load_balancing_loss_func`) recomputes softmax + top-k from the raw
 router logits, so it balances the routing the model *would* use without pruning. Occult fine-tuning
 balances the routing it actually uses, with the model's own formula and scale (Switch Transformer
-style, pooled over the MoE layers exactly as transformers pools them):
+style, pooled over the MoE layers as transformers pools them), and with a budget also the device load
+(the rows each device receives). The formulas are at the lines that compute them (`balance_loss`).
 
-    expert_term = E * sum_e f_e * P_e
-
-where f_e is the share of tokens whose used selection (`topk_ids_TK`, after pruning) contains expert e
-(sum_e f_e = K; no gradient) and P_e is the mean router probability of e (the gradient path), both
-taken over every (layer, token) row. Perfectly uniform routing gives K, as transformers' loss does, so a
-model's `router_aux_loss_coef` means the same here (OLMoE 0.01; Mixtral, Qwen, GPT-OSS 0.001). On
-unpruned routing of a softmax router it equals `load_balancing_loss_func`. For routers whose scores do
-not sum to one (DeepSeek-V3's sigmoid), each token's scores are normalised first. Padding tokens are
-skipped (transformers weights them by the attention mask, the same thing).
-
-**With a budget the loss acts on device load.** Under expert parallelism the most loaded device sets a
-layer's time, and its load is the rows it receives: the tokens that reach it (de-duplicated dispatch),
-not the (token, expert) pairs. Pruning concentrates tokens on fewer devices, so balancing experts alone
-lets devices drift apart. Given each layer's expert -> device map (`expert_device`), the loss becomes
-
-    device_term = (D / C) * sum_d g_d * Q_d
-    balance     = (expert_term + K * device_term) / 2
-
-with g_d the share of rows that reach device d (sum_d g_d = C, the mean devices per token, no
-gradient), Q_d the mean router probability mass on device d's experts (the gradient path, sum_d Q_d
-= 1). Uniform load gives device_term = 1, so `balance` is still K at uniform routing and the
-coefficient keeps its meaning; all load on one device gives device_term = D. Without `expert_device`
-(no budget) `balance` is the expert term alone, i.e. transformers' loss.
+    balance_loss          the loss over the recorded layers: expert term, plus the device term with a budget
+    device_balance_term   one layer's rows per device (no gradient) and probability mass per device
+    balance_loss_factor   the factor that keeps it a plain mean under gradient accumulation
 
 No value is read on the host: masks weight the rows instead of selecting them.
 
-Shape legend: T tokens, E experts, K experts per token, D devices.
+Shape legend: T tokens, E experts, K experts per token, D devices, C mean devices per token.
 """
 
 from __future__ import annotations
@@ -65,7 +46,7 @@ def balance_loss(
             `topk_ids` (T, K) actually used; every layer must route to the same E experts.
         mask_T: optional (T,) bool, True for real tokens (the flattened attention mask).
         expert_device: layer index -> (E,) device of each expert; given (with a budget), the loss also
-            balances device load (see the module docstring).
+            balances device load (the rows each device receives).
         num_devices: D, needed with `expert_device`.
 
     Returns:
@@ -97,8 +78,10 @@ def balance_loss(
         if tokens == 0:
             continue
         p_TE = probs_TE.float()
+        # scores that do not sum to one (DeepSeek-V3's sigmoid) are normalised per token first
         p_TE = p_TE / p_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         ids_TK = ids_TK.to(p_TE.device)
+        # padding rows weigh 0 (transformers weights them by the attention mask, the same thing)
         slot_w_N = keep_T[:, None].expand_as(ids_TK).reshape(-1)
         counts_E = counts_E.scatter_add(0, ids_TK.reshape(-1), slot_w_N)
         assert probs_E is not None and rows is not None  # created with counts_E
@@ -110,6 +93,11 @@ def balance_loss(
     if counts_E is None or probs_E is None or rows is None:  # all three are created together
         return None
     denom = rows.clamp_min(1.0)  # every token masked: counts are 0, so the loss is 0
+    # expert_term = E * sum_e f_e * P_e: f_e the share of rows whose used selection (after pruning)
+    # holds e (sum_e f_e = K, no gradient), P_e the mean router probability of e (the gradient path),
+    # both over every (layer, token) row. Uniform routing gives K, as transformers' loss does, so a
+    # model's `router_aux_loss_coef` means the same here (OLMoE 0.01; Mixtral, Qwen, GPT-OSS 0.001); on
+    # unpruned routing of a softmax router it equals `load_balancing_loss_func`.
     expert_term = counts_E.numel() * ((counts_E / denom) * (probs_E / denom)).sum()
     if not device_parts:
         return expert_term
@@ -117,7 +105,13 @@ def balance_loss(
     q_D = cast(torch.Tensor, sum(part[1] for part in device_parts))
     reach = g_D.sum().clamp_min(1e-20)  # rows over all layers = C * rows
     assert num_devices  # device_parts needs expert_device, which needs num_devices
+    # With a budget the most loaded device sets a layer's time, and its load is the rows it receives
+    # (tokens reaching it), not (token, expert) pairs; pruning concentrates tokens on fewer devices, so
+    # balancing experts alone lets devices drift apart. device_term = (D / C) * sum_d g_d * Q_d, with
+    # g_d the share of rows reaching device d (sum_d g_d = C, no gradient) and Q_d the mean probability
+    # mass on d's experts (sum_d Q_d = 1): 1 at uniform load, D with all load on one device.
     device_term = num_devices * ((g_D / reach) * (q_D / denom)).sum()
+    # (expert_term + K * device_term) / 2 is still K at uniform routing: the coefficient keeps its meaning
     return 0.5 * (expert_term + top_k * device_term)
 
 

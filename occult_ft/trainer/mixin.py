@@ -1,40 +1,26 @@
 """`OccultTrainerMixin`: the Occult behaviour of a `transformers.Trainer`, for any trainer built on it.
 
-One implementation serves `OccultTrainer` (occult_ft's own data handling) and
-`occult_ft.trl.OccultSFTTrainer` (TRL's). The mixin is a `Trainer` subclass meant to sit directly above
-`transformers.Trainer` in a trainer's method order:
+One implementation serves `OccultTrainer` (occult_ft's data handling) and `occult_ft.trl.OccultSFTTrainer`
+(TRL's). The mixin sits directly above `transformers.Trainer` in a trainer's method order:
 
     class OccultTrainer(OccultTrainerMixin)                     # mixin -> Trainer
     class OccultSFTTrainer(SFTTrainer, OccultTrainerMixin)     # SFTTrainer -> mixin -> Trainer
 
-so its `__init__` runs where `Trainer.__init__` would, with the model and the data as the trainer above
-made them (tokenized, packed, collated by TRL or by occult_ft), and there places and prunes the model
-(`occult_ft.trainer.prepare`), applies LoRA (occult_ft's targets or a given `peft_config`) and shards the
-experts over expert-parallel groups, before `Trainer.__init__` sees the model. Its overrides then add:
+so its `__init__` runs where `Trainer.__init__` would, with the data as the trainer above made it, and
+places and prunes the model (`occult_ft.trainer.prepare`), applies LoRA and shards the experts
+(`occult_ft.trainer.expert_parallel`) before `Trainer.__init__` sees the model. Its overrides:
 
-- `occult_loss(inner, ...)`: the loss `inner` computes (Trainer's, or SFTTrainer's fused-LM-head loss)
-  + `balance_loss_coef` * the pruning-aware balance loss of `occult_ft.trainer.losses` (from the routing
-  the forward actually used), scaled so that gradient accumulation and data parallelism leave it a plain
-  mean over micro-batches; with `distill_coef` > 0 and a budget, + `distill_coef` * KL(unpruned teacher ||
-  pruned student) (`occult_ft.trainer.distill`), logged as `distill_kl`. `compute_loss` calls it with
-  Trainer's loss; a trainer above the mixin that computes its own loss calls it with that;
-- with `device_bias_rate` > 0 and a budget, every optimizer step moves each pruned router's selection
-  bias per device towards balance (`_balance_devices`: the meter's device loads of the step, summed
-  over processes in one all-reduce of an (L, D) tensor, no host read);
-- every forward feeds a `RoutingMeter`; each log line carries `comm_complexity`, `intra_share`,
-  `removed_mass`, `load_imbalance`, `max_token_devices`, `balance_loss` and `padding_share` averaged
-  since the last line; evaluation reports the same routing metrics (prefixed `eval_`) plus
-  `eval_perplexity`;
-- checkpoints are pruned checkpoints: a full run writes a standard HF checkpoint whose `config.json`
-  carries the `occult` block (placement provenance, budget, criterion) plus
-  `occult_similarity.tables`; a LoRA run writes the adapter directory plus `occult_config.json`.
-  `occult_ft.from_pretrained(dir)` loads either with the pruned routing active (the Trainer hooks call
-  `occult_ft.trainer.checkpointing`);
-- resuming takes the placement and similarity tables from the checkpoint, so a resumed run ends where
-  the uninterrupted one does;
-- with `expert_parallel_size` D > 1 (launched on W processes, W % D == 0) the experts are sharded over
-  groups of D processes after placement and pruning (`occult_ft.trainer.expert_parallel`), with or
-  without DeepSpeed (ZeRO 0-2); checkpoints gather the shards back into the standard HF layout.
+    occult_loss / compute_loss      inner loss + `balance_loss_coef` * the pruning-aware balance loss
+                                    (`losses.py`) + `distill_coef` * KL(unpruned || pruned), a plain mean
+                                    under gradient accumulation and data parallelism
+    training_step / _balance_devices   the per-device selection bias moved after each optimizer step
+                                    (`device_bias_rate`; one all-reduce of (L, D) loads, no host read)
+    log / evaluation_loop           routing metrics (`comm_complexity`, `removed_mass`, ...) per log line
+    _clip_grad_norm / create_optimizer   expert-parallel norm and reduction; `CompensatedAdamW`
+    save_model / _save / _load_*    pruned checkpoints (`occult` block, similarity tables; `checkpointing`)
+                                    and a resume that ends where the uninterrupted run ends
+
+Legend: L MoE layers, D devices; user-facing behaviour: docs/fine-tuning.md.
 """
 
 from __future__ import annotations
@@ -45,12 +31,13 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from ..checkpoint import OccultBlock
 from ..checkpoint.card import last_eval_metrics, write_model_card
+from ..checkpoint.load import can_load_sharded
 from ..data.batching import real_token_mask
 from ..evaluation import make_comm_complexity_figure
 from ..fileio import OutputPathError, check_output_path, reading_directory
@@ -69,9 +56,10 @@ from .checkpointing import (
 from .config import OccultArguments
 from .distill import distillation_kl, teacher_logits
 from .expert_parallel import (
+    ExpertGradientReducer,
     ExpertParallelGroups,
     clip_expert_parallel_grad_norm,
-    reduce_expert_gradients,
+    replicated_bucket_cap_mb,
     setup_expert_parallel,
 )
 from .guards import check_step
@@ -86,7 +74,7 @@ from .losses import balance_loss, balance_loss_factor
 from .meter import RoutingMeter
 from .optim import CompensatedAdamW, choose_optimizer
 from .prepare import OccultSetup, prepare_model, resolve_checkpoint
-from .sharded_load import can_load_sharded, load_sharded_training_model
+from .sharded_load import load_sharded_training_model
 
 logger = logging.get_logger(__name__)
 
@@ -169,8 +157,13 @@ class OccultTrainerMixin(Trainer):
         )
         self.occult: OccultSetup = setup
         self.expert_parallel: ExpertParallelGroups | None = None
+        self._expert_reducer: ExpertGradientReducer | None = None
         if args.expert_parallel_size > 1:
             self.expert_parallel = setup_expert_parallel(model, args)
+            if not args.deepspeed:  # the engine reduces its expert parameters itself
+                self._expert_reducer = ExpertGradientReducer(model, self.expert_parallel)
+                if args.ddp_bucket_cap_mb is None:
+                    args.ddp_bucket_cap_mb = replicated_bucket_cap_mb(model)
         # what rounding the float32 start to model_dtype lost: CompensatedAdamW starts from it
         self._load_rounding = round_keeping_residuals(model, round_to) if round_to is not None else {}
         super().__init__(
@@ -283,11 +276,14 @@ class OccultTrainerMixin(Trainer):
         return records
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        reducer = self._expert_reducer if self._own_expert_reduction() is not None else None
+        if reducer is not None and self.accelerator.sync_gradients:
+            reducer.arm()  # the expert gradients' all-reduce overlaps this micro-batch's backward
         loss = super().training_step(model, inputs, num_items_in_batch)
         finite = torch.isfinite(loss.detach()).all()  # read at the optimizer step (one sync per step)
         self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
-        if self._reduces_expert_gradients() and self.accelerator.sync_gradients:
-            reduce_expert_gradients(self.model, self.expert_parallel)
+        if reducer is not None and self.accelerator.sync_gradients:
+            reducer.finish()
         if self.accelerator.sync_gradients:
             self._balance_devices()
         # the records keep the last routing for inspection, but not the probabilities' graph
@@ -320,19 +316,25 @@ class OccultTrainerMixin(Trainer):
             bias.copy_(new_LD[row])
 
     # ---- expert parallelism without DeepSpeed: shard gradients and the norm are ours --------------
-    def _reduces_expert_gradients(self) -> bool:
-        return self.expert_parallel is not None and not self.is_deepspeed_enabled
+    def _own_expert_reduction(self) -> tuple[nn.Module, ExpertParallelGroups] | None:
+        """(model, EP groups) when occult_ft reduces the expert gradients and clips their norm itself
+        (expert parallelism without DeepSpeed), else None."""
+        if self.expert_parallel is None or self.is_deepspeed_enabled or self.model is None:
+            return None
+        return self.model, self.expert_parallel
 
     def _clip_grad_norm(self, model):
-        if self._reduces_expert_gradients():
-            return clip_expert_parallel_grad_norm(self.model, self.expert_parallel, self.args.max_grad_norm)
+        own = self._own_expert_reduction()
+        if own is not None:
+            return clip_expert_parallel_grad_norm(*own, self.args.max_grad_norm)
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
         """Trainer's gradient norm, called at every optimizer step just before the update: a non-finite
         loss or norm stops the run there, naming the step (`occult_ft.trainer.guards`)."""
-        if grad_norm is None and self._reduces_expert_gradients():
-            grad_norm = clip_expert_parallel_grad_norm(self.model, self.expert_parallel, float("inf"))
+        own = self._own_expert_reduction()
+        if grad_norm is None and own is not None:
+            grad_norm = clip_expert_parallel_grad_norm(*own, float("inf"))
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         finite, self._losses_finite = self._losses_finite, None
         check_step(
@@ -345,7 +347,7 @@ class OccultTrainerMixin(Trainer):
         return grad_norm
 
     @staticmethod
-    def get_optimizer_cls_and_kwargs(args, model=None):
+    def get_optimizer_cls_and_kwargs(args: TrainingArguments, model: PreTrainedModel | None = None):
         """Trainer's optimizer, except that `torch.optim.AdamW` over 16-bit (bf16/fp16) trainable weights
         becomes `occult_ft.trainer.optim.CompensatedAdamW` (float32 moments, Kahan-compensated weights),
         so bf16 `full` / `moe` runs lose no update to rounding."""
@@ -397,12 +399,13 @@ class OccultTrainerMixin(Trainer):
         output = super().evaluation_loop(
             dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
         )
+        metrics = output.metrics if output.metrics is not None else {}  # typed Optional; Trainer fills it
         for key, value in self._meters["eval"].summary(self._reduce).items():
             if key != "balance_loss":
-                output.metrics[f"{metric_key_prefix}_{key}"] = value
-        loss = output.metrics.get(f"{metric_key_prefix}_loss")
+                metrics[f"{metric_key_prefix}_{key}"] = value
+        loss = metrics.get(f"{metric_key_prefix}_loss")
         if loss is not None:
-            output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 50.0))
+            metrics[f"{metric_key_prefix}_perplexity"] = math.exp(min(loss, 50.0))
         return output
 
     # ---- saving and resuming: the hooks of `occult_ft.trainer.checkpointing` --------------------

@@ -3,32 +3,16 @@
 A bf16 weight has 8 significant bits: a weight of 0.02 moves only by steps of ~1.2e-4, so an AdamW
 update of 2e-5 (a typical fine-tuning learning rate) is rounded away: measured on 1M weights of std 0.02
 over 10 steps at lr 2e-5, `torch.optim.AdamW` on bf16 weights changes 30% of them and moves them by a
-third of the intended amount (`tests/test_optim.py`). Keeping a float32 master copy fixes that at 4 extra
-bytes per parameter; Kahan summation fixes it at 2 (Zamirai et al., "Revisiting BFloat16 Training",
-2021): beside each 16-bit parameter a 16-bit `compensation` buffer keeps what the last rounding lost,
-and the next update adds it back, so the weights follow the float32 trajectory to within one rounding.
+third of the intended amount (`tests/test_optim.py`). A float32 master copy fixes that at 4 extra bytes
+per parameter; Kahan summation at 2 (Zamirai et al., "Revisiting BFloat16 Training", 2021): a 16-bit
+`compensation` buffer beside each 16-bit parameter keeps what the last rounding lost (the update is
+spelled out in `CompensatedAdamW.step`). Memory per trainable parameter: 16-bit weight 2 + gradient 2 +
+float32 moments 8 + compensation 2 = 14 bytes (`occult_ft.plan` counts it).
 
-Per parameter (`p` as stored, `c` its compensation, `u` the AdamW step computed in float32):
-
-    exact = p * (1 - lr * weight_decay) - u + c      (float32)
-    p     = round(exact)                              (to the parameter's dtype)
-    c     = exact - p                                 (what the rounding lost; stored in p's dtype)
-
-So `p` is always the nearest 16-bit value to `p + c`: the saved 16-bit weights are already the best a
-16-bit checkpoint can hold of the compensated trajectory (`tests/test_optim.py`). What the weights can
-lose is their start: a float32 checkpoint loaded as bf16 is rounded before the first step, and every
-later update smaller than half a bf16 step from that rounded start is then lost against the float32 run.
-`OccultTrainer` therefore loads such a checkpoint in float32, prepares it, rounds it and seeds `c` with
-what the rounding lost (`seed_compensation`; `occult_ft.trainer.loading.round_keeping_residuals`).
-
-The moments `exp_avg` and `exp_avg_sq` are float32 whatever the parameter's dtype (a bf16
-`exp_avg_sq` loses its 0.1% updates the same way). Float32 parameters get no compensation buffer and
-follow `torch.optim.AdamW` exactly. Memory per trainable parameter: 16-bit weight 2 + gradient 2 +
-moments 8 + compensation 2 = 14 bytes (`occult_ft.plan` counts it).
-
-`OccultTrainer` uses it in place of `torch.optim.AdamW` (`optim` adamw_torch / adamw_torch_fused, the
-default; `occult_ft.plan.COMPENSATED_OPTIMS`) whenever a trainable parameter is 16-bit and DeepSpeed is off (DeepSpeed keeps float32 master
-weights of its own).
+    CompensatedAdamW     the optimizer (`seed_compensation` starts it from an unrounded float32 load)
+    choose_optimizer     what `OccultTrainer` builds: this one in place of `torch.optim.AdamW`
+                         (adamw_torch / adamw_torch_fused, `occult_ft.plan.COMPENSATED_OPTIMS`) whenever
+                         a trainable parameter is 16-bit and DeepSpeed (float32 master weights) is off
 """
 
 from __future__ import annotations
@@ -37,8 +21,12 @@ import itertools
 import logging
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 __all__ = ["CompensatedAdamW", "is_low_precision", "choose_optimizer"]
 
@@ -77,6 +65,9 @@ class CompensatedAdamW(torch.optim.Optimizer):
             raise ValueError(f"eps={eps!r} must be >= 0")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
+    # A float32 checkpoint loaded as bf16 is rounded before the first step, and every later update
+    # smaller than half a bf16 step from that rounded start would be lost against the float32 run:
+    # `OccultTrainer` loads such a checkpoint in float32, prepares it, rounds it and seeds `c` here.
     @torch.no_grad()
     def seed_compensation(self, residuals) -> int:
         """Start the compensation of 16-bit parameters with what rounding them to 16 bits lost
@@ -117,6 +108,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("CompensatedAdamW does not support sparse gradients")
                 state = self.state[p]
+                # the moments are float32 whatever p's dtype (a bf16 exp_avg_sq would lose its 0.1% updates
+                # the same way); float32 parameters get no compensation and follow torch.optim.AdamW exactly
                 if "step" not in state:  # a seeded compensation (`seed_compensation`) is kept
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
@@ -135,6 +128,12 @@ class CompensatedAdamW(torch.optim.Optimizer):
                     p.mul_(1 - lr * decay)
                     p.addcdiv_(exp_avg, denom, value=-step_size)
                     continue
+                # Kahan step, p as stored, c its compensation, u the AdamW step in float32:
+                #   exact = p * (1 - lr * weight_decay) - u + c   (float32)
+                #   p     = round(exact)                           (to p's dtype)
+                #   c     = exact - p                              (what the rounding lost, in p's dtype)
+                # so p is always the nearest 16-bit value to p + c: a saved 16-bit checkpoint is already
+                # the best a 16-bit file can hold of the compensated (float32) trajectory.
                 compensation = state["compensation"]
                 exact = p.float().mul_(1 - lr * decay)
                 exact.addcdiv_(exp_avg, denom, value=-step_size).add_(compensation.float())
@@ -143,7 +142,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         return loss
 
 
-def choose_optimizer(args, model, cls, kwargs: dict) -> tuple[type, dict]:
+def choose_optimizer(args: TrainingArguments, model, cls, kwargs: dict) -> tuple[type, dict]:
     """The optimizer class and keyword arguments `OccultTrainer` builds, from Trainer's choice (`cls`,
     `kwargs`): `torch.optim.AdamW` over 16-bit trainable weights becomes `CompensatedAdamW`, without
     DeepSpeed (which keeps float32 master weights itself); another optimizer over 16-bit weights is kept

@@ -18,6 +18,7 @@ from ..data import DataError, load_text_dataset, tokenize_for_training
 from ..plan import check_fits_before_loading
 from .config import OccultArguments, OccultConfig
 from .loading import load_training_tokenizer
+from .mixin import OccultTrainerMixin
 from .trainer import OccultTrainer
 
 __all__ = ["train", "load_run_dataset", "finish_run", "announcer"]
@@ -97,7 +98,9 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
     return trainer, finish_run(trainer, config, train_dataset, eval_dataset, say)
 
 
-def finish_run(trainer, config: OccultArguments, train_dataset, eval_dataset, say) -> dict[str, float]:
+def finish_run(
+    trainer: OccultTrainerMixin, config: OccultArguments, train_dataset, eval_dataset, say
+) -> dict[str, float]:
     """The run after its trainer is built (shared with `occult_ft.trl`'s pipeline): train (resuming if
     asked), refuse a run that took no step, save the final model to `config.output_dir`, evaluate on the
     eval data, save metrics and state, push when asked. Returns the metrics."""

@@ -32,6 +32,7 @@ from transformers.utils import logging
 from ..apply import apply_occult, placed_similarity, resolve_placement
 from ..checkpoint import block_placement, model_block, read_block, read_similarity
 from ..checkpoint.load import describe_budget
+from ..checkpoint.sharded import place_sharded
 from ..data.batching import profile_batches  # the batching lives in occult_ft.data
 from ..fileio import read_json_object
 from ..integrations.peft import apply_lora, is_peft_model
@@ -41,7 +42,7 @@ from ..placement import PRUNING_CRITERIA, Placement, compute_placement, merge_pl
 from ..profiling import profile_model
 from ..routing import PruningConfig, pruned_routers, router_device_bias, router_similarity, set_recording
 from .checkpointing import check_checkpoint_model
-from .sharded_load import place_sharded
+from .config import OccultArguments
 
 logger = logging.get_logger(__name__)
 
@@ -97,22 +98,7 @@ def resolve_checkpoint(resume, output_dir: str | None) -> str | None:
     if resume is None or resume is False or resume == "":
         return None
     if resume is True or (isinstance(resume, str) and resume.lower() in ("true", "last")):
-        if not output_dir or not os.path.isdir(output_dir):
-            return None
-        found = []
-        for name in os.listdir(output_dir):
-            step = name.removeprefix("checkpoint-")
-            if (
-                name.startswith("checkpoint-")
-                and step.isdigit()
-                and os.path.isdir(os.path.join(output_dir, name))
-            ):
-                found.append((int(step), os.path.join(output_dir, name)))
-        for _, path in sorted(found, reverse=True):
-            if checkpoint_is_complete(path):
-                return path
-            logger.warning(f"skipping {path}: its write was interrupted (no readable trainer_state.json)")
-        return None
+        return _newest_complete_checkpoint(output_dir)
     path = str(resume)
     if not os.path.isdir(path):
         raise ValueError(
@@ -126,8 +112,29 @@ def resolve_checkpoint(resume, output_dir: str | None) -> str | None:
     return path
 
 
+def _newest_complete_checkpoint(output_dir: str | None) -> str | None:
+    """The complete `checkpoint-N` of highest N under `output_dir` (interrupted ones skipped with a
+    warning); None when there is none."""
+    if not output_dir or not os.path.isdir(output_dir):
+        return None
+    found = []
+    for name in os.listdir(output_dir):
+        step = name.removeprefix("checkpoint-")
+        if (
+            name.startswith("checkpoint-")
+            and step.isdigit()
+            and os.path.isdir(os.path.join(output_dir, name))
+        ):
+            found.append((int(step), os.path.join(output_dir, name)))
+    for _, path in sorted(found, reverse=True):
+        if checkpoint_is_complete(path):
+            return path
+        logger.warning(f"skipping {path}: its write was interrupted (no readable trainer_state.json)")
+    return None
+
+
 # ---- profiling -------------------------------------------------------------------------------------
-def _profile(model, dataset, collate, args, name: str):
+def _profile(model, dataset, collate, args: OccultArguments, name: str):
     if dataset is None:
         raise ValueError(
             "placement='auto' and criterion='similarity' profile the training data, but no train_dataset was "
@@ -257,9 +264,76 @@ def prepare_model(
 
     base = unwrap_model(model)
     layers = find_moe_layers(base)
-    num_experts, top_k = layers[0].num_experts, layers[0].top_k
+    num_experts = layers[0].num_experts
     block = model_block(base)  # the live model's (experts as in memory)
     adapter_block = getattr(model, "occult_adapter_block", None)  # how a loaded adapter is stored
+    pruning = _run_pruning(base, block, args, num_experts, layers[0].top_k)
+    peft_model = is_peft_model(model)
+    lora = args.train_mode == "lora" or peft_config is not None
+    _check_lora_inputs(args, peft_model, lora, peft_config)
+    name = getattr(base.config, "_name_or_path", None) or getattr(base, "name_or_path", None)
+
+    if checkpoint:
+        check_checkpoint_model(model, checkpoint)  # before its placement is read for this model
+    ckpt_block, ckpt_similarity = (
+        (read_block(checkpoint), read_similarity(checkpoint)) if checkpoint else (None, None)
+    )
+    model_type = layers[0].arch.model_type
+    if block is not None and block.placed:
+        placement, similarity, name = _already_placed(base, block, args, placement, model_type, name)
+    else:
+        placement, similarity = _place(
+            base, args, placement, ckpt_block, model_type, (train_dataset, collate, name)
+        )
+    if ckpt_similarity is not None:
+        similarity = ckpt_similarity
+    if pruning.criterion == "similarity" and pruning.active and similarity is None:
+        similarity = _broadcast(_profile(base, train_dataset, collate, args, name or "model").similarity())
+
+    bias = _start_bias(base, args, pruning, ckpt_block or block, [layer.index for layer in layers])
+    apply_occult(base, pruning=pruning, similarity=similarity, similarity_placed=True, device_bias=bias)
+    _disable_model_aux_loss(base)
+    model = _set_what_trains(model, args, lora, peft_model, peft_config)
+    set_recording(model, True, keep_graph=args.balance_loss_coef > 0)
+    base_block = adapter_block or block
+    setup = OccultSetup(
+        pruning=pruning,
+        placement=placement,
+        similarity=similarity,
+        expert_device=_expert_device(model, num_experts, args.devices, [layer.index for layer in layers]),
+        base_placed=base_block.placed if base_block is not None else False,
+        base_model=name,
+    )
+    return model, setup
+
+
+def _set_what_trains(model: nn.Module, args, lora: bool, peft_model: bool, peft_config) -> nn.Module:
+    """LoRA adapters added (a PEFT model keeps its own), or `args.train_mode` set; the model to train."""
+    if lora and not peft_model:
+        return apply_lora(
+            model,
+            r=args.lora_r,
+            alpha=args.lora_alpha,
+            dropout=args.lora_dropout,
+            seed=args.seed,
+            config=peft_config,
+        )
+    if not lora:
+        set_train_mode(model, args.train_mode)
+    return model
+
+
+def _expert_device(model: nn.Module, num_experts: int, devices: int, indices: list[int]) -> dict:
+    """Layer index -> (E,) device of each expert, as the pruned routers hold it (contiguous blocks when
+    no router is pruned)."""
+    held = {
+        layer.index: router.occult_expert_device.detach().clone() for layer, router in pruned_routers(model)
+    }
+    return held or {i: contiguous_expert_device(num_experts, devices) for i in indices}
+
+
+def _run_pruning(base: nn.Module, block, args, num_experts: int, top_k: int) -> PruningConfig:
+    """The run's pruning: `args`' budget, or when it sets none a pruned checkpoint's (with a warning)."""
     budget, criterion, gate_weights = args.max_devices_per_token, args.criterion, args.gate_weights
     node_budget = getattr(args, "max_nodes_per_token", None)
     saved = block.pruning if block is not None else None
@@ -273,8 +347,11 @@ def prepare_model(
         )
     pruning = PruningConfig(args.devices, budget, criterion, gate_weights, args.nodes, node_budget)
     pruning.check(num_experts, top_k)
-    peft_model = is_peft_model(model)
-    lora = args.train_mode == "lora" or peft_config is not None
+    return pruning
+
+
+def _check_lora_inputs(args, peft_model: bool, lora: bool, peft_config) -> None:
+    """A PEFT model trains as LoRA, from its own adapters (no second peft_config)."""
     if peft_model and peft_config is not None:
         raise ValueError(
             "the model is already a LoRA (PEFT) model and a peft_config was given; pass the base model with "
@@ -284,90 +361,56 @@ def prepare_model(
         raise ValueError(
             f"train_mode={args.train_mode!r} but the model is a LoRA (PEFT) model; set train_mode='lora'"
         )
-    name = getattr(base.config, "_name_or_path", None) or getattr(base, "name_or_path", None)
 
-    if checkpoint:
-        check_checkpoint_model(model, checkpoint)  # before its placement is read for this model
-    ckpt_block = read_block(checkpoint) if checkpoint else None
-    ckpt_similarity = read_similarity(checkpoint) if checkpoint else None
-    already_placed = block is not None and block.placed
-    similarity = None  # placed order
+
+def _already_placed(base: nn.Module, block, args, placement, model_type: str, name: str | None):
+    """(placement, similarity, base model name) of a model its occult block says is placed."""
+    placed_devices = block.num_devices
+    if placed_devices is not None and int(placed_devices) != args.devices:
+        raise ValueError(
+            f"devices={args.devices} but this checkpoint is placed for {placed_devices} devices; "
+            f"set devices={placed_devices}"
+        )
+    if placement is not None:
+        raise ValueError(
+            "this model is already placed (its occult block says so); drop the placement argument"
+        )
+    similarity = router_similarity(base)
+    if similarity is None and name and os.path.isdir(name):
+        similarity = read_similarity(name)
+    return block_placement(block, model_type), similarity, block.base_model or name
+
+
+def _place(base: nn.Module, args, placement, ckpt_block, model_type: str, data: tuple):
+    """Place `base` (in place): the resumed checkpoint's placement, the given one, one computed from a
+    profile of the training data (`placement="auto"`), or `args.placement`; returns (placement, the
+    profile's similarity in placed order or None). `data`: (train_dataset, collate, model name)."""
     profile = None
-    model_type = layers[0].arch.model_type
-    if already_placed:
-        assert block is not None
-        placed_devices = block.num_devices
-        if placed_devices is not None and int(placed_devices) != args.devices:
-            raise ValueError(
-                f"devices={args.devices} but this checkpoint is placed for {placed_devices} devices; "
-                f"set devices={placed_devices}"
-            )
-        if placement is not None:
-            raise ValueError(
-                "this model is already placed (its occult block says so); drop the placement argument"
-            )
-        placement = block_placement(block, model_type)
-        similarity = router_similarity(base)
-        if similarity is None and name and os.path.isdir(name):
-            similarity = read_similarity(name)
-        name = block.base_model or name
+    if ckpt_block is not None and ckpt_block.placement is not None:
+        placement = block_placement(ckpt_block, model_type)
+    elif placement is None and args.placement == "auto":
+        train_dataset, collate, name = data
+        profile = _profile(base, train_dataset, collate, args, name or "model")
+        placement = place_across_ranks(
+            profile,
+            args.devices,
+            args.nodes,
+            args.placement_algorithm,
+            max_load_imbalance=args.max_load_imbalance,
+            **_placement_budget(args),
+        )
+    placement = resolve_placement(placement if placement is not None else args.placement, base, args.devices)
+    if getattr(base, "occult_sharded_source", None) is not None:
+        place_sharded(base, placement)  # read shard-wise: re-read the expert block in the new order
     else:
-        if ckpt_block is not None and ckpt_block.placement is not None:
-            placement = block_placement(ckpt_block, model_type)
-        elif placement is None and args.placement == "auto":
-            profile = _profile(base, train_dataset, collate, args, name or "model")
-            budget = {}  # place for the pruned routing when the pruning's devices follow from the profile
-            if args.max_devices_per_token is not None and args.max_nodes_per_token is None:
-                if args.criterion in PRUNING_CRITERIA:
-                    budget = dict(max_devices_per_token=args.max_devices_per_token, criterion=args.criterion)
-            placement = place_across_ranks(
-                profile,
-                args.devices,
-                args.nodes,
-                args.placement_algorithm,
-                max_load_imbalance=args.max_load_imbalance,
-                **budget,
-            )
-        placement = resolve_placement(
-            placement if placement is not None else args.placement, base, args.devices
-        )
-        if getattr(base, "occult_sharded_source", None) is not None:
-            place_sharded(base, placement)  # read shard-wise: re-read the expert block in the new order
-        else:
-            apply_occult(base, placement)
-        if profile is not None:
-            similarity = placed_similarity(profile.similarity(), placement)
-    if ckpt_similarity is not None:
-        similarity = ckpt_similarity
-    if pruning.criterion == "similarity" and pruning.active and similarity is None:
-        similarity = _broadcast(_profile(base, train_dataset, collate, args, name or "model").similarity())
+        apply_occult(base, placement)
+    return placement, placed_similarity(profile.similarity(), placement) if profile is not None else None
 
-    bias = _start_bias(base, args, pruning, ckpt_block or block, [layer.index for layer in layers])
-    apply_occult(base, pruning=pruning, similarity=similarity, similarity_placed=True, device_bias=bias)
-    _disable_model_aux_loss(base)
-    if lora and not peft_model:
-        model = apply_lora(
-            model,
-            r=args.lora_r,
-            alpha=args.lora_alpha,
-            dropout=args.lora_dropout,
-            seed=args.seed,
-            config=peft_config,
-        )
-    elif not lora:
-        set_train_mode(model, args.train_mode)
-    set_recording(model, True, keep_graph=args.balance_loss_coef > 0)
-    expert_device = {
-        layer.index: router.occult_expert_device.detach().clone() for layer, router in pruned_routers(model)
-    }
-    base_block = adapter_block or block
-    setup = OccultSetup(
-        pruning=pruning,
-        placement=placement,
-        similarity=similarity,
-        expert_device=expert_device
-        or {layer.index: contiguous_expert_device(num_experts, args.devices) for layer in layers},
-        base_placed=base_block.placed if base_block is not None else False,
-        base_model=name,
-    )
-    return model, setup
+
+def _placement_budget(args) -> dict:
+    """Place for the pruned routing when the pruning's devices follow from the profile (a device budget,
+    no node budget, a pruning criterion); {} places for the full routing."""
+    if args.max_devices_per_token is not None and args.max_nodes_per_token is None:
+        if args.criterion in PRUNING_CRITERIA:
+            return dict(max_devices_per_token=args.max_devices_per_token, criterion=args.criterion)
+    return {}

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from datasets import IterableDataset
 
+from ..checkpoint.load import can_load_sharded
 from ..data import DataError, format_prompt, load_text_dataset
 from ..data.loading import dataset_columns, dataset_layout
 from ..plan import check_fits_before_loading
 from ..trainer.pipeline import announcer, finish_run
-from ..trainer.sharded_load import can_load_sharded
 from .config import OccultSFTConfig
 from .trainer import OccultSFTTrainer
 

@@ -1,38 +1,17 @@
-"""The dispatch layout: which rows a rank sends where, built once per forward, reused by backward.
+"""Row plans: which rows a rank sends where, built once per forward and reused by backward.
 
-The de-duplication rule (Occult, and DeepEP's `is_token_in_rank`): **a token is sent once per device
-however many of its experts live there.** The receiving device fans that one copy out to the local
-experts the token selected, applies the gate weights, and sums them, so one row also comes back. Rows
-sent per token = number of distinct devices hosting its top-k experts = the paper's C_T
-(`occult_ft.metrics.devices_per_token`), against K rows for per-expert dispatch (`per_expert_plan`,
-one row per (token, expert), kept for side-by-side measurement).
+    DispatchLayout   the frozen handle: rows per destination, their tokens, slots and weights
+    RowPlan          its size-free half, planned on the device (`dedup_plan`, `per_expert_plan`)
+    layout_from_plan the exact layout once the send counts are host ints (after the count exchange)
+    capacity_layout  the padded layout of the capacity-bounded mode (no host read at all)
 
-Experts are contiguous per device (`occult_ft.layout.ExpertLayout`): with P = E / D experts per device,
-expert e lives on device e // P and is local expert e - d * P there.
-
-Worked example (E=4, D=2, so P=2; T=3 tokens, K=2):
+Worked example (E=4, D=2, so P=2; T=3 tokens, K=2), the de-duplicated plan:
 
     topk_ids_TK = [[0, 1], [1, 2], [3, 2]]      weights_TK = [[.6, .4], [.7, .3], [.5, .5]]
     devices     = [[0, 0], [0, 1], [1, 1]]      token 0 -> {0}, token 1 -> {0, 1}, token 2 -> {1}
-    send order (device-major, tokens ascending):   row:  0      1      2      3
-        send_token_idx_S  = [0, 1, 1, 2]
-        send_device_S     = [0, 0, 1, 1]             send_counts_D = [2, 2]; rows_sent = 4 (naive: 6)
-        send_local_ids_SK = [[0, 1], [1, -1], [-1, 0], [1, 0]]
-        send_weights_SK   = [[.6, .4], [.7, 0], [0, .3], [.5, .5]]
-
-Slots keep their position k (as DeepEP's `recv_topk_idx` does): slot k of a row is slot k of its
-token, and slots whose expert lives on another device hold the sentinel id -1 and weight 0.
-
-Building a layout is split in two so that a layer needs **one host synchronisation**:
-
-1. `RowPlan` (`dedup_plan`, `per_expert_plan`): everything that needs no sizes, on the device: which
-   (token, device) pairs exist, the rows and (row, slot) pairs per destination expert, a count of
-   out-of-range ids. Its `meta_DC` is what the count exchange sends;
-2. `layout_from_plan`: once the send counts are Python ints (read together with the received counts
-   in the layer's one `.tolist()`), the index tensors are built by scatter into buffers of known size.
-
-`compute_layout` does both for one rank alone (one `.tolist()`); `capacity_layout` builds the padded
-layout of the capacity-bounded mode, which needs no sizes from the device at all.
+    send_token_idx_S  = [0, 1, 1, 2]            send_device_S = [0, 0, 1, 1]   (naive: 6 rows)
+    send_local_ids_SK = [[0, 1], [1, -1], [-1, 0], [1, 0]]
+    send_weights_SK   = [[.6, .4], [.7, 0], [0, .3], [.5, .5]]
 
 Shape legend:
     T  tokens on this rank     K  experts per token     E  experts     D  devices (expert-parallel size)
@@ -56,7 +35,6 @@ __all__ = [
     "per_expert_plan",
     "layout_from_plan",
     "capacity_layout",
-    "compute_layout",
     "check_routing",
     "raise_bad_ids",
 ]
@@ -137,7 +115,7 @@ class DispatchLayout:
 
 @dataclass(frozen=True, eq=False)
 class RowPlan:
-    """The size-free half of a layout (device tensors only; see the module docstring).
+    """The size-free half of a layout: device tensors only, so planning needs no host read.
 
     Attributes:
         layout: the experts' `ExpertLayout` over the D destinations.
@@ -181,38 +159,45 @@ def check_routing(topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
         raise ValueError(f"topk_ids must be an integer tensor, got dtype {topk_ids_TK.dtype}")
 
 
+def raise_bad_ids(topk_ids_TK: torch.Tensor, num_experts: int, sentinel_in: bool = False) -> None:
+    """The one-line error for ids outside [0, E) on this rank (only called once a count says so)."""
+    ids = topk_ids_TK.long()
+    low = LOCAL_SENTINEL if sentinel_in else 0
+    bad = ids[(ids < low) | (ids >= num_experts)].unique()[:8].tolist()
+    raise ValueError(f"topk_ids hold expert ids {bad} outside [0, num_experts={num_experts})")
+
+
+def _slots(topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor, layout: ExpertLayout, rank: int, sentinel_in):
+    """(slot_device_TK, slot_local_TK, pairs_E, bad) of a routing, after the host-side checks."""
+    check_routing(topk_ids_TK, weights_TK)
+    layout.check_rank(rank)
+    ids_TK = topk_ids_TK.long()
+    e, p, d = layout.num_experts, layout.experts_per_device, layout.num_devices
+    # valid: a real expert id; -1 (a fan-out stage's "served elsewhere") and out-of-range ids are not
+    valid_TK = (ids_TK >= 0) & (ids_TK < e)
+    # `bad` stays a 0-dim device tensor: it rides in the count exchange and is read with the counts.
+    # A fan-out stage (sentinel_in) receives -1 for slots served on another node: those are not bad.
+    low = LOCAL_SENTINEL if sentinel_in else 0
+    bad = ((ids_TK < low) | (ids_TK >= e)).sum()
+    # Contiguous experts: expert e lives on device e // P as local expert e % P. Invalid slots are
+    # mapped to expert 0 for the arithmetic, then sent to the spare destination D (dropped later).
+    safe_TK = torch.where(valid_TK, ids_TK, 0)
+    device_TK = torch.where(valid_TK, safe_TK // p, d)
+    # Pairs per expert by scatter_add (bincount's output size depends on data: a host read on GPU).
+    # Invalid slots add 0 to bin 0, so they count nowhere.
+    pairs_E = torch.zeros(e, dtype=torch.long, device=ids_TK.device)
+    pairs_E.scatter_add_(0, safe_TK.reshape(-1), valid_TK.reshape(-1).long())
+    return device_TK, safe_TK % p, pairs_E, bad
+
+
 def _meta(
     layout: ExpertLayout, rows_D: torch.Tensor, pairs_E: torch.Tensor, bad: torch.Tensor
 ) -> torch.Tensor:
     """(D, P + 2) int64: [rows to d, (row, slot) pairs for each of d's P experts, bad ids here]."""
     d, p = layout.num_devices, layout.experts_per_device
-    bad_D1 = bad.reshape(1, 1).expand(d, 1)
-    return torch.cat([rows_D.reshape(d, 1), pairs_E.reshape(d, p), bad_D1], dim=1).long()
-
-
-def _slots(topk_ids_TK: torch.Tensor, layout: ExpertLayout, sentinel_in: bool):
-    """(slot_device_TK, slot_local_TK, valid_TK, bad): invalid slots go to the spare destination D.
-
-    `bad` counts ids outside [0, E) (and, with `sentinel_in`, other than -1): a (0-dim) device tensor,
-    read with the layer's counts, never on its own.
-    """
-    ids_TK = topk_ids_TK.long()
-    e, p = layout.num_experts, layout.experts_per_device
-    valid_TK = (ids_TK >= 0) & (ids_TK < e)
-    if sentinel_in:  # the rows a two-stage gateway fans out: -1 marks a slot for another node
-        bad = ((ids_TK < LOCAL_SENTINEL) | (ids_TK >= e)).sum()
-    else:
-        bad = (~valid_TK).sum()
-    safe_TK = torch.where(valid_TK, ids_TK, 0)
-    device_TK = torch.where(valid_TK, safe_TK // p, layout.num_devices)
-    return device_TK, safe_TK % p, valid_TK, bad
-
-
-def _pairs_per_expert(device_TK, local_TK, valid_TK, layout: ExpertLayout) -> torch.Tensor:
-    """(E,) int64 valid (token, slot) pairs per expert (global expert index d * P + local)."""
-    flat_N = torch.where(valid_TK, device_TK * layout.experts_per_device + local_TK, 0).reshape(-1)
-    pairs_E = torch.zeros(layout.num_experts, dtype=torch.long, device=flat_N.device)
-    return pairs_E.scatter_add_(0, flat_N, valid_TK.reshape(-1).long())
+    # pairs_E is expert-major and experts are contiguous per device, so (E,) -> (D, P) is a view;
+    # `bad` is this rank's count, repeated so that every destination learns it.
+    return torch.cat([rows_D.reshape(d, 1), pairs_E.reshape(d, p), bad.reshape(1, 1).expand(d, 1)], 1).long()
 
 
 def dedup_plan(
@@ -230,30 +215,21 @@ def dedup_plan(
         weights_TK: (T, K) gate weights.
         layout: the destinations' `ExpertLayout`. rank: this rank's index in [0, D).
     """
-    check_routing(topk_ids_TK, weights_TK)
-    layout.check_rank(rank)
+    device_TK, local_TK, pairs_E, bad = _slots(topk_ids_TK, weights_TK, layout, rank, sentinel_in)
     t, d = topk_ids_TK.shape[0], layout.num_devices
-    device_TK, local_TK, valid_TK, bad = _slots(topk_ids_TK, layout, sentinel_in)
+    # present[t, d]: token t has at least one slot on device d. Scatter into D + 1 columns so the
+    # spare column D absorbs the slots that go nowhere, then drop it. One row per True = C_T per token.
     present_TD = torch.zeros(t, d + 1, dtype=torch.bool, device=device_TK.device)
     present_TD.scatter_(1, device_TK, True)
+    # (T, D) -> (D, T): destination-major, the order rows are sent in (device 0's tokens first)
     present_DT = present_TD[:, :d].t()
-    pairs_E = _pairs_per_expert(device_TK, local_TK, valid_TK, layout)
+    # column 0 of the count table: rows to d = tokens with a slot there (dedup: sum over d = sum of C_T)
     meta_DC = _meta(layout, present_DT.sum(dim=1), pairs_E, bad)
+    k = topk_ids_TK.shape[1]
     return RowPlan(
-        layout,
-        rank,
-        "dedup",
-        t,
-        topk_ids_TK.shape[1],
-        device_TK,
-        local_TK,
-        weights_TK,
-        present_DT,
-        None,
-        meta_DC,
-        topk_ids_TK,
+        layout, rank, "dedup", t, k, device_TK, local_TK, weights_TK, present_DT, None, meta_DC, topk_ids_TK,
         sentinel_in,
-    )
+    )  # fmt: skip
 
 
 def per_expert_plan(
@@ -261,18 +237,41 @@ def per_expert_plan(
 ) -> RowPlan:
     """The size-free half of the per-expert layout: one row per (token, expert), rows sorted by expert
     (what transformers' native EP, DeepSpeed AutoEP, Tutel and MegaBlocks send)."""
-    check_routing(topk_ids_TK, weights_TK)
-    layout.check_rank(rank)
+    device_TK, local_TK, pairs_E, bad = _slots(topk_ids_TK, weights_TK, layout, rank, False)
     t, k = topk_ids_TK.shape
-    device_TK, local_TK, valid_TK, bad = _slots(topk_ids_TK, layout, False)
-    flat_N = torch.where(valid_TK, device_TK * layout.experts_per_device + local_TK, layout.num_experts)
-    order_N = torch.argsort(flat_N.reshape(-1), stable=True)  # by expert; pairs ascending within one
-    pairs_E = _pairs_per_expert(device_TK, local_TK, valid_TK, layout)
-    rows_D = pairs_E.view(layout.num_devices, -1).sum(dim=1)
+    # Global expert of each (token, slot) pair, E for invalid ones so that they sort last and are cut.
+    # A stable sort keeps pairs of one expert in (token, slot) order: rows are expert-major, hence
+    # device-major, which is the block order all_to_all_single expects.
+    flat_N = torch.where(
+        device_TK < layout.num_devices, device_TK * layout.experts_per_device + local_TK, layout.num_experts
+    )
+    order_N = torch.argsort(flat_N.reshape(-1), stable=True)
+    # rows are (token, slot) pairs: a device's rows = the pairs of its P experts (pairs_E viewed (D, P))
+    rows_D = pairs_E.view(layout.num_devices, -1).sum(dim=1)  # one row per pair: rows = pairs per device
     meta_DC = _meta(layout, rows_D, pairs_E, bad)
     return RowPlan(
         layout, rank, "per_expert", t, k, device_TK, local_TK, weights_TK, None, order_N, meta_DC, topk_ids_TK
     )
+
+
+def _layout(plan: RowPlan, token_S, device_S, ids_SJ, weights_SJ, splits, rows_sent, capacity=None):
+    e, d, p = plan.layout.num_experts, plan.layout.num_devices, plan.layout.experts_per_device
+    # send_counts_D stays the device tensor of the plan (column 0 of the count table): no host read
+    return DispatchLayout(
+        plan.num_tokens, plan.top_k, e, d, plan.rank, p, token_S, device_S, plan.meta_DC[:, 0], tuple(splits),
+        ids_SJ, weights_SJ, rows_sent, plan.kind, capacity,
+    )  # fmt: skip
+
+
+def _dedup_slots(device_TK, local_TK, weights_TK, token_S, device_S):
+    """(ids_SK, weights_SK) of rows (token, destination): each row keeps all K slots in place (slot k of a
+    row is slot k of its token, as DeepEP's `recv_topk_idx`); slots served elsewhere become the
+    sentinel with weight exactly 0 (`where`, not a product, so the router's gradient there is 0)."""
+    # here_SK[s, k]: slot k of row s's token is served on the row's destination device
+    here_SK = device_TK[token_S] == device_S[:, None]
+    ids_SK = torch.where(here_SK, local_TK[token_S], LOCAL_SENTINEL)
+    gathered_SK = weights_TK[token_S]
+    return ids_SK, torch.where(here_SK, gathered_SK, torch.zeros_like(gathered_SK))
 
 
 def layout_from_plan(plan: RowPlan, send_splits: tuple[int, ...]) -> DispatchLayout:
@@ -282,41 +281,28 @@ def layout_from_plan(plan: RowPlan, send_splits: tuple[int, ...]) -> DispatchLay
         plan: from `dedup_plan` / `per_expert_plan`.
         send_splits: rows to each destination (`plan.meta_DC[:, 0]`, read on the host).
     """
-    layout, t, k = plan.layout, plan.num_tokens, plan.top_k
-    d, p = layout.num_devices, layout.experts_per_device
-    num_rows = sum(send_splits)
+    t, k, num_rows = plan.num_tokens, plan.top_k, sum(send_splits)
     if plan.kind == "dedup":
         assert plan.present_DT is not None  # a dedup plan has it
-        flat_X = plan.present_DT.reshape(-1)  # (D * T): device-major, tokens ascending = the send order
+        # Flattening (D, T) device-major enumerates (device, token) pairs in send order. A stable sort
+        # of "not present" moves the present pairs to the front in that order; their count is known
+        # (num_rows), so the slice has a fixed size and nothing is read back (unlike nonzero()).
+        flat_X = plan.present_DT.reshape(-1)
         pairs_S = torch.argsort((~flat_X).to(torch.int8), stable=True)[:num_rows]
-        send_device_S, send_token_S = pairs_S // max(t, 1), pairs_S % max(t, 1)
-        local_SK = plan.slot_device_TK[send_token_S] == send_device_S[:, None]
-        send_local_ids_SK = torch.where(local_SK, plan.slot_local_TK[send_token_S], LOCAL_SENTINEL)
-        gathered_SK = plan.weights_TK[send_token_S]
-        send_weights_SK = torch.where(local_SK, gathered_SK, torch.zeros_like(gathered_SK))
+        # pair index x = d * T + t; max(t, 1) keeps the division defined when T = 0 (then S = 0 too)
+        device_S, token_S = pairs_S // max(t, 1), pairs_S % max(t, 1)
+        ids_SJ, weights_SJ = _dedup_slots(
+            plan.slot_device_TK, plan.slot_local_TK, plan.weights_TK, token_S, device_S
+        )
     else:
         assert plan.order_N is not None  # a per-expert plan has it
+        # The first num_rows pairs of the expert-sorted order are the valid ones; pair n = t * K + k.
         pair_S = plan.order_N[:num_rows]
-        send_token_S = pair_S // k
-        send_device_S = plan.slot_device_TK.reshape(-1)[pair_S]
-        send_local_ids_SK = plan.slot_local_TK.reshape(-1)[pair_S].unsqueeze(1)
-        send_weights_SK = plan.weights_TK.reshape(-1)[pair_S].unsqueeze(1)
-    return DispatchLayout(
-        num_tokens=t,
-        top_k=k,
-        num_experts=layout.num_experts,
-        num_devices=d,
-        rank=plan.rank,
-        experts_per_device=p,
-        send_token_idx_S=send_token_S,
-        send_device_S=send_device_S,
-        send_counts_D=plan.meta_DC[:, 0],
-        send_splits=tuple(send_splits),
-        send_local_ids_SK=send_local_ids_SK,
-        send_weights_SK=send_weights_SK,
-        rows_sent=num_rows,
-        kind=plan.kind,
-    )
+        # pair n = t * K + k: the token is n // K; its destination was planned per slot
+        token_S, device_S = pair_S // k, plan.slot_device_TK.reshape(-1)[pair_S]
+        ids_SJ = plan.slot_local_TK.reshape(-1)[pair_S].unsqueeze(1)  # J = 1: one slot per row
+        weights_SJ = plan.weights_TK.reshape(-1)[pair_S].unsqueeze(1)
+    return _layout(plan, token_S, device_S, ids_SJ, weights_SJ, send_splits, num_rows)
 
 
 def capacity_layout(plan: RowPlan, capacity: int) -> DispatchLayout:
@@ -325,8 +311,7 @@ def capacity_layout(plan: RowPlan, capacity: int) -> DispatchLayout:
 
     Rows for device d fill block [d * capacity, (d + 1) * capacity) in token order; the rest of the
     block are pad rows (token index T, every slot the sentinel, weight 0). A token is sent at most once
-    per device, so `capacity >= T` can never overflow: callers check that on the host (T is a shape)
-    before calling, which is why no row can be lost.
+    per device, so `capacity >= T` can never overflow; that is checked here on the host (T is a shape).
 
     Args:
         plan: a `dedup_plan` (the per-expert layout has no such bound below T * K).
@@ -334,81 +319,31 @@ def capacity_layout(plan: RowPlan, capacity: int) -> DispatchLayout:
     """
     if plan.kind != "dedup":
         raise ValueError("the capacity-bounded layout is for the de-duplicated exchange (kind='dedup')")
-    t, k, layout = plan.num_tokens, plan.top_k, plan.layout
+    t, k, d = plan.num_tokens, plan.top_k, plan.layout.num_devices
     if capacity < t:
         raise ValueError(
             f"exchange capacity {capacity} rows per device is below this rank's {t} tokens: rows could be "
             f"lost; raise the capacity to at least {t} (tokens per rank per forward)"
         )
-    d, dev = layout.num_devices, plan.slot_device_TK.device
+    dev = plan.slot_device_TK.device
     assert plan.present_DT is not None  # a dedup plan has it
+    # Position of token t within device d's block = how many present tokens precede it (cumsum - 1);
+    # its buffer slot is d * capacity + that position. Absent pairs all target one spare slot d * C.
     pos_DT = plan.present_DT.long().cumsum(dim=1) - 1
+    # slot_DT[d, t] = d * capacity + position of t in d's block (valid where present_DT[d, t])
     slot_DT = torch.arange(d, device=dev)[:, None] * capacity + pos_DT
     target_X = torch.where(plan.present_DT, slot_DT, d * capacity).reshape(-1)
     token_X = torch.arange(t, device=dev).expand(d, t).reshape(-1)
-    # every non-present pair writes the same value T into the spare slot: the result is deterministic
+    # Every slot starts as the pad token T; absent pairs write that same T into the spare slot (which
+    # is cut off), so the scatter is deterministic despite the repeated index.
     token_S = torch.full((d * capacity + 1,), t, dtype=torch.long, device=dev)
     token_S = token_S.scatter_(0, target_X, torch.where(plan.present_DT.reshape(-1), token_X, t))[:-1]
-    send_device_S = torch.arange(d, device=dev).repeat_interleave(capacity)
-    pad_S = token_S == t
+    # block d of the buffer is destination d: every row s in [d * C, (d + 1) * C) goes to device d
+    device_S = torch.arange(d, device=dev).repeat_interleave(capacity)
+    # One extra token row T for the pads: its slots go to the spare device D, so no real destination
+    # matches them and they become sentinels with weight 0.
     device_TK = torch.cat([plan.slot_device_TK, plan.slot_device_TK.new_full((1, k), d)])
     local_TK = torch.cat([plan.slot_local_TK, plan.slot_local_TK.new_zeros(1, k)])
     weights_TK = torch.cat([plan.weights_TK, plan.weights_TK.new_zeros(1, k)])
-    local_SK = (device_TK[token_S] == send_device_S[:, None]) & ~pad_S[:, None]
-    gathered_SK = weights_TK[token_S]
-    return DispatchLayout(
-        num_tokens=t,
-        top_k=k,
-        num_experts=layout.num_experts,
-        num_devices=d,
-        rank=plan.rank,
-        experts_per_device=layout.experts_per_device,
-        send_token_idx_S=token_S,
-        send_device_S=send_device_S,
-        send_counts_D=plan.meta_DC[:, 0],
-        send_splits=(capacity,) * d,
-        send_local_ids_SK=torch.where(local_SK, local_TK[token_S], LOCAL_SENTINEL),
-        send_weights_SK=torch.where(local_SK, gathered_SK, torch.zeros_like(gathered_SK)),
-        rows_sent=-1,
-        kind="dedup",
-        capacity=capacity,
-    )
-
-
-def raise_bad_ids(topk_ids_TK: torch.Tensor, num_experts: int, sentinel_in: bool = False) -> None:
-    """The one-line error for ids outside [0, E) on this rank (only called once a count says so)."""
-    ids = topk_ids_TK.long()
-    low = LOCAL_SENTINEL if sentinel_in else 0
-    bad = ids[(ids < low) | (ids >= num_experts)].unique()[:8].tolist()
-    raise ValueError(f"topk_ids hold expert ids {bad} outside [0, num_experts={num_experts})")
-
-
-def compute_layout(
-    topk_ids_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
-    num_experts: int,
-    num_devices: int,
-    rank: int,
-) -> DispatchLayout:
-    """Build the de-duplicated `DispatchLayout` of one rank's tokens (pure, local: no communication).
-
-    One host synchronisation (the send counts and the range check, read together). Inside a layer the
-    exchanges fold this read into the count exchange (`FlatExchange`), so the layer still needs one.
-
-    Args:
-        topk_ids_TK: (T, K) int expert ids in [0, E) (T may be 0).
-        weights_TK: (T, K) float gate weights; gradients flow back to them through `send_weights_SK`.
-        num_experts: E; num_devices: D, dividing E; rank: this rank's device index in [0, D).
-
-    Returns:
-        The layout handle (see `DispatchLayout` for every field's shape, dtype and sentinel).
-
-    Raises:
-        ValueError: for D not dividing E, a rank out of range, mismatched shapes, non-integer ids
-            or ids outside [0, E); the message quotes the offending values.
-    """
-    plan = dedup_plan(topk_ids_TK, weights_TK, ExpertLayout(num_experts, num_devices), rank)
-    counts = plan.meta_DC[:, [0, -1]].tolist()  # the one host synchronisation
-    if counts[0][1]:
-        raise_bad_ids(topk_ids_TK, num_experts)
-    return layout_from_plan(plan, tuple(int(c[0]) for c in counts))
+    ids_SK, weights_SK = _dedup_slots(device_TK, local_TK, weights_TK, token_S, device_S)
+    return _layout(plan, token_S, device_S, ids_SK, weights_SK, (capacity,) * d, -1, capacity)
