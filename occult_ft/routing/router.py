@@ -65,28 +65,29 @@ def prune_topk(
         logits_TE: the router's first output (raw logits for most); topk_ids_TK / weights_TK: its
             unpruned choice.
         inputs: the router call's arguments after the hidden states (a bias the block passes).
-        device_bias_D: optional (D,) selection bias per device (`add_device_bias`): the top-k and the
-            budget are taken on the biased scores, the gate weights stay the model's own.
+        device_bias_D: optional (D,) selection bias per device (`add_device_bias`): it ranks the
+            devices a token keeps (`limit_topk`'s ranking: the walk of the top-k of the biased scores,
+            never more devices than the unbiased top-k reaches); the experts inside them and the gate
+            weights come from the unbiased scores.
     Returns:
         (topk_ids_TK, weights_TK, changed_T) where weights keep the dtype of `weights_TK`.
     """
     # selection scores, not logits: what the model ranks experts by (the registry knows; DeepSeek-V3 adds
     # its correction bias to sigmoid scores); detached because pruning only chooses, it is not differentiated.
     scores = arch.selection_scores(router, logits_TE.detach(), inputs)
-    choice_TK = topk_ids_TK
-    if device_bias_D is not None:
-        scores = add_device_bias(scores, expert_device_E, device_bias_D)
+    topk_sum = config.criterion == "device_topk_sum"
     # device_topk_sum replaces the router's group limit by its own node/device ranking, so no group mask.
-    selectable = None if config.criterion == "device_topk_sum" else router_selectable(arch, router, scores)
+    selectable = None if topk_sum else router_selectable(arch, router, scores)
+    ranked, ranked_ids = None, None
     if device_bias_D is not None:
-        # the router's own choice re-taken on the biased scores (its group limit included)
-        ranked = scores if selectable is None else scores.masked_fill(~selectable, arch.group_mask_fill)
-        # with a device bias the router's own top-k (taken on unbiased scores) is stale: re-take it on the
-        # biased scores, masked to the groups the router allows, so the walk starts from the biased choice.
-        choice_TK = ranked.topk(topk_ids_TK.shape[1], dim=-1).indices
+        # the device ranking: the router's choice re-taken on the biased scores (its group limit included)
+        ranked = add_device_bias(scores, expert_device_E, device_bias_D)
+        ranked_ok = None if topk_sum else router_selectable(arch, router, ranked)
+        masked = ranked if ranked_ok is None else ranked.masked_fill(~ranked_ok, arch.group_mask_fill)
+        ranked_ids = masked.topk(topk_ids_TK.shape[1], dim=-1).indices
     new_ids = limit_topk(
         scores,
-        choice_TK,
+        topk_ids_TK,
         expert_device_E,
         config.num_devices,
         config.max_devices_per_token,
@@ -96,6 +97,8 @@ def prune_topk(
         config.num_nodes,
         config.max_nodes_per_token,
         arch.group_score_topn,
+        ranked,
+        ranked_ids,
     )
     # compare as sets (sorted rows): the same experts in another slot order is not a change.
     changed_T = (new_ids.sort(dim=1).values != topk_ids_TK.sort(dim=1).values).any(dim=1)

@@ -7,9 +7,10 @@ node budget), then re-selects (`score`, `device_max`) or replaces by similarity 
 their reasons are described in docs/pruning.md.
 
 Device balancing without an auxiliary loss (DeepSeek-V3's expert bias, Sec. 2.1.2, applied per device):
-`add_device_bias` adds a per-device bias to the selection scores (selection only: gate weights come
-from the unbiased scores), `update_device_bias` moves it after each optimizer step by
-`rate * sign(mean load - load)`, so an overloaded device becomes less attractive.
+`add_device_bias` adds a per-device bias to the selection scores, `update_device_bias` moves it after
+each optimizer step by `rate * sign(mean load - load)`, so an overloaded device becomes less attractive.
+The biased scores only rank devices (`limit_topk`'s `ranked_scores_TE`): a token keeps at most as many
+devices as its own top-k reaches, and its experts and gate weights come from the unbiased scores.
 
 No function here reads a device value on the host (no `.any()`, `.item()`, `nonzero()` or boolean-mask
 indexing): every token runs every step of a walk (fixed K iterations, finished tokens masked), and the
@@ -245,10 +246,13 @@ def _admit(
     max_nodes: int | None,
     selectable_TE: torch.Tensor | None,
     beyond_topk: bool,
+    reached_TK: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`walk_admitted_devices`; `beyond_topk=False` skips the walk past the top-k, which admits nothing
     for a token that does not fit a device budget alone (its top-k already reaches the cap) and so cannot
-    change what `limit_topk` or `replace_by_similarity` return for such a budget."""
+    change what `limit_topk` or `replace_by_similarity` return for such a budget. With `reached_TK` (a
+    selection, e.g. the unbiased one) every token admits at most as many devices and nodes as that
+    selection reaches (`_reach_caps`)."""
     t = scores_TE.shape[0]
     dev_of_E = expert_device_E.to(scores_TE.device)
     # the walk stops adding devices once `cap` are admitted: the device budget, or all devices of the
@@ -257,6 +261,7 @@ def _admit(
     # no node budget = all N nodes allowed, so the node test below always passes
     mn = max_nodes or num_nodes
     cap = min(max_devices or num_devices, mn * per_node)
+    caps = _reach_caps(reached_TK, dev_of_E, num_devices, num_nodes, cap, mn, max_nodes is not None, t)
     state = (
         torch.zeros(t, num_devices, dtype=torch.bool, device=scores_TE.device),  # admitted devices
         torch.zeros(t, num_nodes, dtype=torch.bool, device=scores_TE.device),  # admitted nodes
@@ -269,7 +274,7 @@ def _admit(
     by_score_TK = ids_TK.gather(1, scores_TE.gather(1, ids_TK).argsort(dim=1, descending=True))
     # rows_R for the full walk: every token is a row (a sub-walk could pass a subset of tokens)
     rows = torch.arange(t, device=scores_TE.device)
-    _walk(dev_of_E[by_score_TK], rows, state, cap, per_node, mn)
+    _walk(dev_of_E[by_score_TK], rows, state, caps, per_node)
     if (
         beyond_topk and t
     ):  # a node budget can leave room after the top-k: walk on (full rows at cap admit nothing)
@@ -279,25 +284,52 @@ def _admit(
         if selectable_TE is not None:
             rank_TE = rank_TE + selectable_TE.long()
         rank_TE.scatter_(1, ids_TK, 3)  # selected (3) > selectable (2) > the rest (1)
-        _walk(dev_of_E[_order_desc(rank_TE, scores_TE)], rows, state, cap, per_node, mn)
+        _walk(dev_of_E[_order_desc(rank_TE, scores_TE)], rows, state, caps, per_node)
     return state[0]
 
 
-def _walk(walk_RJ: torch.Tensor, rows_R: torch.Tensor, state, cap: int, per_node: int, mn: int) -> None:
+def _reach_caps(
+    reached_TK: torch.Tensor | None,
+    dev_of_E: torch.Tensor,
+    num_devices: int,
+    num_nodes: int,
+    cap: int,
+    mn: int,
+    node_budget: bool,
+    t: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T,) device and node caps of the walk: the budget's (`cap`, `mn`), lowered per token to the devices
+    `reached_TK` reaches when given, and under a node budget to its nodes. (Without a node budget the node
+    count is free: capping it would leave a walk of the top-k short of k experts.)"""
+    device = dev_of_E.device
+    cap_T = torch.full((t,), cap, dtype=torch.long, device=device)
+    mn_T = torch.full((t,), mn, dtype=torch.long, device=device)
+    if reached_TK is None:
+        return cap_T, mn_T
+    on_TD = torch.zeros(t, num_devices, dtype=torch.bool, device=device)
+    on_TD.scatter_(1, dev_of_E[reached_TK.long()], True)
+    on_TN = on_TD.view(t, num_nodes, num_devices // num_nodes).any(dim=2)
+    cap_T = cap_T.clamp(max=on_TD.sum(dim=1))
+    return cap_T, mn_T.clamp(max=on_TN.sum(dim=1)) if node_budget else mn_T
+
+
+def _walk(walk_RJ: torch.Tensor, rows_R: torch.Tensor, state, caps, per_node: int) -> None:
     """Admit the devices `walk_RJ` visits (row r of token rows_R[r]) into `state`, in place.
 
-    Every column is visited (no early exit: that would read the device); a token at the cap admits
-    nothing more, so the result is that of a walk that stops there."""
+    `caps` holds each token's (T,) device and node caps. Every column is visited (no early exit: that
+    would read the device); a token at its cap admits nothing more, so the result is that of a walk that
+    stops there."""
     device_mask_TD, node_mask_TN, n_dev_T, n_node_T = state
+    cap_R, mn_R = caps[0][rows_R], caps[1][rows_R]
     for j in range(walk_RJ.shape[1]):
-        open_R = n_dev_T[rows_R] < cap
-        # a token (row) can still admit a device while fewer than `cap` devices are admitted.
+        # a token (row) can still admit a device while fewer than its cap of devices are admitted.
+        open_R = n_dev_T[rows_R] < cap_R
         d_R = walk_RJ[:, j]
         # node of a device: devices are numbered node-major, per_node = D/N per node.
         node_R = d_R // per_node
         node_in_R = node_mask_TN[rows_R, node_R]
         # admit d if the token is open, d is new, and d's node is already admitted or a new node still fits.
-        ok_R = open_R & ~device_mask_TD[rows_R, d_R] & (node_in_R | (n_node_T[rows_R] < mn))
+        ok_R = open_R & ~device_mask_TD[rows_R, d_R] & (node_in_R | (n_node_T[rows_R] < mn_R))
         # rows_R holds each token once: the (token, device) pairs are distinct, so the writes are exact
         device_mask_TD.index_put_((rows_R, d_R), device_mask_TD[rows_R, d_R] | ok_R)
         node_mask_TN.index_put_((rows_R, node_R), node_in_R | ok_R)
@@ -397,19 +429,21 @@ def _topk_sum_devices(
     num_nodes: int,
     max_nodes: int | None,
     topn: int | None,
+    ranked_TE: torch.Tensor,
 ) -> torch.Tensor:
     """`device_topk_sum` for every token: keep the best max_nodes nodes (then the best max_devices
-    devices on them), nodes and devices ranked by the sum of their top-n scores; top-k inside."""
+    devices on them), nodes and devices ranked by the sum of their top-n `ranked_TE` scores; top-k of
+    `scores_TE` inside."""
     dev_of_E = expert_device_E.to(scores_TE.device)
     per_node = num_devices // num_nodes
     m = max_devices or num_devices
     # each device is scored by its top-n experts: n defaults to k / max_devices, the share of the k picks
     # each admitted device has to supply.
-    dev_TD = device_scores(scores_TE, dev_of_E, num_devices, "topk_sum", topn or max(1, top_k // m))
+    dev_TD = device_scores(ranked_TE, dev_of_E, num_devices, "topk_sum", topn or max(1, top_k // m))
     if max_nodes is not None and max_nodes < num_nodes:
         # nodes are ranked the same way, with each expert mapped to its node (device // D/N).
         node_TN = device_scores(
-            scores_TE, dev_of_E // per_node, num_nodes, "topk_sum", topn or max(1, top_k // max_nodes)
+            ranked_TE, dev_of_E // per_node, num_nodes, "topk_sum", topn or max(1, top_k // max_nodes)
         )
         keep_nodes = node_TN.topk(max_nodes, dim=-1).indices
         node_mask_TN = torch.zeros_like(node_TN, dtype=torch.bool).scatter_(1, keep_nodes, True)
@@ -436,6 +470,8 @@ def limit_topk(
     num_nodes: int = 1,
     max_nodes: int | None = None,
     topn: int | None = None,
+    ranked_scores_TE: torch.Tensor | None = None,
+    ranked_ids_TK: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One criterion applied to a router's selection: the pure core of `prune_topk`.
 
@@ -448,15 +484,28 @@ def limit_topk(
         selectable_TE: optional (T, E) bool, the experts the model's router could select (its group
             mask, `router_selectable`); re-selection prefers them.
         topn: scores summed per device by `device_topk_sum` (default max(1, k // max_devices)).
+        ranked_scores_TE / ranked_ids_TK: the device ranking, given together (the device-biased scores
+            and their top-k, `add_device_bias`): the walk visits `ranked_ids_TK` in descending
+            `ranked_scores_TE` and admits no more devices than `topk_ids_TK` reaches (under a node
+            budget: nor nodes), within the budget; the experts are then chosen on `scores_TE` inside the admitted devices. Default: the
+            walk of `topk_ids_TK` itself.
     Returns:
-        (T, K) long: the new selection. Except under `device_topk_sum`, tokens that fit the budget keep
-        `topk_ids_TK` exactly; the others' experts lie on devices the walk of their top-k admitted.
+        (T, K) long: the new selection. Except under `device_topk_sum`, a token whose own experts all lie
+        on admitted devices keeps `topk_ids_TK` exactly (without a ranking: the tokens that fit the
+        budget); the others' experts lie on devices the walk admitted.
     """
     ids_TK = topk_ids_TK.long()
     k = ids_TK.shape[1]
     dev_of_E = expert_device_E.to(scores_TE.device)
+    if (ranked_scores_TE is None) != (ranked_ids_TK is None):
+        raise ValueError("ranked_scores_TE and ranked_ids_TK go together: give both or neither")
+    ranked = ranked_scores_TE is not None
+    walk_scores_TE = scores_TE if ranked_scores_TE is None else ranked_scores_TE
+    walk_ids_TK = ids_TK if ranked_ids_TK is None else ranked_ids_TK.long()
     if criterion == "device_topk_sum":
-        return _topk_sum_devices(scores_TE, k, dev_of_E, num_devices, max_devices, num_nodes, max_nodes, topn)
+        return _topk_sum_devices(
+            scores_TE, k, dev_of_E, num_devices, max_devices, num_nodes, max_nodes, topn, walk_scores_TE
+        )
     if criterion not in CRITERIA:
         raise choice_error("criterion", criterion, CRITERIA)
     if criterion == "similarity" and similarity_EE is None:
@@ -464,18 +513,17 @@ def limit_topk(
             "criterion='similarity' needs an expert similarity table; profile the model first "
             "(occult-ft profile) or choose criterion='score'"
         )
-    # every token is pruned (no host read to pick the ones over budget); those that fit keep their own
-    fits_T = fits_budget(ids_TK, dev_of_E, num_devices, max_devices, num_nodes, max_nodes)
     selectable = (
         None
         if selectable_TE is None
         else selectable_TE | torch.zeros_like(selectable_TE).scatter_(1, ids_TK, True)
     )  # the router's own choice is selectable whatever the mask says
-    # beyond_topk only with a node budget: a device budget alone fills inside the top-k of a token over it
-    # (see `_admit`), so the walk past the top-k could not change what such tokens get.
+    # every token is walked (no host read to pick the ones over budget). beyond_topk only with a node
+    # budget: a device budget alone fills inside the top-k of a token over it (see `_admit`), and a
+    # ranked walk's (biased) top-k always holds k experts on the devices it admits.
     device_mask_TD = _admit(
-        scores_TE,
-        ids_TK,
+        walk_scores_TE,
+        walk_ids_TK,
         dev_of_E,
         num_devices,
         max_devices,
@@ -483,11 +531,14 @@ def limit_topk(
         max_nodes,
         selectable,
         max_nodes is not None,
+        ids_TK if ranked else None,
     )
     if criterion == "similarity":
         assert similarity_EE is not None  # refused above
         new = _replace_outside(scores_TE, ids_TK, device_mask_TD, dev_of_E, similarity_EE, selectable)
     else:
         new = _top_admitted(scores_TE, device_mask_TD, dev_of_E, k, selectable)
-    # the budget holds for every row: tokens that fit keep the router's choice bit for bit, the rest the pruned one.
-    return torch.where(fits_T[:, None], ids_TK, new)
+    # a token whose own experts were all admitted keeps the router's choice bit for bit (without a
+    # ranking: exactly the tokens that fit the budget), the rest the pruned one.
+    kept_T = _admitted_expert_mask(device_mask_TD, dev_of_E).gather(1, ids_TK).all(dim=1)
+    return torch.where(kept_T[:, None], ids_TK, new)
