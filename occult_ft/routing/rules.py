@@ -306,9 +306,13 @@ def _reach_caps(
     mn_T = torch.full((t,), mn, dtype=torch.long, device=device)
     if reached_TK is None:
         return cap_T, mn_T
+    # on_TD[t, d]: token t's own (unbiased) top-k has an expert on device d
     on_TD = torch.zeros(t, num_devices, dtype=torch.bool, device=device)
     on_TD.scatter_(1, dev_of_E[reached_TK.long()], True)
+    # devices are numbered node-major, so a (T, N, D/N) view groups each node's devices
     on_TN = on_TD.view(t, num_nodes, num_devices // num_nodes).any(dim=2)
+    # the biased walk may choose *which* devices, never more of them than the token reaches unbiased:
+    # that is what keeps comm_complexity from rising under the device bias
     cap_T = cap_T.clamp(max=on_TD.sum(dim=1))
     return cap_T, mn_T.clamp(max=on_TN.sum(dim=1)) if node_budget else mn_T
 
