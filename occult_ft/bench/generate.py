@@ -50,6 +50,7 @@ import torch
 
 from ..apply import placed_copy
 from ..checkpoint import save_pruned
+from ..checks import check_positive_int
 from ..embedded import embedded_data_path, embedded_model_path
 from ..fileio import read_text
 from ..layout import ExpertLayout
@@ -109,9 +110,7 @@ class GenerateSettings:
 
     def __post_init__(self):
         for name in ("devices", "nodes", "batch", "prompt_len", "new_tokens", "iters", "rounds", "threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            check_positive_int(name, getattr(self, name))
         if self.devices < 2:
             raise ValueError(f"devices={self.devices} must be at least 2 (expert-parallel processes)")
         ExpertLayout(32, self.devices, self.nodes)  # the embedded model's 32 experts

@@ -25,6 +25,7 @@ from torch import nn
 from ..checkpoint.load import from_pretrained
 from ..models import find_moe_layers
 from .syncs import HostSyncCounter
+from .worker_results import gather_to_rank0
 
 __all__ = ["load_contender", "main"]
 
@@ -139,12 +140,7 @@ def main(spec_path: str) -> None:
     clock.close()
     syncs = _syncs_per_decode_layer(model, ids, eos) if spec["contender"]["kind"] == "occult_ep" else None
     mine = {"forwards": forwards, "tokens": tokens, "syncs_per_decode_layer": syncs}
-    gathered: list[dict | None] = [None] * world
-    dist.all_gather_object(gathered, mine)
-    if rank == 0:
-        with open(spec["result"], "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()
+    gather_to_rank0(mine, spec["result"], world)
     dist.destroy_process_group()
 
 

@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 
+from ..checks import check_positive_int
 from ..dispatch import EXCHANGES
 from ..embedded import embedded_data_path, embedded_model_path
 from ..fileio import read_text
@@ -159,9 +160,7 @@ class StepSettings:
 
     def __post_init__(self):
         for name in ("hidden", "layers", "experts", "top_k", "expert_width", "heads", "vocab", "seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            check_positive_int(name, getattr(self, name))
         if self.devices < 2:
             raise ValueError(f"devices={self.devices} must be at least 2 (processes of the step)")
         ExpertLayout(self.experts, self.devices, self.nodes)

@@ -37,6 +37,7 @@ from ..layout import ExpertLayout
 from ..models import unwrap_model
 from ..trainer import OccultConfig, OccultTrainer
 from .syncs import HostSyncCounter
+from .worker_results import gather_to_rank0
 
 __all__ = ["KINDS", "PhaseClock", "main"]
 
@@ -543,12 +544,7 @@ def main(spec_path: str) -> None:
     else:  # what training added to the process's peak RSS (torch, transformers and Python excluded)
         peak = _peak_rss_mb() - base_rss
     mine = {"records": records, "losses": losses, "peak_mb": peak, "base_rss_mb": base_rss, "syncs": syncs}
-    gathered: list[dict | None] = [None] * world
-    dist.all_gather_object(gathered, mine)
-    if rank == 0:
-        with open(spec["result"], "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()
+    gather_to_rank0(mine, spec["result"], world)
 
 
 if __name__ == "__main__":
