@@ -9,10 +9,14 @@ Shape legend: D processes, E experts, K top-k.
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 
 from occult_ft.bench.costmodel import get_cluster, predict_exchange_ms, rows_matrix
+from occult_ft.bench.launch import failure_reason
 from occult_ft.bench.step import (
     Contender,
     StepSettings,
@@ -303,6 +307,38 @@ def test_cli_train_refuses_a_model():
     assert main(["bench", "--train", "some/model", "--devices", "2"]) == 2
 
 
+def _log_tails(reasons) -> str:
+    """The last lines of the logs a failure reason points at ("... (log PATH)"), for the assertion."""
+    tails = []
+    for reason in reasons:
+        m = re.search(r"\(logs? (?:in )?(\S+?)\)$", reason)
+        if m and os.path.isfile(m.group(1)):
+            with open(m.group(1), errors="replace") as f:
+                tails.append(f"--- {m.group(1)}\n" + "".join(f.readlines()[-40:]))
+    return "\n".join(tails)
+
+
+@pytest.mark.parametrize(
+    "log, want",
+    [
+        ("[rank1]: Traceback\n[rank1]:   x\n[rank1]: ValueError: bad rows\ntorch...ChildFailedError: y\n===\n",
+         "ValueError: bad rows"),
+        ("ok\n  exitcode  : -9 (pid: 12)\n  traceback : Signal 9 (SIGKILL) received by PID 12\n======\n",
+         "a rank died: Signal 9 (SIGKILL) received by PID 12"),
+        ("ok\n  exitcode  : 3 (pid: 12)\n  traceback : To enable traceback see: ...\n======\n",
+         "a rank exited with status 3"),
+        ("just a line\n", "just a line"),
+    ],
+)  # fmt: skip
+def test_a_failed_launch_says_why(tmp_path, log, want):
+    (tmp_path / "log.txt").write_text(log)
+    assert failure_reason(str(tmp_path)) == want
+
+
+def test_a_failed_launch_without_logs_gives_the_fallback(tmp_path):
+    assert failure_reason(str(tmp_path), "nothing written") == "nothing written"
+
+
 @pytest.mark.slow
 def test_every_contender_trains_and_ep_reproduces_data_parallel(tmp_path):
     # two micro-batches per step: every contender accumulates them the same way
@@ -318,7 +354,7 @@ def test_every_contender_trains_and_ep_reproduces_data_parallel(tmp_path):
     report = run_train_step(s, names, clusters=(), workdir=str(tmp_path))
     rows = {r["contender"]: r for r in report["contenders"]}
     failed = {n: r["reason"] for n, r in rows.items() if not r["measured"]}
-    assert not failed, failed
+    assert not failed, (failed, _log_tails(failed.values()))
     # same weights, data and gate convention: every expert-parallel contender trains data parallel's steps
     for name in ("occult_ep", "occult_ep_per_expert", "occult_ep_chunks2", "hf_native_ep", "deepspeed_moe"):
         got, want = rows[name]["losses"], rows["data_parallel"]["losses"]

@@ -34,14 +34,10 @@ Shape legend: D processes (= expert-parallel size), B sequences per rank, P prom
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -58,6 +54,7 @@ from ..placement import compute_placement
 from ..profiling import profile_model
 from ..routing import PruningConfig
 from .cluster import EmulatedCluster, parse_rate
+from .launch import launch_workers
 
 __all__ = [
     "GENERATE_CONTENDERS",
@@ -217,12 +214,6 @@ def _prepare(settings: GenerateSettings, specs: dict[str, dict], tmp: str) -> tu
     return dirs, prompts_path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(settings, contender: dict, checkpoint: str, prompts: str, tmp: str, cluster) -> dict:
     """One contender on D processes (in `cluster` when given): the per-rank results, or {"error": why}."""
     out = tempfile.mkdtemp(prefix=f"{contender['name']}-", dir=tmp)
@@ -232,47 +223,9 @@ def _launch(settings, contender: dict, checkpoint: str, prompts: str, tmp: str, 
         "contender": contender,
         "checkpoint": checkpoint,
         "prompts": prompts,
-        "result": os.path.join(out, "result.json"),
     }
-    spec_path = os.path.join(out, "spec.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(settings.threads),
-        "MKL_NUM_THREADS": str(settings.threads),
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-    }
-    module = ["-m", "occult_ft.bench.generate_worker", spec_path]
-    log = os.path.join(out, "log.txt")
-    try:
-        if cluster is not None:
-            status, log = cluster.torchrun(module, env, out, settings.timeout_s)
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(settings.devices)]
-            cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *module]
-            with open(log, "w") as f:
-                status = subprocess.run(
-                    cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=settings.timeout_s
-                ).returncode
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {settings.timeout_s:.0f} s (logs in {out})"}
-    if status != 0 or not os.path.isfile(spec["result"]):
-        lines: list[str] = []
-        for name in sorted(os.listdir(out)):  # every node's log: the failing rank may live on any node
-            if name.endswith((".txt", ".log")):
-                with open(os.path.join(out, name), errors="replace") as f:
-                    lines += [ln.strip() for ln in f if ln.strip()]
-        errors = [
-            ln
-            for ln in lines
-            if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception): ", ln) and "ChildFailed" not in ln
-        ]
-        last = errors[-1] if errors else (lines[-1] if lines else "no output")
-        return {"error": f"{last[:400]} (log {log})"}
-    with open(spec["result"]) as f:
-        return {"ranks": json.load(f)}
+    module = "occult_ft.bench.generate_worker"
+    return launch_workers(module, spec, out, settings.devices, settings.threads, settings.timeout_s, cluster)
 
 
 def _summarise(runs: list[dict], settings: GenerateSettings) -> dict:

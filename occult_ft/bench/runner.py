@@ -35,8 +35,10 @@ import torch
 import torch.distributed as dist
 
 from ..dispatch import node_groups
+from ..fileio import atomic_write_text
 from ..layout import ExpertLayout
 from .exchanges import CollectiveClock, build_exchange, init_deepspeed_comm
+from .launch import failure_reason
 
 __all__ = ["DTYPES", "BenchSettings", "choose_transport", "run_exchanges"]
 
@@ -320,24 +322,10 @@ def _worker(rank: int, world: int, port: int, spec_path: str, out_dir: str) -> N
     try:
         result = _measure(rank, world, spec, device, backend)
         if rank == 0:
-            with open(os.path.join(out_dir, "result.json"), "w") as f:
-                json.dump(result, f)
+            atomic_write_text(os.path.join(out_dir, "result.json"), json.dumps(result))
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def _failure(out_dir: str, fallback: str) -> str:
-    """The last meaningful line a failed worker wrote (its exception), else `fallback`."""
-    for rank_log in sorted(os.listdir(out_dir)):
-        if not rank_log.endswith(".log"):
-            continue
-        with open(os.path.join(out_dir, rank_log), errors="replace") as f:
-            lines = [ln.strip() for ln in f if ln.strip()]
-        errors = [ln for ln in lines if "Error" in ln.split(":")[0] or "Exception" in ln.split(":")[0]]
-        if errors:
-            return f"{rank_log[:-4]}: {errors[-1][:400]}"
-    return fallback
 
 
 def run_exchanges(
@@ -390,10 +378,12 @@ def run_exchanges(
                 lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
                 raise RuntimeError(f"benchmark process failed: {lines[-1] if lines else exc}") from None
             except mp.ProcessExitedException as exc:
-                raise RuntimeError(f"benchmark process died: {_failure(tmp, str(exc))}") from None
+                raise RuntimeError(f"benchmark process died: {failure_reason(tmp, str(exc))}") from None
             result_path = os.path.join(tmp, "result.json")
             if not os.path.isfile(result_path):
-                raise RuntimeError(f"benchmark processes wrote no result: {_failure(tmp, 'no error logged')}")
+                raise RuntimeError(
+                    f"benchmark processes wrote no result: {failure_reason(tmp, 'no error logged')}"
+                )
             with open(result_path) as f:
                 result = json.load(f)
     finally:

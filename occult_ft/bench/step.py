@@ -47,14 +47,9 @@ length, B sequences per rank and step.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -76,6 +71,7 @@ from .costmodel import (
     rows_matrix,
     two_stage_rows,
 )
+from .launch import launch_workers
 from .step_worker import KINDS
 
 __all__ = [
@@ -337,12 +333,6 @@ def contender_spec(name: str, settings: StepSettings) -> dict:
     return Contender.from_name(name).check(settings).spec()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def embedded_settings(settings: StepSettings) -> StepSettings:
     """`settings` with the shape fields of the embedded model (`model="embedded"`); unchanged otherwise."""
     if settings.model != "embedded":
@@ -443,57 +433,12 @@ def _launch(
         "model_dir": model_dir,
         "data": data_path,
         "out": out,
-        "result": os.path.join(out, "result.json"),
         "batch_per_rank": settings.batch_per_rank,
         "grad_accum": settings.grad_accum,
         "num_layers": settings.layers,
     }
-    spec_path = os.path.join(out, "spec.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(settings.threads),
-        "MKL_NUM_THREADS": str(settings.threads),
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-    }
-    log = os.path.join(out, "log.txt")
-    if cluster is not None:
-        try:
-            status, log = cluster.torchrun(
-                ["-m", "occult_ft.bench.step_worker", spec_path], env, out, settings.timeout_s
-            )
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {settings.timeout_s:.0f} s (logs in {out})"}
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(settings.devices)]
-        cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-        cmd += ["-m", "occult_ft.bench.step_worker", spec_path]
-        with open(log, "w") as f:
-            try:
-                proc = subprocess.run(
-                    cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=settings.timeout_s
-                )
-            except subprocess.TimeoutExpired:
-                return {"error": f"timed out after {settings.timeout_s:.0f} s (log {log})"}
-        status = proc.returncode
-    if status != 0 or not os.path.isfile(spec["result"]):
-        return {"error": f"{_last_error(out)[:400]} (log {log})"}
-    with open(spec["result"]) as f:
-        return {"ranks": json.load(f)}
-
-
-def _last_error(out: str) -> str:
-    """The last `...Error: ` / `...Exception: ` line of a failed launch's logs in `out` (every node's: the
-    failing rank may live on any node), else its last line."""
-    lines = []
-    for name in sorted(os.listdir(out)):
-        if name.endswith(".txt") or name.endswith(".log"):
-            with open(os.path.join(out, name), errors="replace") as f:
-                lines += [ln.strip() for ln in f if ln.strip()]
-    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception): ", ln) and "ChildFailed" not in ln]
-    return errors[-1] if errors else (lines[-1] if lines else "no output")
+    module = "occult_ft.bench.step_worker"
+    return launch_workers(module, spec, out, settings.devices, settings.threads, settings.timeout_s, cluster)
 
 
 def _percentile(values: list[float], q: float) -> float:
