@@ -28,7 +28,7 @@ from occult_ft.dispatch import (
     reference_moe,
     shard_experts,
 )
-from occult_ft.dispatch.plan import LOCAL_SENTINEL, dedup_plan, layout_from_plan
+from occult_ft.dispatch.plan import LOCAL_SENTINEL, capacity_layout, layout_from_plan, row_plan
 from occult_ft.layout import ExpertLayout
 from occult_ft.metrics import contiguous_expert_device, device_load, devices_per_token
 from occult_ft.models import CORE_MODEL_TYPES, find_moe_layers, get_arch, tiny_config
@@ -86,7 +86,7 @@ def _oracle(x, ids, w, experts):
 def _layout(ids_TK, weights_TK, num_experts: int, num_devices: int, rank: int):
     """The de-duplicated layout of rank `rank`'s tokens, planned alone (as `FlatExchange.dispatch` does
     before its count exchange; the send counts read here are what that exchange reads)."""
-    plan = dedup_plan(ids_TK, weights_TK, ExpertLayout(num_experts, num_devices), rank)
+    plan = row_plan(ids_TK, weights_TK, ExpertLayout(num_experts, num_devices), rank)
     return layout_from_plan(plan, tuple(plan.meta_DC[:, 0].tolist()))
 
 
@@ -207,6 +207,10 @@ def test_layout_weights_carry_the_router_gradient():
             lambda ids, w: FlatExchange(ExpertLayout(8, 1)).dispatch(torch.zeros(3, 3), ids, w),
             "hidden has 3 tokens but topk_ids has 2; they must match",
         ),
+        (
+            lambda ids, w: row_plan(ids, w, ExpertLayout(8, 1), 0, kind="dedupe"),
+            "kind='dedupe' is unknown (did you mean 'dedup'?); choose one of dedup, per_expert",
+        ),
     ],
 )
 def test_layout_errors_quote_the_offending_values(build, message):
@@ -214,6 +218,34 @@ def test_layout_errors_quote_the_offending_values(build, message):
     with pytest.raises(ValueError) as err:
         build(ids_TK, torch.ones(2, 2))
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("capacity", [5, 9])
+def test_capacity_layout_holds_the_exact_rows_then_pads(capacity):
+    # T = 5 tokens, E = 8 experts on D = 4 devices: block d of the padded layout (rows [d * C, (d + 1) * C))
+    # starts with the exact layout's rows for d, in its order, then pad rows up to C: token T = 5, every
+    # slot the sentinel, weight 0.
+    torch.manual_seed(0)
+    ids_TK, w_TK = torch.randint(0, 8, (5, 3)), torch.rand(5, 3)
+    plan = row_plan(ids_TK, w_TK, ExpertLayout(8, 4), rank=1)
+    exact = layout_from_plan(plan, tuple(plan.meta_DC[:, 0].tolist()))
+    padded = capacity_layout(plan, capacity)
+    assert padded.send_splits == (capacity,) * 4 and padded.capacity == capacity
+    assert torch.equal(padded.send_device_S, torch.arange(4).repeat_interleave(capacity))
+    start = 0
+    for d, n in enumerate(exact.send_splits):
+        block, rows = slice(d * capacity, (d + 1) * capacity), slice(start, start + n)
+        token_S, ids_SK = padded.send_token_idx_S[block], padded.send_local_ids_SK[block]
+        weights_SK = padded.send_weights_SK[block]
+        assert torch.equal(token_S[:n], exact.send_token_idx_S[rows])
+        assert torch.equal(ids_SK[:n], exact.send_local_ids_SK[rows])
+        assert torch.equal(weights_SK[:n], exact.send_weights_SK[rows])
+        assert (
+            (token_S[n:] == 5).all() and (ids_SK[n:] == LOCAL_SENTINEL).all() and (weights_SK[n:] == 0).all()
+        )
+        start += n
+    with pytest.raises(ValueError, match="capacity 4 rows per device is below this rank's 5 tokens"):
+        capacity_layout(plan, 4)
 
 
 # ---- oracle and single-device compute -----------------------------------------------------------

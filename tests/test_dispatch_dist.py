@@ -400,3 +400,47 @@ def test_per_expert_capacity_and_chunked_exchanges_match_the_reference(world4, n
 @pytest.mark.parametrize("name", list(MODEL_CASES_WORLD2))
 def test_sharded_model_on_two_ranks_matches_concatenated_batch(world2, name):
     assert not _failures(world2, name), _failures(world2, name)
+
+
+def _int64_ids_worker(rank: int, world: int) -> dict:
+    """One flat dispatch and combine of the same rows in bf16 and in fp32, with P = 300 experts per
+    device: above 256 (the largest integer every bf16 holds exactly), so in bf16 the local ids take an
+    int64 collective of their own; in fp32 they ride as columns of the hidden rows."""
+    from occult_ft.dispatch import FlatExchange
+    from occult_ft.layout import ExpertLayout
+
+    torch.manual_seed(rank)
+    t, k, h, e = 6, 3, 4, 300 * world
+    ids_TK = torch.randint(0, e, (t, k))
+    x_TH, w_TK = torch.randn(t, h).to(torch.bfloat16), torch.rand(t, k).to(torch.bfloat16)
+    exchange = FlatExchange(ExpertLayout(e, world))
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        x, w = x_TH.to(dtype, copy=True).requires_grad_(), w_TK.to(dtype, copy=True).requires_grad_()
+        recv_x_RH, recv_w_RK, handle = exchange.dispatch(x, ids_TK, w)
+        # small integer cotangents (exact in bf16), so both dtypes' gradients are exact sums
+        loss = (recv_x_RH * (torch.arange(recv_x_RH.numel()) % 7).view_as(recv_x_RH)).sum() + recv_w_RK.sum()
+        back_TH = exchange.combine(recv_x_RH.detach(), handle, out_dtype=torch.float32)
+        loss.backward()
+        out[dtype] = [
+            recv_x_RH.float(),
+            recv_w_RK.float(),
+            handle.recv_local_ids_RJ,
+            x.grad.float(),
+            w.grad.float(),
+        ]
+    # every token comes back once from each device its experts live on: C_T copies of its row
+    c_T = torch.stack([(ids_TK // 300 == dev).any(dim=1) for dev in range(world)]).sum(dim=0)
+    return {
+        "ids_dtype": str(out[torch.bfloat16][2].dtype),
+        "ids_above_256": bool((out[torch.bfloat16][2] > 256).any()),
+        "bf16_equals_fp32": all(torch.equal(a, b) for a, b in zip(out[torch.bfloat16], out[torch.float32])),
+        "combine_is_C_T_copies": torch.equal(back_TH, x_TH.float() * c_T[:, None]),
+    }
+
+
+def test_local_ids_beyond_exact_floats_take_an_int64_collective():
+    per_rank = run_distributed(_int64_ids_worker, 2, timeout=120)
+    assert all(r["ids_dtype"] == "torch.int64" for r in per_rank), per_rank
+    assert any(r["ids_above_256"] for r in per_rank), per_rank  # the int64 path carried ids bf16 cannot
+    assert all(r["bf16_equals_fp32"] and r["combine_is_C_T_copies"] for r in per_rank), per_rank

@@ -45,7 +45,7 @@ CASES_2X4 = {
 
 
 def test_fanout_plan_worked_example():
-    from occult_ft.dispatch.plan import dedup_plan, layout_from_plan
+    from occult_ft.dispatch.plan import layout_from_plan, row_plan
     from occult_ft.layout import ExpertLayout
 
     # A gateway of a node with L=2 devices, P=2 experts each (node-local ids 0..3), 3 received rows:
@@ -54,7 +54,7 @@ def test_fanout_plan_worked_example():
     ids_RK = torch.tensor([[1, -1], [2, 0], [-1, 3]])
     w_RK = torch.tensor([[0.6, 0.0], [0.3, 0.7], [0.0, 0.5]])
     # what TwoStageExchange.dispatch plans at a gateway: node-local ids, -1 for other nodes' experts
-    plan = dedup_plan(ids_RK, w_RK, ExpertLayout(4, 2), rank=1, sentinel_in=True)
+    plan = row_plan(ids_RK, w_RK, ExpertLayout(4, 2), rank=1, sentinel_in=True)
     layout = layout_from_plan(plan, tuple(plan.meta_DC[:, 0].tolist()))
     assert plan.meta_DC[:, -1].tolist() == [0, 0]  # -1 is no bad id in a fan-out stage
     # device-major: device 0 gets rows 0, 1; device 1 gets rows 1, 2

@@ -3,15 +3,10 @@
     group_size_and_rank   (D, rank) of a group, (1, 0) without torch.distributed
     exchange_meta         equal-split all-to-all of the (D, C) count table
     start_exchange        row blocks of several tensors, asynchronous (`PendingRows.wait()` joins)
-    exchange_rows         the same, waited for (no autograd)
-    all_to_all_rows       the same, differentiable: the backward is the reverse exchange
+    all_to_all_rows       the same, waited for and differentiable: the backward is the reverse exchange
 
-All ranks of the group must call these in the same order with the same list of dtypes and the same
-`requires_grad` pattern (true for replicas of one model running the same code).
-
-Shape legend:
-    S  rows this rank sends     R  rows this rank receives     C  columns (trailing dims flattened)
-    D  ranks in the group
+All ranks of the group call these in the same order with the same dtypes and `requires_grad` pattern.
+Shape legend: S rows sent, R rows received, C columns (trailing dims flattened), D ranks in the group.
 """
 
 from __future__ import annotations
@@ -22,14 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "group_size_and_rank",
-    "exchange_meta",
-    "exchange_rows",
-    "all_to_all_rows",
-    "PendingRows",
-    "start_exchange",
-]
+__all__ = ["group_size_and_rank", "exchange_meta", "all_to_all_rows", "PendingRows", "start_exchange"]
 
 
 def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -53,11 +41,8 @@ def exchange_meta(meta_DC: torch.Tensor, group: dist.ProcessGroup | None) -> tor
 
 
 def _split_kwargs(send_splits: Sequence[int], recv_splits: Sequence[int]) -> dict:
-    """Split sizes for `all_to_all_single`; none when every block has the same size (the capacity-bounded
-    exchange): the backend then runs its plain all-to-all instead of the uneven variant."""
-    # uneven splits need the size lists; equal ones let the backend take its plain (faster) path
-    sizes = set(send_splits) | set(recv_splits)
-    if len(sizes) == 1:
+    # Equal blocks (the capacity-bounded exchange) need no size lists: the backend's plain all-to-all.
+    if len(set(send_splits) | set(recv_splits)) == 1:
         return {}
     # Split sizes are Python ints from the layout: no collective waits on a device-to-host copy.
     # gloo handles uneven splits, zeros included, in this flat form; its list form `all_to_all` does not.
@@ -89,12 +74,11 @@ def _packed(
 class PendingRows:
     """An exchange of row blocks in flight (`start_exchange`); `wait()` returns the received tensors."""
 
-    def __init__(self, works, parts, shapes, num_recv: int, count: int):
-        self._works, self._parts, self._shapes = works, parts, shapes
-        self._num_recv, self._count = num_recv, count
+    def __init__(self, works, parts, shapes, num_recv: int):
+        self._works, self._parts, self._shapes, self._num_recv = works, parts, shapes, num_recv
 
     def wait(self) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * self._count
+        out: list[torch.Tensor | None] = [None] * len(self._shapes)
         for work, (members, widths, recv_RC) in zip(self._works, self._parts):
             if work is not None:
                 work.wait()
@@ -116,35 +100,23 @@ def start_exchange(
     The collectives run on the process group's own worker (gloo) or stream (NCCL) while the caller
     computes; `wait()` joins them. Collectives on one group complete in the order they were issued."""
     world, _ = group_size_and_rank(group)
-    num_send, num_recv = sum(send_splits), sum(recv_splits)
-    shapes = [tuple(t.shape[1:]) for t in tensors]
-    if world == 1:  # the rows stay here: the packed send buffers are the received ones
-        parts = _packed(tensors, num_send)
-        return PendingRows([None] * len(parts), parts, shapes, num_recv, len(tensors))
-    works, parts = [], []
-    for members, widths, send_SC in _packed(tensors, num_send):
-        # one receive buffer per dtype: R rows of the members' columns side by side, unpacked in wait()
-        recv_RC = send_SC.new_empty(num_recv, sum(widths))
-        works.append(
-            dist.all_to_all_single(
-                recv_RC, send_SC, **_split_kwargs(send_splits, recv_splits), group=group, async_op=True
-            )
-        )
+    num_recv = sum(recv_splits)
+    works: list[dist.Work | None] = []
+    parts = []
+    for members, widths, send_SC in _packed(tensors, sum(send_splits)):
+        recv_RC, work = send_SC, None  # one rank: the rows stay here, the send buffer is the received one
+        if world > 1:
+            # one receive buffer per dtype: R rows of the members' columns side by side, unpacked in wait()
+            recv_RC = send_SC.new_empty(num_recv, sum(widths))
+            kwargs = _split_kwargs(send_splits, recv_splits)
+            work = dist.all_to_all_single(recv_RC, send_SC, **kwargs, group=group, async_op=True)
+        works.append(work)
         parts.append((members, widths, recv_RC))
-    return PendingRows(works, parts, shapes, num_recv, len(tensors))
+    return PendingRows(works, parts, [tuple(t.shape[1:]) for t in tensors], num_recv)
 
 
-def exchange_rows(
-    tensors: Sequence[torch.Tensor],
-    send_splits: Sequence[int],
-    recv_splits: Sequence[int],
-    group: dist.ProcessGroup | None,
-) -> list[torch.Tensor]:
-    """`start_exchange`, waited for: (R, ...) tensors in each input's dtype and trailing shape."""
-    world, _ = group_size_and_rank(group)
-    if world == 1:
-        return list(tensors)
-    # the unpacked columns are strided views of the packed buffer: give each its own storage
+def _exchange_rows(tensors, send_splits, recv_splits, group) -> list[torch.Tensor]:
+    # waited for; the unpacked columns are strided views of the packed buffer: give each its own storage
     return [t.contiguous() for t in start_exchange(tensors, send_splits, recv_splits, group).wait()]
 
 
@@ -153,7 +125,7 @@ class _AllToAllRows(torch.autograd.Function):
     def forward(ctx, send_splits, recv_splits, group, *tensors):
         ctx.send_splits, ctx.recv_splits, ctx.group = tuple(send_splits), tuple(recv_splits), group
         ctx.dtypes = [t.dtype for t in tensors]
-        return tuple(exchange_rows(tensors, send_splits, recv_splits, group))
+        return tuple(_exchange_rows(tensors, send_splits, recv_splits, group))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -163,7 +135,7 @@ class _AllToAllRows(torch.autograd.Function):
         # Gradients are cast to the input's dtype so that dtype packing matches on every rank.
         # forward's inputs are (send_splits, recv_splits, group, *tensors): tensor i is input 3 + i
         wanted = [i for i in range(len(grads)) if ctx.needs_input_grad[3 + i]]
-        moved = exchange_rows(
+        moved = _exchange_rows(
             [grads[i].contiguous().to(ctx.dtypes[i]) for i in wanted],
             ctx.recv_splits,
             ctx.send_splits,
@@ -181,8 +153,8 @@ def all_to_all_rows(
     recv_splits: Sequence[int],
     group: dist.ProcessGroup | None,
 ) -> list[torch.Tensor]:
-    """Differentiable `exchange_rows`: gradients of the received (R, ...) rows flow back to the (S, ...)
-    rows that were sent, by the reverse exchange. With one rank it is the identity."""
+    """`start_exchange`, waited for and differentiable: gradients of the received (R, ...) rows flow back
+    to the (S, ...) rows that were sent, by the reverse exchange. With one rank it is the identity."""
     world, _ = group_size_and_rank(group)
     if world == 1:
         return list(tensors)

@@ -7,12 +7,10 @@
     moe_forward        dispatch, local experts, combine: one layer through any exchange
     read_counts / send_rows / return_rows   the steps the exchanges (and the pipeline) share
 
-How the exchanges work, their host reads and collectives per layer: docs/expert-parallel.md.
+How they work, their host reads and collectives per layer: docs/expert-parallel.md.
 
-Shape legend:
-    T  tokens on this rank    K  experts per token    H  hidden size    E  experts    D  devices
-    S  rows this rank sends   R  rows this rank receives (from all ranks, grouped by source rank)
-    J  slots per row: K (de-duplicated), 1 (per expert)    P  experts per device
+Shape legend: T tokens on this rank, K experts per token, H hidden size, E experts, D devices,
+P experts per device, S rows sent, R rows received (grouped by source rank), J slots per row (K or 1).
 """
 
 from __future__ import annotations
@@ -26,18 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checks import is_positive_int
 from ..layout import ExpertLayout
-from .comm import all_to_all_rows, exchange_meta, exchange_rows, group_size_and_rank
+from .comm import all_to_all_rows, exchange_meta, group_size_and_rank
 from .local import local_experts_forward, num_local_experts
-from .plan import (
-    DispatchLayout,
-    RowPlan,
-    capacity_layout,
-    dedup_plan,
-    layout_from_plan,
-    per_expert_plan,
-    raise_bad_ids,
-)
+from .plan import DispatchLayout, RowPlan, capacity_layout, layout_from_plan, raise_bad_ids, row_plan
 
 __all__ = [
     "Exchange",
@@ -66,16 +57,11 @@ class ExchangeHandle(Protocol):
 
 @dataclass(frozen=True, eq=False)
 class ReceivedRows:
-    """Immutable handle of a one-stage dispatch, consumed by its combine (and their backward passes).
-
-    Attributes:
-        layout: this rank's `DispatchLayout` (what it sent).
-        recv_splits: rows received from each rank, rank order (Python ints; sum R).
-        recv_local_ids_RJ: (R, J) int64 local expert id per received row and slot, `LOCAL_SENTINEL`
-            (-1) for slots whose expert lives on another device (and for pad rows).
-        expert_counts: (P,) live (row, slot) pairs per local expert among the received rows, Python
-            ints; "device" when they were never read on the host (capacity mode); None when unknown.
-    """
+    """Immutable handle of a one-stage dispatch, consumed by its combine (and their backward passes):
+    this rank's `layout` (what it sent), `recv_splits` (rows from each rank, Python ints, sum R),
+    `recv_local_ids_RJ` ((R, J) int64 local expert ids, -1 where the expert lives elsewhere or the row is a
+    pad) and `expert_counts` ((P,) received (row, slot) pairs per local expert as Python ints; "device"
+    when never read on the host (capacity mode); None when unknown)."""
 
     layout: DispatchLayout
     recv_splits: tuple[int, ...]
@@ -93,13 +79,9 @@ class ReceivedRows:
 
 
 class Exchange(ABC):
-    """The dispatch / combine contract of one MoE layer's token exchange on this rank.
-
-    Attributes:
-        name: "flat", "per_expert" or "two_stage".
-        layout: the layer's `ExpertLayout` (E experts on the D ranks of the exchange).
-        group: the expert-parallel process group (None: the default group, or none at all for D = 1).
-    """
+    """The dispatch / combine contract of one MoE layer's token exchange on this rank: its `name` ("flat",
+    "per_expert" or "two_stage"), `layout` (the layer's `ExpertLayout`: E experts on the D ranks of the
+    exchange) and `group` (the expert-parallel process group; None: the default group, or none for D = 1)."""
 
     name: str = ""
 
@@ -116,17 +98,12 @@ class Exchange(ABC):
     def dispatch(
         self, hidden_TH: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, ExchangeHandle]:
-        """Send this rank's tokens to the devices of their experts.
+        """Send this rank's tokens (`hidden_TH` (T, H); `topk_ids_TK` (T, K) global expert ids in [0, E);
+        `weights_TK` (T, K) gate weights, differentiable) to the devices of their experts.
 
-        Args:
-            hidden_TH: (T, H); topk_ids_TK: (T, K) global expert ids in [0, E); weights_TK: (T, K)
-                gate weights (they receive gradients).
-
-        Returns:
-            recv_x_RH: (R, H) rows for this rank's experts (differentiable).
-            recv_weights_RJ: (R, J) their gate weights, 0 at sentinel slots (differentiable).
-            handle: immutable; `handle.recv_local_ids_RJ` (R, J) local ids, `handle.expert_counts`.
-        """
+        Returns (recv_x_RH, recv_weights_RJ, handle): (R, H) rows for this rank's experts and (R, J) their
+        gate weights, 0 at sentinel slots (both differentiable); the immutable handle holds
+        `recv_local_ids_RJ` (R, J) local ids and `expert_counts`."""
 
     @abstractmethod
     def combine(self, out_RH: torch.Tensor, handle, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -156,11 +133,9 @@ def check_hidden(hidden_TH: torch.Tensor, topk_ids_TK: torch.Tensor) -> None:
 def read_counts(
     plans: list[RowPlan], recv_meta_DC: torch.Tensor
 ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """The layer's one host synchronisation: per plan, (send splits, recv splits, expert counts).
-
-    `recv_meta_DC` is the exchanged metadata of all `plans` side by side ((D, n * (P + 2)) for n
-    plans). Raises the same one-line ValueError on every rank when any rank saw ids outside [0, E).
-    """
+    """The layer's one host synchronisation: per plan, (send splits, recv splits, expert counts), from
+    `recv_meta_DC`, the exchanged metadata of all `plans` side by side ((D, n * (P + 2)) for n plans).
+    Raises the same one-line ValueError on every rank when any rank saw ids outside [0, E)."""
     experts = plans[0].layout
     # the plans' tables side by side: n plans -> (D, n * C), in the column order they were exchanged
     sent = torch.cat([p.meta_DC for p in plans], dim=1)
@@ -171,12 +146,12 @@ def read_counts(
     sends, recvs, counts = [], [], []
     for c, plan in enumerate(plans):
         rows, bad = c * width, c * width + width - 1  # this plan's first and last column
-        # Every rank sees every rank's bad-id count (it rides in each row), so all raise together:
-        # the rank that holds the bad ids names them, the others point at it.
-        if sent_rows[0][bad] or any(row[bad] for row in recv_rows):
+        # Every rank sees every rank's bad-id count (it rides in each row; its own arrives from itself),
+        # so all raise together: the rank that holds the bad ids names them, the others point at it.
+        ranks = [j for j, row in enumerate(recv_rows) if row[bad]]
+        if ranks:
             if sent_rows[0][bad]:
                 raise_bad_ids(plan.topk_ids_TK, experts.num_experts, plan.sentinel_in)
-            ranks = [j for j, row in enumerate(recv_rows) if row[bad]]
             raise ValueError(
                 f"ranks {ranks} routed tokens to expert ids outside [0, num_experts={experts.num_experts}); "
                 "see the error on those ranks"
@@ -207,30 +182,21 @@ def send_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The row exchange of a dispatch (differentiable): (recv_x_RH, recv_weights_RJ, recv_local_ids_RJ)."""
     if layout.padded:  # pad rows hold token index T: give them a zero row to gather
-        source_TH = torch.cat([hidden_TH, hidden_TH.new_zeros(1, hidden_TH.shape[1])])
-    else:
-        source_TH = hidden_TH
+        hidden_TH = torch.cat([hidden_TH, hidden_TH.new_zeros(1, hidden_TH.shape[1])])
     # row s = token send_token_idx_S[s]; rows are already grouped by destination, as the splits expect
-    send_x_SH = source_TH[layout.send_token_idx_S]
+    send_x_SH = hidden_TH[layout.send_token_idx_S]
     # Bit-packing: the local ids (in [-1, P)) ride as J extra columns of the hidden rows, cast to the
     # hidden dtype, so rows, weights (when of the same dtype) and ids go in one collective
     # (`all_to_all_rows` packs same-dtype tensors side by side). The cast is lossless only while every
-    # id is an exact float there: P <= 256 in bf16. Beyond that the ids take a collective of their own.
-    if layout.experts_per_device <= largest_exact_integer(send_x_SH.dtype):
-        recv_x_RH, recv_weights_RJ, recv_ids_RJ = all_to_all_rows(
-            [send_x_SH, layout.send_weights_SK, layout.send_local_ids_SK.to(send_x_SH.dtype)],
-            layout.send_splits,
-            recv_splits,
-            group,
-        )
-        # exact floats round-trip exactly; round() only guards the conversion back to int64
-        return recv_x_RH, recv_weights_RJ, recv_ids_RJ.round().long()
-    # int64 ids need no gradient: the plain exchange, outside autograd
-    (recv_ids_RJ,) = exchange_rows([layout.send_local_ids_SK], layout.send_splits, recv_splits, group)
-    recv_x_RH, recv_weights_RJ = all_to_all_rows(
-        [send_x_SH, layout.send_weights_SK], layout.send_splits, recv_splits, group
+    # id is an exact float there: P <= 256 in bf16. Beyond that the int64 ids take a collective of their
+    # own (integers take no gradient, so the backward leaves them out).
+    exact = layout.experts_per_device <= largest_exact_integer(send_x_SH.dtype)
+    ids_SJ = layout.send_local_ids_SK.to(send_x_SH.dtype) if exact else layout.send_local_ids_SK
+    recv_x_RH, recv_weights_RJ, recv_ids_RJ = all_to_all_rows(
+        [send_x_SH, layout.send_weights_SK, ids_SJ], layout.send_splits, recv_splits, group
     )
-    return recv_x_RH, recv_weights_RJ, recv_ids_RJ
+    # exact floats round-trip exactly; round() only guards the conversion back to int64
+    return recv_x_RH, recv_weights_RJ, recv_ids_RJ.round().long() if exact else recv_ids_RJ
 
 
 def return_rows(
@@ -256,22 +222,20 @@ class FlatExchange(Exchange):
     """The de-duplicated all-to-all: one row per (token, device), summed on the device, one row back.
 
     Args:
-        layout: E experts on the D ranks of `group`.
-        group: the expert-parallel group (None: the default group; D = 1 without torch.distributed).
+        layout / group: E experts on the D ranks of `group` (None: the default group; D = 1 without
+            torch.distributed).
         capacity: None (exact: one host synchronisation per layer) or C rows per destination (the
             capacity-bounded mode: no synchronisation; every rank sends D x C rows, padded; a rank with
             more than C tokens raises before sending, since only C >= T is a proven bound).
     """
 
-    name = "flat"
+    name, kind = "flat", "dedup"  # kind: the rows `plan` sends (`row_plan`)
 
     def __init__(
         self, layout: ExpertLayout, group: dist.ProcessGroup | None = None, capacity: int | None = None
     ):
         super().__init__(layout, group)
-        if capacity is not None and (
-            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
-        ):
+        if capacity is not None and not is_positive_int(capacity):
             raise ValueError(f"capacity={capacity!r} must be a positive number of rows per device, or None")
         self.capacity = capacity
 
@@ -281,7 +245,7 @@ class FlatExchange(Exchange):
         return self.capacity is None
 
     def plan(self, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> RowPlan:
-        return dedup_plan(topk_ids_TK, weights_TK, self.layout, self.rank)
+        return row_plan(topk_ids_TK, weights_TK, self.layout, self.rank, self.kind)
 
     def dispatch(self, hidden_TH, topk_ids_TK, weights_TK):
         check_hidden(hidden_TH, topk_ids_TK)
@@ -312,13 +276,10 @@ class PerExpertExchange(FlatExchange):
     """One row per (token, expert), rows sorted by expert; weights applied on the expert's device and the
     K rows of a token summed at home (exact, like the others). Exact mode only."""
 
-    name = "per_expert"
+    name, kind = "per_expert", "per_expert"
 
     def __init__(self, layout: ExpertLayout, group: dist.ProcessGroup | None = None):
         super().__init__(layout, group, capacity=None)
-
-    def plan(self, topk_ids_TK, weights_TK):
-        return per_expert_plan(topk_ids_TK, weights_TK, self.layout, self.rank)
 
 
 def moe_forward(
@@ -334,11 +295,10 @@ def moe_forward(
     Args:
         hidden_TH: (T, H) this rank's tokens (T may be 0); topk_ids_TK: (T, K) global expert ids;
         weights_TK: (T, K) gate weights. experts: this rank's P contiguous experts (`shard_experts`).
-        exchange: a `FlatExchange`, `PerExpertExchange` or `TwoStageExchange` of the experts' layout.
-        backend: grouped matmul backend of the local compute ("auto", "grouped_mm", "loop").
+        exchange: any `Exchange` of the experts' layout. backend: grouped matmul backend of the local
+            compute ("auto", "grouped_mm", "loop").
 
-    Returns:
-        (T, H) in hidden_TH.dtype, equal to the unsharded layer on this rank's tokens.
+    Returns (T, H) in hidden_TH.dtype, equal to the unsharded layer on this rank's tokens.
     """
     check_hidden(hidden_TH, topk_ids_TK)
     per_device = num_local_experts(experts)

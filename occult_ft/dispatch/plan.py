@@ -1,7 +1,7 @@
 """Row plans: which rows a rank sends where, built once per forward and reused by backward.
 
     DispatchLayout   the frozen handle: rows per destination, their tokens, slots and weights
-    RowPlan          its size-free half, planned on the device (`dedup_plan`, `per_expert_plan`)
+    RowPlan          its size-free half, planned on the device (`row_plan`)
     layout_from_plan the exact layout once the send counts are host ints (after the count exchange)
     capacity_layout  the padded layout of the capacity-bounded mode (no host read at all)
 
@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import choice_error
 from ..layout import ExpertLayout
 
 __all__ = [
     "LOCAL_SENTINEL",
     "DispatchLayout",
     "RowPlan",
-    "dedup_plan",
-    "per_expert_plan",
+    "row_plan",
     "layout_from_plan",
     "capacity_layout",
     "check_routing",
@@ -51,30 +51,19 @@ class DispatchLayout:
     per-expert layout (`kind="per_expert"`) sends one row per (token, expert) instead.
 
     Attributes:
-        num_tokens: T, tokens on this rank (may be 0).
-        top_k: K.
-        num_experts: E, experts of the layer over all devices.
-        num_devices: D.
-        rank: this rank's device index in [0, D); its own rows (`rows_kept_local`) need no network.
+        num_tokens, top_k, num_experts, num_devices: T, K, E, D. rank: this rank's device in [0, D).
         experts_per_device: P = E / D; expert e lives on device e // P as local expert e % P.
-        send_token_idx_S: (S,) int64, token index (into this rank's T tokens) of each sent row. Rows
-            are grouped by destination device in ascending order, tokens ascending within a device,
-            so the first send_splits[0] rows go to device 0, and so on. In a padded (capacity) layout,
-            pad rows hold the sentinel T (a zero row on the way out, dropped on the way back).
+        send_token_idx_S: (S,) int64 token (into this rank's T) of each sent row, grouped by destination
+            in ascending order, tokens ascending within one; a padded (capacity) layout's pad rows hold T.
         send_device_S: (S,) int64, destination device of each row, non-decreasing.
         send_counts_D: (D,) int64, rows sent to each device (real rows; pads excluded).
-        send_splits: rows of each destination block as Python ints (split sizes for
-            `all_to_all_single`; in a padded layout every block is `capacity` rows).
-        send_local_ids_SK: (S, J) int64, for each row and slot, the local id (in [0, P)) on the
-            destination device of the slot's expert, or `LOCAL_SENTINEL` (-1) where that expert lives on
-            another device (or the row is a pad). J = K (dedup) or 1 (per expert). Every real row has at
-            least one non-sentinel slot.
-        send_weights_SK: (S, J), dtype of the gate weights: the weight at non-sentinel slots, exactly
-            0 at sentinel slots. Built by differentiable gather/where from the weights, so it carries
-            the router's autograd graph.
+        send_splits: rows of each destination block as Python ints (the `all_to_all_single` split sizes;
+            every block is `capacity` rows in a padded layout).
+        send_local_ids_SK: (S, J) int64 local id (in [0, P)) of each slot's expert on the row's
+            destination, or `LOCAL_SENTINEL` (-1) where it lives elsewhere (or the row is a pad).
+        send_weights_SK: (S, J) gate weights, exactly 0 at sentinel slots (the router's graph kept).
         rows_sent: real rows sent = sum of send_counts_D (dedup: sum over tokens of C_T).
-        kind: "dedup" or "per_expert".
-        capacity: rows per destination of a padded (capacity-bounded) layout; None when exact.
+        kind: "dedup" or "per_expert". capacity: rows per destination when padded; None when exact.
     """
 
     num_tokens: int
@@ -118,20 +107,13 @@ class RowPlan:
     """The size-free half of a layout: device tensors only, so planning needs no host read.
 
     Attributes:
-        layout: the experts' `ExpertLayout` over the D destinations.
-        rank: this rank's index among them.
-        kind: "dedup" or "per_expert".
-        num_tokens / top_k: T and K of the routing.
-        slot_device_TK: (T, K) int64 destination of every slot; D (a spare column) for slots that go
-            nowhere (sentinel ids of a fan-out stage).
-        slot_local_TK: (T, K) int64 local expert id of every slot on its destination.
-        weights_TK: (T, K) the gate weights (graph kept).
+        layout: the destinations' `ExpertLayout`. rank: this rank's index. kind: "dedup" or "per_expert".
+        slot_device_TK / slot_local_TK: (T, K) int64 destination and local expert id of every slot;
+            destination D (a spare column) for slots that go nowhere (a fan-out stage's sentinels).
         present_DT: (D, T) bool, dedup only: token t has a slot on device d.
         order_N: (T * K,) int64, per_expert only: (token, slot) pairs sorted by destination expert.
-        meta_DC: (D, C) int64 what destination d must learn: [rows, pairs of each of its P experts,
-            out-of-range ids on this rank]; C = P + 2.
-        topk_ids_TK: the ids planned (for the error message when some are out of range).
-        sentinel_in: whether -1 ids were allowed (a fan-out stage).
+        meta_DC: (D, P + 2) int64, what destination d learns: [rows, pairs per each of its P experts,
+            out-of-range ids here]. topk_ids_TK / sentinel_in: the planned ids, for the bad-id error.
     """
 
     layout: ExpertLayout
@@ -167,91 +149,60 @@ def raise_bad_ids(topk_ids_TK: torch.Tensor, num_experts: int, sentinel_in: bool
     raise ValueError(f"topk_ids hold expert ids {bad} outside [0, num_experts={num_experts})")
 
 
-def _slots(topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor, layout: ExpertLayout, rank: int, sentinel_in):
-    """(slot_device_TK, slot_local_TK, pairs_E, bad) of a routing, after the host-side checks."""
+def row_plan(
+    topk_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    layout: ExpertLayout,
+    rank: int,
+    kind: str = "dedup",
+    sentinel_in: bool = False,
+) -> RowPlan:
+    """The size-free half of a layout (no host synchronisation): `kind="dedup"`, one row per (token,
+    device), or "per_expert", one row per (token, expert) sorted by expert (what transformers' native EP,
+    DeepSpeed AutoEP, Tutel and MegaBlocks send). `topk_ids_TK` (T, K) holds ids in [0, E), and with
+    `sentinel_in` also -1: a slot that goes nowhere (the rows a two-stage gateway fans out)."""
     check_routing(topk_ids_TK, weights_TK)
     layout.check_rank(rank)
-    ids_TK = topk_ids_TK.long()
+    if kind not in ("dedup", "per_expert"):
+        raise choice_error("kind", kind, ("dedup", "per_expert"))
+    (t, k), ids_TK = topk_ids_TK.shape, topk_ids_TK.long()
     e, p, d = layout.num_experts, layout.experts_per_device, layout.num_devices
     # valid: a real expert id; -1 (a fan-out stage's "served elsewhere") and out-of-range ids are not
     valid_TK = (ids_TK >= 0) & (ids_TK < e)
     # `bad` stays a 0-dim device tensor: it rides in the count exchange and is read with the counts.
     # A fan-out stage (sentinel_in) receives -1 for slots served on another node: those are not bad.
-    low = LOCAL_SENTINEL if sentinel_in else 0
-    bad = ((ids_TK < low) | (ids_TK >= e)).sum()
+    bad = ((ids_TK < (LOCAL_SENTINEL if sentinel_in else 0)) | (ids_TK >= e)).sum()
     # Contiguous experts: expert e lives on device e // P as local expert e % P. Invalid slots are
     # mapped to expert 0 for the arithmetic, then sent to the spare destination D (dropped later).
     safe_TK = torch.where(valid_TK, ids_TK, 0)
-    device_TK = torch.where(valid_TK, safe_TK // p, d)
+    device_TK, local_TK = torch.where(valid_TK, safe_TK // p, d), safe_TK % p
     # Pairs per expert by scatter_add (bincount's output size depends on data: a host read on GPU).
     # Invalid slots add 0 to bin 0, so they count nowhere.
     pairs_E = torch.zeros(e, dtype=torch.long, device=ids_TK.device)
     pairs_E.scatter_add_(0, safe_TK.reshape(-1), valid_TK.reshape(-1).long())
-    return device_TK, safe_TK % p, pairs_E, bad
-
-
-def _meta(
-    layout: ExpertLayout, rows_D: torch.Tensor, pairs_E: torch.Tensor, bad: torch.Tensor
-) -> torch.Tensor:
-    """(D, P + 2) int64: [rows to d, (row, slot) pairs for each of d's P experts, bad ids here]."""
-    d, p = layout.num_devices, layout.experts_per_device
-    # pairs_E is expert-major and experts are contiguous per device, so (E,) -> (D, P) is a view;
-    # `bad` is this rank's count, repeated so that every destination learns it.
-    return torch.cat([rows_D.reshape(d, 1), pairs_E.reshape(d, p), bad.reshape(1, 1).expand(d, 1)], 1).long()
-
-
-def dedup_plan(
-    topk_ids_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
-    layout: ExpertLayout,
-    rank: int,
-    sentinel_in: bool = False,
-) -> RowPlan:
-    """The size-free half of the de-duplicated layout (no host synchronisation).
-
-    Args:
-        topk_ids_TK: (T, K) int expert ids in [0, E); with `sentinel_in` also -1, a slot that goes
-            nowhere (the rows a two-stage gateway fans out).
-        weights_TK: (T, K) gate weights.
-        layout: the destinations' `ExpertLayout`. rank: this rank's index in [0, D).
-    """
-    device_TK, local_TK, pairs_E, bad = _slots(topk_ids_TK, weights_TK, layout, rank, sentinel_in)
-    t, d = topk_ids_TK.shape[0], layout.num_devices
-    # present[t, d]: token t has at least one slot on device d. Scatter into D + 1 columns so the
-    # spare column D absorbs the slots that go nowhere, then drop it. One row per True = C_T per token.
-    present_TD = torch.zeros(t, d + 1, dtype=torch.bool, device=device_TK.device)
-    present_TD.scatter_(1, device_TK, True)
-    # (T, D) -> (D, T): destination-major, the order rows are sent in (device 0's tokens first)
-    present_DT = present_TD[:, :d].t()
-    # column 0 of the count table: rows to d = tokens with a slot there (dedup: sum over d = sum of C_T)
-    meta_DC = _meta(layout, present_DT.sum(dim=1), pairs_E, bad)
-    k = topk_ids_TK.shape[1]
+    present_DT: torch.Tensor | None = None
+    order_N: torch.Tensor | None = None
+    if kind == "dedup":
+        # present[t, d]: token t has at least one slot on device d. Scatter into D + 1 columns so the
+        # spare column D absorbs the slots that go nowhere, then drop it. One row per True = C_T per token.
+        present_TD = torch.zeros(t, d + 1, dtype=torch.bool, device=ids_TK.device)
+        present_TD.scatter_(1, device_TK, True)
+        # (T, D) -> (D, T): destination-major, the order rows are sent in (device 0's tokens first)
+        present_DT = present_TD[:, :d].t()
+        rows_D = present_DT.sum(dim=1)  # rows to d = tokens with a slot there (summed over d: sum of C_T)
+    else:
+        # Global expert of each (token, slot) pair, E for invalid ones so that they sort last and are cut.
+        # A stable sort keeps pairs of one expert in (token, slot) order: rows are expert-major, hence
+        # device-major, which is the block order all_to_all_single expects.
+        order_N = torch.argsort(torch.where(valid_TK, safe_TK, e).reshape(-1), stable=True)
+        rows_D = pairs_E.view(d, p).sum(dim=1)  # one row per pair: rows = pairs of d's P experts
+    # meta_DC[d] = [rows to d, pairs for each of d's P experts, bad ids here]: pairs_E is expert-major and
+    # experts are contiguous per device, so (E,) -> (D, P) is a view; `bad` repeats so every d learns it.
+    meta_DC = torch.cat([rows_D[:, None], pairs_E.view(d, p), bad.expand(d, 1)], dim=1).long()
     return RowPlan(
-        layout, rank, "dedup", t, k, device_TK, local_TK, weights_TK, present_DT, None, meta_DC, topk_ids_TK,
+        layout, rank, kind, t, k, device_TK, local_TK, weights_TK, present_DT, order_N, meta_DC, topk_ids_TK,
         sentinel_in,
     )  # fmt: skip
-
-
-def per_expert_plan(
-    topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor, layout: ExpertLayout, rank: int
-) -> RowPlan:
-    """The size-free half of the per-expert layout: one row per (token, expert), rows sorted by expert
-    (what transformers' native EP, DeepSpeed AutoEP, Tutel and MegaBlocks send)."""
-    device_TK, local_TK, pairs_E, bad = _slots(topk_ids_TK, weights_TK, layout, rank, False)
-    t, k = topk_ids_TK.shape
-    # Global expert of each (token, slot) pair, E for invalid ones so that they sort last and are cut.
-    # A stable sort keeps pairs of one expert in (token, slot) order: rows are expert-major, hence
-    # device-major, which is the block order all_to_all_single expects.
-    flat_N = torch.where(
-        device_TK < layout.num_devices, device_TK * layout.experts_per_device + local_TK, layout.num_experts
-    )
-    order_N = torch.argsort(flat_N.reshape(-1), stable=True)
-    # rows are (token, slot) pairs: a device's rows = the pairs of its P experts (pairs_E viewed (D, P))
-    rows_D = pairs_E.view(layout.num_devices, -1).sum(dim=1)  # one row per pair: rows = pairs per device
-    meta_DC = _meta(layout, rows_D, pairs_E, bad)
-    return RowPlan(
-        layout, rank, "per_expert", t, k, device_TK, local_TK, weights_TK, None, order_N, meta_DC, topk_ids_TK
-    )
 
 
 def _layout(plan: RowPlan, token_S, device_S, ids_SJ, weights_SJ, splits, rows_sent, capacity=None):
@@ -275,20 +226,13 @@ def _dedup_slots(device_TK, local_TK, weights_TK, token_S, device_S):
 
 
 def layout_from_plan(plan: RowPlan, send_splits: tuple[int, ...]) -> DispatchLayout:
-    """The exact layout once the rows per destination are Python ints (no host synchronisation).
-
-    Args:
-        plan: from `dedup_plan` / `per_expert_plan`.
-        send_splits: rows to each destination (`plan.meta_DC[:, 0]`, read on the host).
-    """
+    """The exact layout once the rows per destination (`plan.meta_DC[:, 0]`) are host ints (no sync)."""
     t, k, num_rows = plan.num_tokens, plan.top_k, sum(send_splits)
-    if plan.kind == "dedup":
-        assert plan.present_DT is not None  # a dedup plan has it
+    if plan.present_DT is not None:  # dedup
         # Flattening (D, T) device-major enumerates (device, token) pairs in send order. A stable sort
         # of "not present" moves the present pairs to the front in that order; their count is known
         # (num_rows), so the slice has a fixed size and nothing is read back (unlike nonzero()).
-        flat_X = plan.present_DT.reshape(-1)
-        pairs_S = torch.argsort((~flat_X).to(torch.int8), stable=True)[:num_rows]
+        pairs_S = torch.argsort((~plan.present_DT.reshape(-1)).to(torch.int8), stable=True)[:num_rows]
         # pair index x = d * T + t; max(t, 1) keeps the division defined when T = 0 (then S = 0 too)
         device_S, token_S = pairs_S // max(t, 1), pairs_S % max(t, 1)
         ids_SJ, weights_SJ = _dedup_slots(
@@ -296,9 +240,9 @@ def layout_from_plan(plan: RowPlan, send_splits: tuple[int, ...]) -> DispatchLay
         )
     else:
         assert plan.order_N is not None  # a per-expert plan has it
-        # The first num_rows pairs of the expert-sorted order are the valid ones; pair n = t * K + k.
+        # The first num_rows pairs of the expert-sorted order are the valid ones; pair n = t * K + k,
+        # so the token is n // K; its destination was planned per slot.
         pair_S = plan.order_N[:num_rows]
-        # pair n = t * K + k: the token is n // K; its destination was planned per slot
         token_S, device_S = pair_S // k, plan.slot_device_TK.reshape(-1)[pair_S]
         ids_SJ = plan.slot_local_TK.reshape(-1)[pair_S].unsqueeze(1)  # J = 1: one slot per row
         weights_SJ = plan.weights_TK.reshape(-1)[pair_S].unsqueeze(1)
@@ -307,17 +251,11 @@ def layout_from_plan(plan: RowPlan, send_splits: tuple[int, ...]) -> DispatchLay
 
 def capacity_layout(plan: RowPlan, capacity: int) -> DispatchLayout:
     """The padded layout of the capacity-bounded mode: `capacity` rows to every destination, no sizes
-    read from the device.
-
-    Rows for device d fill block [d * capacity, (d + 1) * capacity) in token order; the rest of the
-    block are pad rows (token index T, every slot the sentinel, weight 0). A token is sent at most once
+    read from the device. Rows for device d fill block [d * capacity, (d + 1) * capacity) in token order;
+    the rest are pad rows (token index T, every slot the sentinel, weight 0). A token is sent at most once
     per device, so `capacity >= T` can never overflow; that is checked here on the host (T is a shape).
-
-    Args:
-        plan: a `dedup_plan` (the per-expert layout has no such bound below T * K).
-        capacity: rows per destination, at least T.
-    """
-    if plan.kind != "dedup":
+    Only a dedup plan has such a bound (the per-expert rows have none below T * K)."""
+    if plan.present_DT is None:
         raise ValueError("the capacity-bounded layout is for the de-duplicated exchange (kind='dedup')")
     t, k, d = plan.num_tokens, plan.top_k, plan.layout.num_devices
     if capacity < t:
@@ -325,21 +263,13 @@ def capacity_layout(plan: RowPlan, capacity: int) -> DispatchLayout:
             f"exchange capacity {capacity} rows per device is below this rank's {t} tokens: rows could be "
             f"lost; raise the capacity to at least {t} (tokens per rank per forward)"
         )
-    dev = plan.slot_device_TK.device
-    assert plan.present_DT is not None  # a dedup plan has it
-    # Position of token t within device d's block = how many present tokens precede it (cumsum - 1);
-    # its buffer slot is d * capacity + that position. Absent pairs all target one spare slot d * C.
-    pos_DT = plan.present_DT.long().cumsum(dim=1) - 1
-    # slot_DT[d, t] = d * capacity + position of t in d's block (valid where present_DT[d, t])
-    slot_DT = torch.arange(d, device=dev)[:, None] * capacity + pos_DT
-    target_X = torch.where(plan.present_DT, slot_DT, d * capacity).reshape(-1)
-    token_X = torch.arange(t, device=dev).expand(d, t).reshape(-1)
-    # Every slot starts as the pad token T; absent pairs write that same T into the spare slot (which
-    # is cut off), so the scatter is deterministic despite the repeated index.
-    token_S = torch.full((d * capacity + 1,), t, dtype=torch.long, device=dev)
-    token_S = token_S.scatter_(0, target_X, torch.where(plan.present_DT.reshape(-1), token_X, t))[:-1]
+    # Row c of device d's block: widen (D, T) to (D, C) with absent columns (C >= T), then a stable sort
+    # of "absent" per destination puts its present tokens first, in token order; the rest become pads (T).
+    present_DC = torch.cat([plan.present_DT, plan.present_DT.new_zeros(d, capacity - t)], dim=1)
+    order_DC = torch.argsort((~present_DC).to(torch.int8), dim=1, stable=True)
+    token_S = torch.where(present_DC.gather(1, order_DC), order_DC, t).reshape(-1)
     # block d of the buffer is destination d: every row s in [d * C, (d + 1) * C) goes to device d
-    device_S = torch.arange(d, device=dev).repeat_interleave(capacity)
+    device_S = torch.arange(d, device=token_S.device).repeat_interleave(capacity)
     # One extra token row T for the pads: its slots go to the spare device D, so no real destination
     # matches them and they become sentinels with weight 0.
     device_TK = torch.cat([plan.slot_device_TK, plan.slot_device_TK.new_full((1, k), d)])

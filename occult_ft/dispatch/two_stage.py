@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..layout import ExpertLayout
 from .comm import group_size_and_rank
 from .exchange import Exchange, ReceivedRows, check_hidden, return_rows, send_rows
-from .plan import DispatchLayout, dedup_plan, layout_from_plan, raise_bad_ids
+from .plan import DispatchLayout, layout_from_plan, raise_bad_ids, row_plan
 
 __all__ = ["NodeGroups", "node_groups", "TwoStageHandle", "TwoStageExchange"]
 
@@ -183,14 +183,14 @@ class TwoStageExchange(Exchange):
         groups, layout, me = self.groups, self.layout, self.groups.local_rank
         # Stage 1 is the flat plan with the N nodes as "devices" (node m holds experts
         # [m * L * P, (m + 1) * L * P)): one row per (token, node), carrying node-local expert ids.
-        plan1 = dedup_plan(topk_ids_TK, weights_TK, layout.nodes_view(), groups.node)
+        plan1 = row_plan(topk_ids_TK, weights_TK, layout.nodes_view(), groups.node)
         sends1, recvs1, sends2, recvs2, counts = self._counts(plan1)  # the layer's one host read
         node_layout = layout_from_plan(plan1, sends1)
         node_x_RH, node_w_RK, node_ids_RK = send_rows(hidden_TH, node_layout, recvs1, groups.inter_group)
         node_received = ReceivedRows(node_layout, recvs1, node_ids_RK)
         # Stage 2: this rank as gateway fans its R received rows out once per device of its node; the
         # node-local ids of slots served on other nodes arrived as -1 and reach no device.
-        plan2 = dedup_plan(node_ids_RK, node_w_RK, self.fanout, me, sentinel_in=True)
+        plan2 = row_plan(node_ids_RK, node_w_RK, self.fanout, me, sentinel_in=True)
         device_layout = layout_from_plan(plan2, sends2)
         recv_x_VH, recv_w_VK, recv_ids_VK = send_rows(node_x_RH, device_layout, recvs2, groups.intra_group)
         device_received = ReceivedRows(device_layout, recvs2, recv_ids_VK, counts)
