@@ -1,6 +1,7 @@
 # Set-up and the two everyday jobs. Every target installs what it needs into .venv first.
 #   make demo   - the whole pipeline on the embedded default model and corpus (CPU, a few minutes)
-#   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU): the fast tier, then the slow one
+#   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU): the fast tier (two pytest-xdist
+#                 workers), then the slow one, one test at a time (its tests start process groups themselves)
 #                 (which serves pruned checkpoints with vLLM: it builds vLLM's environment .venv-vllm first)
 #   make test-fast - the fast tier alone (no multi-process or training runs; a few minutes on 2 cores)
 #   make lint   - ruff check + ruff format --check + codespell + mypy occult_ft (CI runs it before the tests)
@@ -37,15 +38,15 @@ demo: $(BIN)/.installed
 	$(BIN)/occult-ft demo
 
 test: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n 2
 	$(BIN)/python -m pytest -q -m "slow and not extended"
 
 test-all: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n 2
 	$(BIN)/python -m pytest -q -m slow
 
 test-fast: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n 2
 
 LINT_PATHS = occult_ft tests benchmarks notebooks scripts
 
