@@ -224,10 +224,10 @@ class _PipelinedMoE(torch.autograd.Function):
                     [st.send_x, st.send_w], [st.h_leaf, st.w_leaf], [g_send_x, g_send_w], allow_unused=True
                 )
             # plus what the own rows' backward left in the leaves' .grad
-            g_h, g_w = _added(g_h, st.h_leaf.grad), _added(g_w, st.w_leaf.grad)
-            if g_h is not None:  # the chunk's tokens are rows lo..hi of the layer
-                grad_h[st.lo : st.hi] = g_h
-            pieces_w.append(g_w if g_w is not None else torch.zeros_like(st.w_leaf))
+            h_total, w_total = _added(g_h, st.h_leaf.grad), _added(g_w, st.w_leaf.grad)
+            if h_total is not None:  # the chunk's tokens are rows lo..hi of the layer
+                grad_h[st.lo : st.hi] = h_total
+            pieces_w.append(w_total if w_total is not None else torch.zeros_like(st.w_leaf))
         grad_w = torch.cat(pieces_w) if pieces_w else None
         ctx.states = ctx.own = None
         # one gradient per forward input: hidden, weights; None for ids, experts, exchange, chunks, backend,
