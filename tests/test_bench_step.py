@@ -92,6 +92,8 @@ def test_a_contender_is_its_fields_and_its_name_spells_them():
         assert Contender.from_name(name).name == name
         assert Contender.from_name(name) == Contender.from_name(Contender.from_name(name).name)
     assert Contender.from_name("occult_ep_chunks3").spec()["chunks"] == 3
+    assert Contender.from_name("occult_ep_budget2_overlap").spec()["overlap"] is True
+    assert "overlap" not in Contender.from_name("occult_ep_budget2").spec()
     assert (
         not Contender.from_name("occult_ep_per_expert").ours
         and Contender.from_name("occult_ep_capacity").ours
@@ -114,10 +116,20 @@ def test_contender_name_errors_are_one_line(name, message):
         Contender.from_name(name)
 
 
+def test_an_overlap_contender_needs_an_exact_one_stage_exchange():
+    settings = StepSettings(**{**TINY, "devices": 2, "nodes": 2})
+    assert Contender.from_name("occult_ep_per_expert_overlap").check(settings).overlap
+    for name in ("occult_ep_two_stage_overlap", "occult_ep_overlap_capacity"):
+        with pytest.raises(ValueError, match=f"{name}: _overlap runs the exact flat and per_expert"):
+            Contender.from_name(name).check(settings)
+
+
 def test_contender_fields_are_checked():
     with pytest.raises(ValueError, match="kind='tutel'"):
         Contender(kind="tutel")
-    with pytest.raises(ValueError, match="deepspeed_moe takes no exchange, budget, chunks or capacity"):
+    with pytest.raises(
+        ValueError, match="deepspeed_moe takes no exchange, budget, chunks, overlap or capacity"
+    ):
         Contender(kind="deepspeed_moe", budget=2)
     with pytest.raises(ValueError, match="exchange='ring'"):
         Contender(exchange="ring")

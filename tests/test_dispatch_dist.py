@@ -38,6 +38,15 @@ LAYER_CASES_WORLD2 = {
     "all_tokens_to_one_device": dict(arch="olmoe", tokens=[4, 5], top_k=2, routing="one_device"),
     "every_token_to_one_expert": dict(arch="olmoe", tokens=[3, 4], top_k=1, routing="one_expert"),
     "both_experts_on_one_device": dict(arch="olmoe", tokens=[5, 5], top_k=2, routing="same_device"),
+    # the own rows outside the collectives (`overlap_local`), one chunk: every routing shape above
+    "overlap_local": dict(arch="olmoe", tokens=[5, 7], top_k=2, routing="random", overlap=True),
+    "overlap_local_zero_tokens": dict(arch="gpt_oss", tokens=[6, 0], top_k=2, routing="random", overlap=True),
+    "overlap_local_one_device": dict(
+        arch="olmoe", tokens=[4, 5], top_k=2, routing="one_device", overlap=True
+    ),
+    "overlap_local_same_device": dict(
+        arch="olmoe", tokens=[5, 5], top_k=2, routing="same_device", overlap=True
+    ),
 }
 LAYER_CASES_WORLD4 = {
     "random_routing_top3": dict(arch="qwen3_moe", tokens=[3, 5, 4, 6], top_k=3, routing="random"),
@@ -61,6 +70,10 @@ EXCHANGE_CASES_WORLD4 = {
     "chunks_more_than_tokens": dict(arch="olmoe", tokens=[1, 0, 3, 2], top_k=2, routing="random", chunks=4),
     "chunks_per_expert": dict(
         arch="gpt_oss", tokens=[5, 4, 6, 3], top_k=2, routing="random", chunks=2, exchange="per_expert"
+    ),
+    "overlap_local": dict(arch="qwen3_moe", tokens=[7, 5, 6, 8], top_k=3, routing="random", overlap=True),
+    "overlap_local_per_expert": dict(
+        arch="olmoe", tokens=[0, 5, 3, 4], top_k=2, routing="random", exchange="per_expert", overlap=True
     ),
 }
 MODEL_CASES_WORLD2 = {
@@ -198,8 +211,9 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
     names = get_arch(case["arch"]).expert_params
     layout = ExpertLayout(NUM_EXPERTS, world)
     kind, chunks = case.get("exchange", "flat"), case.get("chunks", 1)
+    pipelined = chunks > 1 or case.get("overlap", False)
 
-    def run(chunk_count: int):
+    def run(chunk_count: int, through_pipeline: bool):
         local = copy.deepcopy(full)
         local.zero_grad(set_to_none=True)
         shard_experts_module(local, names)
@@ -209,7 +223,7 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
             exchange = FlatExchange(layout, capacity=case.get("capacity"))
         x, w = x_all[mine].clone().requires_grad_(), w_all[mine].clone().requires_grad_()
         with HostSyncCounter() as forward:
-            if chunk_count > 1:
+            if through_pipeline:
                 out = pipelined_moe_forward(x, ids_all[mine], w, local, exchange, chunk_count)
             else:
                 out = moe_forward(x, ids_all[mine], w, local, exchange)
@@ -231,7 +245,7 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
         _, _, handle = exchange.dispatch(x_all[mine], ids_all[mine], w_all[mine])
         return out, x, w, grads, handle
 
-    out, x, w, grads, handle = run(chunks)
+    out, x, w, grads, handle = run(chunks, pipelined)
     rows_all = torch.tensor([int(handle.layout.send_counts_D.sum())])
     dist.all_reduce(rows_all)
 
@@ -241,8 +255,8 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
     _close(failures, "router weight grad", _grad(w), _grad(w_ref)[mine])
     for name in names:
         _close(failures, f"{name} grad (gathered)", grads[name], _grad(getattr(full, name)))
-    if chunks > 1:  # pipelined chunks against the unchunked layer of the same exchange
-        out1, x1, w1, grads1, _ = run(1)
+    if pipelined:  # the pipeline against the unchunked layer of the same exchange
+        out1, x1, w1, grads1, _ = run(1, False)
         _close(failures, "chunked vs unchunked output", out, out1.detach())
         _close(failures, "chunked vs unchunked hidden grad", _grad(x), _grad(x1))
         _close(failures, "chunked vs unchunked weight grad", _grad(w), _grad(w1))

@@ -1,7 +1,8 @@
 """The exchange settings of a training run: `exchange` (flat, two_stage, per_expert), `exchange_chunks`
-(pipelined chunks) and `exchange_capacity` (capacity-bounded receive buffers), checked as config
-fields and, on 2 gloo processes under torchrun, as training runs that must reproduce the single-process
-run step for step (losses and gradient norms within 1e-3, the harness of tests/test_expert_parallel.py).
+(pipelined chunks), `exchange_overlap_local` (own rows computed beside the exchange) and
+`exchange_capacity` (capacity-bounded receive buffers), checked as config fields and, on 2 gloo
+processes under torchrun, as training runs that must reproduce the single-process run step for step
+(losses and gradient norms within 1e-3, the harness of tests/test_expert_parallel.py).
 
 Shape legend: W processes, D expert-parallel size.
 """
@@ -37,6 +38,11 @@ except ImportError:  # tests/ is not a package: pytest put it on sys.path
         ),
         (dict(exchange_capacity=0), "exchange_capacity=0 must be a positive number of rows"),
         (dict(exchange_capacity=64, exchange_chunks=2), "use exchange_chunks=1"),
+        (
+            dict(exchange="two_stage", nodes=2, exchange_overlap_local=True),
+            "exchange='two_stage', capacity=None); use overlap_local=False",
+        ),
+        (dict(exchange_capacity=64, exchange_overlap_local=True), "capacity=64); use overlap_local=False"),
     ],
 )
 def test_exchange_settings_the_kernel_cannot_run_are_one_line_errors(tmp_path, overrides, message):
@@ -104,6 +110,11 @@ def exchanges_world2(tiny_olmoe_dir, tmp_path_factory):
             name="chunks-pruned",
             overrides=dict(ep, exchange="per_expert", exchange_chunks=2, max_devices_per_token=1),
         ),
+        dict(name="overlap-plain", overrides=dict(ep, exchange_overlap_local=True)),
+        dict(
+            name="overlap-pruned",
+            overrides=dict(ep, exchange="per_expert", exchange_overlap_local=True, max_devices_per_token=1),
+        ),
         dict(name="capacity-plain", overrides=dict(ep, exchange_capacity="auto")),
         dict(name="capacity-pruned", overrides=dict(ep, exchange_capacity="auto", max_devices_per_token=1)),
     ]
@@ -113,14 +124,16 @@ def exchanges_world2(tiny_olmoe_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exchange", ["per_expert", "chunks", "capacity"])
+@pytest.mark.parametrize("exchange", ["per_expert", "chunks", "overlap", "capacity"])
 @pytest.mark.parametrize("pruning", ["plain", "pruned"])
 def test_every_exchange_trains_like_the_single_process_run(exchanges_world2, reference, exchange, pruning):
     name = f"{exchange}-{pruning}"
     result = exchanges_world2[name]
     check_trajectory(result, reference[(pruning, 2)], name)
     kind, chunks, capacity = result["exchange"]  # what the kernel of the trained model ran
-    assert kind == ("per_expert" if exchange == "per_expert" or name == "chunks-pruned" else "flat")
+    pruned_per_expert = name in ("chunks-pruned", "overlap-pruned")
+    assert kind == ("per_expert" if exchange == "per_expert" or pruned_per_expert else "flat")
+    assert result["overlap_local"] == (exchange == "overlap")
     assert chunks == {"chunks-plain": 3, "chunks-pruned": 2}.get(name, 1)
     # auto: max(per-device train batch 4, eval batch 8 (the default)) x seq_len 16 tokens per rank
     assert capacity == (8 * 16 if exchange == "capacity" else None)

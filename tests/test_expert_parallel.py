@@ -150,6 +150,7 @@ def train_case(
 
         shard = base_experts(find_moe_layers(base)[0].experts).occult_shard
         result["exchange"] = [shard.exchange, shard.chunks, shard.capacity]
+        result["overlap_local"] = shard.overlap_local
     return result
 
 

@@ -209,13 +209,14 @@ class StepSettings:
         return self.device
 
 
-_GRAMMAR = "occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_capacity]"
+_GRAMMAR = "occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_overlap][_capacity]"
 # name suffix of an occult_ep contender -> (field, value; int: the digits that follow the suffix)
 _SUFFIXES: dict[str, tuple[str, Any]] = {
     "_per_expert": ("exchange", "per_expert"),
     "_two_stage": ("exchange", "two_stage"),
     "_budget": ("budget", int),
     "_chunks": ("chunks", int),
+    "_overlap": ("overlap", True),
     "_capacity": ("capacity", True),
 }
 
@@ -226,9 +227,9 @@ class Contender:
 
     Args:
         kind: the runner (`KINDS`): data_parallel, occult_ep, hf_native_ep or deepspeed_moe.
-        exchange / budget / chunks / capacity: occult_ep only: its exchange (`OccultConfig.exchange`), device
-            budget M (`max_devices_per_token`), pipelined chunks (None: not pipelined), and
-            capacity-bounded buffers.
+        exchange / budget / chunks / overlap / capacity: occult_ep only: its exchange (`OccultConfig.exchange`),
+            device budget M (`max_devices_per_token`), pipelined chunks (None: not pipelined), the own
+            rows computed while the exchanges travel (`exchange_overlap_local`), and capacity-bounded buffers.
         name: the label in the report; default: the canonical name of the fields (`from_name` keeps
             the spelling the user gave). Not compared: two contenders with the same fields are equal.
     """
@@ -237,6 +238,7 @@ class Contender:
     exchange: str = "flat"
     budget: int | None = None
     chunks: int | None = None
+    overlap: bool = False
     capacity: bool = False
     name: str = field(default="", compare=False)
 
@@ -247,9 +249,17 @@ class Contender:
             raise ValueError(f"kind={self.kind!r}: use one of {', '.join(KINDS)}")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange={self.exchange!r}: use one of {', '.join(EXCHANGES)}")
-        options = (self.exchange != "flat", self.budget is not None, self.chunks is not None, self.capacity)
+        options = (
+            self.exchange != "flat",
+            self.budget is not None,
+            self.chunks is not None,
+            self.overlap,
+            self.capacity,
+        )
         if self.kind != "occult_ep" and any(options):
-            raise ValueError(f"{self.kind} takes no exchange, budget, chunks or capacity (occult_ep does)")
+            raise ValueError(
+                f"{self.kind} takes no exchange, budget, chunks, overlap or capacity (occult_ep does)"
+            )
         for label, value in (("budget", self.budget), ("chunks", self.chunks)):
             if value is not None and value < 1:
                 raise ValueError(f"{self.name}: {label}={value} must be at least 1")
@@ -260,6 +270,7 @@ class Contender:
         name = "occult_ep" + ("" if self.exchange == "flat" else f"_{self.exchange}")
         name += "" if self.budget is None else f"_budget{self.budget}"
         name += "" if self.chunks is None else f"_chunks{self.chunks}"
+        name += "_overlap" if self.overlap else ""
         return name + ("_capacity" if self.capacity else "")
 
     @property
@@ -270,7 +281,7 @@ class Contender:
     @classmethod
     def from_name(cls, name: str) -> Contender:
         """The contender a command-line name spells: data_parallel, hf_native_ep, deepspeed_moe, or
-        occult_ep followed by any of _per_expert or _two_stage, _budget{M}, _chunks{N}, _capacity."""
+        occult_ep followed by any of _per_expert or _two_stage, _budget{M}, _chunks{N}, _overlap, _capacity."""
         if name in KINDS and name != "occult_ep":
             return cls(kind=name, name=name)
         if not name.startswith("occult_ep"):
@@ -297,6 +308,8 @@ class Contender:
         """`self` when it can run with `settings`; a one-line error otherwise."""
         if self.exchange == "two_stage" and settings.nodes < 2:
             raise ValueError(f"{self.name} needs nodes > 1 (got nodes={settings.nodes}); pass --nodes 2")
+        if self.overlap and (self.exchange == "two_stage" or self.capacity):
+            raise ValueError(f"{self.name}: _overlap runs the exact flat and per_expert exchanges; drop it")
         if self.budget is not None:
             m, per_device = self.budget, settings.experts // settings.devices
             if m > settings.devices:
@@ -317,6 +330,8 @@ class Contender:
             out["max_devices_per_token"] = self.budget
         if self.chunks is not None:
             out["chunks"] = self.chunks
+        if self.overlap:
+            out["overlap"] = True
         if self.capacity:
             out["capacity"] = "auto"
         return out | {"ours": self.ours}

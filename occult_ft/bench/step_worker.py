@@ -379,6 +379,7 @@ def run_occult_ep(spec: dict, rank: int, world: int, records: list) -> tuple[nn.
         model_dtype="float32",
         exchange=c.get("exchange", "flat"),
         exchange_chunks=c.get("chunks", 1),
+        exchange_overlap_local=c.get("overlap", False),
         exchange_capacity=c.get("capacity"),
         profile_tokens=spec["seq_len"],
     )

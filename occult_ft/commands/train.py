@@ -81,6 +81,7 @@ FIELD_GROUPS = {
         "nodes",
         "exchange",
         "exchange_chunks",
+        "exchange_overlap_local",
         "exchange_capacity",
         "placement",
         "placement_algorithm",

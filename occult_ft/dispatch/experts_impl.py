@@ -64,6 +64,9 @@ class ExpertShard:
         chunks: token chunks the layer pipelines (1: no pipelining; flat and per_expert only).
         capacity: None (exact, one host synchronisation per layer) or rows per destination of the
             flat exchange's capacity-bounded mode (no synchronisation; see `FlatExchange`).
+        overlap_local: run one chunk through the pipeline too: this rank's own rows (tokens for its
+            own experts, no network) are computed while the other rows' exchanges travel (flat and
+            per_expert, exact mode; with chunks > 1 the pipeline always does it).
     """
 
     group: dist.ProcessGroup | None
@@ -77,18 +80,21 @@ class ExpertShard:
     exchange: str = ""
     chunks: int = 1
     capacity: int | None = None
+    overlap_local: bool = False
 
     def __post_init__(self):
         if not self.exchange:
             object.__setattr__(self, "exchange", "two_stage" if self.nodes > 1 else "flat")
-        check_exchange_settings(self.exchange, self.nodes, self.chunks, self.capacity)
+        check_exchange_settings(self.exchange, self.nodes, self.chunks, self.capacity, self.overlap_local)
 
     @property
     def layout(self) -> ExpertLayout:
         return ExpertLayout(self.num_experts, self.num_devices, self.nodes)
 
 
-def check_exchange_settings(exchange: str, nodes: int, chunks: int, capacity: int | None) -> None:
+def check_exchange_settings(
+    exchange: str, nodes: int, chunks: int, capacity: int | None, overlap_local: bool = False
+) -> None:
     """One-line ValueErrors for settings the kernel cannot run."""
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r} is unknown; use one of {', '.join(EXCHANGES)}")
@@ -109,6 +115,13 @@ def check_exchange_settings(exchange: str, nodes: int, chunks: int, capacity: in
             )
         if chunks > 1:
             raise ValueError("exchange_capacity needs no host synchronisation to hide: use exchange_chunks=1")
+    if not isinstance(overlap_local, bool):
+        raise ValueError(f"overlap_local={overlap_local!r} must be True or False")
+    if overlap_local and (exchange == "two_stage" or capacity is not None):
+        raise ValueError(
+            f"overlap_local runs the pipeline of the flat and per_expert exact exchanges (got exchange={exchange!r}, "
+            f"capacity={capacity!r}); use overlap_local=False"
+        )
 
 
 def exchange_for(shard: ExpertShard) -> Exchange:
@@ -138,8 +151,9 @@ def occult_ep_experts_forward(
             "experts; call occult_ft.dispatch.shard_experts(model, group) first"
         )
     exchange = exchange_for(shard)
-    # check_exchange_settings already refused chunks > 1 for exchanges that cannot be pipelined
-    if shard.chunks > 1:
+    # check_exchange_settings already refused chunks > 1 and overlap_local for exchanges that cannot be
+    # pipelined; one chunk through the pipeline is the own rows' overlap alone
+    if shard.chunks > 1 or shard.overlap_local:
         return pipelined_moe_forward(hidden_states, top_k_index, top_k_weights, self, exchange, shard.chunks)
     return moe_forward(hidden_states, top_k_index, top_k_weights, self, exchange)
 
@@ -261,6 +275,7 @@ def configure_exchange(
     exchange: str | None = None,
     chunks: int | None = None,
     capacity: int | None | str = "keep",
+    overlap_local: bool | None = None,
 ) -> nn.Module:
     """Change the exchange settings of every sharded layer of `model` (call on every rank alike).
 
@@ -270,6 +285,7 @@ def configure_exchange(
         chunks: token chunks to pipeline (None: keep).
         capacity: rows per destination of the capacity-bounded flat exchange, None for exact
             (default "keep").
+        overlap_local: compute the own rows while the exchanges travel, also with one chunk (None: keep).
 
     Raises:
         ValueError: for a model that is not sharded or settings the kernel cannot run.
@@ -283,6 +299,7 @@ def configure_exchange(
             exchange=shard.exchange if exchange is None else exchange,
             chunks=shard.chunks if chunks is None else chunks,
             capacity=shard.capacity if capacity == "keep" else capacity,
+            overlap_local=shard.overlap_local if overlap_local is None else overlap_local,
         )
         base_experts(layer.experts).occult_shard = updated
     first = layers[0][1]

@@ -157,6 +157,14 @@ class OccultArguments(_ArgumentsBase):
             "backward (same results). 1 turns it off."
         },
     )
+    exchange_overlap_local: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute each MoE layer's own rows (tokens for this rank's experts, no network) while "
+            "the other rows' exchanges travel, also with exchange_chunks 1 (flat and per_expert exact "
+            "exchanges; same results). exchange_chunks > 1 always does."
+        },
+    )
     exchange_capacity: int | str | None = field(
         default=None,
         metadata={
@@ -381,7 +389,11 @@ class OccultArguments(_ArgumentsBase):
                 "for exact receive buffers"
             )
         check_exchange_settings(
-            self.exchange, self.nodes, self.exchange_chunks, 1 if isinstance(capacity, str) else capacity
+            self.exchange,
+            self.nodes,
+            self.exchange_chunks,
+            1 if isinstance(capacity, str) else capacity,
+            self.exchange_overlap_local,
         )
         if isinstance(capacity, int):
             # whatever the layout: a recipe checked on one process must not fail at the first step of a launch

@@ -221,7 +221,8 @@ def setup_expert_parallel(model: nn.Module, args: OccultArguments) -> ExpertPara
     if not read_sharded:
         shard_experts(base, groups.ep_group, nodes=args.nodes if exchange == "two_stage" else 1)
     capacity = args.exchange_capacity_rows() if hasattr(args, "exchange_capacity_rows") else None
-    configure_exchange(base, exchange, getattr(args, "exchange_chunks", 1), capacity)
+    overlap_local = getattr(args, "exchange_overlap_local", False)
+    configure_exchange(base, exchange, getattr(args, "exchange_chunks", 1), capacity, overlap_local)
     for layer in layers:
         if read_sharded:  # LoRA was applied to the local experts: its factors are already this block's
             adopt_local_expert_lora(layer.experts)
