@@ -25,6 +25,7 @@ import torch
 
 from .checks import divisors
 from .layout import ExpertLayout
+from .replicas import replica_devices
 
 __all__ = [
     "contiguous_expert_device",
@@ -206,9 +207,20 @@ class RoutingReport:
 
 
 def layer_metrics(
-    layer: int, topk_ids_TK: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int, nodes: int = 1
+    layer: int,
+    topk_ids_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    num_devices: int,
+    nodes: int = 1,
+    copies_ED: torch.Tensor | None = None,
 ) -> LayerMetrics:
-    """Metrics of one layer; `node_comm_complexity` is filled when the devices span `nodes` > 1 nodes."""
+    """Metrics of one layer; `node_comm_complexity` is filled when the devices span `nodes` > 1 nodes.
+    With `copies_ED` (redundant experts, `occult_ft.replicas`) each row goes to the copy the replica
+    rule picks, and every figure counts those devices."""
+    if copies_ED is not None:
+        # the rows' devices as "expert ids" of an identity placement: every metric below reads them as is
+        topk_ids_TK = replica_devices(topk_ids_TK, copies_ED)
+        expert_device_E = torch.arange(num_devices, device=topk_ids_TK.device)
     return LayerMetrics(
         layer=layer,
         tokens=int(topk_ids_TK.shape[0]),
@@ -231,6 +243,7 @@ def routing_report(
     num_devices: int,
     num_experts: int,
     nodes: int = 1,
+    copies: Mapping[int, torch.Tensor] | None = None,
 ) -> RoutingReport:
     """Metrics for every layer of a routing.
 
@@ -241,13 +254,16 @@ def routing_report(
         num_experts: E (for the report header).
         nodes: N nodes of D/N consecutive devices; above 1, `node_comm_complexity` is reported beside
             `comm_complexity`, per layer and overall.
+        copies: layer index -> copies_ED (redundant experts); the layers it names count their rows on
+            the copies the replica rule picks (`occult_ft.replicas.replica_devices`).
     """
     if nodes != 1:
         expert_node(torch.zeros(1, dtype=torch.long), num_devices, nodes)  # validates nodes
     layers = []
     for idx in sorted(topk_ids):
         mapping = expert_device if isinstance(expert_device, torch.Tensor) else expert_device[idx]
-        layers.append(layer_metrics(idx, topk_ids[idx], mapping, num_devices, nodes))
+        layer_copies = copies.get(idx) if copies is not None else None
+        layers.append(layer_metrics(idx, topk_ids[idx], mapping, num_devices, nodes, layer_copies))
     total = sum(m.tokens for m in layers)
 
     def mean(attr: str) -> float:

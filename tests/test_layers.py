@@ -22,7 +22,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "occult_ft"
 #: lowest first; a module may import modules of its own layer or of lower layers. Entries name modules
 #: or packages under occult_ft (dotted for a module inside a package); the longest match wins.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("checks", "fileio", "layout", "metrics", "embedded", "hub_access"),
+    ("checks", "fileio", "layout", "replicas", "metrics", "embedded", "hub_access"),
     ("models",),
     ("routing", "placement", "profiling", "dispatch", "integrations"),
     ("checkpoint",),  # the format and its writers (format, save, card, remote_code, convert)

@@ -14,6 +14,7 @@ weight permutation that makes a placed model contiguous.
                    layers), `merge_placements`, `sequential_placement`
     file.py        `Placement` and its JSON file
     permute.py     `permute_experts`
+    replicas.py    `place_replicas`: which experts get a redundant copy on which device
 
 The time to place DeepSeek-V3 width is measured by `benchmarks/placement_time.py`; how far each algorithm is
 from the optimum by `benchmarks/placement_gap.py`.
