@@ -17,7 +17,8 @@ import json
 import time
 
 from occult_ft.checkpoint.load import from_pretrained, load_tokenizer, resolve_model_path
-from occult_ft.commands._common import data_batches, load_data
+from occult_ft.data import load_text_dataset
+from occult_ft.evaluation import data_batches
 from occult_ft.metrics import contiguous_expert_device, routing_report
 from occult_ft.placement.replicas import place_replicas
 from occult_ft.profiling import profile_model
@@ -25,25 +26,56 @@ from occult_ft.profiling import profile_model
 PROFILE_TOKENS = 16384
 
 
+def replica_counts(text: str) -> list[int]:
+    """--replicas: comma-separated whole numbers >= 0 (each a multiple of --devices, checked when placed)."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers; use e.g. 0,4,8"
+        ) from None
+    if any(r < 0 for r in counts):
+        raise argparse.ArgumentTypeError(f"{text!r} has a negative count; use counts >= 0, e.g. 0,4,8")
+    return counts
+
+
+def positive(text: str) -> int:
+    """--devices: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer; use e.g. 4")
+    return int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("checkpoint")
-    parser.add_argument("--replicas", default="0,4,8,12,16", help="redundant experts R, comma-separated")
-    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument(
+        "--replicas",
+        type=replica_counts,
+        default="0,4,8,12,16",
+        help="redundant experts R (extra slots in all, multiples of --devices), comma-separated",
+    )
+    parser.add_argument("--devices", type=positive, default=4, help="devices D the experts are split over")
     args = parser.parse_args()
+    if any(r % args.devices for r in args.replicas):
+        parser.error(
+            f"--replicas {args.replicas} must be multiples of --devices {args.devices} (R/D copies per device)"
+        )
     model = from_pretrained(args.checkpoint)
     tokenizer = load_tokenizer(resolve_model_path(args.checkpoint))
-    train_rows = load_data("embedded", "train", "train")
+    train_rows = load_text_dataset("embedded", split="train")
     train = profile_model(
         model, data_batches(tokenizer, train_rows, 128, 8, PROFILE_TOKENS, False), max_tokens=PROFILE_TOKENS
     )
-    held = profile_model(model, data_batches(tokenizer, load_data("embedded", "eval"), 256, 8, None, False))
+    held = profile_model(
+        model, data_batches(tokenizer, load_text_dataset("embedded", split="eval"), 256, 8, None, False)
+    )
     num_experts = next(iter(train.layers.values())).coactivation.shape[0]
     expert_device = contiguous_expert_device(num_experts, args.devices)
     out = {}
-    for r in [int(x) for x in args.replicas.split(",")]:
+    for r in args.replicas:
         start = time.perf_counter()
         copies = {
             i: place_replicas(ids, expert_device, args.devices, r) for i, ids in train.topk_ids().items()
