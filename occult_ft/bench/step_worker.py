@@ -546,6 +546,9 @@ def main(spec_path: str) -> None:
         peak = _peak_rss_mb() - base_rss
     mine = {"records": records, "losses": losses, "peak_mb": peak, "base_rss_mb": base_rss, "syncs": syncs}
     gather_to_rank0(mine, spec["result"], world)
+    # a process that exits with its group alive can abort in gloo's threads ("terminate called without
+    # an active exception", SIGABRT) after a run that succeeded; the gather ended on a barrier
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
