@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.load import from_pretrained
+from ..dispatch.comm import close_process_group
 from ..models import find_moe_layers
 from .syncs import HostSyncCounter
 from .worker_results import gather_to_rank0
@@ -141,7 +142,7 @@ def main(spec_path: str) -> None:
     syncs = _syncs_per_decode_layer(model, ids, eos) if spec["contender"]["kind"] == "occult_ep" else None
     mine = {"forwards": forwards, "tokens": tokens, "syncs_per_decode_layer": syncs}
     gather_to_rank0(mine, spec["result"], world)
-    dist.destroy_process_group()
+    close_process_group()  # the gather ended on a barrier
 
 
 if __name__ == "__main__":

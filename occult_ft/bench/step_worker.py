@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from ..dispatch.comm import close_process_group
 from ..layout import ExpertLayout
 from ..models import unwrap_model
 from ..trainer import OccultConfig, OccultTrainer
@@ -546,9 +547,7 @@ def main(spec_path: str) -> None:
         peak = _peak_rss_mb() - base_rss
     mine = {"records": records, "losses": losses, "peak_mb": peak, "base_rss_mb": base_rss, "syncs": syncs}
     gather_to_rank0(mine, spec["result"], world)
-    # a process that exits with its group alive can abort in gloo's threads ("terminate called without
-    # an active exception", SIGABRT) after a run that succeeded; the gather ended on a barrier
-    dist.destroy_process_group()
+    close_process_group()  # the gather ended on a barrier
 
 
 if __name__ == "__main__":

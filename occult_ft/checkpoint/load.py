@@ -12,6 +12,7 @@ from transformers.utils import logging
 
 from ..apply import apply_occult, permute_state_dict, placed_similarity
 from ..dispatch import EXCHANGES, check_exchange_settings, configure_exchange, enable_decode_capacity
+from ..dispatch.comm import close_process_group_at_exit
 from ..embedded import embedded_model_path
 from ..fileio import ReadError, read_json_object, reading_directory, recover_directory
 from ..models.family import architecture_model_type, auto_model_class
@@ -286,6 +287,7 @@ def _from_pretrained_expert_parallel(
 ) -> nn.Module:
     """`from_pretrained` under expert parallelism: this rank's experts only, the chosen exchange."""
     rank = _check_inference_settings(size, exchange, nodes, exchange_capacity, group)
+    close_process_group_at_exit()  # the user's script under torchrun ends with the group alive
     device = kwargs.pop("device_map", None)
     if kwargs:
         raise ValueError(

@@ -504,20 +504,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {key}: {value:.4f}" if isinstance(value, float) else f"  {key}: {value}")
         finished = True
     finally:
-        _close_process_group(wait_for_others=finished)
+        from ..dispatch.comm import close_process_group
+
+        close_process_group(wait_for_others=finished)
     return 0
-
-
-def _close_process_group(wait_for_others: bool) -> None:
-    """Leave torch.distributed cleanly: without it a rank can abort at exit under torchrun
-    ('terminate called without an active exception') and the launch fails after a finished run.
-    After a failure there is no barrier (the other ranks may be inside another collective)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        if wait_for_others:
-            dist.barrier()
-        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:

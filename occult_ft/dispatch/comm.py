@@ -4,6 +4,7 @@
     exchange_meta         equal-split all-to-all of the (D, C) count table
     start_exchange        row blocks of several tensors, asynchronous (`PendingRows.wait()` joins)
     all_to_all_rows       the same, waited for and differentiable: the backward is the reverse exchange
+    close_process_group   leave torch.distributed cleanly (now, or at interpreter exit)
 
 All ranks of the group call these in the same order with the same dtypes and `requires_grad` pattern.
 Shape legend: S rows sent, R rows received, C columns (trailing dims flattened), D ranks in the group.
@@ -11,13 +12,22 @@ Shape legend: S rows sent, R rows received, C columns (trailing dims flattened),
 
 from __future__ import annotations
 
+import atexit
 import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_size_and_rank", "exchange_meta", "all_to_all_rows", "PendingRows", "start_exchange"]
+__all__ = [
+    "group_size_and_rank",
+    "exchange_meta",
+    "all_to_all_rows",
+    "PendingRows",
+    "start_exchange",
+    "close_process_group",
+    "close_process_group_at_exit",
+]
 
 
 def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -25,6 +35,34 @@ def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def close_process_group(wait_for_others: bool = False) -> None:
+    """Destroy the default process group, if there is one. A rank that reaches interpreter exit with its
+    gloo group alive can abort there (SIGABRT, "terminate called without an active exception") after a
+    run that succeeded, and the launcher then reports the whole run as failed: gloo's worker threads may
+    still hold finished asynchronous works (`async_op=True`, as the exchange issues them) whose tensors
+    are freed during interpreter finalization, when the GIL can no longer be taken (the cause given in
+    pytorch/pytorch#179291, which proposed the same close at exit for torch itself and was withdrawn).
+    `wait_for_others` first waits on a barrier (after a failure there is none: the other ranks may be
+    inside another collective)."""
+    if dist.is_available() and dist.is_initialized():
+        if wait_for_others:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+_CLOSE_AT_EXIT = False
+
+
+def close_process_group_at_exit() -> None:
+    """Register `close_process_group()` (no barrier) to run at interpreter exit, once per process, before
+    Python tears its modules down: for a user's own script under torchrun, which ends without destroying
+    the group its `Trainer` initialised. Called by the Occult trainers and sharded loading."""
+    global _CLOSE_AT_EXIT
+    if not _CLOSE_AT_EXIT:
+        atexit.register(close_process_group)
+        _CLOSE_AT_EXIT = True
 
 
 def exchange_meta(meta_DC: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -39,6 +39,7 @@ from ..checkpoint import OccultBlock
 from ..checkpoint.card import last_eval_metrics, write_model_card
 from ..checkpoint.load import can_load_sharded
 from ..data.batching import real_token_mask
+from ..dispatch.comm import close_process_group_at_exit
 from ..evaluation import make_comm_complexity_figure
 from ..fileio import OutputPathError, check_output_path, reading_directory
 from ..integrations.deepspeed import split_moe_param_groups
@@ -149,6 +150,7 @@ class OccultTrainerMixin(Trainer):
         if not isinstance(model, nn.Module):
             raise TypeError(f"{type(self).__name__} places a loaded model; got {type(model).__name__}")
         check_seq_len(model, args.tokens_per_row(), args.row_length_field)
+        close_process_group_at_exit()  # a user's script under torchrun ends with the group alive
         if round_to is None and may_move_to(args, model):  # a float32 model moves once rounded
             model = model.to(args.device)
         checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
