@@ -1,9 +1,9 @@
 """Leaving torch.distributed: a rank that reaches interpreter exit with its gloo group alive can abort
 there (SIGABRT, "terminate called without an active exception") after a run that succeeded, and torchrun
-then reports the launch as failed (2 of ~140 two-rank training launches on 2 busy cores; the cause is in
-pytorch/pytorch#179291). The Occult trainers and expert-parallel loading register `close_process_group`
-to run at exit, before Python tears its modules down; the CLI and the benchmark workers close the group
-themselves."""
+then reports the launch as failed (once in CI, once in ~130 two-rank training launches on 2 busy cores;
+the cause is in pytorch/pytorch#179291). The Occult trainers and expert-parallel loading register
+`close_process_group` to run at exit, before Python tears its modules down; the CLI and the benchmark
+workers close the group themselves."""
 
 from __future__ import annotations
 
