@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,11 @@ import textwrap
 import torch.distributed as dist
 
 from occult_ft.dispatch import comm
+
+try:
+    from .dist_utils import free_port
+except ImportError:  # tests/ is not a package: pytest put it on sys.path
+    from dist_utils import free_port
 
 SCRIPT = textwrap.dedent(
     """
@@ -35,16 +39,10 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _exit_state(mode: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(port=_free_port()), mode],
+        [sys.executable, "-c", SCRIPT.format(port=free_port()), mode],
         env=env,
         capture_output=True,
         text=True,
@@ -61,7 +59,7 @@ def test_the_group_is_closed_at_exit_once_registered_and_left_alone_otherwise():
 
 def test_close_process_group_waits_then_destroys_and_is_a_no_op_without_a_group():
     comm.close_process_group(wait_for_others=True)  # no group: nothing to do
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         comm.close_process_group(wait_for_others=True)
         assert not dist.is_initialized()
