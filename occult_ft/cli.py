@@ -224,5 +224,21 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated")
 
 
+def exit_process(code: int) -> NoReturn:
+    """Leave the process with `code`. A process that ran a rank of a distributed run leaves through
+    `occult_ft.dispatch.comm.exit_rank` (no interpreter finalization, where leftover gloo threads can
+    abort a run that succeeded); any other exits normally, without importing torch for it."""
+    if "occult_ft.dispatch.comm" in sys.modules:  # only a command that ran a model loaded it
+        from .dispatch.comm import exit_rank
+
+        exit_rank(code)
+    sys.exit(code)
+
+
+def entry() -> NoReturn:
+    """The `occult-ft` console script."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

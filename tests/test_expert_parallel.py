@@ -286,7 +286,9 @@ if __name__ == "__main__":
     _worker(
         [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]
     )  # the deepspeed launcher adds --local_rank=N
-    sys.exit(0)
+    from occult_ft.dispatch.comm import exit_rank
+
+    exit_rank(0)  # no interpreter finalization: see exit_rank
 
 
 # ---- the tests --------------------------------------------------------------------------------------

@@ -89,7 +89,9 @@ def _worker(spec_path: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
-    sys.exit(0)
+    from occult_ft.dispatch.comm import exit_rank
+
+    exit_rank(0)  # no interpreter finalization: see exit_rank
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,11 @@
 """Leaving torch.distributed: a rank that reaches interpreter exit with its gloo group alive can abort
 there (SIGABRT, "terminate called without an active exception") after a run that succeeded, and torchrun
 then reports the launch as failed (once in CI, once in ~130 two-rank training launches on 2 busy cores;
-the cause is in pytorch/pytorch#179291). The Occult trainers and expert-parallel loading register
-`close_process_group` to run at exit, before Python tears its modules down; the CLI and the benchmark
-workers close the group themselves."""
+the cause is in pytorch/pytorch#179291). `close_process_group` destroys
+the groups and drops the sub-groups occult_ft caches, so their threads end at once; the Occult trainers
+and expert-parallel loading register it to run at exit. Launched ranks (the CLI, the benchmark and test
+workers) leave through `exit_rank`: DDP keeps the default group alive past any close, and its threads
+with it, so they skip interpreter finalization altogether."""
 
 from __future__ import annotations
 
@@ -13,14 +15,15 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch.distributed as dist
 
 from occult_ft.dispatch import comm
 
 try:
-    from .dist_utils import free_port
+    from .dist_utils import free_port, run_distributed
 except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    from dist_utils import free_port
+    from dist_utils import free_port, run_distributed
 
 SCRIPT = textwrap.dedent(
     """
@@ -82,3 +85,82 @@ def test_an_occult_trainer_registers_the_close_at_exit(tiny_olmoe_dir, tmp_path,
     )
     OccultTrainer(tiny_olmoe_dir, args=args, train_dataset=Dataset.from_list(rows))
     assert registered == [comm.close_process_group]
+
+
+def _gloo_threads() -> int:
+    """Threads of this process that gloo process groups run their collectives on."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("pt_gloo_runloop")
+
+
+def _threads_before_and_after_close(rank: int, world: int) -> tuple[int, int]:
+    import torch
+
+    from occult_ft.dispatch import node_groups
+    from occult_ft.trainer.expert_parallel import expert_parallel_groups
+
+    groups = expert_parallel_groups(world)  # cached EP and EDP sub-groups
+    nodes = node_groups(world, groups.ep_group)  # cached inter- and intra-node sub-groups
+    base = torch.arange(8.0).reshape(4, 2)
+    pending = comm.start_exchange([base + 10 * rank], [2, 2], [2, 2], groups.ep_group)  # async, as the layers
+    (got,) = pending.wait()  # rows [2 * rank, 2 * rank + 2) of every rank, in rank order
+    want = torch.cat([base[2 * rank : 2 * rank + 2] + 10 * peer for peer in range(world)])
+    assert torch.equal(got, want)
+    del groups, nodes, pending
+    before = _gloo_threads()
+    comm.close_process_group()
+    return before, _gloo_threads()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux /proc")
+def test_close_process_group_ends_the_threads_of_cached_sub_groups():
+    for before, after in run_distributed(_threads_before_and_after_close, 2):
+        assert before >= 6  # the default group and at least two cached sub-groups, two threads each
+        assert after == 0
+
+
+EXIT_SCRIPT = textwrap.dedent(
+    """
+    import atexit, sys
+    import torch.distributed as dist
+    from occult_ft.dispatch.comm import exit_rank
+    if sys.argv[1] == "rank":
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    atexit.register(lambda: print(" exit-functions-ran group-open=" + str(dist.is_initialized()), end=""))
+    print("unflushed", end="")
+    exit_rank(3)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["rank", "plain"])
+def test_exit_rank_runs_the_exit_functions_flushes_and_keeps_the_code(mode):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT.format(port=free_port()), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.stdout == "unflushed exit-functions-ran group-open=False"
+
+
+def test_the_console_script_exits_without_loading_torch_when_no_model_ran():
+    script = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('torch' in sys.modules))\n"
+        "sys.argv = ['occult-ft']\n"
+        "from occult_ft.cli import entry\n"
+        "entry()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]  # no command: the help, and main's code
+    assert "occult-ft" in done.stdout and done.stdout.split()[-1] == "False"

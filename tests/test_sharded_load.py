@@ -244,7 +244,9 @@ def _trainer_worker(spec_path: str) -> None:
 
 if __name__ == "__main__":
     _trainer_worker(sys.argv[1])
-    sys.exit(0)
+    from occult_ft.dispatch.comm import exit_rank
+
+    exit_rank(0)  # no interpreter finalization: see exit_rank
 
 
 def run_trainer(model: str, placement: str, tmp_path) -> list[dict]:
@@ -327,3 +329,25 @@ def test_auto_placement_profiles_the_sequential_shard_then_rereads_the_placed_bl
         for name, shard in got["shards"].items():
             assert torch.equal(torch.tensor(shard), state[name][rank * 4 : (rank + 1) * 4]), name
         assert torch.equal(torch.tensor(got["router"]), state["model.layers.0.mlp.gate.weight"])
+
+
+@pytest.mark.slow
+def test_a_deepseek_moe_checkpoint_is_converted_then_read_shard_wise(tmp_path, monkeypatch):
+    """DeepSeek-MoE (no transformers type) under expert parallelism: converted once into the cache, the
+    conversion read shard-wise, as `occult-ft train` on a DeepSeek-MoE recipe does."""
+    from test_convert import deepseek_config, save_deepseek
+
+    from occult_ft.checkpoint import maybe_convert
+
+    monkeypatch.setenv("OCCULT_FT_CACHE", str(tmp_path / "cache"))  # the ranks inherit it
+    path = str(tmp_path / "deepseek")
+    save_deepseek(path, deepseek_config(num_hidden_layers=2))
+    results = run_trainer(path, "sequential", tmp_path)
+    converted = maybe_convert(path)  # the ranks' conversion, found in the cache
+    assert converted != path
+    state, _ = reference_state(converted, None)
+    for rank, got in enumerate(results):
+        assert expert_ids(got["reads"]) == set(range(4 * rank, 4 * rank + 4))
+        assert got["shards"], "no expert shard on this rank"
+        for name, shard in got["shards"].items():
+            assert torch.equal(torch.tensor(shard), state[name][rank * 4 : (rank + 1) * 4]), name

@@ -559,7 +559,9 @@ def _ep_worker(spec_path: str) -> None:
 
 if __name__ == "__main__":
     _ep_worker([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
-    sys.exit(0)
+    from occult_ft.dispatch.comm import exit_rank
+
+    exit_rank(0)  # no interpreter finalization: see exit_rank
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.load import from_pretrained
-from ..dispatch.comm import close_process_group
+from ..dispatch.comm import close_process_group, exit_rank
 from ..models import find_moe_layers
 from .syncs import HostSyncCounter
 from .worker_results import gather_to_rank0
@@ -147,3 +147,4 @@ def main(spec_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_rank(0)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..dispatch.comm import close_process_group
+from ..dispatch.comm import close_process_group, exit_rank
 from ..layout import ExpertLayout
 from ..models import unwrap_model
 from ..trainer import OccultConfig, OccultTrainer
@@ -552,3 +552,4 @@ def main(spec_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_rank(0)

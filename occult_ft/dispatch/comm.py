@@ -5,6 +5,8 @@
     start_exchange        row blocks of several tensors, asynchronous (`PendingRows.wait()` joins)
     all_to_all_rows       the same, waited for and differentiable: the backward is the reverse exchange
     close_process_group   leave torch.distributed cleanly (now, or at interpreter exit)
+    group_cache           a dict for objects holding process groups, emptied by close_process_group
+    exit_rank             end a rank process of a finished run without interpreter finalization
 
 All ranks of the group call these in the same order with the same dtypes and `requires_grad` pattern.
 Shape legend: S rows sent, R rows received, C columns (trailing dims flattened), D ranks in the group.
@@ -13,8 +15,12 @@ Shape legend: S rows sent, R rows received, C columns (trailing dims flattened),
 from __future__ import annotations
 
 import atexit
+import gc
 import math
+import os
+import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -27,6 +33,8 @@ __all__ = [
     "start_exchange",
     "close_process_group",
     "close_process_group_at_exit",
+    "group_cache",
+    "exit_rank",
 ]
 
 
@@ -37,19 +45,54 @@ def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+_GROUP_CACHES: list[dict] = []
+_CLOSED_A_GROUP = False  # this process has left a process group (`exit_rank` then skips finalization)
+
+
+def group_cache() -> dict:
+    """A new module-level cache for objects that hold process groups (sub-groups are created once per
+    process and kept); `close_process_group` empties every such cache."""
+    cache: dict = {}
+    _GROUP_CACHES.append(cache)
+    return cache
+
+
 def close_process_group(wait_for_others: bool = False) -> None:
-    """Destroy the default process group, if there is one. A rank that reaches interpreter exit with its
-    gloo group alive can abort there (SIGABRT, "terminate called without an active exception") after a
-    run that succeeded, and the launcher then reports the whole run as failed: gloo's worker threads may
-    still hold finished asynchronous works (`async_op=True`, as the exchange issues them) whose tensors
-    are freed during interpreter finalization, when the GIL can no longer be taken (the cause given in
-    pytorch/pytorch#179291, which proposed the same close at exit for torch itself and was withdrawn).
+    """Destroy the default process group and every sub-group, if there are any, and drop the caches that
+    hold sub-groups, so that gloo's threads are joined now, while the interpreter is whole.
+
+    A rank that reaches interpreter exit with a gloo group still alive can abort there (SIGABRT,
+    "terminate called without an active exception") after a run that succeeded, and the launcher then
+    reports the whole run as failed: the group's worker threads may still hold finished asynchronous works
+    (`async_op=True`, as the exchange issues them) whose tensors are freed during interpreter finalization,
+    when the GIL can no longer be taken (the cause given in pytorch/pytorch#179291, which proposed a
+    close at exit for torch itself and was withdrawn). `destroy_process_group` alone does not end those
+    threads: a group object still referenced (a cached sub-group) keeps them until finalization.
     `wait_for_others` first waits on a barrier (after a failure there is none: the other ranks may be
     inside another collective)."""
+    global _CLOSED_A_GROUP
     if dist.is_available() and dist.is_initialized():
         if wait_for_others:
             dist.barrier()
         dist.destroy_process_group()
+        _CLOSED_A_GROUP = True
+    for cache in _GROUP_CACHES:
+        cache.clear()
+    # DeepSpeed keeps its expert-parallel groups in module globals (deepspeed.utils.groups); they die
+    # with the default group, so drop them too when DeepSpeed is loaded.
+    ds_groups = sys.modules.get("deepspeed.utils.groups")
+    if ds_groups is not None:
+        for name in _DEEPSPEED_GROUP_DICTS:
+            held = getattr(ds_groups, name, None)
+            if isinstance(held, dict):
+                held.clear()
+    # A model, trainer or work in a reference cycle can hold a sub-group too: collect them now, so that
+    # the groups nothing else holds are destroyed (their threads joined) here rather than at finalization.
+    gc.collect()
+
+
+# The dicts of deepspeed.utils.groups (DeepSpeed 0.19) that map names to process groups.
+_DEEPSPEED_GROUP_DICTS = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP", "_ALL_TO_ALL_GROUP")
 
 
 _CLOSE_AT_EXIT = False
@@ -63,6 +106,31 @@ def close_process_group_at_exit() -> None:
     if not _CLOSE_AT_EXIT:
         atexit.register(close_process_group)
         _CLOSE_AT_EXIT = True
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End the process of one rank of a distributed run that has finished: close the process group,
+    run the interpreter's exit functions (logging, trackers, anything registered with `atexit`), flush
+    stdout and stderr, and leave with `os._exit(code)`, skipping interpreter finalization.
+
+    Closing the group does not end every gloo thread: DDP's reducer keeps the default group alive through
+    a reference cycle in C++ that Python's collector cannot see, so its threads outlive the close, and a
+    thread still holding a finished work when the interpreter tears down aborts the process (see
+    `close_process_group`). Nothing of the run is lost by skipping that tear-down: results, checkpoints
+    and logs are written, and the exit functions have run. A process that never joined a group exits
+    normally (`sys.exit(code)`). For the entry points of launched ranks: `occult-ft train` under a
+    launcher, the benchmark workers."""
+    distributed = _CLOSED_A_GROUP or (dist.is_available() and dist.is_initialized())
+    close_process_group()
+    if not distributed:
+        sys.exit(code)
+    atexit._run_exitfuncs()  # what the interpreter would run first at exit, while it is still whole
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing more can be written anyway
+            pass
+    os._exit(code)
 
 
 def exchange_meta(meta_DC: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

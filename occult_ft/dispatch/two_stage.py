@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import ExpertLayout
-from .comm import group_size_and_rank
+from .comm import group_cache, group_size_and_rank
 from .exchange import Exchange, ReceivedRows, check_hidden, return_rows, send_rows
 from .plan import DispatchLayout, layout_from_plan, raise_bad_ids, row_plan
 
@@ -55,7 +55,7 @@ class NodeGroups:
 
 # (id(group), N) -> (the default group when built, the group, NodeGroups); the references keep the ids
 # unique, and a re-initialised torch.distributed (new default group) invalidates the entry.
-_GROUP_CACHE: dict[tuple[int, int], tuple[object, object, NodeGroups]] = {}
+_GROUP_CACHE: dict[tuple[int, int], tuple[object, object, NodeGroups]] = group_cache()
 
 
 def node_groups(nodes: int, group: dist.ProcessGroup | None = None) -> NodeGroups:

@@ -34,6 +34,7 @@ from ..dispatch import (
     gather_experts_state_dict,
     shard_experts,
 )
+from ..dispatch.comm import group_cache
 from ..integrations.deepspeed import (
     attach_moe_marker,
     check_deepspeed_config,
@@ -118,7 +119,7 @@ def check_expert_parallel_size(size: int, world_size: int, num_experts: int | No
         )
 
 
-_TORCH_GROUPS: dict[tuple, ExpertParallelGroups] = {}
+_TORCH_GROUPS: dict[tuple, ExpertParallelGroups] = group_cache()  # emptied by close_process_group
 
 
 def _torch_groups(size: int) -> ExpertParallelGroups:

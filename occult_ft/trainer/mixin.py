@@ -35,7 +35,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
-from ..checkpoint import OccultBlock
+from ..checkpoint import OccultBlock, maybe_convert
 from ..checkpoint.card import last_eval_metrics, write_model_card
 from ..checkpoint.load import can_load_sharded
 from ..data.batching import real_token_mask
@@ -92,6 +92,9 @@ def load_run_model(
     (`loading.load_precision`), is loaded in float32 and `round_to` is `model_dtype`: the mixin prepares
     it in float32, then rounds it and seeds the optimizer's compensation with what the rounding lost
     (pass `round_to` on to `OccultTrainerMixin.__init__`). Otherwise `round_to` is None."""
+    # DeepSeek-MoE -> its qwen2_moe conversion (the ranks of a launch convert once, under a file lock),
+    # before anything reads the checkpoint: the sharded loader reads its files itself
+    path = maybe_convert(path)
     resumed = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir) is not None
     precision = None if resumed else load_precision(path, args)
     round_to = getattr(torch, args.model_dtype) if precision is not None else None
