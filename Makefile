@@ -40,7 +40,7 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
 	$(BIN)/python -m pytest -q -m "not slow" -n 2
-	$(BIN)/python -m pytest -q -m "slow and not extended" -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -m "slow and not extended" -n 2 --dist loadfile --durations=15
 
 test-all: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
 	$(BIN)/python -m pytest -q -m "not slow" -n 2
