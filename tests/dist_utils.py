@@ -58,8 +58,9 @@ def _entry(
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from occult_ft.dispatch.comm import close_process_group
+
+        close_process_group()  # the groups and the sub-groups occult_ft cached: their threads end here
 
 
 def process_group_backend(device: str, world_size: int) -> str:
