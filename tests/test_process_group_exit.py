@@ -42,15 +42,20 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _exit_state(mode: str) -> str:
+def _run_script(script: str, mode: str) -> subprocess.CompletedProcess:
+    """`python -c script mode` with a free port filled in, one CPU thread; its output captured."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(port=free_port()), mode],
+    return subprocess.run(
+        [sys.executable, "-c", script.format(port=free_port()), mode],
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def _exit_state(mode: str) -> str:
+    done = _run_script(SCRIPT, mode)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.split()[-1]
 
@@ -141,14 +146,7 @@ EXIT_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("mode", ["rank", "plain"])
 def test_exit_rank_runs_the_exit_functions_flushes_and_keeps_the_code(mode):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", EXIT_SCRIPT.format(port=free_port()), mode],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _run_script(EXIT_SCRIPT, mode)
     assert done.returncode == 3, done.stderr[-2000:]
     assert done.stdout == "unflushed exit-functions-ran group-open=False"
 
