@@ -18,6 +18,7 @@ import torch
 from occult_ft.bench.costmodel import get_cluster, predict_exchange_ms, rows_matrix
 from occult_ft.bench.launch import failure_reason
 from occult_ft.bench.step import (
+    BALANCED_BIAS_RATE,
     Contender,
     StepSettings,
     _compare,
@@ -94,6 +95,9 @@ def test_a_contender_is_its_fields_and_its_name_spells_them():
     assert Contender.from_name("occult_ep_chunks3").spec()["chunks"] == 3
     assert Contender.from_name("occult_ep_budget2_overlap").spec()["overlap"] is True
     assert "overlap" not in Contender.from_name("occult_ep_budget2").spec()
+    # _balanced: the device bias at the tiny recipe's rate, fitted on the first micro-batch by the worker
+    assert Contender.from_name("occult_ep_budget2_balanced").spec()["device_bias_rate"] == BALANCED_BIAS_RATE
+    assert "device_bias_rate" not in Contender.from_name("occult_ep_budget2").spec()
     assert (
         not Contender.from_name("occult_ep_per_expert").ours
         and Contender.from_name("occult_ep_capacity").ours
@@ -128,9 +132,11 @@ def test_contender_fields_are_checked():
     with pytest.raises(ValueError, match="kind='tutel'"):
         Contender(kind="tutel")
     with pytest.raises(
-        ValueError, match="deepspeed_moe takes no exchange, budget, chunks, overlap or capacity"
+        ValueError, match="deepspeed_moe takes no exchange, budget, chunks, overlap, capacity or balancing"
     ):
         Contender(kind="deepspeed_moe", budget=2)
+    with pytest.raises(ValueError, match="the device bias balances a budget; add _budget2"):
+        Contender.from_name("occult_ep_balanced")
     with pytest.raises(ValueError, match="exchange='ring'"):
         Contender(exchange="ring")
 
@@ -181,7 +187,16 @@ def test_summary_takes_the_slowest_rank_per_step_and_the_median_over_rounds():
     assert row["peak_mb"] == 101.0  # the larger of the ranks
 
 
-def test_waiting_is_blocked_time_before_the_last_rank_issued():
+def test_summary_keeps_the_logged_routing_of_the_timed_steps_only():
+    s = StepSettings(**TINY, devices=2, warmup=1, steps=2, grad_accum=1)
+    runs = [_run([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], {}, [5.0, 4.0, 3.0]) for _ in range(2)]
+    for run, values in zip(runs, ([9.0, 1.2, 1.4], [9.0, 1.6, 1.8])):  # 9.0: the warm-up step
+        for record, value in zip(run["ranks"][0]["records"], values):
+            record["routing"] = {"load_imbalance": value, "comm_complexity": value + 1}
+    row = _summarise("occult_ep", runs, s)
+    assert row["load_imbalance"] == pytest.approx(1.5) and row["comm_complexity"] == pytest.approx(2.5)
+    assert "load_imbalance" not in _summarise("data_parallel", [_run([[1.0, 1.0]], {}, [5.0])], s)
+
     # one step, two ranks, world group: collective 0 issued at t=1.0 (rank 0) and t=1.5 (rank 1);
     # rank 0 blocked 1.0-1.7 -> waited 0.5 (until 1.5), transfer 0.2; rank 1 blocked 1.5-1.7 -> 0.
     # collective 1 is asynchronous: rank 0 issued at 2.0 and waited on its handle over 2.4-2.6; rank 1
@@ -360,6 +375,7 @@ def test_every_contender_trains_and_ep_reproduces_data_parallel(tmp_path):
         "occult_ep",
         "occult_ep_per_expert",
         "occult_ep_chunks2",
+        "occult_ep_budget1_balanced",
         "hf_native_ep",
         "deepspeed_moe",
     ]
@@ -372,6 +388,10 @@ def test_every_contender_trains_and_ep_reproduces_data_parallel(tmp_path):
         got, want = rows[name]["losses"], rows["data_parallel"]["losses"]
         assert rows[name]["loss_vs_dp"]["max"] < 1e-5, (name, got, want)
     assert rows["occult_ep"]["syncs_per_layer"] == 1.0  # the count exchange, nothing else
+    # the routing OccultTrainer logged: one device per token at budget 1, more without a budget
+    balanced = rows["occult_ep_budget1_balanced"]
+    assert balanced["comm_complexity"] == pytest.approx(1.0) and balanced["load_imbalance"] >= 1.0
+    assert rows["occult_ep"]["comm_complexity"] > 1.0 and "load_imbalance" not in rows["hf_native_ep"]
     for row in rows.values():
         assert len(row["step_s_runs"]) == 2 and row["tokens_per_s"] > 0 and row["peak_mb"] > 0
 

@@ -1,5 +1,6 @@
 """Device balancing without an auxiliary loss: the per-device selection bias of the pruned router
-(`routing.rules.add_device_bias` / `update_device_bias`, `prune_topk(device_bias_D=...)`), its record in
+(`routing.rules.add_device_bias` / `update_device_bias`, `prune_topk(device_bias_D=...)`), its fit on
+one batch (`fit_device_bias`, `fit_router_device_bias`, `device_bias_init="first_batch"`), its record in
 the checkpoint (`OccultBlock.device_bias`, block version 3) and the trainer's update after each step.
 
 The remote-code loader (stock `AutoModelForCausalLM(trust_remote_code=True)`) is checked on biased
@@ -25,6 +26,8 @@ from occult_ft.routing import (
     PruningConfig,
     add_device_bias,
     collect_routing,
+    fit_device_bias,
+    fit_router_device_bias,
     limit_topk,
     prune_topk,
     router_device_bias,
@@ -242,6 +245,104 @@ def test_repeated_updates_balance_a_skewed_router_without_adding_devices():
     assert bias[0] < bias[1:].min()  # the hot device is the one made less attractive
 
 
+# ---- fitting the bias on one batch ---------------------------------------------------------------------
+def _skewed_batch(seed: int, tokens: int = 2048):
+    """(scores, ids, expert_device, loads_of, comm_of) of one layer whose scores prefer device 0's experts
+    (and, less, device 2's), budget 2 of 4 devices; `loads_of` routes it under an (1, D) bias."""
+    g = torch.Generator().manual_seed(seed)
+    e, k, d, m = 16, 4, 4, 2
+    dev = contiguous_expert_device(e, d)
+    skew = torch.tensor([0.08] * 4 + [0.0] * 4 + [0.03] * 4 + [0.0] * 4)
+    scores = torch.softmax(torch.randn(tokens, e, generator=g), dim=-1) + skew
+    ids = scores.topk(k, dim=-1).indices
+
+    def route(bias_LD):
+        return limit_topk(
+            scores, ids, dev, d, m, "score", None, None, 1, None, None, *_ranked(scores, dev, bias_LD[0], k)
+        )
+
+    def loads_of(bias_LD):
+        reached = torch.zeros(tokens, d).scatter_(1, dev[route(bias_LD)], 1.0)
+        return reached.sum(dim=0, keepdim=True)
+
+    return route, loads_of, dev
+
+
+def _imbalance(load_LD):
+    return float(load_LD.max() / load_LD.mean())
+
+
+def test_fitting_balances_a_skewed_batch_without_adding_devices():
+    route, loads_of, dev = _skewed_batch(0)
+    zeros = torch.zeros(1, 4)
+    fitted = fit_device_bias(loads_of, zeros, rate=0.0007)
+    before, after = _imbalance(loads_of(zeros)), _imbalance(loads_of(fitted))
+    assert before > 1.4 and after < 1.02, (before, after)
+    assert comm_complexity(route(fitted), dev, 4) <= comm_complexity(route(zeros), dev, 4) + 1e-9
+    torch.testing.assert_close(fitted.sum(dim=-1), torch.zeros(1), atol=1e-6, rtol=0)  # centred
+    assert fitted[0, 0] == fitted[0].min()  # the hot device is made the least attractive
+    # what the fit buys on one batch holds on another batch of the same router
+    _, other_loads_of, _ = _skewed_batch(1)
+    assert _imbalance(other_loads_of(fitted)) < 1.05
+
+
+def test_fitting_never_ends_less_even_than_its_start_and_calls_loads_a_fixed_number_of_times():
+    calls = []
+    route, loads_of, _ = _skewed_batch(2)
+
+    def counted(bias_LD):
+        calls.append(bias_LD.clone())
+        return loads_of(bias_LD)
+
+    # a start that is already the balance point (fitted before): the fit may only keep or improve it
+    start = fit_device_bias(loads_of, torch.zeros(1, 4), rate=0.0007)
+    refit = fit_device_bias(counted, start, rate=0.0007)
+    assert _imbalance(loads_of(refit)) <= _imbalance(loads_of(start))
+    assert len(calls) == 49  # FIT_ITERATIONS + 1, whatever the loads: collectives inside match up
+    # layers are fitted independently: a balanced layer next to a skewed one stays where it is
+    both = fit_device_bias(
+        lambda b: torch.cat([loads_of(b[:1]), torch.full((1, 4), 7.0)]), torch.zeros(2, 4), 0.0007
+    )
+    torch.testing.assert_close(both[1], torch.zeros(4))
+
+
+@pytest.mark.parametrize("rate", [0.0, -0.001])
+def test_fitting_needs_a_positive_rate(rate):
+    with pytest.raises(ValueError, match=f"rate={rate!r} must be > 0"):
+        fit_device_bias(lambda b: torch.ones_like(b), torch.zeros(1, 4), rate)
+
+
+def test_the_router_fit_sets_a_bias_that_balances_the_batch_it_saw():
+    ids = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(5))
+    model = apply_occult(
+        _olmoe(), pruning=PruningConfig(4, 2, "score"), device_bias={i: torch.zeros(4) for i in (0, 1)}
+    )
+    set_recording(model, True)
+
+    def imbalance_per_layer():
+        with torch.no_grad():
+            model(ids)
+        out = {}
+        for index, record in collect_routing(model).items():
+            reached = torch.zeros(record.topk_ids.shape[0], 4).scatter_(1, record.topk_ids // 2, 1.0)
+            out[index] = _imbalance(reached.sum(dim=0))
+        return out
+
+    before = imbalance_per_layer()
+    fitted = fit_router_device_bias(model, lambda: model(ids), rate=0.001)
+    after = imbalance_per_layer()
+    assert set(fitted) == {0, 1} and all(v.abs().sum() > 0 for v in fitted.values())
+    # layer 0 sees the same inputs whatever the bias: its fit is exact on this batch; layer 1's inputs
+    # move with layer 0's routing, so it is only asked not to end much worse
+    assert after[0] < before[0] and after[0] < 1.05, (before, after)
+    assert after[1] < max(before[1], 1.1), (before, after)
+    torch.testing.assert_close(router_device_bias(model)[0], fitted[0], atol=0, rtol=0)
+    assert not any(hasattr(layer.router, "occult_capture") for layer in find_moe_layers(model))
+    # a model whose routers hold no bias has nothing to fit (and runs no forward)
+    plain = apply_occult(_olmoe(), pruning=PruningConfig(4, 2, "score"))
+    assert fit_router_device_bias(plain, lambda: pytest.fail("no forward expected"), rate=0.001) == {}
+
+
 # ---- the model-aware part: prune_topk on a real router -----------------------------------------------
 def _olmoe(seed=0):
     torch.manual_seed(seed)
@@ -373,13 +474,26 @@ def test_device_bias_rate_is_validated(tmp_path, value):
         OccultConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", device_bias_rate=value)
 
 
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("ones", "device_bias_init='ones' is unknown; choose one of zeros, first_batch"),
+        ("first-batch", "device_bias_init='first-batch' is unknown \\(did you mean 'first_batch'\\?\\)"),
+        (None, "device_bias_init=None must be a string"),
+    ],
+)
+def test_device_bias_init_is_validated(tmp_path, value, message):
+    with pytest.raises(ValueError, match=message):
+        OccultConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", device_bias_init=value)
+
+
 # ---- the trainer: the bias moves after each step and is saved --------------------------------------
-def _embedded_trainer(tmp_path, rate):
+def _embedded_trainer(tmp_path, rate, **overrides):
     from occult_ft.checkpoint.load import load_model_and_tokenizer
     from occult_ft.trainer import OccultTrainer
     from occult_ft.trainer.pipeline import load_run_dataset
 
-    config = OccultConfig(
+    fields = dict(
         output_dir=str(tmp_path),
         model_name_or_path="embedded",
         seq_len=64,
@@ -400,6 +514,7 @@ def _embedded_trainer(tmp_path, rate):
         use_cpu=True,
         seed=0,
     )
+    config = OccultConfig(**(fields | overrides))
     model, tokenizer = load_model_and_tokenizer("embedded")
     train_rows = load_run_dataset("embedded", None, tokenizer, config)
     eval_rows = load_run_dataset("embedded", None, tokenizer, config, evaluation=True)
@@ -431,3 +546,37 @@ def test_a_zero_rate_keeps_no_bias_and_the_routing(tmp_path):
     trainer.train()
     assert router_device_bias(trainer.model) is None
     assert trainer.evaluate()["eval_load_imbalance"] == pytest.approx(before, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_a_bias_fitted_on_the_first_batch_starts_the_run_balanced(tmp_path):
+    """One step without weight updates: from zeros the rule moves each device by u once; fitted on the
+    first micro-batch, the held-out imbalance falls at once (measured 1.411 from zeros, 1.303 fitted)."""
+    plain = _embedded_trainer(tmp_path / "zeros", rate=0.0007, max_steps=1)
+    fitted = _embedded_trainer(tmp_path / "fit", rate=0.0007, max_steps=1, device_bias_init="first_batch")
+    for trainer in (plain, fitted):
+        trainer.train()
+    zeros, fit = (t.evaluate() for t in (plain, fitted))
+    assert fit["eval_load_imbalance"] < zeros["eval_load_imbalance"] - 0.05, (zeros, fit)
+    assert fit["eval_comm_complexity"] <= zeros["eval_comm_complexity"] + 1e-6  # the bias never adds a device
+    bias = router_device_bias(fitted.model)
+    assert max(float(v.abs().max()) for v in bias.values()) > 0.01  # far past one step of u = 0.0007
+    assert not fitted._fit_bias_pending  # fitted once per run
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_its_saved_bias(tmp_path):
+    """`first_batch` fits before the first step of a run, never on resume: the bias saved at step 2 goes
+    on from there, as in the uninterrupted run."""
+    run = dict(rate=0.0007, device_bias_init="first_batch", save_strategy="steps", save_steps=2)
+    whole = _embedded_trainer(tmp_path / "whole", max_steps=3, **run)
+    whole.train()
+    first = _embedded_trainer(tmp_path / "resumed", max_steps=2, **run)
+    first.train()
+    again = _embedded_trainer(tmp_path / "resumed", max_steps=3, **run)
+    fits = []
+    again._fit_device_bias = lambda *a, **k: fits.append(1)  # type: ignore[method-assign]
+    again.train(resume_from_checkpoint=True)
+    assert fits == []
+    for index, value in router_device_bias(whole.model).items():
+        torch.testing.assert_close(router_device_bias(again.model)[index], value, atol=1e-7, rtol=0)

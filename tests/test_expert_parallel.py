@@ -130,7 +130,12 @@ def train_case(
         "grad_norm": [e.get("grad_norm") for e in logs],
         "eval_loss": metrics.get("eval_loss"),
         "eval_comm_complexity": metrics.get("eval_comm_complexity"),
+        "load_imbalance": [e["load_imbalance"] for e in logs],
     }
+    from occult_ft.routing import router_device_bias
+
+    bias = router_device_bias(trainer.model)  # the pruned cases' device bias, at the end of the run
+    result["device_bias"] = {str(i): v.tolist() for i, v in bias.items()} if bias else None
     if trainer.expert_parallel is not None:
         from occult_ft.dispatch import expert_shard_parameters
 
@@ -292,7 +297,12 @@ if __name__ == "__main__":
 
 
 # ---- the tests --------------------------------------------------------------------------------------
-PRUNING = {"plain": {}, "pruned": {"max_devices_per_token": 1}}
+# the pruned runs also balance devices, the bias fitted on the first micro-batch: its loads are summed over
+# the processes, so every world size fits the single process's bias on the same global batch
+PRUNING = {
+    "plain": {},
+    "pruned": {"max_devices_per_token": 1, "device_bias_rate": 0.001, "device_bias_init": "first_batch"},
+}
 
 
 def single_process_references(model_dir: str, out, devices: tuple[int, ...] = (2, 4)) -> dict:
@@ -325,6 +335,16 @@ def check_trajectory(result: dict, reference: dict, what: str) -> float:
     return worst
 
 
+def check_device_bias(result: dict, reference: dict, what: str) -> None:
+    """The bias fitted on the first micro-batch and moved after every step is the single process's: the
+    loads are summed over processes before the rule sees them (a fit on one rank's rows would differ)."""
+    assert reference["device_bias"] and result["device_bias"], what
+    assert result["device_bias"].keys() == reference["device_bias"].keys(), what
+    for layer, want in reference["device_bias"].items():
+        assert result["device_bias"][layer] == pytest.approx(want, abs=1e-6), f"{what}: layer {layer}"
+    assert any(v != 0 for b in reference["device_bias"].values() for v in b), what
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_olmoe_dir, tmp_path_factory):
     return single_process_references(tiny_olmoe_dir, tmp_path_factory.mktemp("single"))
@@ -337,7 +357,7 @@ def world2(tiny_olmoe_dir, tmp_path_factory):
     ckpt = str(tmp / "first" / "checkpoint-4")
     cases = [
         dict(name="plain", overrides=dict(expert_parallel_size=2), save=str(tmp / "final"), evaluate=True),
-        dict(name="pruned", overrides=dict(expert_parallel_size=2, max_devices_per_token=1)),
+        dict(name="pruned", overrides=dict(expert_parallel_size=2, **PRUNING["pruned"])),
         dict(
             name="accumulated",
             overrides=dict(
@@ -385,6 +405,7 @@ def test_two_processes_reproduce_the_single_process_run(world2, reference, name)
     assert result["shard_rows"] == 4  # each rank holds 4 of the 8 experts of a layer
     if name == "pruned":
         assert result["max_token_devices"] == 1 and set(result["comm_complexity"]) == {1.0}
+        check_device_bias(result, reference[("pruned", 2)], "W=2 D=2 pruned")
 
 
 @pytest.mark.slow
@@ -392,6 +413,8 @@ def test_two_processes_reproduce_the_single_process_run(world2, reference, name)
 def test_four_processes_reproduce_the_single_process_run(world4, reference, name, size):
     result = world4[f"{name}-{size}"]
     check_trajectory(result, reference[(name, size)], f"W=4 D={size} {name}")
+    if name == "pruned":
+        check_device_bias(result, reference[(name, size)], f"W=4 D={size} pruned")
     # rank 0: EP = consecutive ranks, EDP = rank 0 of every EP group
     assert result["groups"]["ep"] == list(range(size)) and result["groups"]["edp"] == list(range(0, 4, size))
     assert result["shard_rows"] == 8 // size

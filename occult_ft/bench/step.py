@@ -28,6 +28,9 @@ rate; one node: its loopback shaped), set up once and torn down at the end. Per 
                        interpreter, torch and transformers excluded; CUDA: max allocated)
     losses / loss_vs_dp the global mean loss per step, and its largest difference from data parallel
     syncs_per_layer    host synchronisations inside one MoE block forward (`HostSyncCounter`)
+    load_imbalance / comm_complexity   what `OccultTrainer` logged for the timed steps (occult_ep
+                       contenders): max / mean tokens a device received and devices per token, mean over
+                       micro-batches and MoE layers
 
 Waiting and transfer are told apart from when each rank issued each exchange collective (one
 machine, one clock); `barrier=True` instead puts a barrier before each exchange collective (the
@@ -209,7 +212,7 @@ class StepSettings:
         return self.device
 
 
-_GRAMMAR = "occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_overlap][_capacity]"
+_GRAMMAR = "occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_overlap][_capacity][_balanced]"
 # name suffix of an occult_ep contender -> (field, value; int: the digits that follow the suffix)
 _SUFFIXES: dict[str, tuple[str, Any]] = {
     "_per_expert": ("exchange", "per_expert"),
@@ -218,7 +221,10 @@ _SUFFIXES: dict[str, tuple[str, Any]] = {
     "_chunks": ("chunks", int),
     "_overlap": ("overlap", True),
     "_capacity": ("capacity", True),
+    "_balanced": ("balanced", True),
 }
+BALANCED_BIAS_RATE = 0.0007
+"""`device_bias_rate` of a `_balanced` contender: the tiny recipe's (docs/device-balance.md)."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,8 @@ class Contender:
         exchange / budget / chunks / overlap / capacity: occult_ep only: its exchange (`OccultConfig.exchange`),
             device budget M (`max_devices_per_token`), pipelined chunks (None: not pipelined), the own
             rows computed while the exchanges travel (`exchange_overlap_local`), and capacity-bounded buffers.
+        balanced: occult_ep with a budget only: the device bias (`device_bias_rate` BALANCED_BIAS_RATE),
+            fitted on the first micro-batch (`device_bias_init="first_batch"`).
         name: the label in the report; default: the canonical name of the fields (`from_name` keeps
             the spelling the user gave). Not compared: two contenders with the same fields are equal.
     """
@@ -240,6 +248,7 @@ class Contender:
     chunks: int | None = None
     overlap: bool = False
     capacity: bool = False
+    balanced: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -255,10 +264,15 @@ class Contender:
             self.chunks is not None,
             self.overlap,
             self.capacity,
+            self.balanced,
         )
         if self.kind != "occult_ep" and any(options):
             raise ValueError(
-                f"{self.kind} takes no exchange, budget, chunks, overlap or capacity (occult_ep does)"
+                f"{self.kind} takes no exchange, budget, chunks, overlap, capacity or balancing (occult_ep does)"
+            )
+        if self.balanced and self.budget is None:
+            raise ValueError(
+                f"{self.name}: the device bias balances a budget; add _budget2 (or 1) before _balanced"
             )
         for label, value in (("budget", self.budget), ("chunks", self.chunks)):
             if value is not None and value < 1:
@@ -271,7 +285,8 @@ class Contender:
         name += "" if self.budget is None else f"_budget{self.budget}"
         name += "" if self.chunks is None else f"_chunks{self.chunks}"
         name += "_overlap" if self.overlap else ""
-        return name + ("_capacity" if self.capacity else "")
+        name += "_capacity" if self.capacity else ""
+        return name + ("_balanced" if self.balanced else "")
 
     @property
     def ours(self) -> bool:
@@ -281,7 +296,8 @@ class Contender:
     @classmethod
     def from_name(cls, name: str) -> Contender:
         """The contender a command-line name spells: data_parallel, hf_native_ep, deepspeed_moe, or
-        occult_ep followed by any of _per_expert or _two_stage, _budget{M}, _chunks{N}, _overlap, _capacity."""
+        occult_ep followed by any of _per_expert or _two_stage, _budget{M}, _chunks{N}, _overlap, _capacity,
+        _balanced."""
         if name in KINDS and name != "occult_ep":
             return cls(kind=name, name=name)
         if not name.startswith("occult_ep"):
@@ -334,6 +350,8 @@ class Contender:
             out["overlap"] = True
         if self.capacity:
             out["capacity"] = "auto"
+        if self.balanced:
+            out["device_bias_rate"] = BALANCED_BIAS_RATE
         return out | {"ours": self.ours}
 
 
@@ -563,7 +581,19 @@ def _summarise(name: str, runs: list[dict], settings: StepSettings) -> dict:
         "peak_mb_per_rank": [round(r["peak_mb"], 1) for r in first],
         "losses": first[0]["losses"],
         "syncs_per_layer": first[0]["syncs"],
+        **_routing_means(runs, warm),
     }
+
+
+def _routing_means(runs: list[dict], warm: int) -> dict[str, float]:
+    """The trainer's logged device load imbalance and comm_complexity, mean over the timed steps of all
+    rounds (rank 0's log; only contenders with an `OccultTrainer` log them)."""
+    values: dict[str, list[float]] = {}
+    for run in runs:
+        for record in run["ranks"][0]["records"][warm:]:
+            for key, value in record.get("routing", {}).items():
+                values.setdefault(key, []).append(value)
+    return {key: statistics.fmean(v) for key, v in values.items() if v}
 
 
 def run_train_step(
@@ -828,6 +858,13 @@ def format_step_report(report: dict) -> str:
         "other_collectives",
         "optimizer",
     ]
+    routed = [r for r in report["contenders"] if r["measured"] and "load_imbalance" in r]
+    if routed:
+        lines += ["", "routing the trainer logged (timed steps): device load imbalance, comm_complexity"]
+        lines += [
+            f"{r['contender']:<28} {r['load_imbalance']:>9.3f} {r.get('comm_complexity', float('nan')):>9.3f}"
+            for r in routed
+        ]
     lines += ["", "phases, ms per step (mean over ranks): " + ", ".join(keys)]
     for r in report["contenders"]:
         if r["measured"]:

@@ -267,6 +267,10 @@ class _TimedWork:
 
 
 # ---- data -------------------------------------------------------------------------------------------
+ROUTING_FIELDS = ("load_imbalance", "comm_complexity")
+"""What `OccultTrainer` logs per step that the report keeps (mean over a layer's micro-batches and layers)."""
+
+
 def step_rows(spec: dict, micro: int, rank: int, world: int) -> torch.Tensor:
     """(B, S) token ids rank `rank` trains on in micro-batch `micro` (counted over all steps; the
     sequential distributed order)."""
@@ -347,6 +351,12 @@ def _train_with_trainer(trainer, clock, spec, records) -> list[float]:
     trainer.add_callback(_StepTimer.make(trainer, clock, spec["device"] == "cuda", records))
     trainer.accelerator.backward = clock.timed_backward(trainer.accelerator.backward)
     trainer.train()
+    for entry in trainer.state.log_history:  # the routing the trainer logged, onto its step's record
+        step = entry.get("step", 0)
+        if 0 < step <= len(records):
+            routing = {k: entry[k] for k in ROUTING_FIELDS if k in entry}
+            if routing:
+                records[step - 1]["routing"] = routing
     return [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
 
@@ -382,6 +392,8 @@ def run_occult_ep(spec: dict, rank: int, world: int, records: list) -> tuple[nn.
         exchange_chunks=c.get("chunks", 1),
         exchange_overlap_local=c.get("overlap", False),
         exchange_capacity=c.get("capacity"),
+        device_bias_rate=c.get("device_bias_rate", 0.0),
+        device_bias_init="first_batch" if c.get("device_bias_rate") else "zeros",
         profile_tokens=spec["seq_len"],
     )
     trainer = OccultTrainer(spec["model_dir"], args=args, train_dataset=_dataset(spec))

@@ -149,7 +149,8 @@ def add_parser(sub):
         default=None,
         help=f"comma-separated subset to measure: {', '.join(BENCH_BACKENDS)}, occult_dedup_pruneM "
         "(with --nodes > 1: occult_two_stage, occult_two_stage_pruneM); with --train the contenders: "
-        "data_parallel, occult_ep[_budgetM][_per_expert][_chunksN][_capacity][_two_stage], hf_native_ep, "
+        "data_parallel, occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_overlap][_capacity][_balanced], "
+        "hf_native_ep, "
         "deepspeed_moe; with --generate: occult_ep[_budgetM][_per_expert][_two_stage][_exact], hf_native_ep",
     )
     p.add_argument(

@@ -92,6 +92,7 @@ FIELD_GROUPS = {
         "gate_weights",
         "balance_loss_coef",
         "device_bias_rate",
+        "device_bias_init",
         "distill_coef",
         "distill_temperature",
     ),

@@ -17,6 +17,7 @@ from .router import (
     RouterRecord,
     apply_pruning,
     collect_routing,
+    fit_router_device_bias,
     prune_topk,
     pruned_routers,
     remove_pruning,
@@ -32,6 +33,7 @@ from .rules import (
     add_device_bias,
     check_pruning_settings,
     device_scores,
+    fit_device_bias,
     fits_budget,
     limit_devices,
     limit_topk,
@@ -64,4 +66,6 @@ __all__ = [
     "router_device_bias",
     "add_device_bias",
     "update_device_bias",
+    "fit_device_bias",
+    "fit_router_device_bias",
 ]

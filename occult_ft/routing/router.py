@@ -3,7 +3,8 @@
 `prune_topk` applies the budget to one router output (the model-aware part: selection scores from the
 registry, the router's own group limit, the model's gate-weight convention); `apply_pruning` swaps
 every router of a model to its pruned subclass (state-dict names unchanged) and `unpruned_routing`
-lifts the budget temporarily (the distillation teacher). The rules themselves are the pure functions
+lifts the budget temporarily (the distillation teacher); `fit_router_device_bias` starts the device
+bias balanced on one batch (`device_bias_init="first_batch"`). The rules themselves are the pure functions
 of `occult_ft.routing.rules`.
 
 Shape legend: T tokens, E experts, K top-k, D devices, N nodes, M = max_devices_per_token.
@@ -11,6 +12,7 @@ Shape legend: T tokens, E experts, K top-k, D devices, N nodes, M = max_devices_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar, cast
@@ -18,10 +20,10 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import torch
 from torch import nn
 
-from ..metrics import contiguous_expert_device
+from ..metrics import contiguous_expert_device, device_counts
 from ..models.registry import MoEArch, MoELayer, find_moe_layers
 from .config import PruningConfig
-from .rules import add_device_bias, limit_topk
+from .rules import add_device_bias, fit_device_bias, limit_topk
 
 __all__ = [
     "RouterRecord",
@@ -35,6 +37,7 @@ __all__ = [
     "unpruned_routing",
     "router_similarity",
     "router_device_bias",
+    "fit_router_device_bias",
 ]
 
 
@@ -167,6 +170,9 @@ def _pruned_class(base: type[_Router]) -> type[_Router]:
             # with no budget (cfg.active False) the forward is the model's own; only the recording below runs.
             if cfg.active:
                 inputs = self.occult_arch.call_inputs(args, kwargs)
+                capture = getattr(self, "occult_capture", None)  # `capture_router_calls`, while it runs
+                if capture is not None:
+                    capture.append((logits.detach(), ids.detach(), weights.detach(), inputs))
                 ids, weights, _ = prune_topk(
                     self.occult_arch,
                     self,
@@ -372,6 +378,83 @@ def router_similarity(model: nn.Module) -> dict[int, torch.Tensor] | None:
     # fp32 on the CPU: the checkpoint stores the table independent of the training dtype and device.
     tables = {i: t.detach().float().cpu() for i, t in buffers.items() if t is not None}
     return tables or None
+
+
+ROUNDS = 3
+
+
+@torch.no_grad()
+def fit_router_device_bias(
+    model: nn.Module,
+    forward: Callable[[], object],
+    rate: float,
+    mask_T: torch.Tensor | None = None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[int, torch.Tensor]:
+    """Set every biased pruned router's device bias to the one that balances one batch (`fit_device_bias`).
+
+    `forward()` runs the model once (every process together under expert parallelism); each router keeps
+    its unpruned outputs of that call, and the rule is then iterated on them without running the model
+    again: a candidate bias is scored by pruning the kept outputs under it (`prune_topk`, exactly as the
+    router would) and counting the tokens each device receives.
+
+    Args:
+        forward: runs the model's forward on the batch (no gradients needed).
+        rate: the run's `device_bias_rate` (the rule's final step scale).
+        mask_T: optional (T,) mask of the batch's real tokens (1) and padding (0), flattened as the router
+            sees them; padding counts towards no device.
+        reduce: returns an (L, D) load summed over processes (called `FIT_ITERATIONS` + 1 times on every
+            process, whatever the routing, so collectives inside it match up).
+    Returns:
+        layer index -> the bias set (empty when no router holds a bias).
+    """
+    routers = [
+        (layer, r) for layer, r in pruned_routers(model) if r._buffers.get("occult_device_bias") is not None
+    ]
+    if not routers:
+        return {}
+    buffers = [cast(torch.Tensor, r._buffers["occult_device_bias"]) for _, r in routers]
+    for _, router in routers:
+        router.__dict__["occult_capture"] = []  # read by the pruned forward while it is set
+    try:
+        forward()
+        calls = [router.__dict__.pop("occult_capture") for _, router in routers]
+    finally:
+        for _, router in routers:
+            router.__dict__.pop("occult_capture", None)
+
+    def loads_of(bias_LD: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for row, ((layer, router), kept) in enumerate(zip(routers, calls, strict=True)):
+            cfg: PruningConfig = router.occult_config
+            dev_E = router.occult_expert_device
+            load_D = torch.zeros(cfg.num_devices, dtype=torch.float32, device=dev_E.device)
+            for logits, ids, weights, inputs in kept:
+                new_ids, _, _ = prune_topk(
+                    layer.arch,
+                    router,
+                    logits,
+                    ids,
+                    weights,
+                    cfg,
+                    dev_E,
+                    getattr(router, "occult_similarity", None),
+                    inputs,
+                    bias_LD[row].to(dev_E.device),
+                )
+                reached_TD = (device_counts(new_ids, dev_E, cfg.num_devices) > 0).float()
+                if mask_T is not None and mask_T.numel() == reached_TD.shape[0]:
+                    reached_TD = reached_TD * mask_T.to(reached_TD.device, torch.float32)[:, None]
+                load_D += reached_TD.sum(dim=0)
+            rows.append(load_D)
+        load_LD = torch.stack(rows)
+        return reduce(load_LD) if reduce is not None else load_LD
+
+    start_LD = torch.stack([b.detach().float() for b in buffers])
+    fitted_LD = fit_device_bias(loads_of, start_LD, rate)
+    for buffer, row in zip(buffers, fitted_LD, strict=True):
+        buffer.copy_(row.to(buffer.device, buffer.dtype))
+    return {layer.index: b.detach().clone() for (layer, _), b in zip(routers, buffers, strict=True)}
 
 
 def router_device_bias(model: nn.Module) -> dict[int, torch.Tensor] | None:

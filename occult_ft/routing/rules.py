@@ -8,7 +8,8 @@ their reasons are described in docs/pruning.md.
 
 Device balancing without an auxiliary loss (DeepSeek-V3's expert bias, Sec. 2.1.2, applied per device):
 `add_device_bias` adds a per-device bias to the selection scores, `update_device_bias` moves it after
-each optimizer step by `rate * sign(mean load - load)`, so an overloaded device becomes less attractive.
+each optimizer step by `rate * sign(mean load - load)`, so an overloaded device becomes less attractive;
+`fit_device_bias` runs the same rule on one batch's routing, with a shrinking step, to start a run balanced.
 The biased scores only rank devices (`limit_topk`'s `ranked_scores_TE`): a token keeps at most as many
 devices as its own top-k reaches, and its experts and gate weights come from the unbiased scores.
 
@@ -23,6 +24,8 @@ Shape legend: T tokens, E experts, K top-k, D devices, N nodes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..checks import check_nodes, choice_error, is_int
@@ -30,6 +33,7 @@ from ..checks import check_nodes, choice_error, is_int
 __all__ = [
     "CRITERIA",
     "add_device_bias",
+    "fit_device_bias",
     "update_device_bias",
     "GATE_WEIGHT_POLICIES",
     "check_pruning_settings",
@@ -113,6 +117,58 @@ def update_device_bias(bias_LD: torch.Tensor, load_LD: torch.Tensor, rate: float
     step = torch.sign(load.mean(dim=-1, keepdim=True) - load)
     new = bias_LD.float() + rate * step
     return new - new.mean(dim=-1, keepdim=True)
+
+
+FIT_ITERATIONS = 48
+"""Rule steps `fit_device_bias` takes: the step shrinks by 2x every 8 of them, from 32 u down to u / 2."""
+
+
+def fit_device_bias(
+    loads_of: Callable[[torch.Tensor], torch.Tensor],
+    bias_LD: torch.Tensor,
+    rate: float,
+    iterations: int = FIT_ITERATIONS,
+) -> torch.Tensor:
+    """The bias, per layer, under which one batch's routing is most even: `update_device_bias` iterated.
+
+    Training moves the bias by `rate` once per optimizer step, so a run starting from zeros spends its
+    first tens of steps unbalanced (docs/device-balance.md). This runs the same rule on one batch's
+    routing before the first step, with a step shrinking geometrically from 32 * rate to rate / 2 (a sign
+    rule with a fixed step circles the balance point at +-rate; a shrinking one closes in on it), and keeps
+    for every layer the bias of the iteration with the lowest max / mean load (the start included, so the
+    result is never less even than `bias_LD` on this batch).
+
+    Args:
+        loads_of: (L, D) bias -> (L, D) rows each device receives under it (summed over processes by the
+            caller, so that every rank fits the same bias).
+        bias_LD: (L, D) the start (zeros for a new run).
+        rate: the training step u (> 0).
+        iterations: rule steps.
+    Returns:
+        (L, D) fp32 bias, each layer centred.
+    """
+    if not rate > 0:
+        raise ValueError(f"rate={rate!r} must be > 0 (the device_bias_rate the run trains with)")
+    bias = bias_LD.float() - bias_LD.float().mean(dim=-1, keepdim=True)
+    load = loads_of(bias).to(bias.device, torch.float32)
+    best, best_imbalance = bias.clone(), _imbalance(load)
+    # 32 u halved every 8 steps: 48 steps end at u / 2 (2 ** -(1 / 8) per step)
+    step, shrink = 32.0 * rate, 2.0 ** (-1.0 / 8.0)
+    for _ in range(iterations):
+        bias = update_device_bias(bias, load, step)
+        load = loads_of(bias).to(bias.device, torch.float32)
+        imbalance = _imbalance(load)
+        better = imbalance < best_imbalance  # per layer; strict, so ties keep the earlier (smaller) bias
+        best = torch.where(better[:, None], bias, best)
+        best_imbalance = torch.minimum(imbalance, best_imbalance)
+        step *= shrink
+    return best
+
+
+def _imbalance(load_LD: torch.Tensor) -> torch.Tensor:
+    """(L,) max / mean load per layer (1 for a layer that received nothing)."""
+    mean = load_LD.mean(dim=-1)
+    return torch.where(mean > 0, load_LD.max(dim=-1).values / mean.clamp_min(1e-12), torch.ones_like(mean))
 
 
 def _grouped_by_device(x_TE: torch.Tensor, expert_device_E: torch.Tensor, num_devices: int):

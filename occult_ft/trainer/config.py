@@ -54,6 +54,7 @@ DEFAULT_EXCHANGE_CHUNKS = 1
 PLACEMENT_MODES = ("auto", "sequential")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_BIAS_RATE = 0.0
+DEVICE_BIAS_INITS = ("zeros", "first_batch")
 """Default `device_bias_rate`: off until measured on more than one model. On the tiny recipe (budget 2,
 solver placement with a 1.25 load bound) 0.0007 brings the worst layer's device load imbalance to 1.08
 at comm_complexity 1.95 and +0.18% held-out loss (docs/device-balance.md)."""
@@ -243,6 +244,15 @@ class OccultArguments(_ArgumentsBase):
             "(max_devices_per_token / max_nodes_per_token); 0 turns it off."
         },
     )
+    device_bias_init: str = field(
+        default="zeros",
+        metadata={
+            "help": "Where the device bias starts (with device_bias_rate > 0, under a budget): `zeros` "
+            "(DeepSeek-V3's start; the rate then balances over tens of steps) or `first_batch` (fitted before "
+            "the first step on the first micro-batch's routing: the same rule iterated with a shrinking step, "
+            "one extra forward; a resumed run keeps its saved bias)."
+        },
+    )
     distill_coef: float = field(
         default=0.0,
         metadata={
@@ -413,7 +423,7 @@ class OccultArguments(_ArgumentsBase):
                 )
 
     def _check_loss_coefficients(self) -> None:
-        """balance_loss_coef, device_bias_rate, distill_coef, distill_temperature."""
+        """balance_loss_coef, device_bias_rate / device_bias_init, distill_coef, distill_temperature."""
         if not self.balance_loss_coef >= 0:
             raise ValueError(
                 f"balance_loss_coef={self.balance_loss_coef!r} must be >= 0 (0 turns the balance loss off)"
@@ -424,6 +434,8 @@ class OccultArguments(_ArgumentsBase):
                 f"device_bias_rate={self.device_bias_rate!r} must be a finite number >= 0 (0 turns device "
                 f"balancing off; the default is {DEVICE_BIAS_RATE})"
             )
+        if self.device_bias_init not in DEVICE_BIAS_INITS:
+            raise choice_error("device_bias_init", self.device_bias_init, DEVICE_BIAS_INITS)
         if not self.distill_coef >= 0:
             raise ValueError(
                 f"distill_coef={self.distill_coef!r} must be >= 0 (0 turns distillation off; try 0.5-1)"
@@ -551,7 +563,8 @@ class OccultConfig(OccultArguments, TrainingArguments):
         balance_loss_coef: weight of the pruning-aware load-balancing loss (on the scale of the model's
             own `router_aux_loss_coef`, see `occult_ft.trainer.losses`).
         device_bias_rate: step u of the per-device selection bias moved after every optimizer step
-            (auxiliary-loss-free device balancing, `occult_ft.routing.rules.update_device_bias`).
+            (auxiliary-loss-free device balancing, `occult_ft.routing.rules.update_device_bias`);
+            device_bias_init: its start, `zeros` or `first_batch` (`occult_ft.routing.fit_router_device_bias`).
         distill_coef / distill_temperature: distillation from the unpruned model (`trainer.distill`).
 
     Training:

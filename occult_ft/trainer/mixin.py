@@ -14,7 +14,8 @@ places and prunes the model (`occult_ft.trainer.prepare`), applies LoRA and shar
                                     (`losses.py`) + `distill_coef` * KL(unpruned || pruned), a plain mean
                                     under gradient accumulation and data parallelism
     training_step / _balance_devices   the per-device selection bias moved after each optimizer step
-                                    (`device_bias_rate`; one all-reduce of (L, D) loads, no host read)
+                                    (`device_bias_rate`; one all-reduce of (L, D) loads, no host read),
+                                    fitted on the first micro-batch first (`device_bias_init`)
     log / evaluation_loop           routing metrics (`comm_complexity`, `removed_mass`, ...) per log line
     _clip_grad_norm / create_optimizer   expert-parallel norm and reduction; `CompensatedAdamW`
     save_model / _save / _load_*    pruned checkpoints (`occult` block, similarity tables; `checkpointing`)
@@ -44,7 +45,7 @@ from ..evaluation import make_comm_complexity_figure
 from ..fileio import OutputPathError, check_output_path, reading_directory
 from ..integrations.deepspeed import split_moe_param_groups
 from ..models.registry import unwrap_model
-from ..routing import pruned_routers, update_device_bias
+from ..routing import fit_router_device_bias, pruned_routers, update_device_bias
 from .checkpointing import (
     adopt_checkpoint,
     load_checkpoint_weights,
@@ -185,6 +186,11 @@ class OccultTrainerMixin(Trainer):
             "eval": RoutingMeter(args.devices),
         }
         self._routers = pruned_routers(self.model)
+        self._fit_bias_pending = (
+            args.device_bias_rate > 0
+            and args.device_bias_init == "first_batch"
+            and self.occult.pruning.active
+        )
         self._distill_kl_sum, self._distill_kl_count = torch.zeros((), dtype=torch.float64), 0
         self._losses_finite: torch.Tensor | None = None  # since the last optimizer step (trainer.guards)
         forward = inspect.signature(unwrap_model(self.model).forward).parameters
@@ -210,14 +216,9 @@ class OccultTrainerMixin(Trainer):
         """The loss `inner(model, inputs, return_outputs=..., num_items_in_batch=...)` computes (Trainer's
         or a trainer's own, e.g. SFTTrainer's), plus the balance loss and distillation from the routing
         that forward recorded; the routing meter is fed on the way."""
-        if self._router_logits_flag:
-            inputs = {**inputs, "output_router_logits": False}
         mask = real_token_mask(inputs)
         labels = inputs.get("labels")  # Trainer may pop it (label smoothing, compute_loss_func)
-        if "token_mask" in inputs:  # a packed batch (occult_ft.data.batching): the model does not take it
-            inputs = {k: v for k, v in inputs.items() if k != "token_mask"}
-        if "position_ids" in inputs and "attention_mask" not in inputs:
-            inputs = {**inputs, "use_cache": False}  # a cache would turn the packed-sequence mask off
+        inputs = self._model_inputs(inputs)
         mask_T = mask.reshape(-1).bool() if mask is not None else None
         distill = model.training and self.args.distill_coef > 0 and self.occult.pruning.active
         # the outputs only when needed: a trainer with a fused LM head spends a forward on the logits
@@ -254,6 +255,16 @@ class OccultTrainerMixin(Trainer):
                 loss = loss + (self.args.distill_coef * factor) * kl.to(loss.device, loss.dtype)
         return (loss, outputs) if return_outputs else loss
 
+    def _model_inputs(self, inputs: dict) -> dict:
+        """A batch as the model's forward takes it: no router logits, no packing mask, no cache for packed rows."""
+        if self._router_logits_flag:
+            inputs = {**inputs, "output_router_logits": False}
+        if "token_mask" in inputs:  # a packed batch (occult_ft.data.batching): the model does not take it
+            inputs = {k: v for k, v in inputs.items() if k != "token_mask"}
+        if "position_ids" in inputs and "attention_mask" not in inputs:
+            inputs = {**inputs, "use_cache": False}  # a cache would turn the packed-sequence mask off
+        return inputs
+
     def _mean_loss_factor(self, num_items_in_batch) -> float:
         """Factor for a per-micro-batch mean added to the model loss (see `balance_loss_factor`)."""
         accumulation = (
@@ -281,6 +292,10 @@ class OccultTrainerMixin(Trainer):
         return records
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._fit_bias_pending:
+            self._fit_bias_pending = False
+            if self.state.global_step == 0:  # a resumed run keeps the bias it saved
+                self._fit_device_bias(model, inputs)
         reducer = self._expert_reducer if self._own_expert_reduction() is not None else None
         if reducer is not None and self.accelerator.sync_gradients:
             reducer.arm()  # the expert gradients' all-reduce overlaps this micro-batch's backward
@@ -297,6 +312,31 @@ class OccultTrainerMixin(Trainer):
             if record is not None:
                 record.probs = None
         return loss
+
+    @torch.no_grad()
+    def _fit_device_bias(self, model, inputs) -> None:
+        """`device_bias_init="first_batch"`: before the first step, set the device bias that balances this
+        micro-batch's routing (`fit_router_device_bias`: one forward, then the rule iterated on the kept
+        router outputs), its loads summed over processes so that every rank sets the same bias."""
+        inputs = self._prepare_inputs(inputs)
+        mask = real_token_mask(inputs)
+        batch = {k: v for k, v in self._model_inputs(inputs).items() if k != "labels"}
+        base = unwrap_model(model)
+        reduce = None
+        if self.accelerator.num_processes > 1 and torch.distributed.is_initialized():
+
+            def reduce(load_LD: torch.Tensor) -> torch.Tensor:
+                load_LD = load_LD.to(self.args.device)  # the backend's device (NCCL: the GPU)
+                torch.distributed.all_reduce(load_LD)
+                return load_LD
+
+        fit_router_device_bias(
+            base,
+            lambda: base(**batch),
+            self.args.device_bias_rate,
+            mask.reshape(-1).bool() if mask is not None else None,
+            reduce,
+        )
 
     @torch.no_grad()
     def _balance_devices(self) -> None:
