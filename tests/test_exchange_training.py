@@ -13,6 +13,7 @@ import pytest
 
 try:
     from .test_expert_parallel import (
+        PRUNING,
         check_trajectory,
         launch,
         run_config,
@@ -20,7 +21,14 @@ try:
         torchrun,
     )
 except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    from test_expert_parallel import check_trajectory, launch, run_config, single_process_references, torchrun
+    from test_expert_parallel import (
+        PRUNING,
+        check_trajectory,
+        launch,
+        run_config,
+        single_process_references,
+        torchrun,
+    )
 
 
 # ---- the config fields ------------------------------------------------------------------------------
@@ -102,21 +110,22 @@ def reference(tiny_olmoe_dir, tmp_path_factory):
 def exchanges_world2(tiny_olmoe_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("exchanges")
     ep = dict(expert_parallel_size=2)
+    pruned = PRUNING["pruned"]  # budget 1 and the device bias fitted on the first batch, as the reference
     cases = [
         dict(name="per_expert-plain", overrides=dict(ep, exchange="per_expert")),
-        dict(name="per_expert-pruned", overrides=dict(ep, exchange="per_expert", max_devices_per_token=1)),
+        dict(name="per_expert-pruned", overrides=dict(ep, exchange="per_expert", **pruned)),
         dict(name="chunks-plain", overrides=dict(ep, exchange_chunks=3)),
         dict(
             name="chunks-pruned",
-            overrides=dict(ep, exchange="per_expert", exchange_chunks=2, max_devices_per_token=1),
+            overrides=dict(ep, exchange="per_expert", exchange_chunks=2, **pruned),
         ),
         dict(name="overlap-plain", overrides=dict(ep, exchange_overlap_local=True)),
         dict(
             name="overlap-pruned",
-            overrides=dict(ep, exchange="per_expert", exchange_overlap_local=True, max_devices_per_token=1),
+            overrides=dict(ep, exchange="per_expert", exchange_overlap_local=True, **pruned),
         ),
         dict(name="capacity-plain", overrides=dict(ep, exchange_capacity="auto")),
-        dict(name="capacity-pruned", overrides=dict(ep, exchange_capacity="auto", max_devices_per_token=1)),
+        dict(name="capacity-pruned", overrides=dict(ep, exchange_capacity="auto", **pruned)),
     ]
     return launch(
         torchrun(2), dict(model=tiny_olmoe_dir, out=str(tmp), world=2, cases=cases), tmp, timeout=600
