@@ -284,6 +284,8 @@ SHAPES = {
     "messages": dict(assistant_only_loss=True),
     "packed": dict(packing=True, gradient_accumulation_steps=2, per_device_train_batch_size=2),
     "device_bias": dict(device_bias_rate=0.01),  # text rows; the mixin's bias update in both trainers
+    # the bias fitted on the first batch first, on TRL's assistant-only chat batches (extra keys included)
+    "device_bias_fit": dict(device_bias_rate=0.01, device_bias_init="first_batch", assistant_only_loss=True),
 }
 
 
