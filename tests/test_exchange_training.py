@@ -10,25 +10,14 @@ Shape legend: W processes, D expert-parallel size.
 from __future__ import annotations
 
 import pytest
-
-try:
-    from .test_expert_parallel import (
-        PRUNING,
-        check_trajectory,
-        launch,
-        run_config,
-        single_process_references,
-        torchrun,
-    )
-except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    from test_expert_parallel import (
-        PRUNING,
-        check_trajectory,
-        launch,
-        run_config,
-        single_process_references,
-        torchrun,
-    )
+from test_expert_parallel import (  # tests/ is not a package: pytest puts it on sys.path
+    PRUNING,
+    check_trajectory,
+    launch,
+    run_config,
+    single_process_references,
+    torchrun,
+)
 
 
 # ---- the config fields ------------------------------------------------------------------------------
