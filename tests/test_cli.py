@@ -747,3 +747,36 @@ def test_node_budget_through_prune_analyze_and_the_checkpoint(tmp_path, tiny_olm
     )
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["node_comm_complexity"] == 1.0
+
+
+def test_profile_reads_the_rows_spread_over_the_data(tmp_path, tiny_olmoe_dir):
+    """A file stored source after source, cut at --max-tokens: the profile is the one of the rows in
+    `spread_order` (both sources), not of the first rows in file order (the first source only)."""
+    from transformers import AutoTokenizer
+
+    from occult_ft.data import load_text_dataset, spread_rows
+    from occult_ft.evaluation import data_batches
+    from occult_ft.profiling import Profile, profile_model
+
+    path = tmp_path / "two_sources.txt"
+    prose = [f"It was the {i}th day of the long winter, and the road was white." for i in range(40)]
+    code = [f"def f{i}(x):\n    return x * {i} + len(str(x))" for i in range(40)]
+    path.write_text("\n\n".join(prose + code))
+    out = tmp_path / "p.safetensors"
+    args = ("--seq-len", 32, "--batch-size", 4, "--max-tokens", 300)
+    assert run_cli("profile", tiny_olmoe_dir, "--data", path, "--out", out, *args) == 0
+    got = Profile.load(str(out)).topk_ids()
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_olmoe_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_olmoe_dir)
+    rows = load_text_dataset(str(path))
+
+    def profile(data):
+        batches = data_batches(tokenizer, data, 32, 4, 300, response_only=False)
+        return profile_model(model, batches, max_tokens=300, progress=False).topk_ids()
+
+    spread, in_order = profile(spread_rows(rows)), profile(rows)
+    assert got.keys() == spread.keys()
+    for layer, ids in got.items():
+        assert torch.equal(ids, spread[layer])
+    assert any(not torch.equal(spread[layer], in_order[layer]) for layer in spread)

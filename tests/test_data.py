@@ -21,6 +21,8 @@ from occult_ft.data import (
     pack_examples,
     padding_share,
     profile_batches,
+    spread_order,
+    spread_rows,
     tokenize_dataset,
     unpack_row,
 )
@@ -506,3 +508,48 @@ def test_streamed_files_give_the_rows_of_the_loaded_ones(tmp_path, tokenizer):
     batches = list(profile_batches(got, make_collator(tokenizer), 4))
     assert sum(b["input_ids"].shape[0] for b in batches) == len(ALPACA) * 3
     assert all(b["attention_mask"] is not None for b in batches)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 40, 97, 4603])
+def test_spread_order_visits_every_row_once(n):
+    assert sorted(spread_order(n)) == list(range(n))
+
+
+def test_every_prefix_of_the_spread_order_covers_the_range_evenly():
+    for n in (101, 400, 4603, 65536):
+        order = list(spread_order(n))
+        for m in (4, 8, 16, 100):
+            if m > n // 4:
+                continue
+            quarters = [0, 0, 0, 0]
+            for j in order[:m]:
+                quarters[4 * j // n] += 1
+            assert max(abs(c - m / 4) for c in quarters) <= 2, (n, m, quarters)
+
+
+def test_profile_batches_sample_every_source_of_an_ordered_dataset(tokenizer):
+    # two sources stored one after the other, as corpora often are: a profile that stops after a few
+    # rows must still see both (in file order its first 50 rows are all "alpha")
+    rows = [{"text": f"alpha {i} " * 8} for i in range(50)] + [{"text": f"omega {i} " * 8} for i in range(50)]
+    ds = tokenize_dataset(Dataset.from_list(rows), tokenizer, seq_len=64)
+    batches = list(profile_batches(ds, make_collator(tokenizer), 4))
+    first = tokenizer.batch_decode(batches[0]["input_ids"], skip_special_tokens=True)
+    assert any("alpha" in t for t in first) and any("omega" in t for t in first)
+    # every row exactly once, nothing dropped or repeated
+    seen = sorted(
+        tuple(ids[mask.bool()].tolist())
+        for b in batches
+        for ids, mask in zip(b["input_ids"], b["attention_mask"])
+    )
+    assert seen == sorted(tuple(r) for r in ds["input_ids"])
+
+
+def test_spread_rows_reorders_in_memory_data_and_leaves_streams_alone(tmp_path):
+    from datasets import IterableDataset
+
+    rows = [{"text": str(i)} for i in range(10)]
+    want = [rows[j] for j in spread_order(10)]
+    assert spread_rows(rows) == want
+    assert list(spread_rows(Dataset.from_list(rows))) == want
+    stream = load_text_dataset(_write_jsonl(tmp_path / "a.jsonl", ALPACA), streaming=True)
+    assert isinstance(stream, IterableDataset) and spread_rows(stream) is stream

@@ -2,6 +2,7 @@
 
 The profile feeds `occult-ft place` and the similarity criterion of `occult-ft prune`. `--data embedded`
 reads the shipped training text here (the evaluation text stays held out for `eval` and `analyze`).
+Rows are read in `occult_ft.data.spread_order`, so a profile cut at --max-tokens samples the whole data.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_path(args.out, args.model, args.data, what="--out")
     check_hub_sources("profile", models=[args.model], datasets=[args.data])
-    data = load_args_data(args)
+    from ..data import spread_rows
+
+    data = spread_rows(load_args_data(args))  # --max-tokens then samples every source of the data
 
     quiet_deepspeed_accelerator()
     from ..checkpoint.load import load_model_and_tokenizer

@@ -7,8 +7,8 @@ benchmarks and the demo all call it:
                 streamed); rows of the text / instruction / prompt / messages layouts
     tokenize    `tokenize_dataset`: causal-LM examples, response-only labels, packing (text blocks, or
                 several examples per row with restarting `position_ids`)
-    batching    `make_collator` (padded or packed batches), `iter_batches`, `profile_batches`,
-                `make_batches`, `padding_share`
+    batching    `make_collator` (padded or packed batches), `iter_batches`, `profile_batches`
+                (rows in `spread_order`: `spread_rows`), `make_batches`, `padding_share`
 
 `tokenize_dataset` returns `input_ids`, `labels` and `attention_mask` (lists of `seq_len` ints) or,
 for packed example rows, `position_ids`; `labels` is -100 on padding and, with `response_only=True`,
@@ -26,6 +26,8 @@ from .batching import (
     padding_share,
     profile_batches,
     real_token_mask,
+    spread_order,
+    spread_rows,
     unpack_row,
 )
 from .loading import (
@@ -65,6 +67,8 @@ __all__ = [
     "pad_token_id",
     "padding_share",
     "profile_batches",
+    "spread_order",
+    "spread_rows",
     "real_token_mask",
     "tokenize_dataset",
     "tokenize_for_training",

@@ -20,6 +20,7 @@ cache turns the packed-sequence mask off); `OccultTrainer` removes `token_mask` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -35,6 +36,8 @@ __all__ = [
     "flat_packing",
     "unpack_row",
     "iter_batches",
+    "spread_order",
+    "spread_rows",
     "profile_batches",
     "make_batches",
     "real_token_mask",
@@ -175,11 +178,44 @@ def iter_batches(
         yield collate(features)
 
 
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # 1 / phi
+
+
+def spread_order(n: int) -> Iterator[int]:
+    """0, ..., n - 1, each once, in an order whose every prefix is spread evenly over the range.
+
+    Profiles stop after a number of tokens, and corpora are often stored source after source (the
+    embedded one: novel, dictionary, code, reference), so the first rows in file order describe one
+    source only. Row i of the order is (i * a) mod n with a stride a near n / phi and coprime with n:
+    a permutation (a has an inverse mod n) in which the first m rows fall into m nearly equal gaps of
+    the range (the golden-ratio Weyl sequence, the most even one of its kind). Constant memory."""
+    if n <= 0:
+        return
+    near = max(1, round(n * _GOLDEN))
+    # the coprime stride nearest n / phi; n - 1 is coprime with n, so the search ends inside the range
+    a = next(s for d in range(n) for s in (near + d, near - d) if 0 < s and math.gcd(s, n) == 1)
+    for i in range(n):
+        yield (i * a) % n
+
+
+def spread_rows(dataset):
+    """`dataset` with its rows in `spread_order`: a `Dataset` (an index mapping, nothing copied) or a list;
+    a stream (`IterableDataset`, any other iterable) is returned as it is (sampling it would read it all)."""
+    from datasets import Dataset
+
+    if isinstance(dataset, Dataset):
+        return dataset.select(list(spread_order(len(dataset))))
+    if isinstance(dataset, list):
+        return [dataset[j] for j in spread_order(len(dataset))]
+    return dataset
+
+
 def profile_batches(dataset, collate, batch_size: int) -> Iterator[dict]:
     """Batches of a tokenized dataset for `profile_model`: `input_ids` and `attention_mask`; packed rows
-    are split into their examples, so every token is routed as in an unpacked forward."""
+    are split into their examples, so every token is routed as in an unpacked forward. The rows come in
+    `spread_order`, so a profile of the first N tokens samples the whole dataset, not its first source."""
     for batch in iter_batches(
-        dataset, collate, batch_size, unpack=True, columns=("input_ids", "attention_mask")
+        spread_rows(dataset), collate, batch_size, unpack=True, columns=("input_ids", "attention_mask")
     ):
         yield {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
 

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ..apply import placed_copy
 from ..checkpoint.load import from_pretrained, load_model_and_tokenizer
-from ..data import load_text_dataset
+from ..data import load_text_dataset, spread_rows
 from ..evaluation import data_batches, evaluate_model
 from ..fileio import atomic_write_text
 from ..metrics import random_placement_comm_complexity, routing_report
@@ -58,7 +58,7 @@ def _prepare(s: DemoSettings):
     model, tokenizer = load_model_and_tokenizer("embedded")
     model.eval()
 
-    train_text = load_text_dataset("embedded", split="train")
+    train_text = spread_rows(load_text_dataset("embedded", split="train"))  # every source, not the first
     prof_batches = data_batches(tokenizer, train_text, s.seq_len, 16, s.profile_tokens)
     profile = profile_model(
         model, prof_batches, model_name="embedded", max_tokens=s.profile_tokens, progress=s.progress
