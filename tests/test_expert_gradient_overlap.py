@@ -107,7 +107,9 @@ CASES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+# 4 ranks run the 2-rank cases with 2 replicas of each shard and a case without replicas: `make test`
+# runs them, `make test-all` also the 2-rank run
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.extended), 4])
 def test_overlapped_expert_reduction_equals_the_blocking_one(world):
     results = run_distributed(_worker, world, CASES[world], timeout=300.0)
     for rank, per_case in enumerate(results):
