@@ -212,7 +212,20 @@ def served(request, tmp_path_factory):
     return {"got": got, "ref": ref, "unpruned": unpruned, "paths": paths}
 
 
-SERVED_CASES = [pytest.param(c, id=_name(*c)) for c in CASES]
+#: `make test` serves one case per type (every criterion and both budgets among them); `make test-all` and
+#: `make test-vllm` serve all (an engine start, ~10 s on 2 cores, per case)
+IN_MAKE_TEST = {
+    ("olmoe", 1, "similarity"),
+    ("qwen3_moe", 1, "device_max"),
+    ("mixtral", 2, "device_topk_sum"),
+    ("qwen2_moe", 2, "device_max"),
+    ("deepseek_v2", 2, "score"),
+    ("deepseek_v3", 1, "score"),
+    ("gpt_oss", 2, "similarity"),
+}
+SERVED_CASES = [
+    pytest.param(c, id=_name(*c), marks=() if c in IN_MAKE_TEST else pytest.mark.extended) for c in CASES
+]
 
 
 #: vLLM's own DeepSeek-V2/V3 differs from transformers' by ~2e-3 in prompt logprobs without any budget,
