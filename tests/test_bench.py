@@ -355,6 +355,31 @@ def test_bad_inputs_give_one_line_errors(args, message, capsys):
     assert message in err and len(err.splitlines()) == 1
 
 
+def test_devices_default_to_4_or_one_process_per_node():
+    from occult_ft.commands.bench import default_devices
+
+    assert [default_devices(n) for n in (1, 2, 4)] == [4, 4, 4]  # 1 x 4, 2 x 2, 4 x 1
+    assert [default_devices(n) for n in (3, 8)] == [3, 8]  # one process per node
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # the errors name the D chosen without --devices: 4, and 3 for 3 nodes
+        (
+            ["--train", "--tokens", "512"],
+            "micro_batch_tokens=512 must be a multiple of devices x seq_len = 1024",
+        ),
+        (["--train", "--nodes", "3"], "devices=3 must divide the 64 experts"),
+        (["--synthetic", "--experts", "6"], "devices=4 must divide the 6 experts"),
+    ],
+)
+def test_devices_is_optional_and_resolved_before_the_settings_are_checked(args, message, capsys):
+    assert main(["bench", *args, "--cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
 def test_model_without_data_and_bad_settings_are_rejected(capsys, tmp_path):
     assert main(["bench", str(tmp_path / "nowhere"), "--devices", "2"]) == 2
     assert "needs --data" in capsys.readouterr().err

@@ -1,7 +1,8 @@
-"""`occult-ft bench MODEL --data DATA --devices D [--placement P] [--max-devices-per-token N] [--json]`
-(or `occult-ft bench --synthetic --devices D [--experts 64 --top-k 8 --tokens 8192 --hidden 2048]`).
+"""`occult-ft bench MODEL --data DATA [--devices D] [--placement P] [--max-devices-per-token N] [--json]`
+(or `occult-ft bench --synthetic [--devices D] [--experts 64 --top-k 8 --tokens 8192 --hidden 2048]`).
 
-In one run, on the same tokens and routing, spawns D processes (gloo on CPU, or the GPUs present) and
+In one run, on the same tokens and routing, spawns D processes (--devices; 4 by default, or one per node
+when --nodes does not divide 4; gloo on CPU, or the GPUs present) and
 measures per MoE layer the rows and bytes sent and the time of the forward exchange (dispatch +
 combine) of: DeepSpeed's classic MoE (capacity factor, and drop-free), per-expert dispatch (one row
 per (token, expert), as transformers native EP / DeepSpeed AutoEP send), transformers' native
@@ -13,8 +14,8 @@ inside the node) is measured too, and rows and bytes are reported inside and acr
 named cluster shapes (--cluster, repeatable; presets or NAME:devices_per_node=8,nodes=2,intra=450,
 inter=50,latency=10). Prints a table, or with --json one JSON object.
 
-`occult-ft bench --train --devices D [--experts 64 --top-k 8 --hidden 512 --num-layers 2 --tokens 2048]`
-measures whole training steps instead (forward, backward, optimizer) of data parallel (HF Trainer),
+`occult-ft bench --train [--link-rate RATE] [--nodes N] [--devices D] [--experts 64 --top-k 8 --hidden 512
+--num-layers 2 --tokens 2048]` measures whole training steps instead (forward, backward, optimizer) of data parallel (HF Trainer),
 occult_ft's expert parallelism (no budget, budgets 2 and 1, per-expert rows through its own exchange),
 transformers' native EP and DeepSpeed MoE on one OLMoE-shaped model (or, with MODEL `embedded`, the
 embedded model on its corpus: trained, skewed routing), side by side: the short version of
@@ -23,7 +24,7 @@ default. `--link-rate RATE` (e.g. 1gbit) runs them in an emulated cluster (`occu
 root, iproute2): --nodes N network namespaces of D/N processes whose links are shaped to RATE (one
 node: its loopback), built for the run and removed after it.
 
-`occult-ft bench --generate --devices D` measures expert-parallel inference instead: prefill tokens/s
+`occult-ft bench --generate [--devices D]` measures expert-parallel inference instead: prefill tokens/s
 and decode ms per token of greedy `generate` on the embedded model, for occult_ft without a budget and
 with budgets 2 and 1 (`occult_ft.from_pretrained(DIR, expert_parallel_size=D)`), per-expert rows through
 occult_ft's exchange, and transformers' native EP (`occult_ft.bench.generate`); --batch-size prompts
@@ -111,7 +112,11 @@ def add_parser(sub):
         "--num-layers", type=positive_int, default=None, help="--synthetic: MoE layers (1); --train: 2"
     )
     p.add_argument(
-        "--devices", type=positive_int, required=True, help="processes = expert-parallel size D (>= 2)"
+        "--devices",
+        type=positive_int,
+        default=None,
+        help="processes = expert-parallel size D (>= 2); default 4, or one per node when --nodes does not "
+        "divide 4",
     )
     p.add_argument(
         "--nodes",
@@ -243,6 +248,12 @@ def build_workload(args: argparse.Namespace, settings):
     )
 
 
+def default_devices(nodes: int) -> int:
+    """D when --devices is not given: 4 processes (4 nodes of 1, 2 of 2, or 1 of 4: the setting the
+    documented figures use), or one per node for a node count that does not divide 4."""
+    return 4 if 4 % nodes == 0 else nodes
+
+
 def run_train(args: argparse.Namespace) -> int:
     """`--train`: the train-step benchmark with the command's flags (a short run by default)."""
     from ..bench.step import DEFAULT_CONTENDERS, StepSettings, format_step_report, run_train_step
@@ -343,6 +354,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot is not None:
         check_output_path(args.plot, what="--plot")
+    if args.devices is None:
+        args.devices = default_devices(args.nodes)
     if args.train and args.generate:
         raise ValueError("--train and --generate measure different things; pass one of them")
     if args.train:
