@@ -14,15 +14,15 @@ inside the node) is measured too, and rows and bytes are reported inside and acr
 named cluster shapes (--cluster, repeatable; presets or NAME:devices_per_node=8,nodes=2,intra=450,
 inter=50,latency=10). Prints a table, or with --json one JSON object.
 
-`occult-ft bench --train [--link-rate RATE] [--nodes N] [--devices D] [--experts 64 --top-k 8 --hidden 512
---num-layers 2 --tokens 2048]` measures whole training steps instead (forward, backward, optimizer) of data parallel (HF Trainer),
-occult_ft's expert parallelism (no budget, budgets 2 and 1, per-expert rows through its own exchange),
-transformers' native EP and DeepSpeed MoE on one OLMoE-shaped model (or, with MODEL `embedded`, the
-embedded model on its corpus: trained, skewed routing), side by side: the short version of
-benchmarks/train_step.py (`occult_ft.bench.step`), 1 round of 3 steps of --grad-accum micro-batches by
-default. `--link-rate RATE` (e.g. 1gbit) runs them in an emulated cluster (`occult_ft.bench.cluster`;
-root, iproute2): --nodes N network namespaces of D/N processes whose links are shaped to RATE (one
-node: its loopback), built for the run and removed after it.
+`occult-ft bench --train [--link-rate RATE] [--nodes N] [--devices D] [--experts 64 --top-k 8 --hidden
+512 --num-layers 2 --tokens 2048]` measures whole training steps instead (forward, backward, optimizer)
+of data parallel (HF Trainer), occult_ft's expert parallelism (no budget, budgets 2 and 1, per-expert
+rows through its own exchange), transformers' native EP and DeepSpeed MoE on one OLMoE-shaped model (or,
+with MODEL `embedded`, the embedded model on its corpus: trained, skewed routing), side by side: the
+short version of benchmarks/train_step.py (`occult_ft.bench.step`), 1 round of 3 steps of --grad-accum
+micro-batches by default. `--link-rate RATE` (e.g. 1gbit) runs them in an emulated cluster
+(`occult_ft.bench.cluster`; root, iproute2): --nodes N network namespaces of D/N processes whose links
+are shaped to RATE (one node: its loopback), built for the run and removed after it.
 
 `occult-ft bench --generate [--devices D]` measures expert-parallel inference instead: prefill tokens/s
 and decode ms per token of greedy `generate` on the embedded model, for occult_ft without a budget and
