@@ -1,8 +1,8 @@
 # Set-up and the two everyday jobs. Every target installs what it needs into .venv first.
 #   make demo   - the whole pipeline on the embedded default model and corpus (CPU, a few minutes)
-#   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU): the fast tier, then the slow one
-#                 (multi-process runs, notebooks, vLLM serving: it builds vLLM's environment .venv-vllm
-#                 first), each on two pytest-xdist workers; the slow tier keeps a file on one worker
+#   make test   - the test suite (CPU, gloo; GPU tests skip without a GPU): the fast tier (while pip builds
+#                 vLLM's environment .venv-vllm beside it), then the slow one (multi-process runs, notebooks,
+#                 vLLM serving), each on two pytest-xdist workers; the slow tier keeps a file on one worker
 #                 (--dist loadfile), so a module's process groups and vLLM engines are started once
 #   make test-fast - the fast tier alone (no multi-process or training runs; a few minutes on 2 cores)
 #   make lint   - ruff check + ruff format --check + codespell + mypy occult_ft (CI runs it before the tests)
@@ -24,7 +24,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # the Python the vLLM tests start vLLM with (tests/test_vllm.py, tests/test_card_load_lines.py)
 export OCCULT_FT_VLLM_PYTHON ?= $(CURDIR)/$(VLLM_VENV)/bin/python
 
-.PHONY: install demo test test-all test-fast test-gpu bench-gpu lint style docs clean vllm-env test-vllm
+.PHONY: install demo test test-all test-fast test-slow-tier test-gpu bench-gpu lint style docs clean vllm-env test-vllm
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,13 +38,17 @@ install: $(BIN)/.installed
 demo: $(BIN)/.installed
 	$(BIN)/occult-ft demo
 
-test: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
-	$(BIN)/python -m pytest -q -m "not slow" -n 2
-	$(BIN)/python -m pytest -q -m "slow and not extended" -n 2 --dist loadfile --durations=15
+# the fast tier needs no vLLM: it runs while pip builds .venv-vllm (two jobs: make -j2), then the slow tier
+SLOW_TIER ?= slow and not extended
 
-test-all: $(BIN)/.installed $(VLLM_VENV)/bin/.installed
-	$(BIN)/python -m pytest -q -m "not slow" -n 2
-	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadfile
+test: $(BIN)/.installed
+	$(MAKE) --no-print-directory -j2 test-slow-tier
+
+test-all: $(BIN)/.installed
+	$(MAKE) --no-print-directory -j2 test-slow-tier SLOW_TIER=slow
+
+test-slow-tier: test-fast $(VLLM_VENV)/bin/.installed
+	$(BIN)/python -m pytest -q -m "$(SLOW_TIER)" -n 2 --dist loadfile --durations=15
 
 test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m "not slow" -n 2
