@@ -14,6 +14,7 @@ would give them (the umask applied; an existing file keeps its mode), not the pr
     umask_modes(path)                      files written private by a library (safetensors) get the
                                            modes of a plain open() / mkdir
     check_output_path / WRITTEN            where outputs may go; who owns each entry of an output folder
+    check_results_dir                      a demo's or study's results folder: only its own entries
 
 Reading (`reading`, `reading_directory`, `read_json_object`, `read_text`, `load_safetensors`,
 `torch_load`): a file that cannot be read (missing, not UTF-8, not JSON, a truncated safetensors file,
@@ -52,6 +53,7 @@ __all__ = [
     "recover_directory",
     "umask_modes",
     "check_output_path",
+    "check_results_dir",
     "foreign_entries",
     "is_artifact",
     "model_card_writer",
@@ -587,6 +589,31 @@ def _check_replaced_directory(out: str, what: str) -> None:
     raise OutputPathError(
         f"{what} {out!r} is a model directory occult_ft did not write; pass a new or empty directory"
     )
+
+
+def check_results_dir(out: str | os.PathLike | None, entries: str, what: str = "output_dir") -> None:
+    """Refuse (`OutputPathError`, one line) the results folder of a command that writes a fixed set of
+    entries into it (`occult-ft demo`, `occult-ft study`): it must be missing, empty, or hold only those
+    entries (a previous run's) and the temporary siblings they are written through. A folder holding
+    anything else is the user's: the command's files would be written among theirs, over theirs at a
+    shared name. `entries` is a regular expression matched against each top-level name."""
+    if out is None or not os.fspath(out).strip():
+        raise OutputPathError(f"{what} is empty; pass the directory to write, e.g. {what}=my-results")
+    out = os.fspath(out)
+    _check_directory_path(out, what, replace=False)
+    if not os.path.isdir(out):
+        return
+    ours = re.compile(rf"(?:{entries})|\.(?:{entries})\.(?:tmp-.*|new|old(?:-.*)?)")
+    foreign = sorted(
+        n + ("/" if os.path.isdir(os.path.join(out, n)) else "")
+        for n in os.listdir(out)
+        if not ours.fullmatch(n)
+    )
+    if foreign:
+        raise OutputPathError(
+            f"{what} {out!r} holds files occult_ft did not write ({_shown(foreign)}); pass a new or empty "
+            "directory"
+        )
 
 
 # ---- reading ----------------------------------------------------------------------------------------

@@ -564,3 +564,49 @@ def test_a_directory_written_into_keeps_the_users_other_files_but_not_colliding_
         check_output_path(out, what="output_dir", directory=True, replace=False)
     (out / "trainer_state.json").write_text("{}")  # ... unless it is an earlier run's output
     check_output_path(out, what="output_dir", directory=True, replace=False)
+
+
+def test_a_results_folder_holds_only_what_its_command_writes(tmp_path):
+    """`occult-ft demo` / `study` write a fixed set of entries: a folder holding anything else is the
+    user's and is refused before anything is written; a previous run's folder (and the temporary
+    siblings its files went through) is written again."""
+    from occult_ft.fileio import check_results_dir
+    from occult_ft.studies.finetune import RESULTS_ENTRIES
+
+    check_results_dir(tmp_path / "missing", RESULTS_ENTRIES)
+    check_results_dir(tmp_path, RESULTS_ENTRIES)  # empty
+    previous = tmp_path / "previous"
+    for name in ("profile.safetensors", "placement-search.json", "demo_results.json", "months-train.jsonl"):
+        (previous / name).parent.mkdir(exist_ok=True)
+        (previous / name).write_text("x")
+    for folder in ("model", "ft-2-score", "runs", ".model.old", ".profile.safetensors.tmp-ab12"):
+        (previous / folder).mkdir()
+    (previous / "study_months_results.json").write_text("{}")
+    check_results_dir(previous, RESULTS_ENTRIES)
+
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "profile.safetensors").write_text("my profile")
+    (user / "notes.txt").write_text("mine")
+    (user / "src").mkdir()
+    with pytest.raises(
+        OutputPathError, match=r"output_dir '.*mine' holds files occult_ft did not write \(notes.txt, src/\)"
+    ):
+        check_results_dir(user, RESULTS_ENTRIES)
+    assert (user / "profile.safetensors").read_text() == "my profile"
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(OutputPathError, match="is a file; pass a directory path"):
+        check_results_dir(tmp_path / "a-file", RESULTS_ENTRIES)
+    with pytest.raises(OutputPathError, match="output_dir is empty"):
+        check_results_dir("", RESULTS_ENTRIES)
+
+
+@pytest.mark.parametrize("command", [["demo"], ["study"], ["study", "--task", "months"]])
+def test_the_demo_and_the_studies_refuse_a_folder_of_the_users_before_writing(tmp_path, command, capsys):
+    from occult_ft.cli import main
+
+    (tmp_path / "thesis.tex").write_text("mine")
+    assert main([*command, "--output-dir", str(tmp_path), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "holds files occult_ft did not write (thesis.tex)" in err and str(tmp_path) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["thesis.tex"]

@@ -32,7 +32,7 @@ from ..models import find_moe_layers
 from ..placement import compute_placement
 from ..profiling import profile_model
 from ..routing import PruningConfig
-from .finetune import DemoSettings, finetune_embedded
+from .finetune import DemoSettings, finetune_embedded, results_dir
 from .task_study import run_task_study
 
 __all__ = ["run_demo", "run_quality_study", "format_rows"]
@@ -53,7 +53,7 @@ def _evaluate(model, batches, devices: int, progress: bool = True) -> dict:
 def _prepare(s: DemoSettings):
     """Base model, eval batches, profile and the three placements (saved under output_dir)."""
 
-    os.makedirs(s.output_dir, exist_ok=True)
+    results_dir(s)
     torch.manual_seed(s.seed)
     model, tokenizer = load_model_and_tokenizer("embedded")
     model.eval()

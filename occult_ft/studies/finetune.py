@@ -4,14 +4,24 @@ and `finetune_embedded` (one `occult_ft.trainer.train` of the embedded model, ti
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from ..fileio import check_results_dir
 from ..trainer import OccultConfig, train
 
-__all__ = ["DemoSettings", "finetune_embedded"]
+__all__ = ["DemoSettings", "RESULTS_ENTRIES", "finetune_embedded", "results_dir"]
+
+#: every entry the demo and the studies write at the top of their `output_dir`: the profile, the
+#: placements, the fine-tuned checkpoints (`model`, `ft-*`, a task study's `runs/`), a task's training
+#: rows and the results JSON
+RESULTS_ENTRIES = (
+    r"profile\.safetensors|placement-\w+\.json|model|ft-[\w.-]+|runs|[\w.-]+-train\.jsonl"
+    r"|(demo|study)(_[\w.-]+)?_results\.json"
+)
 
 
 @dataclass
@@ -43,6 +53,13 @@ class DemoSettings:
     eval_tokens: int = 32768
     seed: int = 0
     progress: bool = True
+
+
+def results_dir(s: DemoSettings) -> str:
+    """`s.output_dir`, created, once `check_results_dir` has found nothing of the user's in it."""
+    check_results_dir(s.output_dir, RESULTS_ENTRIES)
+    os.makedirs(s.output_dir, exist_ok=True)
+    return s.output_dir
 
 
 def finetune_embedded(

@@ -37,7 +37,7 @@ from ..fileio import atomic_write_text
 from ..placement import compute_placement
 from ..profiling import profile_model
 from ..routing import PruningConfig
-from .finetune import finetune_embedded
+from .finetune import finetune_embedded, results_dir
 from .tasks import exact_match, task_split
 
 __all__ = [
@@ -250,7 +250,7 @@ def run_task_study(
         raise ValueError(f"distill_coef={distill_coef!r} must be >= 0 (0 leaves the distilled rows out)")
     say = print if verbose else (lambda *a, **k: None)
     start = time.perf_counter()
-    os.makedirs(s.output_dir, exist_ok=True)
+    results_dir(s)
     train, held_out = task_split(task, train_rows, eval_rows)
     data_path = os.path.join(s.output_dir, f"{task}-train.jsonl")
     atomic_write_text(data_path, "".join(json.dumps(r) + "\n" for r in train))
