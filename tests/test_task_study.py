@@ -9,7 +9,13 @@ import os
 import pytest
 
 from occult_ft.cli import main
-from occult_ft.studies.task_study import format_task_table, merge_results, paired_difference, summarize_runs
+from occult_ft.studies.task_study import (
+    finetuning_plan,
+    format_task_table,
+    merge_results,
+    paired_difference,
+    summarize_runs,
+)
 
 
 def test_paired_difference_by_hand():
@@ -36,6 +42,19 @@ def _run(setting, kind, seed, loss, em, budget=None, criterion=None):
         "comm_complexity": 2.0,
         "removed_mass": 0.0,
     }
+
+
+def test_every_seed_fine_tunes_standard_then_each_pruned_setting_then_the_distilled_ones():
+    assert finetuning_plan((1, 2), ("score", "similarity"), "similarity", 0.0) == [
+        ("standard fine-tuning", "standard", None, "score", 0.0),
+        ("prune to 1, score, fine-tuned", "pruned", 1, "score", 0.0),
+        ("prune to 1, similarity, fine-tuned", "pruned", 1, "similarity", 0.0),
+        ("prune to 2, score, fine-tuned", "pruned", 2, "score", 0.0),
+        ("prune to 2, similarity, fine-tuned", "pruned", 2, "similarity", 0.0),
+    ]
+    plan = finetuning_plan((1, 2), ("score",), "similarity", 0.5, distill_budgets=(2,))
+    assert plan[-1] == ("prune to 2, similarity, distilled (0.5)", "distilled", 2, "similarity", 0.5)
+    assert [row[1] for row in plan] == ["standard", "pruned", "pruned", "distilled"]
 
 
 def test_gain_kept_is_paired_with_the_standard_run_of_the_same_seed():

@@ -43,6 +43,7 @@ from .tasks import exact_match, task_split
 __all__ = [
     "TASK_SETTINGS",
     "run_task_study",
+    "finetuning_plan",
     "summarize_runs",
     "format_task_table",
     "paired_difference",
@@ -211,6 +212,21 @@ def merge_results(*results: dict) -> dict:
     return merged
 
 
+def finetuning_plan(budgets, criteria, distill_criterion: str, distill_coef: float, distill_budgets=None):
+    """The fine-tunings of one seed, in order: (setting, kind, budget, criterion, distill_coef) for the
+    standard (unpruned) run, every budget x criterion pruned, then the distilled runs (`distill_coef` > 0;
+    `distill_budgets`, default `budgets`, with `distill_criterion`)."""
+    plan = [("standard fine-tuning", "standard", None, "score", 0.0)]
+    plan += [(f"prune to {m}, {c}, fine-tuned", "pruned", m, c, 0.0) for m in budgets for c in criteria]
+    if distill_coef > 0:
+        name = f"{distill_criterion}, distilled ({distill_coef:g})"
+        plan += [
+            (f"prune to {m}, {name}", "distilled", m, distill_criterion, distill_coef)
+            for m in (budgets if distill_budgets is None else distill_budgets)
+        ]
+    return plan
+
+
 def run_task_study(
     settings,
     task: str = "months",
@@ -299,19 +315,7 @@ def run_task_study(
                 m,
                 crit,
             )
-    plan = [("standard fine-tuning", "standard", None, "score", 0.0)]
-    plan += [(f"prune to {m}, {c}, fine-tuned", "pruned", m, c, 0.0) for m in budgets for c in criteria]
-    if distill_coef > 0:
-        plan += [
-            (
-                f"prune to {m}, {s.criterion}, distilled ({distill_coef:g})",
-                "distilled",
-                m,
-                s.criterion,
-                distill_coef,
-            )
-            for m in (budgets if distill_budgets is None else distill_budgets)
-        ]
+    plan = finetuning_plan(budgets, criteria, s.criterion, distill_coef, distill_budgets)
     results_path = os.path.join(s.output_dir, f"study_{task}_results.json")
 
     def result(done: list[int]) -> dict:
