@@ -21,7 +21,8 @@ import argparse
 import json
 import sys
 
-from occult_ft.bench.step import DEFAULT_CONTENDERS, SHAPES, StepSettings, format_step_report, run_train_step
+from occult_ft.bench.step import DEFAULT_CONTENDERS, SHAPES, StepSettings, run_train_step
+from occult_ft.bench.step_report import format_step_report
 from occult_ft.fileio import atomic_write_text
 
 

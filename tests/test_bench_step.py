@@ -21,12 +21,14 @@ from occult_ft.bench.step import (
     BALANCED_BIAS_RATE,
     Contender,
     StepSettings,
-    _compare,
     _cost_model,
-    _summarise,
     contender_spec,
-    format_step_report,
     run_train_step,
+)
+from occult_ft.bench.step_report import (
+    compare_contenders,
+    format_step_report,
+    summarise_contender,
     waiting_by_rank,
 )
 from occult_ft.cli import main
@@ -174,7 +176,7 @@ def test_summary_takes_the_slowest_rank_per_step_and_the_median_over_rounds():
         _run([[9.0, 1.0, 2.0], [9.0, 1.5, 1.0]], phases, [5.0, 4.0, 3.0]),
         _run([[9.0, 3.0, 1.0], [9.0, 1.0, 1.2]], phases, [5.0, 4.0, 3.0]),
     ]
-    row = _summarise("occult_ep", runs, s)
+    row = summarise_contender("occult_ep", runs, s.warmup, s.tokens_per_step)
     # an optimizer step trains 3 micro-batches of 64 tokens
     assert row["step_s"] == pytest.approx(1.75) and row["tokens_per_s"] == pytest.approx(3 * 64 / 1.75)
     assert row["step_s_runs"] == [1.5, 2.0, 3.0, 1.2]
@@ -193,9 +195,11 @@ def test_summary_keeps_the_logged_routing_of_the_timed_steps_only():
     for run, values in zip(runs, ([9.0, 1.2, 1.4], [9.0, 1.6, 1.8])):  # 9.0: the warm-up step
         for record, value in zip(run["ranks"][0]["records"], values):
             record["routing"] = {"load_imbalance": value, "comm_complexity": value + 1}
-    row = _summarise("occult_ep", runs, s)
+    row = summarise_contender("occult_ep", runs, s.warmup, s.tokens_per_step)
     assert row["load_imbalance"] == pytest.approx(1.5) and row["comm_complexity"] == pytest.approx(2.5)
-    assert "load_imbalance" not in _summarise("data_parallel", [_run([[1.0, 1.0]], {}, [5.0])], s)
+    assert "load_imbalance" not in summarise_contender(
+        "data_parallel", [_run([[1.0, 1.0]], {}, [5.0])], s.warmup, s.tokens_per_step
+    )
 
     # one step, two ranks, world group: collective 0 issued at t=1.0 (rank 0) and t=1.5 (rank 1);
     # rank 0 blocked 1.0-1.7 -> waited 0.5 (until 1.5), transfer 0.2; rank 1 blocked 1.5-1.7 -> 0.
@@ -229,7 +233,7 @@ def test_the_step_split_adds_up_to_the_step():
             ]
         }
     ]
-    row = _summarise("occult_ep", runs, s)
+    row = summarise_contender("occult_ep", runs, s.warmup, s.tokens_per_step)
     split = row["split_ms"]
     # blocked 500 ms per rank; rank 0 waited 100 -> mean waiting 50, exposed 450
     assert split["waiting"] == pytest.approx(50.0) and split["exposed_exchange"] == pytest.approx(450.0)
@@ -268,7 +272,7 @@ def test_comparison_with_the_best_other_contender_and_data_parallel():
         },
         {"contender": "hf_native_ep", "measured": False, "ours": False, "reason": "x"},
     ]
-    _compare(rows)
+    compare_contenders(rows)
     assert rows[2]["vs_best_other"] == pytest.approx(1.25) and rows[2]["best_other"] == "deepspeed_moe"
     assert rows[2]["peak_vs_dp"] == pytest.approx(0.25)
     assert rows[1]["loss_vs_dp"]["max"] == pytest.approx(0.1) and rows[1]["loss_vs_dp"]["first_step"] == 0.0
@@ -298,14 +302,22 @@ def test_the_report_reads_as_a_table_and_draws(tmp_path):
     phases = {"forward": 0.4, "moe_block": 0.2, "optimizer": 0.1}
     rows = [
         {
-            **_summarise("data_parallel", [_run([[1.0], [1.0]], phases, [5.0])], s),
+            **summarise_contender(
+                "data_parallel", [_run([[1.0], [1.0]], phases, [5.0])], s.warmup, s.tokens_per_step
+            ),
             "measured": True,
             "ours": False,
         },
-        {**_summarise("occult_ep", [_run([[0.5], [0.5]], phases, [5.0])], s), "measured": True, "ours": True},
+        {
+            **summarise_contender(
+                "occult_ep", [_run([[0.5], [0.5]], phases, [5.0])], s.warmup, s.tokens_per_step
+            ),
+            "measured": True,
+            "ours": True,
+        },
         {"contender": "hf_native_ep", "measured": False, "reason": "ImportError: no", "ours": False},
     ]
-    _compare(rows)
+    compare_contenders(rows)
     report = {
         "settings": vars(s) | {"hidden": 32},
         "device": "cpu",
@@ -318,10 +330,14 @@ def test_the_report_reads_as_a_table_and_draws(tmp_path):
     assert "occult_ep" in text and "2.00x" in text and "not measured: ImportError: no" in text
     # without data parallel (e.g. `--contenders occult_ep,occult_ep_chunks2`) there is no loss to compare
     alone = [
-        {**_summarise(n, [_run([[0.5], [0.5]], phases, [5.0])], s), "measured": True, "ours": True}
+        {
+            **summarise_contender(n, [_run([[0.5], [0.5]], phases, [5.0])], s.warmup, s.tokens_per_step),
+            "measured": True,
+            "ours": True,
+        }
         for n in ("occult_ep", "occult_ep_chunks2")
     ]
-    _compare(alone)
+    compare_contenders(alone)
     text = format_step_report(report | {"contenders": alone})
     assert "occult_ep_chunks2" in text and "e-" not in text.split("phases")[0]
     from occult_ft.plots import plot_train_step

@@ -80,7 +80,7 @@ def _now(cuda: bool) -> float:
 # timed as waiting), and the optimizer step (global optimizer hooks). On CUDA it synchronises around what
 # it times. Each exchange collective is also recorded as an event (its group, its sequence number in that
 # group, when this rank issued it, when this rank was blocked in it or in its `wait()`): the driver tells
-# waiting for other ranks from transfer with them (`occult_ft.bench.step.waiting_by_rank`; one machine,
+# waiting for other ranks from transfer with them (`occult_ft.bench.step_report.waiting_by_rank`; one machine,
 # one monotonic clock). Gradient reductions issued inside backward (DDP's buckets, through its Python
 # all-reduce hook; DeepSpeed's all-reduce; FSDP's reduce-scatter) are the `dense_allreduce` phase: the
 # blocking calls, and for asynchronous ones the time from the last one's issue to the end of backward

@@ -148,21 +148,7 @@ def analyze_model(
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checks import divisors, nodes_divide
-    from ..fileio import check_output_path
-
-    if args.plot is not None:
-        check_output_path(args.plot, args.model, args.data, what="--plot")
-    if not nodes_divide(args.devices, args.nodes):
-        raise ValueError(
-            f"--nodes {args.nodes} does not divide --devices {args.devices}; use one of {divisors(args.devices)}"
-        )
-    budget = args.max_devices_per_token is not None or args.max_nodes_per_token is not None
-    if budget and args.criterion == "similarity" and args.profile is None:
-        raise ValueError(
-            "--criterion similarity (the default) builds its tables from a profile: pass --profile PROFILE "
-            "(the one `occult-ft place` read), or --criterion score"
-        )
+    budget = _check_flags(args)
     check_hub_sources("analyze", models=[args.model], datasets=[args.data])
     data = load_args_data(args)
 
@@ -173,15 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = from_pretrained(args.model)  # a pruned checkpoint routes with its own budget
     tokenizer = load_tokenizer(resolve_model_path(args.model))
-    block = model_block(model)
-    if block is not None and block.placed:
-        if args.placement:
-            raise ValueError(f"{args.model} is already placed (config.json occult block); drop --placement")
-        if block.num_devices and block.num_devices != args.devices:
-            raise ValueError(
-                f"--devices {args.devices} but {args.model} is placed for {block.num_devices} devices; "
-                f"use --devices {block.num_devices}"
-            )
+    _check_placed_block(args, model_block(model))
     placement = resolve_placement(args.placement, model, args.devices) if args.placement else None
     similarity = None
     if budget and args.criterion == "similarity":
@@ -203,6 +181,46 @@ def run(args: argparse.Namespace) -> int:
         progress=True,
     )
     note_data_ran_out("analyze", args.data, report.extra["tokens"], args.max_tokens)
+    _print_report(args, report, placement)
+    return 0
+
+
+def _check_flags(args: argparse.Namespace) -> bool:
+    """One-line errors for flags that contradict each other (before anything loads); whether a budget
+    (`--max_devices_per_token` or `--max_nodes_per_token`) is asked for."""
+    from ..checks import divisors, nodes_divide
+    from ..fileio import check_output_path
+
+    if args.plot is not None:
+        check_output_path(args.plot, args.model, args.data, what="--plot")
+    if not nodes_divide(args.devices, args.nodes):
+        raise ValueError(
+            f"--nodes {args.nodes} does not divide --devices {args.devices}; use one of {divisors(args.devices)}"
+        )
+    budget = args.max_devices_per_token is not None or args.max_nodes_per_token is not None
+    if budget and args.criterion == "similarity" and args.profile is None:
+        raise ValueError(
+            "--criterion similarity (the default) builds its tables from a profile: pass --profile PROFILE "
+            "(the one `occult-ft place` read), or --criterion score"
+        )
+    return budget
+
+
+def _check_placed_block(args: argparse.Namespace, block) -> None:
+    """A checkpoint placed already (its `occult` block) takes no --placement and only its own --devices."""
+    if block is None or not block.placed:
+        return
+    if args.placement:
+        raise ValueError(f"{args.model} is already placed (config.json occult block); drop --placement")
+    if block.num_devices and block.num_devices != args.devices:
+        raise ValueError(
+            f"--devices {args.devices} but {args.model} is placed for {block.num_devices} devices; "
+            f"use --devices {block.num_devices}"
+        )
+
+
+def _print_report(args: argparse.Namespace, report, placement) -> None:
+    """The report as JSON (`--json`) or a table with the placement's stored figures; the figure (`--plot`)."""
     if args.plot:
         from ..plots import plot_report
 
@@ -219,7 +237,6 @@ def run(args: argparse.Namespace) -> int:
 
             print(f"\nfigures stored in {args.placement} ({placement.algorithm}, on the profiled tokens):")
             print(format_figures(placement))
-    return 0
 
 
 if __name__ == "__main__":

@@ -256,7 +256,8 @@ def default_devices(nodes: int) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     """`--train`: the train-step benchmark with the command's flags (a short run by default)."""
-    from ..bench.step import DEFAULT_CONTENDERS, StepSettings, format_step_report, run_train_step
+    from ..bench.step import DEFAULT_CONTENDERS, StepSettings, run_train_step
+    from ..bench.step_report import format_step_report
 
     if args.model not in (None, "embedded") or args.data is not None or args.placement is not None:
         raise ValueError(

@@ -120,23 +120,14 @@ def solver(
     )
     bound = LoadBound(beta, num_devices)  # a whole layer: no other devices, offset 0
     sets = TokenSets.from_incidence(x_TE)  # identical tokens merged once for every later stage
-    try:
-        start = search(x_TE, num_devices, max_load_imbalance=beta, seed=seed)
-    except PlacementError:  # a strict bound search cannot reach: the exact model may still find one
-        start = None
-    # dev[e] = device of expert e: the form the pair moves work on
-    dev = None if start is None else expert_device_from_groups(start, num_experts).numpy()
     # E/D experts per device: the group size of the partition model
     per = num_experts // num_devices
     # past these sizes the pricing's branch and bound enumerates too many groups to finish in time
     large = num_experts > EXACT_MAX_EXPERTS or per > EXACT_MAX_GROUP
-    if dev is not None:
-        # 20% of the time for pair moves before the exact model, which takes the rest (a layer too large
-        # for it: LARGE_LAYER_SHARE, and no more)
-        share = LARGE_LAYER_SHARE if large else 0.2
-        dev = improve_pairs(
-            sets, dev, num_devices, bound=bound, deadline=started + share * time_limit, seed=seed
-        )
+    # 20% of the time for pair moves before the exact model, which takes the rest (a layer too large
+    # for it: LARGE_LAYER_SHARE, and no more)
+    pairs_until = started + (LARGE_LAYER_SHARE if large else 0.2) * time_limit
+    dev = _paired_search(x_TE, sets, num_devices, bound, pairs_until, seed)
     if large:
         if dev is None:
             raise PlacementError(
@@ -178,6 +169,18 @@ def solver(
         groups = _groups_of(dev, num_devices)
     # the partition model's bound holds for the layer whatever the pair moves did afterwards (they only improve)
     return LayerResult(groups, res.lower_bound, res.optimal, note=None if res.optimal else res.status)
+
+
+def _paired_search(x_TE, sets, num_devices: int, bound: LoadBound, deadline: float, seed: int):
+    """The heuristic start of `solver`: `search` within the bound, improved by pair moves until
+    `deadline`; dev[e] = device of expert e (numpy), or None when search finds nothing within the bound
+    (the exact model may still find a placement)."""
+    try:
+        start = search(x_TE, num_devices, max_load_imbalance=bound.beta, seed=seed)
+    except PlacementError:
+        return None
+    dev = expert_device_from_groups(start, x_TE.shape[1]).numpy()  # the form the pair moves work on
+    return improve_pairs(sets, dev, num_devices, bound=bound, deadline=deadline, seed=seed)
 
 
 def solver_hierarchical(

@@ -27,7 +27,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..apply import placed_copy
@@ -257,35 +257,115 @@ def run_task_study(
     """
 
     s = settings
-    seeds = list(dict.fromkeys(int(x) for x in seeds))
-    if not seeds:
-        raise ValueError("seeds is empty; pass at least one seed, e.g. seeds=(0, 1, 2)")
-    for m in (*budgets, *(distill_budgets or ())):
-        PruningConfig(s.devices, m, s.criterion)
-    if not distill_coef >= 0:
-        raise ValueError(f"distill_coef={distill_coef!r} must be >= 0 (0 leaves the distilled rows out)")
+    seeds = _checked_seeds(s, seeds, (*budgets, *(distill_budgets or ())), distill_coef)
     say = print if verbose else (lambda *a, **k: None)
     start = time.perf_counter()
     results_dir(s)
-    train, held_out = task_split(task, train_rows, eval_rows)
-    data_path = os.path.join(s.output_dir, f"{task}-train.jsonl")
-    atomic_write_text(data_path, "".join(json.dumps(r) + "\n" for r in train))
-    model, tokenizer = load_model_and_tokenizer("embedded")
-    model.eval()
-    prof_batches = _task_batches(tokenizer, train, s.seq_len, 16, response_only=False)
-    profile = profile_model(
-        model, prof_batches, model_name="embedded", max_tokens=s.profile_tokens, progress=False
+    setup = _TaskSetup.build(s, task, train_rows, eval_rows)
+    runs = _RunLog(say)
+    say(
+        f"task {task!r}: {len(setup.train)} training rows, {len(setup.held_out)} held-out rows, seeds {seeds}"
     )
-    placement = compute_placement(profile, s.devices, algorithm="search")
-    placement_path = os.path.join(s.output_dir, "placement-search.json")
-    placement.save(placement_path)
-    sim = profile.similarity()  # original expert order: placed_copy reorders it
-    eval_batches = _task_batches(tokenizer, held_out, s.seq_len)
+    runs.record("base model", "base", None, setup.measure(placed_copy(setup.model, setup.placement)))
+    for m in budgets:
+        for crit in criteria:
+            pruned = placed_copy(setup.model, setup.placement, PruningConfig(s.devices, m, crit), setup.sim)
+            runs.record(
+                f"prune to {m}, {crit}, no fine-tuning", "zero-shot", None, setup.measure(pruned), m, crit
+            )
+    plan = finetuning_plan(budgets, criteria, s.criterion, distill_coef, distill_budgets)
+    results_path = os.path.join(s.output_dir, f"study_{task}_results.json")
+    for done, seed in enumerate(seeds):
+        for setting, kind, m, crit, coef in plan:
+            run_dir = os.path.join(s.output_dir, "runs", f"{kind}-{m}-{crit}-seed{seed}")
+            trainer, run = finetune_embedded(
+                s, setup.placement_path, run_dir, m, crit,
+                dataset=setup.data_path, seed=seed, distill_coef=coef, train_mode=train_mode,
+            )  # fmt: skip
+            measured = setup.measure(trainer.model)
+            runs.record(setting, kind, seed, measured, m, crit, coef, run["train_seconds"])
+            del trainer
+        out = {  # written after every seed: a cut-short study keeps its seeds
+            "task": task,
+            "settings": asdict(s),
+            "seeds": seeds[: done + 1],
+            "train_rows": len(setup.train),
+            "eval_rows": len(setup.held_out),
+            "distill_coef": distill_coef,
+            "train_mode": train_mode,
+            "runs": runs.rows,
+            "summary": summarize_runs(runs.rows),
+            "wall_seconds": time.perf_counter() - start,
+        }
+        atomic_write_text(results_path, json.dumps(out, indent=1))
+    say(
+        f"\nQuality study, task {task!r}: {s.devices} devices, {s.steps} steps per fine-tuning, seeds {seeds}"
+    )
+    say(format_task_table(out))
+    say(f"\nwall time: {out['wall_seconds']:.0f} s")
+    return out
 
-    runs: list[dict] = []
 
-    def record(setting, kind, seed, measured, budget=None, criterion=None, coef=0.0, seconds=None):
-        runs.append(
+def _checked_seeds(s, seeds, budgets, distill_coef: float) -> list[int]:
+    """The distinct seeds in order, once every budget and `distill_coef` is known to be valid (before
+    anything loads or is written)."""
+    out = list(dict.fromkeys(int(x) for x in seeds))
+    if not out:
+        raise ValueError("seeds is empty; pass at least one seed, e.g. seeds=(0, 1, 2)")
+    for m in budgets:
+        PruningConfig(s.devices, m, s.criterion)
+    if not distill_coef >= 0:
+        raise ValueError(f"distill_coef={distill_coef!r} must be >= 0 (0 leaves the distilled rows out)")
+    return out
+
+
+@dataclass
+class _TaskSetup:
+    """What every row of a task study shares: the task's rows (its training rows also written as the
+    fine-tuning dataset), the embedded model, its `search` placement (profiled on the training rows,
+    saved for the fine-tunings) and the held-out batches every row is measured on."""
+
+    settings: Any
+    train: list[dict]
+    held_out: list[dict]
+    data_path: str
+    model: Any
+    placement: Any
+    placement_path: str
+    sim: Any
+    eval_batches: list
+
+    @classmethod
+    def build(cls, s, task: str, train_rows: int, eval_rows: int) -> _TaskSetup:
+        train, held_out = task_split(task, train_rows, eval_rows)
+        data_path = os.path.join(s.output_dir, f"{task}-train.jsonl")
+        atomic_write_text(data_path, "".join(json.dumps(r) + "\n" for r in train))
+        model, tokenizer = load_model_and_tokenizer("embedded")
+        model.eval()
+        prof_batches = _task_batches(tokenizer, train, s.seq_len, 16, response_only=False)
+        profile = profile_model(
+            model, prof_batches, model_name="embedded", max_tokens=s.profile_tokens, progress=False
+        )
+        placement = compute_placement(profile, s.devices, algorithm="search")
+        placement_path = os.path.join(s.output_dir, "placement-search.json")
+        placement.save(placement_path)
+        sim = profile.similarity()  # original expert order: placed_copy reorders it
+        eval_batches = _task_batches(tokenizer, held_out, s.seq_len)
+        return cls(s, train, held_out, data_path, model, placement, placement_path, sim, eval_batches)
+
+    def measure(self, model) -> dict:
+        return _measure(model, self.eval_batches, self.settings.devices)
+
+
+class _RunLog:
+    """The study's rows in the order they were measured, each printed as it is added."""
+
+    def __init__(self, say):
+        self.rows: list[dict] = []
+        self._say = say
+
+    def record(self, setting, kind, seed, measured, budget=None, criterion=None, coef=0.0, seconds=None):
+        self.rows.append(
             {
                 "setting": setting,
                 "kind": kind,
@@ -297,71 +377,7 @@ def run_task_study(
                 "train_seconds": seconds,
             }
         )
-        say(
+        self._say(
             f"  {setting:<46} seed {'-' if seed is None else seed}: loss {measured['loss']:.4f}  "
             f"exact match {measured['exact_match']:.3f}  comm_complexity {measured['comm_complexity']:.3f}"
         )
-
-    say(f"task {task!r}: {len(train)} training rows, {len(held_out)} held-out rows, seeds {seeds}")
-    record("base model", "base", None, _measure(placed_copy(model, placement), eval_batches, s.devices))
-    for m in budgets:
-        for crit in criteria:
-            pruned = placed_copy(model, placement, PruningConfig(s.devices, m, crit), sim)
-            record(
-                f"prune to {m}, {crit}, no fine-tuning",
-                "zero-shot",
-                None,
-                _measure(pruned, eval_batches, s.devices),
-                m,
-                crit,
-            )
-    plan = finetuning_plan(budgets, criteria, s.criterion, distill_coef, distill_budgets)
-    results_path = os.path.join(s.output_dir, f"study_{task}_results.json")
-
-    def result(done: list[int]) -> dict:
-        return {
-            "task": task,
-            "settings": asdict(s),
-            "seeds": done,
-            "train_rows": len(train),
-            "eval_rows": len(held_out),
-            "distill_coef": distill_coef,
-            "train_mode": train_mode,
-            "runs": runs,
-            "summary": summarize_runs(runs),
-            "wall_seconds": time.perf_counter() - start,
-        }
-
-    for done, seed in enumerate(seeds):
-        for setting, kind, m, crit, coef in plan:
-            run_dir = os.path.join(s.output_dir, "runs", f"{kind}-{m}-{crit}-seed{seed}")
-            trainer, run = finetune_embedded(
-                s,
-                placement_path,
-                run_dir,
-                m,
-                crit,
-                dataset=data_path,
-                seed=seed,
-                distill_coef=coef,
-                train_mode=train_mode,
-            )
-            record(
-                setting,
-                kind,
-                seed,
-                _measure(trainer.model, eval_batches, s.devices),
-                m,
-                crit,
-                coef,
-                run["train_seconds"],
-            )
-            del trainer
-        out = result(seeds[: done + 1])  # written after every seed: a cut-short study keeps its seeds
-        atomic_write_text(results_path, json.dumps(out, indent=1))
-    say(
-        f"\nQuality study, task {task!r}: {s.devices} devices, {s.steps} steps per fine-tuning, seeds {seeds}"
-    )
-    say(format_task_table(out))
-    say(f"\nwall time: {out['wall_seconds']:.0f} s")
-    return out
