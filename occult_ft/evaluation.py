@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from .checkpoint import describe_checkpoint
@@ -80,7 +81,6 @@ def evaluate_model(model, batches, num_devices: int | None = None, max_tokens: i
         max_tokens: stop after this many real tokens.
     """
     import torch
-    import torch.nn.functional as F
 
     pruning = _recording_pruning(model, num_devices)
     d = pruning.num_devices
@@ -89,46 +89,29 @@ def evaluate_model(model, batches, num_devices: int | None = None, max_tokens: i
     device = next(unwrap_model(model).parameters()).device
     model.eval()
     set_recording(model, True, keep_graph=False)
-    ids: dict[int, list] = {layer.index: [] for layer in layers}
-    expert_device: dict[int, torch.Tensor] = {}
-    nll, labelled, tokens, removed, routed = 0.0, 0, 0, 0.0, 0
+    tally = _Tally({layer.index: [] for layer in layers})
     with torch.no_grad():
         for batch in batches:
-            batch = {key: value.to(device) for key, value in batch.items()}
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            labels = batch["labels"][:, 1:]
-            nll += F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
-            ).item()
-            labelled += int((labels != -100).sum())
-            mask_T = batch["attention_mask"].flatten().bool()
-            for layer, router in pruned_routers(model):
-                rec = router.occult_record
-                assert rec is not None  # recording is on
-                ids[layer.index].append(rec.topk_ids[mask_T].cpu())
-                expert_device[layer.index] = router.occult_expert_device.cpu()
-                removed += rec.removed_mass[mask_T].double().sum().item()
-                routed += int(mask_T.sum())
-            tokens += int(mask_T.sum())
-            if max_tokens is not None and tokens >= max_tokens:
+            tally.add(model, {key: value.to(device) for key, value in batch.items()})
+            if max_tokens is not None and tally.tokens >= max_tokens:
                 break
     set_recording(model, False)
-    if tokens == 0:
+    if tally.tokens == 0:
         raise ValueError("the data gave no tokens; check that it is not empty")
-    report = routing_report({i: torch.cat(v) for i, v in ids.items()}, expert_device, d, e)
-    loss = nll / labelled if labelled else float("nan")
+    report = routing_report({i: torch.cat(v) for i, v in tally.ids.items()}, tally.expert_device, d, e)
+    loss = tally.nll / tally.labelled if tally.labelled else float("nan")
     return {
-        "tokens": tokens,
-        "labelled_tokens": labelled,
+        "tokens": tally.tokens,
+        "labelled_tokens": tally.labelled,
         "loss": loss,
-        "perplexity": math.exp(min(loss, 50.0)) if labelled else float("nan"),
+        "perplexity": math.exp(min(loss, 50.0)) if tally.labelled else float("nan"),
         "num_devices": d,
         "max_devices_per_token": pruning.max_devices_per_token,
         "criterion": pruning.criterion if pruning.active else None,
         "top_k": k,
         "comm_complexity": report.comm_complexity,
         "intra_share": report.intra_share,
-        "removed_mass": removed / routed if routed else 0.0,
+        "removed_mass": tally.removed / tally.routed if tally.routed else 0.0,
         "load_imbalance": report.load_imbalance,
         "devices_histogram": report.devices_histogram,
         "random_placement_comm_complexity": random_placement_comm_complexity(e, k, d),
@@ -143,6 +126,40 @@ def evaluate_model(model, batches, num_devices: int | None = None, max_tokens: i
             for m in report.layers
         ],
     }
+
+
+@dataclass
+class _Tally:
+    """What `evaluate_model` sums over its batches: the summed next-token loss over labelled positions,
+    the real (unpadded) tokens, and per MoE layer the recorded top-k of every real token, the layer's
+    expert -> device map and the router mass its budget removed."""
+
+    ids: dict[int, list]  # MoE layer index -> (T_b, K) top-k of each batch's real tokens
+    expert_device: dict[int, Any] = field(default_factory=dict)
+    nll: float = 0.0
+    labelled: int = 0
+    tokens: int = 0
+    removed: float = 0.0
+    routed: int = 0  # real tokens x pruned routers: the denominator of removed_mass
+
+    def add(self, model, batch: dict) -> None:
+        import torch.nn.functional as F
+
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"][:, 1:]  # position s predicts token s + 1
+        self.nll += F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+        ).item()
+        self.labelled += int((labels != -100).sum())
+        mask_T = batch["attention_mask"].flatten().bool()
+        for layer, router in pruned_routers(model):
+            rec = router.occult_record
+            assert rec is not None  # recording is on
+            self.ids[layer.index].append(rec.topk_ids[mask_T].cpu())
+            self.expert_device[layer.index] = router.occult_expert_device.cpu()
+            self.removed += rec.removed_mass[mask_T].double().sum().item()
+            self.routed += int(mask_T.sum())
+        self.tokens += int(mask_T.sum())
 
 
 def format_results(results: dict) -> str:

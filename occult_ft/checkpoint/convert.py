@@ -71,30 +71,7 @@ def convert_config(cfg: dict) -> dict:
         ConversionError: a model_type other than `deepseek`, or an option Qwen2-MoE cannot express
             exactly (attention bias, rope scaling, a scoring function other than softmax, no shared expert).
     """
-    model_type = cfg.get("model_type")
-    if model_type != DEEPSEEK_MODEL_TYPE:
-        raise ConversionError(
-            f"model_type {model_type!r} is not DeepSeek-MoE ('deepseek'); only DeepSeek-MoE checkpoints need "
-            "conversion, load this one directly"
-        )
-    unsupported = {
-        "attention_bias": (cfg.get("attention_bias", False), False),
-        "rope_scaling": (cfg.get("rope_scaling"), None),
-        "scoring_func": (cfg.get("scoring_func", "softmax"), "softmax"),
-        "hidden_act": (cfg.get("hidden_act", "silu"), "silu"),
-        "pretraining_tp": (cfg.get("pretraining_tp", 1), 1),
-    }
-    for name, (value, wanted) in unsupported.items():
-        if value != wanted:
-            raise ConversionError(
-                f"DeepSeek-MoE config {name}={value!r} has no exact qwen2_moe equivalent; only {name}={wanted!r} "
-                "is converted"
-            )
-    if not cfg.get("n_routed_experts") or not cfg.get("n_shared_experts"):
-        raise ConversionError(
-            f"n_routed_experts={cfg.get('n_routed_experts')!r}, n_shared_experts={cfg.get('n_shared_experts')!r}: "
-            "the converter handles DeepSeek-MoE with routed and shared experts only"
-        )
+    _check_convertible(cfg)
     layers = int(cfg["num_hidden_layers"])
     heads = int(cfg["num_attention_heads"])
     out = {
@@ -133,6 +110,34 @@ def convert_config(cfg: dict) -> dict:
     if dtype:
         out["dtype"] = dtype
     return out
+
+
+def _check_convertible(cfg: dict) -> None:
+    """Raises `ConversionError` for a config `convert_config` cannot turn into an exact qwen2_moe one."""
+    model_type = cfg.get("model_type")
+    if model_type != DEEPSEEK_MODEL_TYPE:
+        raise ConversionError(
+            f"model_type {model_type!r} is not DeepSeek-MoE ('deepseek'); only DeepSeek-MoE checkpoints need "
+            "conversion, load this one directly"
+        )
+    unsupported = {
+        "attention_bias": (cfg.get("attention_bias", False), False),
+        "rope_scaling": (cfg.get("rope_scaling"), None),
+        "scoring_func": (cfg.get("scoring_func", "softmax"), "softmax"),
+        "hidden_act": (cfg.get("hidden_act", "silu"), "silu"),
+        "pretraining_tp": (cfg.get("pretraining_tp", 1), 1),
+    }
+    for name, (value, wanted) in unsupported.items():
+        if value != wanted:
+            raise ConversionError(
+                f"DeepSeek-MoE config {name}={value!r} has no exact qwen2_moe equivalent; only {name}={wanted!r} "
+                "is converted"
+            )
+    if not cfg.get("n_routed_experts") or not cfg.get("n_shared_experts"):
+        raise ConversionError(
+            f"n_routed_experts={cfg.get('n_routed_experts')!r}, n_shared_experts={cfg.get('n_shared_experts')!r}: "
+            "the converter handles DeepSeek-MoE with routed and shared experts only"
+        )
 
 
 # ---- weights ----------------------------------------------------------------------------------------
@@ -222,69 +227,87 @@ def _key_order(key: str) -> tuple:
 def _write_weights(reader: _ShardReader, cfg: dict, dst: str, zeros_like) -> None:
     """Stream every tensor through `_rename` into one safetensors shard per decoder layer (embeddings and
     head on their own) plus their index; at most one layer's tensors are in memory."""
-    from safetensors.torch import save_file
-
-    keys = sorted(reader.where, key=_key_order)
-    shards: list[dict] = [{}]
-    size = 0
-    weight_map: dict[str, str] = {}
-    names: list[str] = []
-    total = 0
+    out = _ShardWriter(dst)
     moe_layers = {i for i in range(int(cfg["num_hidden_layers"])) if _is_moe_layer(cfg, i)}
     gate_written: set[int] = set()
-
-    def flush():
-        nonlocal size
-        if shards[-1]:
-            name = f"model-{len(names) + 1:05d}.safetensors"
-            save_file(shards[-1], os.path.join(dst, name), metadata={"format": "pt"})
-            for k in shards[-1]:
-                weight_map[k] = name
-            names.append(name)
-            shards[-1] = {}
-            size = 0
-
     current_layer = None
-    for key in keys:
+    for key in sorted(reader.where, key=_key_order):
         renamed = _rename(key, cfg)
         if renamed is None:
             continue
         new, scale = renamed
         layer_of_key = _key_order(key)[0]
         if layer_of_key != current_layer:
-            flush()  # one output shard per decoder layer: at most one layer in memory
+            out.flush()  # one output shard per decoder layer: at most one layer in memory
             current_layer = layer_of_key
         tensor = reader.get(key)
         tensor = (tensor * scale if scale != 1 else tensor).contiguous()
         layer = _LAYER_KEY.match(new)
         if layer and ".mlp.shared_expert." in new and int(layer.group(1)) not in gate_written:
+            # DeepSeek-MoE's shared experts are ungated: a zero qwen2_moe gate, sigmoid(0) = 0.5, undone by
+            # the 2x that `_rename` put on the shared down projection
             i = int(layer.group(1))
-            gate = zeros_like(1, int(cfg["hidden_size"]), tensor.dtype)
-            shards[-1][f"model.layers.{i}.mlp.shared_expert_gate.weight"] = gate
+            out.add(
+                f"model.layers.{i}.mlp.shared_expert_gate.weight",
+                zeros_like(1, int(cfg["hidden_size"]), tensor.dtype),
+            )
             gate_written.add(i)
-        if size and size + tensor.numel() * tensor.element_size() > _SHARD_BYTES:
-            flush()
-        shards[-1][new] = tensor
-        size += tensor.numel() * tensor.element_size()
-        total += tensor.numel() * tensor.element_size()
-    flush()
+        out.add(new, tensor)
     missing = sorted(moe_layers - gate_written)
     if missing:
         raise ConversionError(
             f"MoE layers {missing} have no mlp.shared_experts tensors; the checkpoint is incomplete"
         )
-    # shard names carry the final count, as transformers writes them
-    final = {}
-    for j, name in enumerate(names):
-        new_name = f"model-{j + 1:05d}-of-{len(names):05d}.safetensors"
-        os.replace(os.path.join(dst, name), os.path.join(dst, new_name))
-        final[name] = new_name
-    index = {
-        "metadata": {"total_size": total, CONVERTED_MARK: DEEPSEEK_MODEL_TYPE},  # fileio: ours to replace
-        "weight_map": {k: final[v] for k, v in sorted(weight_map.items())},
-    }
-    with open(os.path.join(dst, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=2)
+    out.finish()
+
+
+class _ShardWriter:
+    """safetensors shards of at most `_SHARD_BYTES` (a `flush` also ends one), named as transformers names
+    them once their count is known, and their index (`model.safetensors.index.json`)."""
+
+    def __init__(self, dst: str):
+        self.dst = dst
+        self.shard: dict = {}
+        self.size = 0  # bytes in `shard`
+        self.total = 0  # bytes written in all
+        self.names: list[str] = []
+        self.weight_map: dict[str, str] = {}
+
+    def add(self, name: str, tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.size and self.size + nbytes > _SHARD_BYTES:
+            self.flush()
+        self.shard[name] = tensor
+        self.size += nbytes
+        self.total += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.shard:
+            return
+        name = f"model-{len(self.names) + 1:05d}.safetensors"
+        save_file(self.shard, os.path.join(self.dst, name), metadata={"format": "pt"})
+        self.weight_map.update(dict.fromkeys(self.shard, name))
+        self.names.append(name)
+        self.shard, self.size = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        # shard names carry the final count, as transformers writes them
+        final = {}
+        for j, name in enumerate(self.names):
+            final[name] = f"model-{j + 1:05d}-of-{len(self.names):05d}.safetensors"
+            os.replace(os.path.join(self.dst, name), os.path.join(self.dst, final[name]))
+        index = {
+            "metadata": {
+                "total_size": self.total,
+                CONVERTED_MARK: DEEPSEEK_MODEL_TYPE,
+            },  # fileio: ours to replace
+            "weight_map": {k: final[v] for k, v in sorted(self.weight_map.items())},
+        }
+        with open(os.path.join(self.dst, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------

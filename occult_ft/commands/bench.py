@@ -75,12 +75,60 @@ def add_parser(sub):
         help="measure the all-to-all of DeepSpeed, HF native EP and occult_ft side by side",
         description=__doc__,
     )
+    _add_mode_args(
+        p.add_argument_group(
+            "what is measured: the exchange of one model's layers (default), or whole steps / generation"
+        )
+    )
+    _add_shape_args(p.add_argument_group("the workload's shape"))
+    _add_cluster_args(p.add_argument_group("processes, the network and the cost model"))
+    _add_run_args(p.add_argument_group("timing and output"))
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_mode_args(p) -> None:
     p.add_argument(
         "model", nargs="?", default=None, help="local model directory or Hub model id (with its tokenizer)"
     )
     p.add_argument(
         "--data", default=None, help="data to route (as for occult-ft analyze); 'embedded' = shipped text"
     )
+    p.add_argument(
+        "--synthetic", action="store_true", help="no model: an OLMoE-shaped layer with uniform routing"
+    )
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="measure whole training steps of every contender (occult_ft.bench.step) instead of the exchange",
+    )
+    p.add_argument(
+        "--generate",
+        action="store_true",
+        help="measure expert-parallel prefill and decode of greedy generate (occult_ft.bench.generate) instead",
+    )
+    p.add_argument(
+        "--backends",
+        default=None,
+        help=f"comma-separated subset to measure: {', '.join(BENCH_BACKENDS)}, occult_dedup_pruneM "
+        "(with --nodes > 1: occult_two_stage, occult_two_stage_pruneM); with --train the contenders: "
+        "data_parallel, occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_overlap][_capacity][_balanced], "
+        "hf_native_ep, "
+        "deepspeed_moe; with --generate: occult_ep[_budgetM][_per_expert][_two_stage][_exact], hf_native_ep",
+    )
+    p.add_argument("--placement", default=None, help="placement JSON applied to the model first")
+    p.add_argument(
+        "--max-devices-per-token",
+        type=positive_int,
+        default=None,
+        help="also measure pruning to N devices (1 and 2 are always measured)",
+    )
+    p.add_argument(
+        "--layers", type=_int_list, default=None, help="MoE layers to measure, e.g. 0,7 (default: all)"
+    )
+
+
+def _add_shape_args(p) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=4096, help="tokens to route and exchange")
     p.add_argument(
         "--seq-len",
@@ -94,12 +142,6 @@ def add_parser(sub):
         default=None,
         help="sequences per forward pass (8; --generate: prompts per rank, 4)",
     )
-    p.add_argument(
-        "--layers", type=_int_list, default=None, help="MoE layers to measure, e.g. 0,7 (default: all)"
-    )
-    p.add_argument(
-        "--synthetic", action="store_true", help="no model: an OLMoE-shaped layer with uniform routing"
-    )
     p.add_argument("--experts", type=positive_int, default=64, help="--synthetic: experts E")
     p.add_argument("--top-k", type=positive_int, default=8, help="--synthetic: experts per token K")
     p.add_argument(
@@ -111,6 +153,26 @@ def add_parser(sub):
     p.add_argument(
         "--num-layers", type=positive_int, default=None, help="--synthetic: MoE layers (1); --train: 2"
     )
+    p.add_argument(
+        "--hidden",
+        type=positive_int,
+        default=None,
+        help="width of the exchanged rows (default: the model's hidden_size; 2048 with --synthetic)",
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=BENCH_DTYPES, help="dtype of the exchanged rows")
+    p.add_argument(
+        "--new-tokens", type=positive_int, default=None, help="--generate: tokens generated per prompt (16)"
+    )
+    p.add_argument(
+        "--grad-accum", type=positive_int, default=4, help="--train: micro-batches per optimizer step"
+    )
+    p.add_argument(
+        "--capacity-factor", type=_positive_float, default=1.0, help="DeepSpeed classic's capacity factor"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing and the hidden rows")
+
+
+def _add_cluster_args(p) -> None:
     p.add_argument(
         "--devices",
         type=positive_int,
@@ -125,38 +187,11 @@ def add_parser(sub):
         help="read the D processes as N nodes of D/N (consecutive ranks); N > 1 adds the two-stage exchange "
         "(occult_two_stage) and rows/bytes inside and across nodes",
     )
-    p.add_argument("--placement", default=None, help="placement JSON applied to the model first")
     p.add_argument(
-        "--max-devices-per-token",
-        type=positive_int,
+        "--link-rate",
         default=None,
-        help="also measure pruning to N devices (1 and 2 are always measured)",
-    )
-    p.add_argument(
-        "--hidden",
-        type=positive_int,
-        default=None,
-        help="width of the exchanged rows (default: the model's hidden_size; 2048 with --synthetic)",
-    )
-    p.add_argument("--dtype", default="bfloat16", choices=BENCH_DTYPES, help="dtype of the exchanged rows")
-    p.add_argument(
-        "--iters",
-        type=positive_int,
-        default=None,
-        help="timed iterations per backend and layer (median; 5), or --train: timed steps (3)",
-    )
-    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
-    p.add_argument(
-        "--capacity-factor", type=_positive_float, default=1.0, help="DeepSpeed classic's capacity factor"
-    )
-    p.add_argument(
-        "--backends",
-        default=None,
-        help=f"comma-separated subset to measure: {', '.join(BENCH_BACKENDS)}, occult_dedup_pruneM "
-        "(with --nodes > 1: occult_two_stage, occult_two_stage_pruneM); with --train the contenders: "
-        "data_parallel, occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_overlap][_capacity][_balanced], "
-        "hf_native_ep, "
-        "deepspeed_moe; with --generate: occult_ep[_budgetM][_per_expert][_two_stage][_exact], hf_native_ep",
+        help="--train / --generate: run in an emulated cluster of --nodes network namespaces whose links are shaped to "
+        "this rate (tc tbf), e.g. 1gbit or 300mbit; one node: its loopback is shaped (needs root, iproute2)",
     )
     p.add_argument(
         "--cluster",
@@ -166,42 +201,27 @@ def add_parser(sub):
         "nodes=..,intra=GBps,inter=GBps,latency=us (default: all presets)",
     )
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even when GPUs are present")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing and the hidden rows")
     p.add_argument(
-        "--train",
-        action="store_true",
-        help="measure whole training steps of every contender (occult_ft.bench.step) instead of the exchange",
+        "--barrier", action="store_true", help="--train: barrier before each exchange (waiting vs transfer)"
     )
+
+
+def _add_run_args(p) -> None:
     p.add_argument(
-        "--generate",
-        action="store_true",
-        help="measure expert-parallel prefill and decode of greedy generate (occult_ft.bench.generate) instead",
+        "--iters",
+        type=positive_int,
+        default=None,
+        help="timed iterations per backend and layer (median; 5), or --train: timed steps (3)",
     )
-    p.add_argument(
-        "--new-tokens", type=positive_int, default=None, help="--generate: tokens generated per prompt (16)"
-    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
     p.add_argument(
         "--rounds",
         type=positive_int,
         default=None,
         help="--train / --generate: rounds over all contenders (1 / 2)",
     )
-    p.add_argument(
-        "--grad-accum", type=positive_int, default=4, help="--train: micro-batches per optimizer step"
-    )
-    p.add_argument(
-        "--link-rate",
-        default=None,
-        help="--train / --generate: run in an emulated cluster of --nodes network namespaces whose links are shaped to "
-        "this rate (tc tbf), e.g. 1gbit or 300mbit; one node: its loopback is shaped (needs root, iproute2)",
-    )
-    p.add_argument(
-        "--barrier", action="store_true", help="--train: barrier before each exchange (waiting vs transfer)"
-    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, help="also write a bar chart to this PNG")
-    p.set_defaults(func=run)
-    return p
 
 
 def build_workload(args: argparse.Namespace, settings):

@@ -587,25 +587,16 @@ def _column_generation(
     meets its value. The set-partitioning LP is highly degenerate, and the LP's own duals alone leave a
     long tail of columns that do not move it.
     """
-    m = sets.num_experts
     # groups of equal size: s = m / n
-    size = m // num_groups
+    size = sets.num_experts // num_groups
     center, center_lb_rc, best = None, -np.inf, -np.inf
     alpha, rounds = 0.5, 0
     lp = None
     while time.perf_counter() < deadline:
-        # the LP only takes the columns within the cap (costlier ones would break the load bound)
-        inside = np.flatnonzero(pool.cost <= cap + 1e-9)
-        if len(inside) == 0:
-            # no column fits: random groups to start from
-            pool.add(sets, [_random_group(rng, m, size) for _ in range(8 * num_groups)])
-            inside = np.flatnonzero(pool.cost <= cap + 1e-9)
-        if len(inside) == 0:
+        solved = _pool_lp(sets, num_groups, pool, cap, rng)
+        if solved is None:
             return None
-        res = _solve_lp(pool.G[inside], pool.cost[inside], pool.art)
-        if res is None:
-            return None
-        value, x, pi = res
+        inside, (value, x, pi) = solved
         short = pool.G[inside].T.astype(np.float64) @ x < 1 - 1e-6  # experts left to an artificial
         lp = _LP(value, x, inside, pi, -np.inf, False, bool(short.any()))
         if short.any():
@@ -617,13 +608,8 @@ def _column_generation(
             lp.converged = True
             break
         rounds += 1
-        if center is None:  # start the centre at the LP's own cost split: each column's cost over its
-            # experts in proportion to their fair share (degenerate LP duals are far from any good ones)
-            used = pool.G[inside] * x[:, None]
-            weight = used * pool.share[None, :]
-            center = (
-                (weight / np.maximum(weight.sum(axis=1, keepdims=True), 1e-30)) * pool.cost[inside][:, None]
-            ).sum(axis=0)
+        if center is None:  # degenerate LP duals are far from any good ones
+            center = _cost_split(pool, inside, x)
         # Wentges smoothing: duals between the centre (best bound so far) and the LP's own
         smooth = alpha * center + (1.0 - alpha) * pi
         added = pool.add(sets, _heuristic_columns(sets, pool, inside, x, smooth, pi, size, cap))
@@ -654,6 +640,31 @@ def _column_generation(
         lp.pi, lp.lb_rc = center, center_lb_rc
         lp.bound = best
     return lp
+
+
+def _pool_lp(sets: TokenSets, num_groups: int, pool: _Pool, cap: float, rng):
+    """The LP over the pool's columns within `cap` (costlier ones would break the load bound): (their
+    indices in the pool, (value, x, pi)); None when no column fits, random groups included, or the LP
+    has no solution."""
+    inside = np.flatnonzero(pool.cost <= cap + 1e-9)
+    if len(inside) == 0:  # no column fits: random groups to start from
+        size = sets.num_experts // num_groups
+        pool.add(sets, [_random_group(rng, sets.num_experts, size) for _ in range(8 * num_groups)])
+        inside = np.flatnonzero(pool.cost <= cap + 1e-9)
+    if len(inside) == 0:
+        return None
+    res = _solve_lp(pool.G[inside], pool.cost[inside], pool.art)
+    return None if res is None else (inside, res)
+
+
+def _cost_split(pool: _Pool, inside: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """(m,) duals from the LP solution's own cost split: each used column's cost spread over its experts
+    in proportion to their fair share (`pool.share`), summed per expert; the first stabilisation centre."""
+    used = pool.G[inside] * x[:, None]  # (columns, m) how much of each expert each column covers
+    weight = used * pool.share[None, :]
+    return ((weight / np.maximum(weight.sum(axis=1, keepdims=True), 1e-30)) * pool.cost[inside][:, None]).sum(
+        axis=0
+    )
 
 
 def _dive(

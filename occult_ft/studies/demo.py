@@ -219,15 +219,8 @@ def run_quality_study(
         }
     )
     say("standard fine-tuning (no pruning)")
-    trainer, run = finetune_embedded(
-        s, placement_path, os.path.join(s.output_dir, "ft-unpruned"), None, "score"
-    )
     rows.append(
-        {
-            "setting": "standard fine-tuning",
-            **_evaluate(trainer.model, eval_batches, s.devices, s.progress),
-            "train_tokens_per_second": run["train_tokens_per_second"],
-        }
+        _finetuned_row(s, placement_path, "standard fine-tuning", "ft-unpruned", None, "score", eval_batches)
     )
     for m in budgets:
         for crit in criteria:
@@ -237,16 +230,8 @@ def run_quality_study(
             )
             rows.append({"setting": f"prune to {m}, {crit}, no fine-tuning", **zero})
             say(f"pruned fine-tuning: {m} device(s), {crit}")
-            trainer, run = finetune_embedded(
-                s, placement_path, os.path.join(s.output_dir, f"ft-{m}-{crit}"), m, crit
-            )
-            rows.append(
-                {
-                    "setting": f"prune to {m}, {crit}, fine-tuned",
-                    **_evaluate(trainer.model, eval_batches, s.devices, s.progress),
-                    "train_tokens_per_second": run["train_tokens_per_second"],
-                }
-            )
+            setting = f"prune to {m}, {crit}, fine-tuned"
+            rows.append(_finetuned_row(s, placement_path, setting, f"ft-{m}-{crit}", m, crit, eval_batches))
     result = {"settings": asdict(s), "rows": rows, "wall_seconds": time.perf_counter() - start}
     atomic_write_text(os.path.join(s.output_dir, "study_results.json"), json.dumps(result, indent=1))
     say(
@@ -256,3 +241,18 @@ def run_quality_study(
     )
     say(f"\nwall time: {result['wall_seconds']:.0f} s")
     return result
+
+
+def _finetuned_row(
+    s: DemoSettings, placement_path: str, setting: str, run_name: str, budget, criterion: str, eval_batches
+):
+    """One fine-tuning of the study (`finetune_embedded` into output_dir/run_name; budget None: standard
+    fine-tuning) and its row `setting`: the held-out figures and the training throughput."""
+    trainer, run = finetune_embedded(
+        s, placement_path, os.path.join(s.output_dir, run_name), budget, criterion
+    )
+    return {
+        "setting": setting,
+        **_evaluate(trainer.model, eval_batches, s.devices, s.progress),
+        "train_tokens_per_second": run["train_tokens_per_second"],
+    }
