@@ -34,10 +34,11 @@ from occult_ft.placement import (
     solve_layer,
 )
 from occult_ft.placement.algorithms import occult
+from occult_ft.placement.columns import LoadBound, TokenSets, price
 from occult_ft.placement.core import LayerResult, incidence, level_totals, two_level
 from occult_ft.placement.layer import split_holdout
 from occult_ft.placement.lns import pair_move
-from occult_ft.placement.partition import LoadBound, TokenSets, price, solve_partition
+from occult_ft.placement.partition import solve_partition
 from occult_ft.placement.pruned import admitted_devices, pruned_figures
 from occult_ft.placement.search import SwapState, search
 

@@ -32,6 +32,7 @@ import torch
 
 from ..metrics import comm_complexity, expert_device_from_groups, load_imbalance, node_comm_complexity
 from .algorithms import DEFAULT_ALGORITHM, get_algorithm, occult, sequential
+from .columns import LoadBound, TokenSets
 from .core import (
     LayerResult,
     PlacementError,
@@ -43,7 +44,7 @@ from .core import (
     validate_sizes,
 )
 from .file import Placement
-from .partition import LoadBound, TokenSets, scipy_available, solve_partition
+from .partition import scipy_available, solve_partition
 from .pruned import check_budget, pruned_figures, refine_pruned
 from .solver import SOLVER_TIME_LIMIT
 

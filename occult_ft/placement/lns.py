@@ -25,7 +25,7 @@ from itertools import combinations
 
 import numpy as np
 
-from .partition import LoadBound, TokenSets
+from .columns import LoadBound, TokenSets
 
 __all__ = ["MAX_FREE", "improve_pairs", "pair_move"]
 

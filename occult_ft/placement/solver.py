@@ -31,6 +31,7 @@ import torch
 from ..checks import is_int
 from ..metrics import expert_device_from_groups
 from .algorithms import occult, register_algorithm
+from .columns import LoadBound, TokenSets
 from .core import (
     LayerResult,
     PlacementError,
@@ -46,7 +47,7 @@ from .core import (
     two_level,
 )
 from .lns import improve_pairs
-from .partition import LoadBound, TokenSets, scipy_available, solve_partition
+from .partition import scipy_available, solve_partition
 from .search import search, search_hierarchical
 
 __all__ = [
@@ -106,18 +107,12 @@ def solver(
         )
     num_experts = x_TE.shape[1]
     if num_devices == 1 or num_devices == num_experts or x_TE.shape[0] == 0:
-        groups = occult(x_TE, num_devices)  # every equal placement has the same objective and loads
-        value = devices_total(x_TE, expert_device_from_groups(groups, num_experts), num_devices)
-        return LayerResult(groups, value, True)
+        return _trivial_layer(x_TE, num_devices)
     started = time.perf_counter()
     deadline = started + time_limit
     # beta: the bound on max/mean rows per device; None resolves against occult's own imbalance on this layer
-    beta = resolve_load_bound(
-        max_load_imbalance,
-        imbalance(
-            device_loads(x_TE, expert_device_from_groups(occult(x_TE, num_devices), num_experts), num_devices)
-        ),
-    )
+    occult_dev = expert_device_from_groups(occult(x_TE, num_devices), num_experts)
+    beta = resolve_load_bound(max_load_imbalance, imbalance(device_loads(x_TE, occult_dev, num_devices)))
     bound = LoadBound(beta, num_devices)  # a whole layer: no other devices, offset 0
     sets = TokenSets.from_incidence(x_TE)  # identical tokens merged once for every later stage
     # E/D experts per device: the group size of the partition model
@@ -169,6 +164,14 @@ def solver(
         groups = _groups_of(dev, num_devices)
     # the partition model's bound holds for the layer whatever the pair moves did afterwards (they only improve)
     return LayerResult(groups, res.lower_bound, res.optimal, note=None if res.optimal else res.status)
+
+
+def _trivial_layer(x_TE: torch.Tensor, num_devices: int) -> LayerResult:
+    """One device, one expert per device or no tokens: every equal placement has the same objective and
+    loads, so occult's is optimal."""
+    groups = occult(x_TE, num_devices)
+    value = devices_total(x_TE, expert_device_from_groups(groups, x_TE.shape[1]), num_devices)
+    return LayerResult(groups, value, True)
 
 
 def _paired_search(x_TE, sets, num_devices: int, bound: LoadBound, deadline: float, seed: int):
