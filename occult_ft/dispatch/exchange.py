@@ -69,10 +69,6 @@ class ReceivedRows:
     expert_counts: tuple[int, ...] | str | None = None
 
     @property
-    def rows_received(self) -> int:
-        return sum(self.recv_splits)
-
-    @property
     def rows_sent(self) -> int:
         """Real rows this rank sent (its own included; pads excluded)."""
         return self.layout.rows_sent

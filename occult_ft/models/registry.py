@@ -92,11 +92,6 @@ class MoELayer:
     def top_k(self) -> int:
         return self.arch.top_k(self.router)
 
-    @property
-    def router_name(self) -> str:
-        """Dotted path of the router (`model.layers.3.mlp.gate`)."""
-        return f"{self.name}.{self.arch.router_attr}"
-
     def moe_parameters(self) -> list[nn.Parameter]:
         """The parameters of the MoE part of the layer: the whole block (router, routed and shared
         experts), or, where the decoder layer itself holds router and experts (Gemma 4), those two and

@@ -136,15 +136,9 @@ def solver(
             note="bound: each token reaches ceil(k / (E/D)) devices (layer too large for the exact model)",
         )
     starts = [] if dev is None else [_groups_of(dev, num_devices)]
-    res = solve_partition(
-        sets,
-        num_devices,
-        starts,
-        bound=bound,
-        # 90% of what is left, at least a second: the last pair moves get the remainder
-        seconds=max(1.0, 0.9 * (deadline - time.perf_counter())),
-        seed=seed,
-    )
+    # 90% of what is left, at least a second: the last pair moves get the remainder
+    seconds = max(1.0, 0.9 * (deadline - time.perf_counter()))
+    res = solve_partition(sets, num_devices, starts, bound=bound, seconds=seconds, seed=seed)
     if not res.groups:
         raise PlacementError(
             f"no placement found within max_load_imbalance={beta} in {time_limit:g} s; raise max_load_imbalance "
@@ -153,14 +147,8 @@ def solver(
     groups = res.groups
     if not res.optimal and time.perf_counter() < deadline:
         # a new seed: the pair order differs from the first round, which already stopped improving
-        dev = improve_pairs(
-            sets,
-            expert_device_from_groups(groups, num_experts).numpy(),
-            num_devices,
-            bound=bound,
-            deadline=deadline,
-            seed=seed + 1,
-        )
+        dev = expert_device_from_groups(groups, num_experts).numpy()
+        dev = improve_pairs(sets, dev, num_devices, bound=bound, deadline=deadline, seed=seed + 1)
         groups = _groups_of(dev, num_devices)
     # the partition model's bound holds for the layer whatever the pair moves did afterwards (they only improve)
     return LayerResult(groups, res.lower_bound, res.optimal, note=None if res.optimal else res.status)

@@ -36,7 +36,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
-from ..checkpoint import OccultBlock, maybe_convert
+from ..checkpoint import maybe_convert
 from ..checkpoint.card import last_eval_metrics, write_model_card
 from ..checkpoint.load import can_load_sharded
 from ..data.batching import real_token_mask
@@ -51,7 +51,6 @@ from .checkpointing import (
     load_checkpoint_weights,
     load_optimizer_shards,
     restore_expert_shards,
-    run_block,
     save_checkpoint,
     save_optimizer_shards,
 )
@@ -454,10 +453,6 @@ class OccultTrainerMixin(Trainer):
         return output
 
     # ---- saving and resuming: the hooks of `occult_ft.trainer.checkpointing` --------------------
-    def occult_block(self, placed: bool) -> OccultBlock:
-        """The `occult` block written with every checkpoint of this run."""
-        return run_block(self, placed)
-
     def create_model_card(self, *args, **kwargs) -> None:
         """The Occult model card (placement, budget, measured comm_complexity and its figure, eval
         results, how to load) instead of Trainer's generic one; `push_to_hub` uploads it."""
