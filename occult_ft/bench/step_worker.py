@@ -389,7 +389,7 @@ def run_occult_ep(spec: dict, rank: int, world: int, records: list) -> tuple[nn.
         train_mode="full",
         model_dtype="float32",
         exchange=c.get("exchange", "flat"),
-        exchange_chunks=c.get("chunks", 1),
+        exchange_chunks=c.get("chunks"),  # None: the library default
         exchange_overlap_local=c.get("overlap", False),
         exchange_capacity=c.get("capacity"),
         device_bias_rate=c.get("device_bias_rate", 0.0),

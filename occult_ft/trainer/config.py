@@ -29,7 +29,7 @@ from transformers import TrainingArguments
 
 from ..checks import check_positive_int, choice_error, did_you_mean, is_int
 from ..configs import load_model_config
-from ..dispatch import EXCHANGES, check_exchange_settings
+from ..dispatch import EXCHANGES, check_exchange_settings, default_exchange_chunks
 from ..fileio import check_output_path
 from ..hub_access import offline_refusal
 from ..integrations.deepspeed import check_deepspeed_config
@@ -49,8 +49,6 @@ __all__ = [
 ]
 
 TRAIN_MODES = ("full", "moe", "lora")
-DEFAULT_EXCHANGE_CHUNKS = 1
-"""Default `exchange_chunks`: measured with benchmarks/layer_overlap.py (README, "Results": overlap)."""
 PLACEMENT_MODES = ("auto", "sequential")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_BIAS_RATE = 0.0
@@ -150,12 +148,14 @@ class OccultArguments(_ArgumentsBase):
             "choices": list(EXCHANGES),
         },
     )
-    exchange_chunks: int = field(
-        default=DEFAULT_EXCHANGE_CHUNKS,
+    exchange_chunks: int | None = field(
+        default=None,
         metadata={
             "help": "Chunks each MoE layer's tokens are pipelined in (flat and per_expert exchanges): while "
             "one chunk runs its experts the next is dispatched and the previous combined, forward and "
-            "backward (same results). 1 turns it off."
+            "backward (same results). 1 turns it off. Unset: 2 with the flat exchange across nodes "
+            "(nodes > 1), 1 inside one node, with the other exchanges and with exchange_capacity "
+            "(measured: docs/cluster.md)."
         },
     )
     exchange_overlap_local: bool = field(
@@ -398,6 +398,8 @@ class OccultArguments(_ArgumentsBase):
                 f"exchange_capacity={capacity!r} must be a number of rows per device or 'auto'; leave it unset "
                 "for exact receive buffers"
             )
+        if self.exchange_chunks is None:
+            self.exchange_chunks = default_exchange_chunks(self.exchange, self.nodes, capacity)
         check_exchange_settings(
             self.exchange,
             self.nodes,
