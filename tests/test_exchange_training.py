@@ -66,6 +66,8 @@ def test_auto_capacity_is_the_most_tokens_a_rank_routes(tmp_path):
     [
         (dict(nodes=2), 2),  # the flat exact exchange across nodes pipelines by default
         (dict(), 1),  # inside one node it does not
+        (dict(nodes=2, max_devices_per_token=1), 1),  # nor under a budget
+        (dict(nodes=2, max_nodes_per_token=1), 1),
         (dict(exchange="per_expert", nodes=2), 1),  # the others' way: one all-to-all per layer
         (dict(exchange="two_stage", nodes=2), 1),
         (dict(nodes=2, exchange_capacity="auto"), 1),
@@ -74,11 +76,13 @@ def test_auto_capacity_is_the_most_tokens_a_rank_routes(tmp_path):
         (dict(exchange_chunks=3), 3),
     ],
 )
-def test_unset_exchange_chunks_pipeline_the_flat_exchange_across_nodes_only(tmp_path, overrides, chunks):
+def test_unset_exchange_chunks_pipeline_the_flat_exchange_across_nodes_without_a_budget_only(
+    tmp_path, overrides, chunks
+):
     from occult_ft.dispatch import PIPELINE_CHUNKS, default_exchange_chunks
 
     assert run_config(str(tmp_path), 1, **overrides).exchange_chunks == chunks
-    assert default_exchange_chunks("flat", 4, None) == PIPELINE_CHUNKS == 2
+    assert default_exchange_chunks("flat", 4, None, budget=False) == PIPELINE_CHUNKS == 2
 
 
 def test_a_capacity_below_the_tokens_a_rank_routes_is_refused_whatever_the_layout(tmp_path, capsys):

@@ -232,7 +232,7 @@ class Contender:
     Args:
         kind: the runner (`KINDS`): data_parallel, occult_ep, hf_native_ep or deepspeed_moe.
         exchange / budget / chunks / overlap / capacity: occult_ep only: its exchange (`OccultConfig.exchange`),
-            device budget M (`max_devices_per_token`), pipelined chunks (None: not pipelined), the own
+            device budget M (`max_devices_per_token`), pipelined chunks (None: `OccultConfig`'s default), the own
             rows computed while the exchanges travel (`exchange_overlap_local`), and capacity-bounded buffers.
         balanced: occult_ep with a budget only: the device bias (`device_bias_rate` BALANCED_BIAS_RATE),
             fitted on the first micro-batch (`device_bias_init="first_batch"`).

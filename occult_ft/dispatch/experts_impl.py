@@ -93,18 +93,23 @@ class ExpertShard:
 
 
 PIPELINE_CHUNKS = 2
-"""`exchange_chunks` left unset, for the flat exact exchange across nodes. Measured on whole steps
-(docs/cluster.md, "Hiding the exchange"): with 4 nodes x 1 process on 500 Mbit/s links, 2 chunks cut
-the exposed exchange from 21% to 9% of the step and the step by 1-3%; on one host's loopback the same
-2 chunks made the step 14% slower (smaller expert matmuls, twice the collectives, nothing to hide)."""
+"""`exchange_chunks` left unset, for the flat exact exchange across nodes without a budget. Measured on
+whole steps (docs/cluster.md, "Chunks by default"), 4 nodes x 1 process on 500 Mbit/s links, two runs:
+without a budget 2 chunks cut the exposed exchange from 21% to 9% of the step and the step by 1-4%; at
+budget 2 the exposed exchange is 12% unchunked, and 2 chunks moved the step by -3% and +9%; on one
+host's loopback they made it 14% slower (smaller expert matmuls, twice the collectives, nothing to
+hide)."""
 
 
-def default_exchange_chunks(exchange: str, nodes: int, capacity: int | str | None) -> int:
-    """The chunk count an unset `exchange_chunks` takes: `PIPELINE_CHUNKS` for the flat exact exchange
-    across nodes (nodes > 1: the exchange crosses the slow links, where pipelining pays); 1 inside one
-    node, for two_stage and capacity-bounded buffers (they cannot pipeline) and for per_expert, which
-    stands for the way other tools send (one all-to-all per layer, nothing overlapped)."""
-    return PIPELINE_CHUNKS if exchange == "flat" and nodes > 1 and capacity is None else 1
+def default_exchange_chunks(exchange: str, nodes: int, capacity: int | str | None, budget: bool) -> int:
+    """The chunk count an unset `exchange_chunks` takes: `PIPELINE_CHUNKS` where the exchange is large
+    enough to hide: the flat exact exchange across nodes (nodes > 1: it crosses the slow links) without a
+    device or node budget (`budget` False: every expert's device is reached). Otherwise 1: inside one
+    node, under a budget (the exchange left is small; pipelining costs more than it hides), for
+    two_stage and capacity-bounded buffers (they cannot pipeline) and for per_expert, which stands for
+    the way other tools send (one all-to-all per layer, nothing overlapped)."""
+    large = exchange == "flat" and nodes > 1 and not budget
+    return PIPELINE_CHUNKS if large and capacity is None else 1
 
 
 def check_exchange_settings(

@@ -154,8 +154,9 @@ class OccultArguments(_ArgumentsBase):
             "help": "Chunks each MoE layer's tokens are pipelined in (flat and per_expert exchanges): while "
             "one chunk runs its experts the next is dispatched and the previous combined, forward and "
             "backward (same results). 1 turns it off. Unset: 2 with the flat exchange across nodes "
-            "(nodes > 1), 1 inside one node, with the other exchanges and with exchange_capacity "
-            "(measured: docs/cluster.md)."
+            "(nodes > 1) without a budget; 1 inside one node, under max_devices_per_token or "
+            "max_nodes_per_token, with the other exchanges and with exchange_capacity (measured: "
+            "docs/cluster.md)."
         },
     )
     exchange_overlap_local: bool = field(
@@ -399,7 +400,12 @@ class OccultArguments(_ArgumentsBase):
                 "for exact receive buffers"
             )
         if self.exchange_chunks is None:
-            self.exchange_chunks = default_exchange_chunks(self.exchange, self.nodes, capacity)
+            self.exchange_chunks = default_exchange_chunks(
+                self.exchange,
+                self.nodes,
+                capacity,
+                budget=self.max_devices_per_token is not None or self.max_nodes_per_token is not None,
+            )
         check_exchange_settings(
             self.exchange,
             self.nodes,
