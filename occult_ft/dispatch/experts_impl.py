@@ -94,8 +94,8 @@ class ExpertShard:
 
 PIPELINE_CHUNKS = 2
 """`exchange_chunks` left unset, for the flat exact exchange across nodes without a budget. Measured on
-whole steps (docs/cluster.md, "Chunks by default"), 4 nodes x 1 process on 500 Mbit/s links, two runs:
-without a budget 2 chunks cut the exposed exchange from 21% to 9% of the step and the step by 1-4%; at
+whole steps (docs/cluster.md, "Chunks by default"), 4 nodes x 1 process on 500 Mbit/s links: without a
+budget 2 chunks cut the exposed exchange from 20-21% to 9% of the step and the step by 1-6% (3 runs); at
 budget 2 the exposed exchange is 12% unchunked, and 2 chunks moved the step by -3% and +9%; on one
 host's loopback they made it 14% slower (smaller expert matmuls, twice the collectives, nothing to
 hide)."""
