@@ -456,3 +456,18 @@ def test_a_contender_named_twice_is_refused_before_any_launch():
     s = StepSettings(**TINY, devices=2)
     with pytest.raises(ValueError, match="contender 'occult_ep' is named twice"):
         run_train_step(s, ["occult_ep", Contender()])
+
+
+def test_the_random_model_and_rows_are_the_seeds():
+    """`random_model` / `random_rows` (what `--train` saves, and benchmarks/per_batch_balance.py rebuilds):
+    the same settings give the same weights and tokens, another seed other ones."""
+    from occult_ft.bench.step import random_model, random_rows
+
+    settings = StepSettings(**{**TINY, "seed": 3})
+    a, b = random_model(settings).state_dict(), random_model(settings).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = random_model(StepSettings(**{**TINY, "seed": 4})).state_dict()
+    assert not all(torch.equal(a[k], other[k]) for k in a)
+    rows = random_rows(settings, 5)
+    assert rows.shape == (5, settings.seq_len) and torch.equal(rows, random_rows(settings, 5))
+    assert int(rows.min()) >= 2 and int(rows.max()) < settings.vocab  # 0 and 1 are pad and eos

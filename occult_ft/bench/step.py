@@ -405,23 +405,11 @@ def _embedded_rows(rows: int, seq_len: int) -> torch.Tensor:
     return torch.tensor(ids[: rows * seq_len]).reshape(rows, seq_len)
 
 
-def _save_model_and_data(settings: StepSettings, tmp: str) -> tuple[str, str, object]:
+def random_model(settings: StepSettings):
+    """The OLMoE-shaped random model of `settings` (seeded with `settings.seed`): what `--train` measures
+    unless the model is the embedded one."""
     from transformers import AutoModelForCausalLM, OlmoeConfig
 
-    model_dir = os.path.join(tmp, "model")
-    rows = (
-        settings.micro_batch_tokens
-        // settings.seq_len
-        * settings.grad_accum
-        * (settings.warmup + settings.steps)
-    )
-    data_path = os.path.join(tmp, "data.pt")
-    if settings.model == "embedded":
-        model = AutoModelForCausalLM.from_pretrained(embedded_model_path(), dtype=torch.float32)
-        model.config.norm_topk_prob = True  # the shared gate convention; the selection is unchanged
-        model.save_pretrained(model_dir)
-        torch.save(_embedded_rows(rows, settings.seq_len), data_path)
-        return model_dir, data_path, model
     config = OlmoeConfig(
         vocab_size=settings.vocab,
         hidden_size=settings.hidden,
@@ -438,11 +426,35 @@ def _save_model_and_data(settings: StepSettings, tmp: str) -> tuple[str, str, ob
         bos_token_id=None,
     )
     torch.manual_seed(settings.seed)
-    model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(model_dir)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def random_rows(settings: StepSettings, rows: int) -> torch.Tensor:
+    """(rows, seq_len) random token ids of the random model's data (seeded with `settings.seed` + 1)."""
     gen = torch.Generator().manual_seed(settings.seed + 1)
-    data = torch.randint(2, settings.vocab, (rows, settings.seq_len), generator=gen)
-    torch.save(data, data_path)
+    return torch.randint(2, settings.vocab, (rows, settings.seq_len), generator=gen)
+
+
+def _save_model_and_data(settings: StepSettings, tmp: str) -> tuple[str, str, object]:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = os.path.join(tmp, "model")
+    rows = (
+        settings.micro_batch_tokens
+        // settings.seq_len
+        * settings.grad_accum
+        * (settings.warmup + settings.steps)
+    )
+    data_path = os.path.join(tmp, "data.pt")
+    if settings.model == "embedded":
+        model = AutoModelForCausalLM.from_pretrained(embedded_model_path(), dtype=torch.float32)
+        model.config.norm_topk_prob = True  # the shared gate convention; the selection is unchanged
+        model.save_pretrained(model_dir)
+        torch.save(_embedded_rows(rows, settings.seq_len), data_path)
+        return model_dir, data_path, model
+    model = random_model(settings)
+    model.save_pretrained(model_dir)
+    torch.save(random_rows(settings, rows), data_path)
     return model_dir, data_path, model
 
 
