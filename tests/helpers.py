@@ -23,6 +23,18 @@ torch.set_num_threads(1)
 TIMEOUT_SCALE = float(os.environ.get("OCCULT_FT_TEST_TIMEOUT_SCALE", "6"))
 
 
+def load_benchmark(name: str):
+    """The script benchmarks/NAME.py as a module (the scripts are not a package), for tests of its `main`."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def safety_timeout(seconds: float) -> float:
     """`seconds` (the base figure) times `TIMEOUT_SCALE`: the timeout a test gives a subprocess."""
     return seconds * TIMEOUT_SCALE

@@ -1,19 +1,12 @@
 """benchmarks/expert_matmul_cost.py: the fit it reports and the rows it refuses (docs/cluster.md, "Why
 chunks cost on this machine")."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "expert_matmul_cost.py"
+from helpers import load_benchmark
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("expert_matmul_cost", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("expert_matmul_cost")
 
 
 def test_the_fit_recovers_a_fixed_part_and_a_per_row_part():

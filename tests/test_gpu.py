@@ -3,20 +3,13 @@ CPU smoke run (so the script stays runnable on machines without a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_layer.py"
+from helpers import load_benchmark
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("gpu_layer", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_layer")
 
 
 def test_gpu_layer_benchmark_runs_on_a_tiny_cpu_layer():
