@@ -130,11 +130,28 @@ def test_an_overlap_contender_needs_an_exact_one_stage_exchange():
             Contender.from_name(name).check(settings)
 
 
+def test_a_shared_contender_needs_a_shared_mlp_and_an_exact_one_stage_exchange():
+    shared = StepSettings(**{**TINY, "devices": 2, "nodes": 2, "shared_experts": 8})
+    spec = contender_spec("occult_ep_budget1_shared", shared)
+    assert spec["overlap_shared"] is True and spec["max_devices_per_token"] == 1
+    assert "overlap_shared" not in contender_spec("occult_ep", shared)
+    with pytest.raises(ValueError, match="the model has none: pass --shared-experts N"):
+        contender_spec("occult_ep_shared", StepSettings(**TINY, devices=2))
+    for name in ("occult_ep_two_stage_shared", "occult_ep_shared_capacity"):
+        with pytest.raises(ValueError, match=f"{name}: _shared runs the exact flat and per_expert"):
+            contender_spec(name, shared)
+    for name in ("hf_native_ep", "deepspeed_moe"):  # built for the OLMoE block
+        with pytest.raises(ValueError, match=f"{name} is built for the OLMoE block"):
+            contender_spec(name, shared)
+    assert contender_spec("data_parallel", shared)["kind"] == "data_parallel"
+
+
 def test_contender_fields_are_checked():
     with pytest.raises(ValueError, match="kind='tutel'"):
         Contender(kind="tutel")
     with pytest.raises(
-        ValueError, match="deepspeed_moe takes no exchange, budget, chunks, overlap, capacity or balancing"
+        ValueError,
+        match="deepspeed_moe takes no exchange, budget, chunks, overlap, shared, capacity or balancing",
     ):
         Contender(kind="deepspeed_moe", budget=2)
     with pytest.raises(ValueError, match="the device bias balances a budget; add _budget2"):
@@ -151,6 +168,11 @@ def test_contender_fields_are_checked():
         (dict(heads=3), "heads=3 must divide hidden=32"),
         (dict(top_k=9), "top_k=9 exceeds experts=8"),
         (dict(devices=1), "devices=1 must be at least 2"),
+        (dict(shared_experts=-1), "shared_experts=-1 must be a count >= 0"),
+        (
+            dict(shared_experts=8, model="embedded"),
+            "shared_experts=8 shapes the random model; the embedded model",
+        ),
     ],
 )
 def test_settings_errors_are_one_line(overrides, message):
@@ -412,6 +434,26 @@ def test_every_contender_trains_and_ep_reproduces_data_parallel(tmp_path):
         assert len(row["step_s_runs"]) == 2 and row["tokens_per_s"] > 0 and row["peak_mb"] > 0
 
 
+@pytest.mark.slow
+def test_the_shared_mlp_model_trains_alike_with_the_overlap(tmp_path):
+    """`--shared-experts`: the DeepSeek-V3-shaped random model; occult_ep with and without its shared MLP
+    beside the combine trains data parallel's steps."""
+    s = StepSettings(
+        **TINY, shared_experts=1, devices=2, warmup=0, steps=2, rounds=1, device="cpu", grad_accum=2
+    )
+    names = ["data_parallel", "occult_ep", "occult_ep_shared"]
+    report = run_train_step(s, names, clusters=(), workdir=str(tmp_path))
+    rows = {r["contender"]: r for r in report["contenders"]}
+    failed = {n: r["reason"] for n, r in rows.items() if not r["measured"]}
+    assert not failed, (failed, _log_tails(failed.values()))
+    for name in ("occult_ep", "occult_ep_shared"):
+        assert rows[name]["loss_vs_dp"]["max"] < 1e-5, (
+            name,
+            rows[name]["losses"],
+            rows["data_parallel"]["losses"],
+        )
+
+
 def _clock_worker(rank: int, world: int) -> dict:
     import time
 
@@ -468,6 +510,10 @@ def test_the_random_model_and_rows_are_the_seeds():
     assert all(torch.equal(a[k], b[k]) for k in a)
     other = random_model(StepSettings(**{**TINY, "seed": 4})).state_dict()
     assert not all(torch.equal(a[k], other[k]) for k in a)
+    shared = random_model(StepSettings(**{**TINY, "shared_experts": 2}))  # DeepSeek-V3-shaped
+    assert shared.config.model_type == "deepseek_v3" and shared.config.first_k_dense_replace == 0
+    # two shared experts of the routed ones' width, as one MLP
+    assert shared.model.layers[0].mlp.shared_experts.gate_proj.out_features == 2 * TINY["expert_width"]
     rows = random_rows(settings, 5)
     assert rows.shape == (5, settings.seq_len) and torch.equal(rows, random_rows(settings, 5))
     assert int(rows.min()) >= 2 and int(rows.max()) < settings.vocab  # 0 and 1 are pad and eos

@@ -75,10 +75,34 @@ EXCHANGE_CASES_WORLD4 = {
     "overlap_local_per_expert": dict(
         arch="olmoe", tokens=[0, 5, 3, 4], top_k=2, routing="random", exchange="per_expert", overlap=True
     ),
+    # a shared MLP beside the combine (`exchange_overlap_shared`): one chunk, chunks, per-expert rows
+    "shared_beside": dict(arch="qwen3_moe", tokens=[7, 5, 6, 8], top_k=3, routing="random", shared=True),
+    "shared_beside_chunks_2": dict(
+        arch="olmoe", tokens=[6, 0, 5, 3], top_k=2, routing="random", chunks=2, shared=True
+    ),
+    "shared_beside_per_expert": dict(
+        arch="gpt_oss", tokens=[2, 3, 1, 4], top_k=2, routing="random", exchange="per_expert", shared=True
+    ),
 }
 MODEL_CASES_WORLD2 = {
     "olmoe_model": dict(arch="olmoe", batch=1, seq=8, save=True),
     "deepseek_v3_model": dict(arch="deepseek_v3", batch=1, seq=8, save=False),
+    # the shared MLP beside the combine: DeepSeek's block calls it after the experts (the kernel's
+    # output serves it), Qwen-MoE's before (the kernel sees it ran and leaves it); both stay exact
+    "deepseek_v3_shared_beside": dict(
+        arch="deepseek_v3", batch=1, seq=8, save=False, configure=dict(overlap_shared=True), beside="served"
+    ),
+    "deepseek_v3_shared_beside_chunks_2": dict(
+        arch="deepseek_v3",
+        batch=2,
+        seq=5,
+        save=False,
+        configure=dict(overlap_shared=True, chunks=2),
+        beside="served",
+    ),
+    "qwen2_moe_shared_first": dict(
+        arch="qwen2_moe", batch=1, seq=8, save=False, configure=dict(overlap_shared=True), beside="ran_first"
+    ),
 }
 
 NUM_EXPERTS = 8
@@ -199,10 +223,17 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
     ids_all = _routing(case["routing"], total, top_k, world, gen)
     w_all = torch.rand(total, top_k, generator=gen) + 0.1
     g_all = torch.randn(total, hidden_size, generator=gen)  # upstream gradient of the output
+    # a shared MLP the layer adds to every token (only in the cases that ask for one)
+    torch.manual_seed(4)
+    shared_full = torch.nn.Sequential(
+        torch.nn.Linear(hidden_size, 6), torch.nn.SiLU(), torch.nn.Linear(6, hidden_size)
+    )
 
-    # Oracle: one process, all tokens, all experts.
+    # Oracle: one process, all tokens, all experts (plus the shared MLP).
     x_ref, w_ref = x_all.clone().requires_grad_(), w_all.clone().requires_grad_()
     out_ref = reference_moe(x_ref, ids_all, w_ref, experts_module_fn(full))
+    if case.get("shared"):
+        out_ref = out_ref + shared_full(x_ref)
     (out_ref * g_all).sum().backward()
 
     # This rank: its tokens, its shard, the case's exchange (flat unless it says otherwise).
@@ -211,11 +242,14 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
     names = get_arch(case["arch"]).expert_params
     layout = ExpertLayout(NUM_EXPERTS, world)
     kind, chunks = case.get("exchange", "flat"), case.get("chunks", 1)
-    pipelined = chunks > 1 or case.get("overlap", False)
+    pipelined = chunks > 1 or case.get("overlap", False) or case.get("shared", False)
 
     def run(chunk_count: int, through_pipeline: bool):
         local = copy.deepcopy(full)
         local.zero_grad(set_to_none=True)
+        shared = copy.deepcopy(shared_full) if case.get("shared") else None
+        if shared is not None:
+            shared.zero_grad(set_to_none=True)
         shard_experts_module(local, names)
         if kind == "per_expert":
             exchange = PerExpertExchange(layout)
@@ -223,10 +257,16 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
             exchange = FlatExchange(layout, capacity=case.get("capacity"))
         x, w = x_all[mine].clone().requires_grad_(), w_all[mine].clone().requires_grad_()
         with HostSyncCounter() as forward:
-            if through_pipeline:
+            if through_pipeline and shared is not None:  # computed beside the combine, added here
+                routed, beside = pipelined_moe_forward(
+                    x, ids_all[mine], w, local, exchange, chunk_count, shared=shared
+                )
+                out = routed + beside
+            elif through_pipeline:
                 out = pipelined_moe_forward(x, ids_all[mine], w, local, exchange, chunk_count)
             else:
                 out = moe_forward(x, ids_all[mine], w, local, exchange)
+                out = out + shared(x) if shared is not None else out
         with HostSyncCounter() as backward:
             (out * g_all[mine]).sum().backward()
         # host reads per layer: the count exchange once (all chunks together), none with capacity buffers
@@ -242,6 +282,10 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
                 failures.append(f"expert shard {name} got no gradient")
                 grad = torch.zeros_like(getattr(local, name))
             grads[name] = _gather_dim0(grad, world)
+        for name, p in shared.named_parameters() if shared is not None else ():  # replicated: summed
+            grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(grad)
+            grads[f"shared.{name}"] = grad
         _, _, handle = exchange.dispatch(x_all[mine], ids_all[mine], w_all[mine])
         return out, x, w, grads, handle
 
@@ -255,12 +299,14 @@ def _layer_case(rank: int, world: int, case: dict) -> list[str]:
     _close(failures, "router weight grad", _grad(w), _grad(w_ref)[mine])
     for name in names:
         _close(failures, f"{name} grad (gathered)", grads[name], _grad(getattr(full, name)))
+    for name, p in shared_full.named_parameters() if case.get("shared") else ():
+        _close(failures, f"shared {name} grad (summed)", grads[f"shared.{name}"], _grad(p))
     if pipelined:  # the pipeline against the unchunked layer of the same exchange
         out1, x1, w1, grads1, _ = run(1, False)
         _close(failures, "chunked vs unchunked output", out, out1.detach())
         _close(failures, "chunked vs unchunked hidden grad", _grad(x), _grad(x1))
         _close(failures, "chunked vs unchunked weight grad", _grad(w), _grad(w1))
-        for name in names:
+        for name in grads:
             _close(failures, f"chunked vs unchunked {name} grad", grads[name], grads1[name])
     return failures
 
@@ -282,12 +328,30 @@ def _reload_failures(rank: int, model, state: dict, ref_state: dict) -> list[str
     return failures
 
 
+def _beside_failures(layers, way: str | None) -> list[str]:
+    """Each layer's shared MLP ran one way in the one forward: from the kernel (`served`) or first by the
+    block (`ran_first`); nothing to check without a way."""
+    from occult_ft.models import base_experts
+
+    if way is None:
+        return []
+    other = {"served": "ran_first", "ran_first": "served"}[way]
+    failures = []
+    for layer in layers:
+        beside = getattr(base_experts(layer.experts), "occult_beside", None)
+        if beside is None or getattr(beside, way) != 1 or getattr(beside, other) != 0:
+            counts = None if beside is None else (beside.served, beside.ran_first)
+            failures.append(f"{layer.name}: (served, ran_first) = {counts}, expected one {way}")
+    return failures
+
+
 def _model_case(rank: int, world: int, case: dict) -> list[str]:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from occult_ft.dispatch import (
         EXPERTS_IMPLEMENTATION,
+        configure_exchange,
         expert_shard_parameters,
         gather_experts,
         gather_experts_state_dict,
@@ -318,8 +382,10 @@ def _model_case(rank: int, world: int, case: dict) -> list[str]:
     for name, p in marked:
         if p.shape[0] != NUM_EXPERTS // world:
             failures.append(f"{name} has shape {tuple(p.shape)}, expected {NUM_EXPERTS // world} experts")
+    configure_exchange(model, **case.get("configure", {}))  # nothing given: every setting kept
     out = model(input_ids=batch_all[mine], labels=batch_all[mine])
     out.loss.backward()
+    failures += _beside_failures(layers, case.get("beside"))
 
     # Equal token counts per rank: reference loss = mean of rank losses; reference gradient =
     # (sum over ranks of rank gradients) / D, where an expert shard's gradient already holds every
@@ -358,6 +424,11 @@ def _model_case(rank: int, world: int, case: dict) -> list[str]:
     gather_experts(model)
     if model.config._experts_implementation == EXPERTS_IMPLEMENTATION or expert_shard_parameters(model):
         failures.append("gather_experts left the model sharded")
+    failures += [
+        f"gather_experts left {layer.name}.{layer.arch.shared_mlp_attr}.forward replaced"
+        for layer in layers
+        if layer.arch.shared_mlp_attr and "forward" in vars(getattr(layer.block, layer.arch.shared_mlp_attr))
+    ]
     with torch.no_grad():
         again = model(input_ids=batch_all[mine]).logits
     _close(failures, "logits after gather_experts", again, ref_out.logits[mine].detach())

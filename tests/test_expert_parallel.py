@@ -156,6 +156,12 @@ def train_case(
         shard = base_experts(find_moe_layers(base)[0].experts).occult_shard
         result["exchange"] = [shard.exchange, shard.chunks, shard.capacity]
         result["overlap_local"] = shard.overlap_local
+        result["overlap_shared"] = shard.overlap_shared
+        besides = [
+            getattr(base_experts(layer.experts), "occult_beside", None) for layer in find_moe_layers(base)
+        ]
+        # times the kernel's shared-MLP output served a block (exchange_overlap_shared), over all layers
+        result["shared_served"] = sum(b.served for b in besides if b is not None) if any(besides) else None
     return result
 
 

@@ -2,8 +2,8 @@
 choose between, on the same model, data and global batch, side by side.
 
 `run_train_step(settings)` saves one model (`settings.model`: "random", OLMoE-shaped and seeded, on
-random tokens; or "embedded", the shipped OLMoE with trained routers, on its own corpus, so that the
-routing is real and skewed) with `norm_topk_prob=True` (the gate convention every contender shares,
+random tokens, DeepSeek-V3-shaped with `shared_experts`; or "embedded", the shipped OLMoE with trained
+routers, on its own corpus, so that the routing is real and skewed) with `norm_topk_prob=True` (the gate convention every contender shares,
 DeepSpeed's included) and the token rows of every step, then, in `rounds` rounds whose order rotates
 (round r starts r places later and odd rounds run backwards), launches each contender on D processes
 (`torchrun`, `occult_ft.bench.step_worker`) for `warmup + steps` optimizer steps of `grad_accum`
@@ -112,6 +112,10 @@ class StepSettings:
 
     Args:
         hidden / layers / experts / top_k / expert_width / heads / vocab: the OLMoE-shaped model.
+        shared_experts: above 0, this many shared experts (one shared MLP of shared_experts x
+            expert_width) in every MoE block: the random model is then DeepSeek-V3-shaped (its block
+            adds the shared MLP after the experts, which `exchange_overlap_shared` runs beside the
+            combine; MLA attention). 0: none.
         model: "random" (that shape, seeded, random tokens) or "embedded" (the shipped model on its
             corpus; the shape fields are then taken from it by `run_train_step`).
         seq_len: S. micro_batch_tokens: global tokens per micro-batch (T = D x B x S).
@@ -136,6 +140,7 @@ class StepSettings:
     expert_width: int = 256
     heads: int = 8
     vocab: int = 8192
+    shared_experts: int = 0
     seq_len: int = 256
     micro_batch_tokens: int = 2048
     grad_accum: int = 4
@@ -181,6 +186,13 @@ class StepSettings:
             )
         if self.model not in MODELS:
             raise ValueError(f"model={self.model!r}: use {' or '.join(MODELS)}")
+        shared = self.shared_experts
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"shared_experts={shared!r} must be a count >= 0 (0: no shared MLP)")
+        if shared and self.model != "random":
+            raise ValueError(
+                f"shared_experts={shared} shapes the random model; the {self.model} model has its own blocks: drop it"
+            )
         if self.link_rate is not None:
             parse_rate(self.link_rate)
         if self.steps < 1 or self.warmup < 0 or self.rounds < 1:
@@ -210,7 +222,7 @@ class StepSettings:
         return self.device
 
 
-_GRAMMAR = "occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_overlap][_capacity][_balanced]"
+_GRAMMAR = "occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_overlap][_shared][_capacity][_balanced]"
 # name suffix of an occult_ep contender -> (field, value; int: the digits that follow the suffix)
 _SUFFIXES: dict[str, tuple[str, Any]] = {
     "_per_expert": ("exchange", "per_expert"),
@@ -218,6 +230,7 @@ _SUFFIXES: dict[str, tuple[str, Any]] = {
     "_budget": ("budget", int),
     "_chunks": ("chunks", int),
     "_overlap": ("overlap", True),
+    "_shared": ("shared", True),
     "_capacity": ("capacity", True),
     "_balanced": ("balanced", True),
 }
@@ -234,6 +247,8 @@ class Contender:
         exchange / budget / chunks / overlap / capacity: occult_ep only: its exchange (`OccultConfig.exchange`),
             device budget M (`max_devices_per_token`), pipelined chunks (None: `OccultConfig`'s default), the own
             rows computed while the exchanges travel (`exchange_overlap_local`), and capacity-bounded buffers.
+        shared: occult_ep only: the blocks' shared MLP run while the combine travels
+            (`exchange_overlap_shared`; needs `StepSettings.shared_experts`).
         balanced: occult_ep with a budget only: the device bias (`device_bias_rate` BALANCED_BIAS_RATE),
             fitted on the first micro-batch (`device_bias_init="first_batch"`).
         name: the label in the report; default: the canonical name of the fields (`from_name` keeps
@@ -245,6 +260,7 @@ class Contender:
     budget: int | None = None
     chunks: int | None = None
     overlap: bool = False
+    shared: bool = False
     capacity: bool = False
     balanced: bool = False
     name: str = field(default="", compare=False)
@@ -261,12 +277,14 @@ class Contender:
             self.budget is not None,
             self.chunks is not None,
             self.overlap,
+            self.shared,
             self.capacity,
             self.balanced,
         )
         if self.kind != "occult_ep" and any(options):
             raise ValueError(
-                f"{self.kind} takes no exchange, budget, chunks, overlap, capacity or balancing (occult_ep does)"
+                f"{self.kind} takes no exchange, budget, chunks, overlap, shared, capacity or balancing "
+                "(occult_ep does)"
             )
         if self.balanced and self.budget is None:
             raise ValueError(
@@ -283,6 +301,7 @@ class Contender:
         name += "" if self.budget is None else f"_budget{self.budget}"
         name += "" if self.chunks is None else f"_chunks{self.chunks}"
         name += "_overlap" if self.overlap else ""
+        name += "_shared" if self.shared else ""
         name += "_capacity" if self.capacity else ""
         return name + ("_balanced" if self.balanced else "")
 
@@ -294,8 +313,8 @@ class Contender:
     @classmethod
     def from_name(cls, name: str) -> Contender:
         """The contender a command-line name spells: data_parallel, hf_native_ep, deepspeed_moe, or
-        occult_ep followed by any of _per_expert or _two_stage, _budget{M}, _chunks{N}, _overlap, _capacity,
-        _balanced."""
+        occult_ep followed by any of _per_expert or _two_stage, _budget{M}, _chunks{N}, _overlap, _shared,
+        _capacity, _balanced."""
         if name in KINDS and name != "occult_ep":
             return cls(kind=name, name=name)
         if not name.startswith("occult_ep"):
@@ -322,8 +341,21 @@ class Contender:
         """`self` when it can run with `settings`; a one-line error otherwise."""
         if self.exchange == "two_stage" and settings.nodes < 2:
             raise ValueError(f"{self.name} needs nodes > 1 (got nodes={settings.nodes}); pass --nodes 2")
-        if self.overlap and (self.exchange == "two_stage" or self.capacity):
-            raise ValueError(f"{self.name}: _overlap runs the exact flat and per_expert exchanges; drop it")
+        for suffix, on in (("_overlap", self.overlap), ("_shared", self.shared)):
+            if on and (self.exchange == "two_stage" or self.capacity):
+                raise ValueError(
+                    f"{self.name}: {suffix} runs the exact flat and per_expert exchanges; drop it"
+                )
+        if self.shared and not settings.shared_experts:
+            raise ValueError(
+                f"{self.name}: _shared runs the blocks' shared MLP beside the combine; the model has none: "
+                "pass --shared-experts N"
+            )
+        if settings.shared_experts and self.kind in ("hf_native_ep", "deepspeed_moe"):
+            raise ValueError(
+                f"{self.name} is built for the OLMoE block; with --shared-experts run data_parallel and occult_ep "
+                "contenders"
+            )
         if self.budget is not None:
             m, per_device = self.budget, settings.experts // settings.devices
             if m > settings.devices:
@@ -346,6 +378,8 @@ class Contender:
             out["chunks"] = self.chunks
         if self.overlap:
             out["overlap"] = True
+        if self.shared:
+            out["overlap_shared"] = True
         if self.capacity:
             out["capacity"] = "auto"
         if self.balanced:
@@ -407,9 +441,11 @@ def _embedded_rows(rows: int, seq_len: int) -> torch.Tensor:
 
 def random_model(settings: StepSettings):
     """The OLMoE-shaped random model of `settings` (seeded with `settings.seed`): what `--train` measures
-    unless the model is the embedded one."""
+    unless the model is the embedded one; DeepSeek-V3-shaped with `settings.shared_experts`."""
     from transformers import AutoModelForCausalLM, OlmoeConfig
 
+    if settings.shared_experts:
+        return _random_shared_model(settings)
     config = OlmoeConfig(
         vocab_size=settings.vocab,
         hidden_size=settings.hidden,
@@ -420,6 +456,45 @@ def random_model(settings: StepSettings):
         num_experts=settings.experts,
         num_experts_per_tok=settings.top_k,
         norm_topk_prob=True,
+        max_position_embeddings=max(4096, settings.seq_len),
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    torch.manual_seed(settings.seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _random_shared_model(settings: StepSettings):
+    """DeepSeek-V3-shaped: the same experts, top-k, widths and vocabulary, every layer MoE with
+    `shared_experts` shared experts (one MLP, added after the experts), one routing group, no scaling;
+    MLA attention with
+    the heads of `settings` (query and value heads of hidden / heads, a quarter of that rotary, the
+    key-value latent hidden / 4)."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    head = settings.hidden // settings.heads
+    config = DeepseekV3Config(
+        vocab_size=settings.vocab,
+        hidden_size=settings.hidden,
+        intermediate_size=settings.expert_width,  # a dense layer's width (there is none)
+        moe_intermediate_size=settings.expert_width,
+        num_hidden_layers=settings.layers,
+        num_attention_heads=settings.heads,
+        num_key_value_heads=settings.heads,
+        n_routed_experts=settings.experts,
+        num_experts_per_tok=settings.top_k,
+        n_shared_experts=settings.shared_experts,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=0,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        q_lora_rank=None,
+        kv_lora_rank=max(1, settings.hidden // 4),
+        qk_nope_head_dim=head,
+        qk_rope_head_dim=max(2, head // 4),
+        v_head_dim=head,
         max_position_embeddings=max(4096, settings.seq_len),
         pad_token_id=0,
         eos_token_id=1,
@@ -654,11 +729,15 @@ def _cost_model(routing, settings: StepSettings, clusters) -> dict:
 
 
 def _notes(settings: StepSettings) -> list[str]:
-    model = (
-        "the embedded OLMoE (trained routers) on its corpus"
-        if settings.model == "embedded"
-        else "OLMoE-shaped, random weights and tokens"
-    )
+    if settings.model == "embedded":
+        model = "the embedded OLMoE (trained routers) on its corpus"
+    elif settings.shared_experts:
+        model = (
+            f"DeepSeek-V3-shaped (MLA, {settings.shared_experts} shared expert(s) added after the routed ones), "
+            "random weights and tokens"
+        )
+    else:
+        model = "OLMoE-shaped, random weights and tokens"
     notes = [
         f"model: {model}, norm_topk_prob=True (the gate convention of every contender, DeepSpeed's "
         "included); aux/balance losses off everywhere so the losses compare",

@@ -211,7 +211,12 @@ def _table_lines(report: dict) -> list[str]:
     """The settings, the network and one row per contender: tokens/s, step time and spread, ratio to the
     best other contender, peak memory (and against data parallel), loss difference, host syncs."""
     s = report["settings"]
-    model = "the embedded model" if s.get("model") == "embedded" else "OLMoE-shaped random model"
+    if s.get("model") == "embedded":
+        model = "the embedded model"
+    elif s.get("shared_experts"):
+        model = f"DeepSeek-V3-shaped random model ({s['shared_experts']} shared)"
+    else:
+        model = "OLMoE-shaped random model"
     accum = s.get("grad_accum", 1)
     lines = [
         f"train step: {model}, hidden {s['hidden']}, {s['layers']} layers, {s['experts']} experts top-{s['top_k']}, "

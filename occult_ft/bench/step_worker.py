@@ -391,6 +391,7 @@ def run_occult_ep(spec: dict, rank: int, world: int, records: list) -> tuple[nn.
         exchange=c.get("exchange", "flat"),
         exchange_chunks=c.get("chunks"),  # None: the library default
         exchange_overlap_local=c.get("overlap", False),
+        exchange_overlap_shared=c.get("overlap_shared", False),
         exchange_capacity=c.get("capacity"),
         device_bias_rate=c.get("device_bias_rate", 0.0),
         device_bias_init="first_batch" if c.get("device_bias_rate") else "zeros",

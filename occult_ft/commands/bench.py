@@ -167,6 +167,13 @@ def _add_shape_args(p) -> None:
         "--grad-accum", type=positive_int, default=4, help="--train: micro-batches per optimizer step"
     )
     p.add_argument(
+        "--shared-experts",
+        type=int,
+        default=0,
+        help="--train: shared experts per MoE block, the random model then DeepSeek-V3-shaped (0: none, "
+        "OLMoE-shaped); the occult_ep_shared contenders run them beside the combine",
+    )
+    p.add_argument(
         "--capacity-factor", type=_positive_float, default=1.0, help="DeepSpeed classic's capacity factor"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing and the hidden rows")
@@ -297,6 +304,7 @@ def run_train(args: argparse.Namespace) -> int:
         seq_len=args.seq_len or 256,
         micro_batch_tokens=args.tokens or 2048,
         grad_accum=args.grad_accum,
+        shared_experts=args.shared_experts,
         devices=args.devices,
         nodes=args.nodes,
         link_rate=args.link_rate,

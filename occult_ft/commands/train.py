@@ -81,6 +81,7 @@ FIELD_GROUPS = {
         "exchange",
         "exchange_chunks",
         "exchange_overlap_local",
+        "exchange_overlap_shared",
         "exchange_capacity",
         "placement",
         "placement_algorithm",

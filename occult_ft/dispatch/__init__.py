@@ -9,6 +9,7 @@ exchanges (Occult's de-duplicated all-to-all first), plugged into transformers a
                      PerExpertExchange; moe_forward
     two_stage.py     TwoStageExchange: once per node over the network, then fan-out in the node
     pipeline.py      pipelined_moe_forward: chunks whose exchange overlaps the local experts
+    shared.py        SharedBeside: a block's shared MLP run beside the combine (exchange_overlap_shared)
     experts_impl.py  "occult_ep" transformers experts kernel (picks the exchange from the shard record),
                      shard_experts, configure_exchange, gather_experts[_state_dict]
     decode.py        DecodeCapacity: generation's decode steps on the capacity-bounded flat exchange

@@ -23,6 +23,7 @@ from ..models import base_experts, experts_state_key, find_moe_layers, unwrap_mo
 from .comm import group_size_and_rank
 from .exchange import Exchange, FlatExchange, PerExpertExchange, moe_forward
 from .pipeline import pipelined_moe_forward
+from .shared import SharedBeside, attach_shared, detach_shared
 from .two_stage import TwoStageExchange, node_groups
 
 __all__ = [
@@ -67,6 +68,8 @@ class ExpertShard:
         overlap_local: run one chunk through the pipeline too: this rank's own rows (tokens for its
             own experts, no network) are computed while the other rows' exchanges travel (flat and
             per_expert, exact mode; with chunks > 1 the pipeline always does it).
+        overlap_shared: run the block's shared MLP while the combine travels, through the pipeline
+            (flat and per_expert, exact mode; `attach_shared` links the MLP: `experts.occult_beside`).
     """
 
     group: dist.ProcessGroup | None
@@ -81,11 +84,14 @@ class ExpertShard:
     chunks: int = 1
     capacity: int | None = None
     overlap_local: bool = False
+    overlap_shared: bool = False
 
     def __post_init__(self):
         if not self.exchange:
             object.__setattr__(self, "exchange", "two_stage" if self.nodes > 1 else "flat")
-        check_exchange_settings(self.exchange, self.nodes, self.chunks, self.capacity, self.overlap_local)
+        check_exchange_settings(
+            self.exchange, self.nodes, self.chunks, self.capacity, self.overlap_local, self.overlap_shared
+        )
 
     @property
     def layout(self) -> ExpertLayout:
@@ -113,7 +119,12 @@ def default_exchange_chunks(exchange: str, nodes: int, capacity: int | str | Non
 
 
 def check_exchange_settings(
-    exchange: str, nodes: int, chunks: int, capacity: int | None, overlap_local: bool = False
+    exchange: str,
+    nodes: int,
+    chunks: int,
+    capacity: int | None,
+    overlap_local: bool = False,
+    overlap_shared: bool = False,
 ) -> None:
     """One-line ValueErrors for settings the kernel cannot run."""
     if exchange not in EXCHANGES:
@@ -135,13 +146,14 @@ def check_exchange_settings(
             )
         if chunks > 1:
             raise ValueError("exchange_capacity needs no host synchronisation to hide: use exchange_chunks=1")
-    if not isinstance(overlap_local, bool):
-        raise ValueError(f"overlap_local={overlap_local!r} must be True or False")
-    if overlap_local and (exchange == "two_stage" or capacity is not None):
-        raise ValueError(
-            f"overlap_local runs the pipeline of the flat and per_expert exact exchanges (got exchange={exchange!r}, "
-            f"capacity={capacity!r}); use overlap_local=False"
-        )
+    for name, value in (("overlap_local", overlap_local), ("overlap_shared", overlap_shared)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True or False")
+        if value and (exchange == "two_stage" or capacity is not None):
+            raise ValueError(
+                f"{name} runs the pipeline of the flat and per_expert exact exchanges (got exchange={exchange!r}, "
+                f"capacity={capacity!r}); use {name}=False"
+            )
 
 
 def exchange_for(shard: ExpertShard) -> Exchange:
@@ -171,8 +183,18 @@ def occult_ep_experts_forward(
             "experts; call occult_ft.dispatch.shard_experts(model, group) first"
         )
     exchange = exchange_for(shard)
-    # check_exchange_settings already refused chunks > 1 and overlap_local for exchanges that cannot be
+    # the block's shared MLP beside the combine, unless the block already ran it on these tokens
+    beside: SharedBeside | None = getattr(self, "occult_beside", None) if shard.overlap_shared else None
+    if beside is not None and not beside.wanted(hidden_states):
+        beside = None
+    # check_exchange_settings already refused chunks > 1 and the overlaps for exchanges that cannot be
     # pipelined; one chunk through the pipeline is the own rows' overlap alone
+    if beside is not None:
+        out, shared_out = pipelined_moe_forward(
+            hidden_states, top_k_index, top_k_weights, self, exchange, shard.chunks, shared=beside.module
+        )
+        beside.offer(hidden_states, shared_out)
+        return out
     if shard.chunks > 1 or shard.overlap_local:
         return pipelined_moe_forward(hidden_states, top_k_index, top_k_weights, self, exchange, shard.chunks)
     return moe_forward(hidden_states, top_k_index, top_k_weights, self, exchange)
@@ -296,6 +318,7 @@ def configure_exchange(
     chunks: int | None = None,
     capacity: int | None | str = "keep",
     overlap_local: bool | None = None,
+    overlap_shared: bool | None = None,
 ) -> nn.Module:
     """Change the exchange settings of every sharded layer of `model` (call on every rank alike).
 
@@ -306,6 +329,8 @@ def configure_exchange(
         capacity: rows per destination of the capacity-bounded flat exchange, None for exact
             (default "keep").
         overlap_local: compute the own rows while the exchanges travel, also with one chunk (None: keep).
+        overlap_shared: run each block's shared MLP while the combine travels (None: keep); layers
+            without one are unchanged.
 
     Raises:
         ValueError: for a model that is not sharded or settings the kernel cannot run.
@@ -320,8 +345,11 @@ def configure_exchange(
             chunks=shard.chunks if chunks is None else chunks,
             capacity=shard.capacity if capacity == "keep" else capacity,
             overlap_local=shard.overlap_local if overlap_local is None else overlap_local,
+            overlap_shared=shard.overlap_shared if overlap_shared is None else overlap_shared,
         )
         base_experts(layer.experts).occult_shard = updated
+    if overlap_shared is not None:  # the shared MLPs answer the block from the kernel only while on
+        (attach_shared if overlap_shared else detach_shared)(unwrap_model(model))
     first = layers[0][1]
     if exchange == "two_stage":  # the sub-groups are a world collective: build them on every rank now
         node_groups(first.nodes, first.group)
@@ -383,6 +411,7 @@ def gather_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
     gather them first with `occult_ft.integrations.peft.unshard_expert_lora`.
     """
     base = unwrap_model(model)
+    detach_shared(base)
     previous = None
     for layer, shard in list(_sharded_layers(base)):
         experts = base_experts(layer.experts)

@@ -15,6 +15,7 @@ from other ranks, L own rows (this rank's tokens for its own experts), P local e
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import overload
 
 import torch
 from torch import nn
@@ -109,6 +110,26 @@ class _OwnRows:
         self.out = None
 
 
+class _SharedPiece:
+    """The block's shared MLP on every token of the layer (`shared=` of `pipelined_moe_forward`), run by
+    the layer's forward while the combines travel.
+
+    Its graph hangs off the caller's hidden states as if the block had run it (built under enable_grad
+    inside the layer's forward, on the input itself, not on a detached leaf): its backward is autograd's
+    own, so a wrapper that follows the graph from the loss (DDP finding its parameters) sees it, and no
+    gradient hook fires twice. Only the forward moves; the backward runs where autograd puts it."""
+
+    __slots__ = ("module", "out")
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.out: torch.Tensor | None = None
+
+    def run(self, hidden_TH: torch.Tensor, graph: bool) -> None:
+        with torch.enable_grad() if graph else torch.no_grad():
+            self.out = self.module(hidden_TH)
+
+
 def _own_only(plan: RowPlan, rank: int) -> RowPlan:
     """A plan whose count table tells only this rank itself its row (a copy of the real one's): in the
     count exchange it makes read_counts return the own rows' pairs per local expert, with no extra read."""
@@ -122,10 +143,12 @@ def _without_own(splits: tuple[int, ...], rank: int) -> tuple[int, ...]:
 
 
 # Schedule, with asynchronous collectives (`comm.start_exchange`: gloo runs them on the process
-# group's own threads, NCCL on its own stream); O = the own rows' experts (no network, `_OwnRows`):
+# group's own threads, NCCL on its own stream); O = the own rows' experts (no network, `_OwnRows`),
+# S = the block's shared MLP when given (`_SharedPiece`, `exchange_overlap_shared`):
 #     forward:   dispatch(0) + O | dispatch(1) + experts(0) | combine(0) + dispatch(2) + experts(1) | ...
+#                | combine(n - 1) + S
 #     backward:  combine^T(0) + O^T, then combine^T(c + 1) in flight while experts^T(c) runs, then
-#                dispatch^T(c)
+#                dispatch^T(c) (S^T is autograd's: S's graph hangs off the hidden states, see `_SharedPiece`)
 # so with one chunk (`overlap_local`) the dispatch travels while the own rows compute, and the combine
 # is issued before the own rows are summed (they already are).
 # All chunks' counts (and the own rows' counts) travel in one count exchange, so the schedule adds no
@@ -139,7 +162,19 @@ def _without_own(splits: tuple[int, ...], rank: int) -> tuple[int, ...]:
 # per-token sums add the same rows in another order).
 class _PipelinedMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_TH, weights_TK, topk_ids_TK, experts, exchange, chunks, backend, graph, *anchors):
+    def forward(
+        ctx,
+        hidden_TH,
+        weights_TK,
+        topk_ids_TK,
+        experts,
+        exchange,
+        chunks,
+        backend,
+        graph,
+        shared_piece,
+        *anchors,
+    ):
         group, p = exchange.group, exchange.layout.experts_per_device
         states = _plan_chunks(hidden_TH, weights_TK, topk_ids_TK, exchange, chunks, graph)
         # the local ids ride as columns of the hidden rows when exact there (as in exchange.send_rows)
@@ -179,6 +214,8 @@ class _PipelinedMoE(torch.autograd.Function):
                     out_RH = st.x_leaf.detach().clone()
                 st.out = out_RH if graph and compute else None
                 pending.append(start_exchange([out_RH.detach()], st.recv, st.send_splits, group))
+            if shared_piece is not None:  # the shared MLP while the combines travel
+                shared_piece.run(hidden_TH, graph)
             # the combines: each chunk's rows come home and are summed per token in at least fp32
             for st, returning in zip(states, pending):
                 (back_SH,) = returning.wait()
@@ -231,8 +268,8 @@ class _PipelinedMoE(torch.autograd.Function):
         grad_w = torch.cat(pieces_w) if pieces_w else None
         ctx.states = ctx.own = None
         # one gradient per forward input: hidden, weights; None for ids, experts, exchange, chunks, backend,
-        # graph, and the anchors (their gradients already accumulated in backward)
-        return (grad_h, grad_w, None, None, None, None, None, None, *([None] * ctx.anchors))
+        # graph, shared_piece, and the anchors (their gradients already accumulated in backward)
+        return (grad_h, grad_w, None, None, None, None, None, None, None, *([None] * ctx.anchors))
 
 
 def _added(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -286,6 +323,33 @@ def _plan_chunks(
     return states
 
 
+@overload
+def pipelined_moe_forward(
+    hidden_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    experts: nn.Module,
+    exchange: Exchange,
+    chunks: int,
+    backend: str = ...,
+    shared: None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def pipelined_moe_forward(
+    hidden_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    experts: nn.Module,
+    exchange: Exchange,
+    chunks: int,
+    backend: str = ...,
+    *,
+    shared: nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def pipelined_moe_forward(
     hidden_TH: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -294,29 +358,34 @@ def pipelined_moe_forward(
     exchange: Exchange,
     chunks: int,
     backend: str = "auto",
-) -> torch.Tensor:
+    shared: nn.Module | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`moe_forward` in `chunks` pipelined chunks, the own rows outside the collectives (the schedule is
     described above `_PipelinedMoE`); same result.
 
     Args:
         hidden_TH: (T, H); topk_ids_TK: (T, K) global expert ids; weights_TK: (T, K) gate weights.
         experts: this rank's P contiguous experts. exchange: one whose `pipelinable` is true (a
-            `FlatExchange` in exact mode or a `PerExpertExchange`); with another, only chunks=1 runs
-            (as `moe_forward`). chunks: n >= 1, the same on every rank (chunks may be empty); 1 keeps
-            the own rows' overlap with the exchange.
+            `FlatExchange` in exact mode or a `PerExpertExchange`); with another, only chunks=1 without
+            `shared` runs (as `moe_forward`). chunks: n >= 1, the same on every rank (chunks may be
+            empty); 1 keeps the own rows' overlap with the exchange.
         backend: grouped matmul backend of the local compute.
+        shared: a module applied to every token (a block's shared MLP), computed while the combines
+            travel; its graph is the caller's, as if it had run it.
 
     Returns:
-        (T, H) in hidden_TH.dtype.
+        (T, H) in hidden_TH.dtype; with `shared`, also `shared(hidden_TH)`, (T, O).
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks={chunks!r} must be a positive integer")
     if not exchange.pipelinable:
-        if chunks == 1:
+        if chunks == 1 and shared is None:
             return moe_forward(hidden_TH, topk_ids_TK, weights_TK, experts, exchange, backend)
+        what = f"chunks={chunks}" if chunks > 1 else "shared="
         raise ValueError(
-            f"chunks={chunks} pipelines one-stage exact exchanges (flat without a capacity, per_expert); "
+            f"{what} pipelines one-stage exact exchanges (flat without a capacity, per_expert); "
             f"this {exchange.name} exchange is not one: use chunks=1"
+            + (" and shared=None" if shared is not None else "")
         )
     if hidden_TH.dim() != 2 or hidden_TH.shape[0] != topk_ids_TK.shape[0]:
         raise ValueError(
@@ -336,6 +405,11 @@ def pipelined_moe_forward(
         if graph
         else []
     )
-    return _PipelinedMoE.apply(
-        hidden_TH, weights_TK, topk_ids_TK, experts, exchange, chunks, backend, graph, *anchors
+    piece = _SharedPiece(shared) if shared is not None else None
+    out_TH = _PipelinedMoE.apply(
+        hidden_TH, weights_TK, topk_ids_TK, experts, exchange, chunks, backend, graph, piece, *anchors
     )
+    if piece is None:
+        return out_TH
+    assert piece.out is not None  # the forward ran it
+    return out_TH, piece.out

@@ -170,7 +170,8 @@ class MoEArch:
             the model writes `masked_fill(..., 0.0)`).
         block_attr: attribute of the decoder layer holding the MoE block (`mlp`), or None when the
             decoder layer itself holds the router and the experts (Gemma 4).
-        shared_attrs: attributes of the block that hold shared experts (informational, never permuted).
+        shared_attrs: attributes of the block that hold shared experts, never permuted; the first is the
+            shared MLP the block calls on its tokens (`shared_mlp_attr`), a gate may follow.
         router_params: router tensors indexed by expert along dim 0, dotted paths (permuted by placement).
         block_params: block tensors indexed by expert along their last dim (a correction bias the block
             holds and passes to its router; permuted by placement).
@@ -225,6 +226,11 @@ class MoEArch:
             )
 
     # ---- the convention, for people ------------------------------------------------------------------
+    @property
+    def shared_mlp_attr(self) -> str | None:
+        """The block's shared MLP (`exchange_overlap_shared` runs it beside the combine), if any."""
+        return self.shared_attrs[0] if self.shared_attrs else None
+
     @property
     def convention(self) -> str:
         """A short name of the router convention (tables, choosing test representatives)."""

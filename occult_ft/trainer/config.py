@@ -167,6 +167,16 @@ class OccultArguments(_ArgumentsBase):
             "exchanges; same results). exchange_chunks > 1 always does."
         },
     )
+    exchange_overlap_shared: bool = field(
+        default=False,
+        metadata={
+            "help": "Run each MoE block's shared experts (DeepSeek-V2/V3, GLM-4-MoE: the MLP every token "
+            "goes through) while the layer's combine travels, forward (flat and per_expert exact "
+            "exchanges; same results; the layer then runs its pipeline, own rows included). Blocks that call "
+            "the shared MLP before the experts (Qwen-MoE) run it as before; models without one are "
+            "unchanged."
+        },
+    )
     exchange_capacity: int | str | None = field(
         default=None,
         metadata={
@@ -412,6 +422,7 @@ class OccultArguments(_ArgumentsBase):
             self.exchange_chunks,
             1 if isinstance(capacity, str) else capacity,
             self.exchange_overlap_local,
+            self.exchange_overlap_shared,
         )
         if isinstance(capacity, int):
             # whatever the layout: a recipe checked on one process must not fail at the first step of a launch

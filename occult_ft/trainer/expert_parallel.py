@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers.utils import logging
 
 from ..dispatch import (
     ExpertShard,
@@ -71,6 +72,8 @@ __all__ = [
     "load_expert_lora_shards",
     "load_sharded_adapter",
 ]
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -223,7 +226,15 @@ def setup_expert_parallel(model: nn.Module, args: OccultArguments) -> ExpertPara
         shard_experts(base, groups.ep_group, nodes=args.nodes if exchange == "two_stage" else 1)
     capacity = args.exchange_capacity_rows() if hasattr(args, "exchange_capacity_rows") else None
     overlap_local = getattr(args, "exchange_overlap_local", False)
-    configure_exchange(base, exchange, getattr(args, "exchange_chunks", 1), capacity, overlap_local)
+    overlap_shared = getattr(args, "exchange_overlap_shared", False)
+    configure_exchange(
+        base, exchange, getattr(args, "exchange_chunks", 1), capacity, overlap_local, overlap_shared
+    )
+    if overlap_shared and not any(layer.arch.shared_mlp_attr for layer in layers):
+        logger.warning(
+            "exchange_overlap_shared: %s has no shared experts, so nothing runs beside the combine",
+            type(base).__name__,
+        )
     for layer in layers:
         if read_sharded:  # LoRA was applied to the local experts: its factors are already this block's
             adopt_local_expert_lora(layer.experts)
