@@ -226,3 +226,29 @@ def test_training_with_the_shared_mlp_beside_the_combine_is_the_single_process_r
         # trainer runs besides them (the routing profile); never one layer without the other
         served = result["shared_served"]
         assert served >= 2 * STEPS and served % 2 == 0, served
+
+
+def test_the_shared_mlp_backward_runs_while_the_dispatch_transposes_travel(monkeypatch):
+    """The layer's backward issues the dispatch's transposes and returns; autograd then runs the shared
+    MLP's backward, and only then `_Homecoming` waits for the transposes (`_dispatch_transpose`)."""
+    from occult_ft.dispatch import pipeline
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v3")).train()
+    shard_experts(model)
+    configure_exchange(model, overlap_shared=True)
+    order: list[str] = []
+    for layer in find_moe_layers(model):
+        weight = layer.block.shared_experts.down_proj.weight
+        weight.register_hook(lambda g, i=layer.index: order.append(f"shared {i}") or g)
+    transpose = pipeline._dispatch_transpose
+
+    def recorded(states, *args):
+        order.append("home")
+        return transpose(states, *args)
+
+    monkeypatch.setattr(pipeline, "_dispatch_transpose", recorded)
+    ids = torch.randint(3, model.config.vocab_size, (2, 7))
+    model(input_ids=ids, labels=ids).loss.backward()
+    # backward meets the last MoE layer first: its shared MLP, then its homecoming; then the layer below
+    assert order == ["shared 2", "home", "shared 1", "home"], order

@@ -114,20 +114,55 @@ class _SharedPiece:
     """The block's shared MLP on every token of the layer (`shared=` of `pipelined_moe_forward`), run by
     the layer's forward while the combines travel.
 
-    Its graph hangs off the caller's hidden states as if the block had run it (built under enable_grad
-    inside the layer's forward, on the input itself, not on a detached leaf): its backward is autograd's
-    own, so a wrapper that follows the graph from the loss (DDP finding its parameters) sees it, and no
-    gradient hook fires twice. Only the forward moves; the backward runs where autograd puts it."""
+    Its graph hangs off the layer's inputs as if the block had run it (built under enable_grad inside the
+    layer's forward, on the input itself, not on a detached leaf): its backward is autograd's own, so a
+    wrapper that follows the graph from the loss (DDP finding its parameters) sees it, and no gradient
+    hook fires twice. `_Homecoming` puts that backward between the layer's and the wait for the
+    dispatch's transposes."""
 
-    __slots__ = ("module", "out")
+    __slots__ = ("module", "out", "homecoming")
 
     def __init__(self, module: nn.Module):
         self.module = module
         self.out: torch.Tensor | None = None
+        self.homecoming = _Pending()
 
     def run(self, hidden_TH: torch.Tensor, graph: bool) -> None:
         with torch.enable_grad() if graph else torch.no_grad():
             self.out = self.module(hidden_TH)
+
+
+class _Pending:
+    """What the layer's backward leaves for `_Homecoming`: (states, returning, grad_out_TH, weights_like)."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self):
+        self.pending: tuple | None = None
+
+
+class _Homecoming(torch.autograd.Function):
+    """The end of the layer's backward, as a node of its own in front of the layer: forward passes the
+    hidden states and gate weights through; backward waits for the dispatch's transposes that the
+    layer's backward issued (`pending`) and adds their gradients to what arrives.
+
+    The layer and the shared MLP both consume its outputs, so autograd runs this backward only after
+    both of theirs: the shared MLP's backward runs while the transposes travel. (Its nodes were made
+    after this one and before the layer's, and the engine runs the latest-made ready node first.)"""
+
+    @staticmethod
+    def forward(ctx, hidden_TH, weights_TK, box):
+        ctx.box = box
+        return hidden_TH.view_as(hidden_TH), weights_TK.view_as(weights_TK)
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_w):
+        box, ctx.box = ctx.box, None
+        pending, box.pending = box.pending, None
+        if pending is None:  # the layer's output got no gradient: nothing was issued
+            return grad_h, grad_w, None
+        home_h, home_w = _dispatch_transpose(*pending)
+        return _added(grad_h, home_h), _added(grad_w, home_w.to(pending[3].dtype)), None
 
 
 def _own_only(plan: RowPlan, rank: int) -> RowPlan:
@@ -148,7 +183,8 @@ def _without_own(splits: tuple[int, ...], rank: int) -> tuple[int, ...]:
 #     forward:   dispatch(0) + O | dispatch(1) + experts(0) | combine(0) + dispatch(2) + experts(1) | ...
 #                | combine(n - 1) + S
 #     backward:  combine^T(0) + O^T, then combine^T(c + 1) in flight while experts^T(c) runs, then
-#                dispatch^T(c) (S^T is autograd's: S's graph hangs off the hidden states, see `_SharedPiece`)
+#                dispatch^T(c); with S the wait for the dispatch^T is `_Homecoming`'s, after autograd has
+#                run S^T (its graph hangs off the layer's inputs, see `_SharedPiece`)
 # so with one chunk (`overlap_local`) the dispatch travels while the own rows compute, and the combine
 # is issued before the own rows are summed (they already are).
 # All chunks' counts (and the own rows' counts) travel in one count exchange, so the schedule adds no
@@ -222,6 +258,9 @@ class _PipelinedMoE(torch.autograd.Function):
                 # send_idx is local to the chunk: offset by writing into out_TH[lo:hi]
                 out_TH[st.lo : st.hi].index_add_(0, st.send_idx, back_SH.to(out_TH.dtype))
         ctx.states, ctx.own, ctx.group, ctx.anchors = states, own, group, len(anchors)
+        # with a shared MLP whose graph hangs off these inputs, `_Homecoming` finishes the backward
+        ctx.homecoming = shared_piece.homecoming if shared_piece is not None and graph else None
+        ctx.weights_like = weights_TK.detach()
         return out_TH.to(hidden_TH.dtype)
 
     @staticmethod
@@ -251,25 +290,36 @@ class _PipelinedMoE(torch.autograd.Function):
                 g_w = st.rw_leaf.grad if st.rw_leaf.grad is not None else torch.zeros_like(st.rw_leaf)
                 returning.append(start_exchange([g_x, g_w], st.recv, st.send_splits, group))
                 st.out = st.x_leaf = st.rw_leaf = None
-        grad_h = torch.zeros_like(grad_out_TH)
-        pieces_w = []
-        for st, home in zip(states, returning):
-            g_send_x, g_send_w = home.wait()
-            # dispatch's transpose: the sent rows' gradients through the gather onto the chunk's leaves
-            with torch.enable_grad():
-                g_h, g_w = torch.autograd.grad(
-                    [st.send_x, st.send_w], [st.h_leaf, st.w_leaf], [g_send_x, g_send_w], allow_unused=True
-                )
-            # plus what the own rows' backward left in the leaves' .grad
-            h_total, w_total = _added(g_h, st.h_leaf.grad), _added(g_w, st.w_leaf.grad)
-            if h_total is not None:  # the chunk's tokens are rows lo..hi of the layer
-                grad_h[st.lo : st.hi] = h_total
-            pieces_w.append(w_total if w_total is not None else torch.zeros_like(st.w_leaf))
-        grad_w = torch.cat(pieces_w) if pieces_w else None
-        ctx.states = ctx.own = None
+        anchors, weights_like, homecoming = ctx.anchors, ctx.weights_like, ctx.homecoming
+        ctx.states = ctx.own = ctx.weights_like = ctx.homecoming = None
         # one gradient per forward input: hidden, weights; None for ids, experts, exchange, chunks, backend,
         # graph, shared_piece, and the anchors (their gradients already accumulated in backward)
-        return (grad_h, grad_w, None, None, None, None, None, None, None, *([None] * ctx.anchors))
+        rest = (None,) * (7 + anchors)
+        if homecoming is not None:  # the shared MLP's backward runs next, while the transposes travel
+            homecoming.pending = (states, returning, grad_out_TH, weights_like)
+            return (torch.zeros_like(grad_out_TH), torch.zeros_like(weights_like), *rest)
+        return (*_dispatch_transpose(states, returning, grad_out_TH, weights_like), *rest)
+
+
+def _dispatch_transpose(states, returning, grad_out_TH, weights_like) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wait for the dispatch's transposes and map the sent rows' gradients onto the layer's hidden states
+    and gate weights, plus what the own rows' backward left in the chunks' leaves."""
+    grad_h = torch.zeros_like(grad_out_TH)
+    pieces_w = []
+    for st, home in zip(states, returning):
+        g_send_x, g_send_w = home.wait()
+        # dispatch's transpose: the sent rows' gradients through the gather onto the chunk's leaves
+        with torch.enable_grad():
+            g_h, g_w = torch.autograd.grad(
+                [st.send_x, st.send_w], [st.h_leaf, st.w_leaf], [g_send_x, g_send_w], allow_unused=True
+            )
+        # plus what the own rows' backward left in the leaves' .grad
+        h_total, w_total = _added(g_h, st.h_leaf.grad), _added(g_w, st.w_leaf.grad)
+        if h_total is not None:  # the chunk's tokens are rows lo..hi of the layer
+            grad_h[st.lo : st.hi] = h_total
+        pieces_w.append(w_total if w_total is not None else torch.zeros_like(st.w_leaf))
+    grad_w = torch.cat(pieces_w) if pieces_w else torch.zeros_like(weights_like)
+    return grad_h, grad_w
 
 
 def _added(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -371,7 +421,8 @@ def pipelined_moe_forward(
             empty); 1 keeps the own rows' overlap with the exchange.
         backend: grouped matmul backend of the local compute.
         shared: a module applied to every token (a block's shared MLP), computed while the combines
-            travel; its graph is the caller's, as if it had run it.
+            travel, its backward while the dispatch's transposes travel; its graph is the caller's, as if
+            it had run it.
 
     Returns:
         (T, H) in hidden_TH.dtype; with `shared`, also `shared(hidden_TH)`, (T, O).
@@ -406,6 +457,8 @@ def pipelined_moe_forward(
         else []
     )
     piece = _SharedPiece(shared) if shared is not None else None
+    if piece is not None and graph:  # the layer's backward ends in front of it (`_Homecoming`)
+        hidden_TH, weights_TK = _Homecoming.apply(hidden_TH, weights_TK, piece.homecoming)
     out_TH = _PipelinedMoE.apply(
         hidden_TH, weights_TK, topk_ids_TK, experts, exchange, chunks, backend, graph, piece, *anchors
     )

@@ -1,6 +1,6 @@
 """Shared experts beside the combine: a MoE block's always-on MLP computed while the layer's combine
-travels, instead of after it (the forward only: its backward stays autograd's, see
-`pipeline._SharedPiece`).
+travels, instead of after it, and its backward while the dispatch's transposes travel
+(`pipeline._SharedPiece`, `pipeline._Homecoming`).
 
     SharedBeside                 what `attach_shared` leaves on a layer (`experts.occult_beside`)
     attach_shared / detach_shared   install it on every sharded layer with a shared MLP / remove it

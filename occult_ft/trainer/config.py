@@ -171,8 +171,9 @@ class OccultArguments(_ArgumentsBase):
         default=False,
         metadata={
             "help": "Run each MoE block's shared experts (DeepSeek-V2/V3, GLM-4-MoE: the MLP every token "
-            "goes through) while the layer's combine travels, forward (flat and per_expert exact "
-            "exchanges; same results; the layer then runs its pipeline, own rows included). Blocks that call "
+            "goes through) while the layer's combine travels, and their backward while the dispatch's "
+            "transposes travel (flat and per_expert exact exchanges; same results; the layer then runs its "
+            "pipeline, own rows included). Blocks that call "
             "the shared MLP before the experts (Qwen-MoE) run it as before; models without one are "
             "unchanged."
         },
