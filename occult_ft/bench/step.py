@@ -442,18 +442,15 @@ def _embedded_rows(rows: int, seq_len: int) -> torch.Tensor:
 def random_model(settings: StepSettings):
     """The OLMoE-shaped random model of `settings` (seeded with `settings.seed`): what `--train` measures
     unless the model is the embedded one; DeepSeek-V3-shaped with `settings.shared_experts`."""
-    from transformers import AutoModelForCausalLM, OlmoeConfig
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, OlmoeConfig, PretrainedConfig
 
-    if settings.shared_experts:
-        return _random_shared_model(settings)
-    config = OlmoeConfig(
+    common: dict[str, Any] = dict(
         vocab_size=settings.vocab,
         hidden_size=settings.hidden,
-        intermediate_size=settings.expert_width,
+        intermediate_size=settings.expert_width,  # DeepSeek-V3: a dense layer's width (there is none)
         num_hidden_layers=settings.layers,
         num_attention_heads=settings.heads,
         num_key_value_heads=settings.heads,
-        num_experts=settings.experts,
         num_experts_per_tok=settings.top_k,
         norm_topk_prob=True,
         max_position_embeddings=max(4096, settings.seq_len),
@@ -461,47 +458,35 @@ def random_model(settings: StepSettings):
         eos_token_id=1,
         bos_token_id=None,
     )
+    config: PretrainedConfig
+    if settings.shared_experts:
+        config = DeepseekV3Config(**common, **_deepseek_fields(settings))
+    else:
+        config = OlmoeConfig(**common, num_experts=settings.experts)
     torch.manual_seed(settings.seed)
     return AutoModelForCausalLM.from_config(config)
 
 
-def _random_shared_model(settings: StepSettings):
+def _deepseek_fields(settings: StepSettings) -> dict[str, Any]:
     """DeepSeek-V3-shaped: the same experts, top-k, widths and vocabulary, every layer MoE with
     `shared_experts` shared experts (one MLP, added after the experts), one routing group, no scaling;
-    MLA attention with
-    the heads of `settings` (query and value heads of hidden / heads, a quarter of that rotary, the
-    key-value latent hidden / 4)."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
-
+    MLA attention with the heads of `settings` (query and value heads of hidden / heads, a quarter of
+    that rotary, the key-value latent hidden / 4)."""
     head = settings.hidden // settings.heads
-    config = DeepseekV3Config(
-        vocab_size=settings.vocab,
-        hidden_size=settings.hidden,
-        intermediate_size=settings.expert_width,  # a dense layer's width (there is none)
+    return dict(
         moe_intermediate_size=settings.expert_width,
-        num_hidden_layers=settings.layers,
-        num_attention_heads=settings.heads,
-        num_key_value_heads=settings.heads,
         n_routed_experts=settings.experts,
-        num_experts_per_tok=settings.top_k,
         n_shared_experts=settings.shared_experts,
         n_group=1,
         topk_group=1,
         first_k_dense_replace=0,
         routed_scaling_factor=1.0,
-        norm_topk_prob=True,
         q_lora_rank=None,
         kv_lora_rank=max(1, settings.hidden // 4),
         qk_nope_head_dim=head,
         qk_rope_head_dim=max(2, head // 4),
         v_head_dim=head,
-        max_position_embeddings=max(4096, settings.seq_len),
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
     )
-    torch.manual_seed(settings.seed)
-    return AutoModelForCausalLM.from_config(config)
 
 
 def random_rows(settings: StepSettings, rows: int) -> torch.Tensor:

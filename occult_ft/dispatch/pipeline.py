@@ -118,47 +118,39 @@ class _SharedPiece:
     layer's forward, on the input itself, not on a detached leaf): its backward is autograd's own, so a
     wrapper that follows the graph from the loss (DDP finding its parameters) sees it, and no gradient
     hook fires twice. `_Homecoming` puts that backward between the layer's and the wait for the
-    dispatch's transposes."""
+    dispatch's transposes, taking what the layer's backward leaves in `pending`: (states, returning,
+    grad_out_TH, weights_like)."""
 
-    __slots__ = ("module", "out", "homecoming")
+    __slots__ = ("module", "out", "pending")
 
     def __init__(self, module: nn.Module):
         self.module = module
         self.out: torch.Tensor | None = None
-        self.homecoming = _Pending()
+        self.pending: tuple | None = None
 
     def run(self, hidden_TH: torch.Tensor, graph: bool) -> None:
         with torch.enable_grad() if graph else torch.no_grad():
             self.out = self.module(hidden_TH)
 
 
-class _Pending:
-    """What the layer's backward leaves for `_Homecoming`: (states, returning, grad_out_TH, weights_like)."""
-
-    __slots__ = ("pending",)
-
-    def __init__(self):
-        self.pending: tuple | None = None
-
-
 class _Homecoming(torch.autograd.Function):
     """The end of the layer's backward, as a node of its own in front of the layer: forward passes the
     hidden states and gate weights through; backward waits for the dispatch's transposes that the
-    layer's backward issued (`pending`) and adds their gradients to what arrives.
+    layer's backward issued (`_SharedPiece.pending`) and adds their gradients to what arrives.
 
     The layer and the shared MLP both consume its outputs, so autograd runs this backward only after
     both of theirs: the shared MLP's backward runs while the transposes travel. (Its nodes were made
     after this one and before the layer's, and the engine runs the latest-made ready node first.)"""
 
     @staticmethod
-    def forward(ctx, hidden_TH, weights_TK, box):
-        ctx.box = box
+    def forward(ctx, hidden_TH, weights_TK, piece):
+        ctx.piece = piece
         return hidden_TH.view_as(hidden_TH), weights_TK.view_as(weights_TK)
 
     @staticmethod
     def backward(ctx, grad_h, grad_w):
-        box, ctx.box = ctx.box, None
-        pending, box.pending = box.pending, None
+        piece, ctx.piece = ctx.piece, None
+        pending, piece.pending = piece.pending, None
         if pending is None:  # the layer's output got no gradient: nothing was issued
             return grad_h, grad_w, None
         home_h, home_w = _dispatch_transpose(*pending)
@@ -259,7 +251,7 @@ class _PipelinedMoE(torch.autograd.Function):
                 out_TH[st.lo : st.hi].index_add_(0, st.send_idx, back_SH.to(out_TH.dtype))
         ctx.states, ctx.own, ctx.group, ctx.anchors = states, own, group, len(anchors)
         # with a shared MLP whose graph hangs off these inputs, `_Homecoming` finishes the backward
-        ctx.homecoming = shared_piece.homecoming if shared_piece is not None and graph else None
+        ctx.homecoming = shared_piece if shared_piece is not None and graph else None
         ctx.weights_like = weights_TK.detach()
         return out_TH.to(hidden_TH.dtype)
 
@@ -458,7 +450,7 @@ def pipelined_moe_forward(
     )
     piece = _SharedPiece(shared) if shared is not None else None
     if piece is not None and graph:  # the layer's backward ends in front of it (`_Homecoming`)
-        hidden_TH, weights_TK = _Homecoming.apply(hidden_TH, weights_TK, piece.homecoming)
+        hidden_TH, weights_TK = _Homecoming.apply(hidden_TH, weights_TK, piece)
     out_TH = _PipelinedMoE.apply(
         hidden_TH, weights_TK, topk_ids_TK, experts, exchange, chunks, backend, graph, piece, *anchors
     )
