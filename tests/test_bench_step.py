@@ -151,9 +151,15 @@ def test_contender_fields_are_checked():
         Contender(kind="tutel")
     with pytest.raises(
         ValueError,
-        match="deepspeed_moe takes no exchange, budget, chunks, overlap, shared, capacity or balancing",
+        match="deepspeed_moe takes no exchange, budget, chunks, overlap, shared, capacity, embedding_ddp or balancing",
     ):
         Contender(kind="deepspeed_moe", budget=2)
+    # `_embedding_ddp`: the input embedding's gradient left to DDP (the default reduces it apart)
+    spec = contender_spec("occult_ep_budget2_embedding_ddp", StepSettings(**TINY, devices=2))
+    assert spec["embedding_gradient_overlap"] is False and spec["max_devices_per_token"] == 2
+    assert "embedding_gradient_overlap" not in contender_spec("occult_ep", StepSettings(**TINY, devices=2))
+    assert Contender.from_name("occult_ep_embedding_ddp_budget2").name == "occult_ep_embedding_ddp_budget2"
+    assert Contender(budget=2, embedding_ddp=True).name == "occult_ep_budget2_embedding_ddp"
     with pytest.raises(ValueError, match="the device bias balances a budget; add _budget2"):
         Contender.from_name("occult_ep_balanced")
     with pytest.raises(ValueError, match="exchange='ring'"):

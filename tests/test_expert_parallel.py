@@ -162,6 +162,9 @@ def train_case(
         ]
         # times the kernel's shared-MLP output served a block (exchange_overlap_shared), over all layers
         result["shared_served"] = sum(b.served for b in besides if b is not None) if any(besides) else None
+        # how the input embedding's gradient went at the last step (EmbeddingGradientReducer); None: DDP
+        reducer = trainer.embedding_reducer
+        result["embedding_apart"] = reducer.last_mode if reducer is not None else None
     return result
 
 
@@ -326,6 +329,10 @@ def single_process_references(model_dir: str, out, devices: tuple[int, ...] = (2
                 save=str(out / "final") if first else None,
                 evaluate=first,
             )
+    if 2 in devices:  # every parameter trains: the input embedding's gradient is reduced apart from DDP
+        results[("full", 2)] = train_case(
+            model_dir, str(out / "full-2"), 1, {"devices": 2, "train_mode": "full"}
+        )
     results["final"] = str(out / "final")
     return results
 
@@ -372,6 +379,20 @@ def world2(tiny_olmoe_dir, tmp_path_factory):
                 gradient_accumulation_steps=2,
             ),
         ),
+        *(  # every parameter trains, 2 micro-batches per step; the input embedding's gradient reduced
+            # apart from DDP (the default), or left to DDP: the same run
+            dict(
+                name=name,
+                overrides=dict(
+                    expert_parallel_size=2,
+                    train_mode="full",
+                    per_device_train_batch_size=GLOBAL_BATCH // 4,
+                    gradient_accumulation_steps=2,
+                    embedding_gradient_overlap=apart,
+                ),
+            )
+            for name, apart in (("full", True), ("full_embedding_ddp", False))
+        ),
         dict(
             name="first",
             overrides=dict(expert_parallel_size=2, max_steps=4, save_strategy="steps", save_steps=4),
@@ -403,10 +424,14 @@ def world4(tiny_olmoe_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["plain", "pruned", "accumulated"])
+@pytest.mark.parametrize("name", ["plain", "pruned", "accumulated", "full", "full_embedding_ddp"])
 def test_two_processes_reproduce_the_single_process_run(world2, reference, name):
     result = world2[name]
-    check_trajectory(result, reference[("pruned" if name == "pruned" else "plain", 2)], f"W=2 D=2 {name}")
+    want = {"pruned": "pruned", "full": "full", "full_embedding_ddp": "full"}.get(name, "plain")
+    check_trajectory(result, reference[(want, 2)], f"W=2 D=2 {name}")
+    # the input embedding's gradient: reduced apart from DDP when it trains (as rows: a micro-batch's
+    # tokens are fewer bytes than the table here) unless turned off; `moe` training freezes it
+    assert result["embedding_apart"] == ("rows" if name == "full" else None)
     assert result["groups"] == {"ep": [0, 1], "edp": [0], "source": "torch"}
     assert result["shard_rows"] == 4  # each rank holds 4 of the 8 experts of a layer
     if name == "pruned":

@@ -222,7 +222,7 @@ class StepSettings:
         return self.device
 
 
-_GRAMMAR = "occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_overlap][_shared][_capacity][_balanced]"
+_GRAMMAR = "occult_ep[_per_expert|_two_stage][_budgetM][_chunksN][_overlap][_shared][_capacity][_embedding_ddp][_balanced]"
 # name suffix of an occult_ep contender -> (field, value; int: the digits that follow the suffix)
 _SUFFIXES: dict[str, tuple[str, Any]] = {
     "_per_expert": ("exchange", "per_expert"),
@@ -232,6 +232,7 @@ _SUFFIXES: dict[str, tuple[str, Any]] = {
     "_overlap": ("overlap", True),
     "_shared": ("shared", True),
     "_capacity": ("capacity", True),
+    "_embedding_ddp": ("embedding_ddp", True),
     "_balanced": ("balanced", True),
 }
 BALANCED_BIAS_RATE = 0.0007
@@ -249,6 +250,9 @@ class Contender:
             rows computed while the exchanges travel (`exchange_overlap_local`), and capacity-bounded buffers.
         shared: occult_ep only: the blocks' shared MLP run while the combine travels
             (`exchange_overlap_shared`; needs `StepSettings.shared_experts`).
+        embedding_ddp: occult_ep only: the input embedding's gradient left to DDP, reduced after backward
+            (`embedding_gradient_overlap=False`; the default reduces it apart, mostly during the last
+            micro-batch).
         balanced: occult_ep with a budget only: the device bias (`device_bias_rate` BALANCED_BIAS_RATE),
             fitted on the first micro-batch (`device_bias_init="first_batch"`).
         name: the label in the report; default: the canonical name of the fields (`from_name` keeps
@@ -262,6 +266,7 @@ class Contender:
     overlap: bool = False
     shared: bool = False
     capacity: bool = False
+    embedding_ddp: bool = False
     balanced: bool = False
     name: str = field(default="", compare=False)
 
@@ -279,12 +284,13 @@ class Contender:
             self.overlap,
             self.shared,
             self.capacity,
+            self.embedding_ddp,
             self.balanced,
         )
         if self.kind != "occult_ep" and any(options):
             raise ValueError(
-                f"{self.kind} takes no exchange, budget, chunks, overlap, shared, capacity or balancing "
-                "(occult_ep does)"
+                f"{self.kind} takes no exchange, budget, chunks, overlap, shared, capacity, embedding_ddp or "
+                "balancing (occult_ep does)"
             )
         if self.balanced and self.budget is None:
             raise ValueError(
@@ -303,6 +309,7 @@ class Contender:
         name += "_overlap" if self.overlap else ""
         name += "_shared" if self.shared else ""
         name += "_capacity" if self.capacity else ""
+        name += "_embedding_ddp" if self.embedding_ddp else ""
         return name + ("_balanced" if self.balanced else "")
 
     @property
@@ -314,7 +321,7 @@ class Contender:
     def from_name(cls, name: str) -> Contender:
         """The contender a command-line name spells: data_parallel, hf_native_ep, deepspeed_moe, or
         occult_ep followed by any of _per_expert or _two_stage, _budget{M}, _chunks{N}, _overlap, _shared,
-        _capacity, _balanced."""
+        _capacity, _embedding_ddp, _balanced."""
         if name in KINDS and name != "occult_ep":
             return cls(kind=name, name=name)
         if not name.startswith("occult_ep"):
@@ -382,6 +389,8 @@ class Contender:
             out["overlap_shared"] = True
         if self.capacity:
             out["capacity"] = "auto"
+        if self.embedding_ddp:
+            out["embedding_gradient_overlap"] = False
         if self.balanced:
             out["device_bias_rate"] = BALANCED_BIAS_RATE
         return out | {"ours": self.ours}

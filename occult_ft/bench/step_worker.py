@@ -84,7 +84,8 @@ def _now(cuda: bool) -> float:
 # one monotonic clock). Gradient reductions issued inside backward (DDP's buckets, through its Python
 # all-reduce hook; DeepSpeed's all-reduce; FSDP's reduce-scatter) are the `dense_allreduce` phase: the
 # blocking calls, and for asynchronous ones the time from the last one's issue to the end of backward
-# (what backward waits for them).
+# (what backward waits for them); so is every collective on a group in `dense_groups` (occult_ft's input
+# embedding reduction, `EmbeddingGradientReducer`: its issue and its waits, outside backward too).
 class PhaseClock:
     """Per-step phase times of one rank (see the comment above); `snapshot()` returns and resets them.
 
@@ -102,6 +103,8 @@ class PhaseClock:
         self._seq: dict[str, int] = defaultdict(int)
         self.in_backward = False
         self._last_async_dense: float | None = None
+        #: process groups whose every collective is a gradient reduction (`dense_allreduce`), wherever issued
+        self.dense_groups: list[dist.ProcessGroup] = []
         self._saved: list[tuple[object, str, object]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._inside = 0
@@ -177,6 +180,8 @@ class PhaseClock:
                     clock.times[f"exchange_{phase}_wait"] += _now(clock.cuda) - start
                 if exchange:
                     key = f"exchange_{phase}"
+                elif group is not None and any(group is g for g in clock.dense_groups):
+                    key = "dense_allreduce"
                 elif clock.in_backward and name in _GRADIENT_REDUCTIONS:
                     key = "dense_allreduce"
                 else:
@@ -393,6 +398,7 @@ def run_occult_ep(spec: dict, rank: int, world: int, records: list) -> tuple[nn.
         exchange_overlap_local=c.get("overlap", False),
         exchange_overlap_shared=c.get("overlap_shared", False),
         exchange_capacity=c.get("capacity"),
+        embedding_gradient_overlap=c.get("embedding_gradient_overlap", True),
         device_bias_rate=c.get("device_bias_rate", 0.0),
         device_bias_init="first_batch" if c.get("device_bias_rate") else "zeros",
         profile_tokens=spec["seq_len"],
@@ -400,6 +406,8 @@ def run_occult_ep(spec: dict, rank: int, world: int, records: list) -> tuple[nn.
     trainer = OccultTrainer(spec["model_dir"], args=args, train_dataset=_dataset(spec))
     assert trainer.model is not None
     clock = PhaseClock(unwrap_model(trainer.model), spec["barrier"], spec["device"] == "cuda")
+    if trainer.embedding_reducer is not None:  # its collectives are the dense-gradient reduction
+        clock.dense_groups.append(trainer.embedding_reducer.group)
     losses = _train_with_trainer(trainer, clock, spec, records)
     clock.close()
     return trainer.model, losses

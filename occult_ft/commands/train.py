@@ -103,6 +103,7 @@ FIELD_GROUPS = {
         "lora_alpha",
         "lora_dropout",
         "expert_parallel_size",
+        "embedding_gradient_overlap",
         "output_dir",
         "learning_rate",
         "bf16",

@@ -302,6 +302,15 @@ class OccultArguments(_ArgumentsBase):
             "When > 1 it must divide devices and the world size."
         },
     )
+    embedding_gradient_overlap: bool = field(
+        default=True,
+        metadata={
+            "help": "Under expert_parallel_size > 1 (without DeepSpeed) reduce the input embedding's gradient "
+            "apart from DDP: the earlier micro-batches' sum during the last micro-batch, the last one's "
+            "as gathered token rows where they are fewer bytes than the table (same results; a tied, "
+            "frozen or customised embedding stays with DDP). False leaves it to DDP, reduced after backward."
+        },
+    )
 
     def __post_init__(self):
         launched = all(

@@ -5,7 +5,8 @@ docs/expert-parallel.md, "Groups, gradients and checkpoints".
 
     ExpertParallelGroups / expert_parallel_groups   EP groups [g*D, (g+1)*D) and EDP groups (p, p + D, ...),
                                                     from DeepSpeed or `torch.distributed.new_group`
-    setup_expert_parallel                           shard the experts (and expert LoRA), mark and broadcast
+    setup_expert_parallel                           shard the experts (and expert LoRA), mark and broadcast;
+                                                    leave the input embedding to `embedding_grad` when asked
     ExpertGradientReducer / reduce_expert_gradients   the shards' gradients summed over EDP, divided by W
                                                     (during the last backward; blocking reference)
     clip_expert_parallel_grad_norm                  the norm of the whole model: shards' squares over EP
@@ -53,6 +54,7 @@ from ..integrations.peft import (
 from ..models import base_experts, experts_state_key
 from ..models.registry import find_moe_layers, unwrap_model
 from .config import OccultArguments
+from .embedding_grad import reducible_embedding
 
 __all__ = [
     "ExpertParallelGroups",
@@ -186,7 +188,8 @@ def setup_expert_parallel(model: nn.Module, args: OccultArguments) -> ExpertPara
     """Shard the experts of a placed, pruned model over the EP groups and prepare it for its trainer.
 
     Call on every rank after `prepare_model` and before the optimizer exists. It checks the layout,
-    builds the groups, runs `shard_experts(model, ep_group)`, tells DDP to leave the shards alone and,
+    builds the groups, runs `shard_experts(model, ep_group)`, tells DDP to leave the shards alone (and the
+    input embedding, marked `occult_reduced_apart`, under `embedding_gradient_overlap`) and,
     for a DeepSpeed run, marks them as DeepSpeed expert parameters and attaches the engine's MoE marker.
 
     A LoRA model's expert LoRA factors are broadcast from rank 0 and cut to the same expert block.
@@ -244,9 +247,15 @@ def setup_expert_parallel(model: nn.Module, args: OccultArguments) -> ExpertPara
     # DDP wraps `model` (the PEFT model under LoRA): name the shards as its named_parameters does
     top = unwrap_model(model, keep_peft=True)
     shards = [(n, p) for n, p in top.named_parameters() if getattr(p, "occult_expert_shard", False)]
-    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        top, [n for n, _ in shards]
-    )
+    ignored = [n for n, _ in shards]
+    embedding = None
+    if not use_deepspeed and world > 1 and getattr(args, "embedding_gradient_overlap", False):
+        embedding = reducible_embedding(top)
+    if embedding is not None:  # `EmbeddingGradientReducer` reduces it (the trainer finds the mark)
+        ignored.append(embedding[0])
+        embedding[1].weight.occult_reduced_apart = True  # type: ignore[attr-defined]
+        _broadcast_from_rank0([embedding[1].weight])  # what DDP's wrap would have done for it
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(top, ignored)
     if use_deepspeed:
         mark_expert_parameters((p for _, p in shards), size)
         attach_moe_marker(base, size, layers[0].num_experts)
@@ -281,7 +290,7 @@ def _lora_factors(wrapper: Any) -> list[nn.Parameter]:  # a PEFT ParamWrapper
 
 
 @torch.no_grad()
-def _broadcast_from_rank0(params: list[nn.Parameter]) -> None:
+def _broadcast_from_rank0(params: list[nn.Parameter] | list[torch.Tensor]) -> None:
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     dist.broadcast(flat, src=0)
     offset = 0

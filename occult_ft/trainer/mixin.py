@@ -18,6 +18,9 @@ places and prunes the model (`occult_ft.trainer.prepare`), applies LoRA and shar
                                     fitted on the first micro-batch first (`device_bias_init`)
     log / evaluation_loop           routing metrics (`comm_complexity`, `removed_mass`, ...) per log line
     _clip_grad_norm / create_optimizer   expert-parallel norm and reduction; `CompensatedAdamW`
+    training_step                   under expert parallelism the expert shards' all-reduce during the
+                                    last micro-batch's backward (`ExpertGradientReducer`) and the input
+                                    embedding's apart from DDP (`EmbeddingGradientReducer`)
     save_model / _save / _load_*    pruned checkpoints (`occult` block, similarity tables; `checkpointing`)
                                     and a resume that ends where the uninterrupted run ends
 
@@ -56,6 +59,7 @@ from .checkpointing import (
 )
 from .config import OccultArguments
 from .distill import distillation_kl, teacher_logits
+from .embedding_grad import EmbeddingGradientReducer
 from .expert_parallel import (
     ExpertGradientReducer,
     ExpertParallelGroups,
@@ -163,8 +167,17 @@ class OccultTrainerMixin(Trainer):
         self.occult: OccultSetup = setup
         self.expert_parallel: ExpertParallelGroups | None = None
         self._expert_reducer: ExpertGradientReducer | None = None
+        #: the input embedding's gradient reduction apart from DDP (`embedding_gradient_overlap`), if any
+        self.embedding_reducer: EmbeddingGradientReducer | None = None
         if args.expert_parallel_size > 1:
             self.expert_parallel = setup_expert_parallel(model, args)
+            marked = [
+                m
+                for m in model.modules()
+                if isinstance(m, nn.Embedding) and getattr(m.weight, "occult_reduced_apart", False)
+            ]
+            if marked:
+                self.embedding_reducer = EmbeddingGradientReducer(marked[0])
             if not args.deepspeed:  # the engine reduces its expert parameters itself
                 self._expert_reducer = ExpertGradientReducer(model, self.expert_parallel)
                 if args.ddp_bucket_cap_mb is None:
@@ -296,14 +309,19 @@ class OccultTrainerMixin(Trainer):
             if self.state.global_step == 0:  # a resumed run keeps the bias it saved
                 self._fit_device_bias(model, inputs)
         reducer = self._expert_reducer if self._own_expert_reduction() is not None else None
-        if reducer is not None and self.accelerator.sync_gradients:
+        last = self.accelerator.sync_gradients  # the optimizer step's last micro-batch
+        if reducer is not None and last:
             reducer.arm()  # the expert gradients' all-reduce overlaps this micro-batch's backward
+        if self.embedding_reducer is not None:
+            self.embedding_reducer.before(last)  # before the last: the earlier ones' sum starts travelling
         loss = super().training_step(model, inputs, num_items_in_batch)
         finite = torch.isfinite(loss.detach()).all()  # read at the optimizer step (one sync per step)
         self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
-        if reducer is not None and self.accelerator.sync_gradients:
+        if self.embedding_reducer is not None:
+            self.embedding_reducer.after(last)
+        if reducer is not None and last:
             reducer.finish()
-        if self.accelerator.sync_gradients:
+        if last:
             self._balance_devices()
         # the records keep the last routing for inspection, but not the probabilities' graph
         for _, router in self._routers:

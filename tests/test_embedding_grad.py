@@ -1,0 +1,134 @@
+"""`EmbeddingGradientReducer` (occult_ft/trainer/embedding_grad.py): the input embedding's gradient
+reduced apart from DDP, against the plain reference (every rank's accumulated gradient all-reduced and
+divided by W, as DDP leaves it), on 2 and 3 gloo processes, with 1 and 3 micro-batches per step,
+ranks holding different token counts, a padding row, and both ways of sending the last micro-batch
+(gathered rows; the dense table when that is fewer bytes). Which embeddings it may take is checked on
+real tiny models (tied, frozen, customised ones are left to DDP)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+try:
+    from .dist_utils import run_distributed
+except ImportError:  # tests/ is not a package: pytest put it on sys.path
+    from dist_utils import run_distributed
+
+from occult_ft.trainer.embedding_grad import gather_is_cheaper, reducible_embedding
+
+TOL = 1e-6
+
+
+def test_gather_is_cheaper_compares_bytes_received():
+    # W=2, V=128, H=64, fp32: the ring moves 2 * 1/2 * 128 * 64 * 4 = 32,768 bytes; a row 264
+    assert gather_is_cheaper(124, 2, 128, 64, 4)  # 32,736
+    assert not gather_is_cheaper(125, 2, 128, 64, 4)  # 33,000
+    # fine-tuning sizes: 4 ranks x 8k tokens against a 150k x 4096 bf16 table: rows; 64 ranks: the table
+    assert gather_is_cheaper(8192, 4, 151_936, 4096, 2)
+    assert not gather_is_cheaper(8192, 64, 151_936, 4096, 2)
+    assert not gather_is_cheaper(1, 1, 128, 64, 4)  # one rank: nothing to send either way
+
+
+def _tiny(**overrides):
+    from transformers import AutoModelForCausalLM
+
+    from occult_ft.models.tiny import tiny_config
+
+    config = tiny_config("olmoe")
+    config.update(overrides)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_reducible_embedding_takes_only_a_plain_untied_trainable_table():
+    model = _tiny()
+    found = reducible_embedding(model)
+    assert found is not None and found[0] == "model.embed_tokens.weight"
+    assert found[1] is model.get_input_embeddings()
+    assert reducible_embedding(_tiny(tie_word_embeddings=True)) is None  # the LM head adds its own gradient
+    frozen = _tiny()
+    frozen.get_input_embeddings().weight.requires_grad_(False)
+    assert reducible_embedding(frozen) is None
+
+    class Scaled(nn.Embedding):  # as Gemma's: the output is not the table's rows
+        def forward(self, ids):
+            return super().forward(ids) * 2.0
+
+    scaled = _tiny()
+    old = scaled.get_input_embeddings()
+    scaled.set_input_embeddings(Scaled(old.num_embeddings, old.embedding_dim))
+    assert reducible_embedding(scaled) is None
+    for option in (dict(max_norm=1.0), dict(scale_grad_by_freq=True)):
+        odd = _tiny()
+        odd.set_input_embeddings(nn.Embedding(old.num_embeddings, old.embedding_dim, **option))
+        assert reducible_embedding(odd) is None, option
+
+
+def _rows(step: int, micro: int, rank: int, length: int, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    ids = torch.randint(0, vocab, (2, length + rank), generator=gen)  # ranks hold different counts
+    ids[:, -1] = 0  # the padding row (pad_token_id 0) appears, and gets no gradient
+    return ids
+
+
+def _case(rank: int, world: int, accum: int, length: int, steps: int = 3) -> dict:
+    import torch.distributed as dist
+
+    from occult_ft.trainer.embedding_grad import EmbeddingGradientReducer
+
+    apart, reference = _tiny(), _tiny()
+    reducer = EmbeddingGradientReducer(reducible_embedding(apart)[1])
+    vocab = apart.config.vocab_size
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (apart, reference)]
+    worst, modes = 0.0, []
+    for step in range(steps):
+        for model in (apart, reference):
+            for micro in range(accum):
+                last = micro == accum - 1
+                if model is apart:
+                    reducer.before(last)
+                ids = _rows(step, micro, rank, length, vocab)
+                (model(input_ids=ids, labels=ids).loss / accum).backward()
+                if model is apart:
+                    reducer.after(last)
+            for name, p in model.named_parameters():  # DDP's part: a plain average
+                if p.grad is not None and (model is reference or "embed_tokens" not in name):
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+        modes.append(reducer.last_mode)
+        emb_a, emb_r = apart.get_input_embeddings().weight, reference.get_input_embeddings().weight
+        assert emb_a.grad is not None and emb_r.grad is not None
+        assert float(emb_r.grad[0].abs().max()) == 0.0  # the padding row
+        worst = max(worst, float((emb_a.grad - emb_r.grad).abs().max() / emb_r.grad.abs().max()))
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    weights = float(
+        (apart.get_input_embeddings().weight - reference.get_input_embeddings().weight).abs().max()
+    )
+    reducer.remove()
+    return {"worst": worst, "modes": modes, "weights": weights}
+
+
+def _worker(rank: int, world: int, cases: list[tuple[int, int]]) -> dict:
+    return {f"{accum}-{length}": _case(rank, world, accum, length) for accum, length in cases}
+
+
+# (micro-batches, tokens per row): 2 x 12 tokens are gathered as rows on 2 and 3 ranks; 2 x 64 tokens
+# are more bytes than the 128 x 64 table there, so the table is all-reduced (`gather_is_cheaper`)
+CASES = [(1, 12), (3, 12), (3, 64)]
+
+
+@pytest.mark.slow
+# 3 ranks in `make test`, 2 in `make test-all` as well
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.extended), 3])
+def test_reduced_apart_equals_the_plain_average(world):
+    results = run_distributed(_worker, world, CASES, timeout=240.0)
+    for rank, per_case in enumerate(results):
+        for name, result in per_case.items():
+            assert result["worst"] <= TOL, (world, rank, name, result)
+            assert result["weights"] <= TOL, (world, rank, name, result)
+            expected = "rows" if name.endswith("-12") else "dense"
+            assert result["modes"] == [expected] * 3, (world, rank, name, result)
