@@ -2,10 +2,13 @@
 reduced apart from DDP, against the plain reference (every rank's accumulated gradient all-reduced and
 divided by W, as DDP leaves it), on 2 and 3 gloo processes, with 1 and 3 micro-batches per step,
 ranks holding different token counts, a padding row, and both ways of sending the last micro-batch
-(gathered rows; the dense table when that is fewer bytes). Which embeddings it may take is checked on
+(gathered rows; the dense table when that is fewer bytes); every rank must end with the same bits, as
+an all-reduce leaves them. Which embeddings it may take is checked on
 real tiny models (tied, frozen, customised ones are left to DDP)."""
 
 from __future__ import annotations
+
+import hashlib
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ try:
 except ImportError:  # tests/ is not a package: pytest put it on sys.path
     from dist_utils import run_distributed
 
-from occult_ft.trainer.embedding_grad import gather_is_cheaper, reducible_embedding
+from occult_ft.trainer.embedding_grad import add_rows, gather_is_cheaper, reducible_embedding
 
 TOL = 1e-6
 
@@ -29,6 +32,20 @@ def test_gather_is_cheaper_compares_bytes_received():
     assert gather_is_cheaper(8192, 4, 151_936, 4096, 2)
     assert not gather_is_cheaper(8192, 64, 151_936, 4096, 2)
     assert not gather_is_cheaper(1, 1, 128, 64, 4)  # one rank: nothing to send either way
+
+
+def test_add_rows_sums_repeated_ids_as_index_add_does():
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(10, 4, generator=gen)
+    ids = torch.tensor([3, 7, 3, 0, 9, 3, 7])
+    rows = torch.randn(7, 4, generator=gen)
+    want = table.clone().index_add_(0, ids, rows)
+    got = add_rows(table.clone(), ids, rows)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.equal(add_rows(table.clone(), ids[:0], rows[:0]), table)  # nothing to add
+    # the rows of one id are summed in their given order, whatever else the batch holds
+    order = torch.tensor([3, 3, 3])
+    assert torch.equal(add_rows(torch.zeros(10, 4), order, rows[:3])[3], rows[0] + rows[1] + rows[2])
 
 
 def _tiny(**overrides):
@@ -82,7 +99,7 @@ def _case(rank: int, world: int, accum: int, length: int, steps: int = 3) -> dic
     reducer = EmbeddingGradientReducer(reducible_embedding(apart)[1])
     vocab = apart.config.vocab_size
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (apart, reference)]
-    worst, modes = 0.0, []
+    worst, modes, bits = 0.0, [], []
     for step in range(steps):
         for model in (apart, reference):
             for micro in range(accum):
@@ -99,6 +116,7 @@ def _case(rank: int, world: int, accum: int, length: int, steps: int = 3) -> dic
                     p.grad.div_(world)
         modes.append(reducer.last_mode)
         emb_a, emb_r = apart.get_input_embeddings().weight, reference.get_input_embeddings().weight
+        bits.append(hashlib.sha256(emb_a.grad.numpy().tobytes()).hexdigest())  # equal on every rank
         assert emb_a.grad is not None and emb_r.grad is not None
         assert float(emb_r.grad[0].abs().max()) == 0.0  # the padding row
         worst = max(worst, float((emb_a.grad - emb_r.grad).abs().max() / emb_r.grad.abs().max()))
@@ -109,7 +127,7 @@ def _case(rank: int, world: int, accum: int, length: int, steps: int = 3) -> dic
         (apart.get_input_embeddings().weight - reference.get_input_embeddings().weight).abs().max()
     )
     reducer.remove()
-    return {"worst": worst, "modes": modes, "weights": weights}
+    return {"worst": worst, "modes": modes, "weights": weights, "bits": bits}
 
 
 def _worker(rank: int, world: int, cases: list[tuple[int, int]]) -> dict:
@@ -132,3 +150,5 @@ def test_reduced_apart_equals_the_plain_average(world):
             assert result["weights"] <= TOL, (world, rank, name, result)
             expected = "rows" if name.endswith("-12") else "dense"
             assert result["modes"] == [expected] * 3, (world, rank, name, result)
+            # the replicas' gradients are the same bits, as after DDP's all-reduce
+            assert result["bits"] == results[0][name]["bits"], (world, rank, name)

@@ -15,7 +15,9 @@ movable:
   message (`gather_is_cheaper`).
 
 `EmbeddingGradientReducer` does both and leaves in `.grad` what DDP would have: the sum over ranks of
-every rank's accumulated gradient, / W (the same terms, added in another order). The embedding is left
+every rank's accumulated gradient, / W (the same terms, added in another order), with the same bits on
+every rank, as an all-reduce leaves them: every rank adds the gathered rows in one order (`add_rows`),
+so the replicas never drift apart. The embedding is left
 out of DDP (`reducible_embedding` says which one may be; a table tied to the LM head, a scaled or
 otherwise customised embedding module, or a frozen one stays with DDP).
 
@@ -35,7 +37,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EmbeddingGradientReducer", "gather_is_cheaper", "reducible_embedding"]
+__all__ = ["EmbeddingGradientReducer", "add_rows", "gather_is_cheaper", "reducible_embedding"]
 
 _ID_BYTES = 8  # an int64 token id sent beside each row
 
@@ -66,6 +68,19 @@ def reducible_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
     if holders != 1 or len(names) != 1:
         return None
     return names[0], module
+
+
+def add_rows(table_VH: torch.Tensor, ids_M: torch.Tensor, rows_MH: torch.Tensor) -> torch.Tensor:
+    """`table_VH[ids_M[m]] += rows_MH[m]` for every m (an id may repeat), in place, and the same bits on
+    any device and run: the rows of each id are summed in their given order (a stable sort, then one
+    segment sum per id) and each id's row is added once. `index_add_` with repeated ids adds them with
+    atomics on CUDA, in an order that may differ between ranks."""
+    if ids_M.numel() == 0:
+        return table_VH
+    sorted_M, order_M = torch.sort(ids_M, stable=True)
+    unique_U, counts_U = torch.unique_consecutive(sorted_M, return_counts=True)
+    sums_UH = torch.segment_reduce(rows_MH[order_M], "sum", lengths=counts_U, axis=0)
+    return table_VH.index_add_(0, unique_U, sums_UH.to(table_VH.dtype))
 
 
 class EmbeddingGradientReducer:
@@ -125,13 +140,14 @@ class EmbeddingGradientReducer:
 
     @torch.no_grad()
     def after(self, last: bool) -> None:
-        """After a micro-batch's backward; after the last one, `.grad` becomes the average over ranks."""
+        """After a micro-batch's backward; after the last one, `.grad` becomes the average over ranks, the
+        same bits on every rank (as DDP's all-reduce leaves it: the replicas stay identical)."""
         if not last:
             self._earlier += 1
             return
         weight = self.embedding.weight
-        total = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-        self._add_others_rows_or_reduce(total)
+        local = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+        total = self._last_micro_batch_summed(local)
         if self._pending is not None:
             work, earlier = self._pending
             work.wait()
@@ -140,30 +156,30 @@ class EmbeddingGradientReducer:
         weight.grad = total
         self._earlier, self._armed, self._pending, self._rows, self._unseen = 0, False, None, [], False
 
-    def _add_others_rows_or_reduce(self, total_VH: torch.Tensor) -> None:
-        """`total_VH` (this rank's last micro-batch) += every other rank's: their rows gathered, or the
-        dense tables all-reduced, whichever moves fewer bytes (decided alike on every rank)."""
-        weight = self.embedding.weight
+    def _last_micro_batch_summed(self, local_VH: torch.Tensor) -> torch.Tensor:
+        """The last micro-batch's gradient summed over ranks: every rank's rows gathered and added in one
+        order, or the dense tables all-reduced, whichever moves fewer bytes (decided alike everywhere)."""
+        device = local_VH.device
         if self._rows:
-            ids_N = torch.cat([ids for ids, _ in self._rows]).to(weight.device)
-            rows_NH = torch.cat([rows for _, rows in self._rows]).to(total_VH.dtype)
+            ids_N = torch.cat([ids for ids, _ in self._rows]).to(device)
+            rows_NH = torch.cat([rows for _, rows in self._rows]).to(local_VH.dtype)
         else:
-            ids_N = torch.empty(0, dtype=torch.long, device=weight.device)
-            rows_NH = total_VH.new_empty(0, total_VH.shape[1])
-        counts = [torch.zeros(1, dtype=torch.long, device=weight.device) for _ in range(self.world)]
+            ids_N = torch.empty(0, dtype=torch.long, device=device)
+            rows_NH = local_VH.new_empty(0, local_VH.shape[1])
+        counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(self.world)]
         mine = -1 if self._unseen else ids_N.numel()  # -1: this rank cannot send rows
-        dist.all_gather(counts, torch.tensor([mine], device=weight.device), group=self.group)
+        dist.all_gather(counts, torch.tensor([mine], device=device), group=self.group)
         n_of = [int(c) for c in counts]  # the step's one host read
-        vocab, hidden = total_VH.shape
+        vocab, hidden = local_VH.shape
         if min(n_of) < 0 or not gather_is_cheaper(
-            max(n_of), self.world, vocab, hidden, total_VH.element_size()
+            max(n_of), self.world, vocab, hidden, local_VH.element_size()
         ):
             self.last_mode = "dense"
-            dist.all_reduce(total_VH, group=self.group)
-            return
+            dist.all_reduce(local_VH, group=self.group)
+            return local_VH
         self.last_mode = "rows"
         n = max(n_of)
-        ids_pad = torch.full((n,), -1, dtype=torch.long, device=weight.device)
+        ids_pad = torch.full((n,), -1, dtype=torch.long, device=device)
         ids_pad[: ids_N.numel()] = ids_N
         rows_pad = rows_NH.new_zeros(n, hidden)
         rows_pad[: rows_NH.shape[0]] = rows_NH
@@ -175,16 +191,13 @@ class EmbeddingGradientReducer:
         ]
         for work in works:
             work.wait()
-        me = dist.get_rank(self.group)
-        skip = self.embedding.padding_idx  # nn.Embedding gives its padding row no gradient
-        for rank in range(self.world):
-            if rank == me:  # already in `.grad`, from autograd
-                continue
-            ids, rows = all_ids[rank][: n_of[rank]], all_rows[rank][: n_of[rank]]
-            if skip is not None:
-                keep = ids != skip
-                ids, rows = ids[keep], rows[keep]
-            total_VH.index_add_(0, ids, rows)
+        ids_M = torch.cat([all_ids[r][: n_of[r]] for r in range(self.world)])
+        rows_MH = torch.cat([all_rows[r][: n_of[r]] for r in range(self.world)])
+        if self.embedding.padding_idx is not None:  # nn.Embedding gives its padding row no gradient
+            keep_M = ids_M != self.embedding.padding_idx
+            ids_M, rows_MH = ids_M[keep_M], rows_MH[keep_M]
+        # this rank's own rows are among them: autograd's `local_VH` (another summation order) is dropped
+        return add_rows(torch.zeros_like(local_VH), ids_M, rows_MH)
 
     def remove(self) -> None:
         """Remove the forward hook."""
