@@ -248,6 +248,9 @@ def setup_expert_parallel(model: nn.Module, args: OccultArguments) -> ExpertPara
     top = unwrap_model(model, keep_peft=True)
     shards = [(n, p) for n, p in top.named_parameters() if getattr(p, "occult_expert_shard", False)]
     ignored = [n for n, _ in shards]
+    for p in top.parameters():  # a mark left by an earlier trainer on this model decides nothing now
+        if hasattr(p, "occult_reduced_apart"):
+            del p.occult_reduced_apart
     embedding = None
     if not use_deepspeed and world > 1 and getattr(args, "embedding_gradient_overlap", False):
         embedding = reducible_embedding(top)
