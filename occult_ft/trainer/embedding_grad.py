@@ -63,9 +63,8 @@ def reducible_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
     weight = module.weight
     if not weight.requires_grad or module.sparse or module.max_norm is not None or module.scale_grad_by_freq:
         return None
-    holders = sum(1 for m in model.modules() for p in m._parameters.values() if p is weight)
-    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is weight]
-    if holders != 1 or len(names) != 1:
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is weight]  # tied: several
+    if len(names) != 1:
         return None
     return names[0], module
 
