@@ -1,8 +1,8 @@
 """`EmbeddingGradientReducer` (occult_ft/trainer/embedding_grad.py): the input embedding's gradient
 reduced apart from DDP, against the plain reference (every rank's accumulated gradient all-reduced and
 divided by W, as DDP leaves it), on 2 and 3 gloo processes, with 1 and 3 micro-batches per step,
-ranks holding different token counts, a padding row, and both ways of sending the last micro-batch
-(gathered rows; the dense table when that is fewer bytes); every rank must end with the same bits, as
+ranks holding different token counts, repeated tokens, a padding row, and both ways of sending the
+last micro-batch (gathered rows, one per distinct token; the dense table when that is fewer bytes); every rank must end with the same bits, as
 an all-reduce leaves them. Which embeddings it may take is checked on
 real tiny models (tied, frozen, customised ones are left to DDP)."""
 
@@ -19,7 +19,7 @@ try:
 except ImportError:  # tests/ is not a package: pytest put it on sys.path
     from dist_utils import run_distributed
 
-from occult_ft.trainer.embedding_grad import add_rows, gather_is_cheaper, reducible_embedding
+from occult_ft.trainer.embedding_grad import add_rows, gather_is_cheaper, reducible_embedding, sum_by_id
 
 TOL = 1e-6
 
@@ -46,6 +46,22 @@ def test_add_rows_sums_repeated_ids_as_index_add_does():
     # the rows of one id are summed in their given order, whatever else the batch holds
     order = torch.tensor([3, 3, 3])
     assert torch.equal(add_rows(torch.zeros(10, 4), order, rows[:3])[3], rows[0] + rows[1] + rows[2])
+
+
+def test_sum_by_id_gives_each_id_once_with_its_rows_summed_in_order():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.tensor([5, 2, 5, 9, 2, 5])
+    rows = torch.randn(6, 3, generator=gen)
+    ids_U, sums_UH = sum_by_id(ids, rows)
+    assert ids_U.tolist() == [2, 5, 9]
+    for u, i in enumerate(ids_U.tolist()):  # the reference: a loop over the rows in their given order
+        want = torch.zeros(3)
+        for m in range(6):
+            if int(ids[m]) == i:
+                want = want + rows[m]
+        assert torch.equal(sums_UH[u], want), i
+    empty_ids, empty_rows = sum_by_id(ids[:0], rows[:0])
+    assert empty_ids.numel() == 0 and empty_rows.shape == (0, 3)
 
 
 def _tiny(**overrides):
@@ -83,14 +99,19 @@ def test_reducible_embedding_takes_only_a_plain_untied_trainable_table():
         assert reducible_embedding(odd) is None, option
 
 
-def _rows(step: int, micro: int, rank: int, length: int, vocab: int) -> torch.Tensor:
+def _rows(step: int, micro: int, rank: int, length: int, vocab: int, every_id: bool) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
     ids = torch.randint(0, vocab, (2, length + rank), generator=gen)  # ranks hold different counts
+    ids[:, 0] = 5  # a token repeated within the micro-batch: its rows are summed before sending
     ids[:, -1] = 0  # the padding row (pad_token_id 0) appears, and gets no gradient
+    if every_id:  # every token of the vocabulary appears: its distinct rows outweigh the table
+        middle = ids[:, 1:-1].reshape(-1)
+        middle[:vocab] = torch.randperm(vocab, generator=gen)
+        ids[:, 1:-1] = middle.view(2, -1)
     return ids
 
 
-def _case(rank: int, world: int, accum: int, length: int, steps: int = 3) -> dict:
+def _case(rank: int, world: int, accum: int, length: int, every_id: bool, steps: int = 3) -> dict:
     import torch.distributed as dist
 
     from occult_ft.trainer.embedding_grad import EmbeddingGradientReducer
@@ -106,7 +127,7 @@ def _case(rank: int, world: int, accum: int, length: int, steps: int = 3) -> dic
                 last = micro == accum - 1
                 if model is apart:
                     reducer.before(last)
-                ids = _rows(step, micro, rank, length, vocab)
+                ids = _rows(step, micro, rank, length, vocab, every_id)
                 (model(input_ids=ids, labels=ids).loss / accum).backward()
                 if model is apart:
                     reducer.after(last)
@@ -130,13 +151,18 @@ def _case(rank: int, world: int, accum: int, length: int, steps: int = 3) -> dic
     return {"worst": worst, "modes": modes, "weights": weights, "bits": bits}
 
 
-def _worker(rank: int, world: int, cases: list[tuple[int, int]]) -> dict:
-    return {f"{accum}-{length}": _case(rank, world, accum, length) for accum, length in cases}
+def _worker(rank: int, world: int, cases: list[tuple[int, int, bool, str]]) -> dict:
+    return {
+        f"{accum}-{length}-{every_id}": _case(rank, world, accum, length, every_id)
+        for accum, length, every_id, _ in cases
+    }
 
 
-# (micro-batches, tokens per row): 2 x 12 tokens are gathered as rows on 2 and 3 ranks; 2 x 64 tokens
-# are more bytes than the 128 x 64 table there, so the table is all-reduced (`gather_is_cheaper`)
-CASES = [(1, 12), (3, 12), (3, 64)]
+# (micro-batches, tokens per row, every id of the vocabulary in each micro-batch, the way expected).
+# 2 x 12 tokens are gathered as rows on 2 and 3 ranks; so are 2 x 48 random tokens of the 128-token
+# vocabulary (about 60-70 distinct: on 3 ranks as many rows as tokens would have cost more than the
+# dense table); with every id present (2 x 80 tokens) the 128 x 64 table is all-reduced (`gather_is_cheaper`)
+CASES = [(1, 12, False, "rows"), (3, 12, False, "rows"), (3, 48, False, "rows"), (3, 80, True, "dense")]
 
 
 @pytest.mark.slow
@@ -148,7 +174,7 @@ def test_reduced_apart_equals_the_plain_average(world):
         for name, result in per_case.items():
             assert result["worst"] <= TOL, (world, rank, name, result)
             assert result["weights"] <= TOL, (world, rank, name, result)
-            expected = "rows" if name.endswith("-12") else "dense"
+            expected = {f"{a}-{n}-{e}": way for a, n, e, way in CASES}[name]
             assert result["modes"] == [expected] * 3, (world, rank, name, result)
             # the replicas' gradients are the same bits, as after DDP's all-reduce
             assert result["bits"] == results[0][name]["bits"], (world, rank, name)

@@ -10,9 +10,10 @@ movable:
   during the whole last micro-batch;
 - one micro-batch's gradient of a V x H table is a scatter-add of its N rows (the gradient at the
   embedding's output, one per token): gathering every rank's (token id, row) pairs receives
-  (W - 1) N H values per rank, the ring all-reduce of the dense table 2 (W - 1) / W V H. Fine-tuning
-  micro-batches hold far fewer tokens than the vocabulary (N W < 2 V), so the rows are the smaller
-  message (`gather_is_cheaper`).
+  (W - 1) N H values per rank, the ring all-reduce of the dense table 2 (W - 1) / W V H. A rank first
+  sums the rows of each token it holds more than once (`sum_by_id`), so N counts distinct tokens,
+  which text repeats often. Fine-tuning micro-batches hold far fewer tokens than the vocabulary
+  (N W < 2 V), so the rows are the smaller message (`gather_is_cheaper`).
 
 `EmbeddingGradientReducer` does both and leaves in `.grad` what DDP would have: the sum over ranks of
 every rank's accumulated gradient, / W (the same terms, added in another order), with the same bits on
@@ -37,7 +38,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EmbeddingGradientReducer", "add_rows", "gather_is_cheaper", "reducible_embedding"]
+__all__ = ["EmbeddingGradientReducer", "add_rows", "gather_is_cheaper", "reducible_embedding", "sum_by_id"]
 
 _ID_BYTES = 8  # an int64 token id sent beside each row
 
@@ -69,17 +70,23 @@ def reducible_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
     return names[0], module
 
 
+def sum_by_id(ids_M: torch.Tensor, rows_MH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_U, sums_UH): each id of `ids_M` once, ascending, with the sum of its rows taken in their given
+    order (a stable sort, then one segment sum per id), so the same inputs give the same bits on any
+    device and run. `rows_MH[m]` belongs to `ids_M[m]`; an id may repeat."""
+    if ids_M.numel() == 0:
+        return ids_M, rows_MH
+    sorted_M, order_M = torch.sort(ids_M, stable=True)
+    ids_U, counts_U = torch.unique_consecutive(sorted_M, return_counts=True)
+    return ids_U, torch.segment_reduce(rows_MH[order_M], "sum", lengths=counts_U, axis=0)
+
+
 def add_rows(table_VH: torch.Tensor, ids_M: torch.Tensor, rows_MH: torch.Tensor) -> torch.Tensor:
     """`table_VH[ids_M[m]] += rows_MH[m]` for every m (an id may repeat), in place, and the same bits on
-    any device and run: the rows of each id are summed in their given order (a stable sort, then one
-    segment sum per id) and each id's row is added once. `index_add_` with repeated ids adds them with
-    atomics on CUDA, in an order that may differ between ranks."""
-    if ids_M.numel() == 0:
-        return table_VH
-    sorted_M, order_M = torch.sort(ids_M, stable=True)
-    unique_U, counts_U = torch.unique_consecutive(sorted_M, return_counts=True)
-    sums_UH = torch.segment_reduce(rows_MH[order_M], "sum", lengths=counts_U, axis=0)
-    return table_VH.index_add_(0, unique_U, sums_UH.to(table_VH.dtype))
+    any device and run: each id's rows are summed first (`sum_by_id`) and added once. `index_add_` with
+    repeated ids adds them with atomics on CUDA, in an order that may differ between ranks."""
+    ids_U, sums_UH = sum_by_id(ids_M, rows_MH)
+    return table_VH.index_add_(0, ids_U, sums_UH.to(table_VH.dtype))
 
 
 class EmbeddingGradientReducer:
@@ -165,6 +172,11 @@ class EmbeddingGradientReducer:
         else:
             ids_N = torch.empty(0, dtype=torch.long, device=device)
             rows_NH = local_VH.new_empty(0, local_VH.shape[1])
+        if self.embedding.padding_idx is not None:  # nn.Embedding gives its padding row no gradient
+            keep_N = ids_N != self.embedding.padding_idx
+            ids_N, rows_NH = ids_N[keep_N], rows_NH[keep_N]
+        # one row per distinct token: text repeats its tokens, and every repeat is a row not sent
+        ids_N, rows_NH = sum_by_id(ids_N, rows_NH)
         counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(self.world)]
         mine = -1 if self._unseen else ids_N.numel()  # -1: this rank cannot send rows
         dist.all_gather(counts, torch.tensor([mine], device=device), group=self.group)
@@ -192,9 +204,6 @@ class EmbeddingGradientReducer:
             work.wait()
         ids_M = torch.cat([all_ids[r][: n_of[r]] for r in range(self.world)])
         rows_MH = torch.cat([all_rows[r][: n_of[r]] for r in range(self.world)])
-        if self.embedding.padding_idx is not None:  # nn.Embedding gives its padding row no gradient
-            keep_M = ids_M != self.embedding.padding_idx
-            ids_M, rows_MH = ids_M[keep_M], rows_MH[keep_M]
         # this rank's own rows are among them: autograd's `local_VH` (another summation order) is dropped
         return add_rows(torch.zeros_like(local_VH), ids_M, rows_MH)
 
