@@ -1,7 +1,7 @@
 """Run a function on N gloo processes on 127.0.0.1 (CPU), for distributed tests.
 
 `run_distributed(fn, world_size, *args)` spawns `world_size` fresh interpreters (start method
-"spawn"), initialises a gloo process group on a free local port in each, calls
+"spawn"), initialises a gloo process group in each (the ranks meet through a file, no TCP port), calls
 `fn(rank, world_size, *args)` and returns the per-rank results (index = rank). A worker exception
 is re-raised in the test process with the worker's traceback; a hang is killed after `timeout`
 seconds. `fn` must be importable (defined at module level) and its result picklable. Workers run
@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
+import random
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -20,12 +23,43 @@ from datetime import timedelta
 import torch.multiprocessing as mp
 from helpers import safety_timeout
 
-__all__ = ["free_port", "run_distributed"]
+__all__ = ["ephemeral_ports", "free_port", "run_distributed"]
+
+
+# torch's and DeepSpeed's default rendezvous ports: a launcher left on its default may be using them
+_DEFAULT_PORTS = range(29400, 29600)
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel numbers the local end of a connection from (Linux's ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port on 127.0.0.1, free a moment ago, for a launcher that needs one (torchrun's
+    --master_port, accelerate's, DeepSpeed's, a server's).
+
+    Between this check and the launcher's bind another process may take the port. Tests run on two
+    pytest-xdist workers, each opening gloo connections whose client ends the kernel numbers from its
+    ephemeral range, so a port found with bind(0) - in that range - was taken by the other worker's
+    connections now and then (EADDRINUSE in CI). This one is drawn outside the ephemeral range, where
+    only an explicit bind can take it."""
+    ephemeral = ephemeral_ports()
+    pool = [p for p in range(15000, 65536) if p not in ephemeral and p not in _DEFAULT_PORTS]
+    draw = random.SystemRandom()
+    for port in (draw.choice(pool) for _ in range(200)) if pool else ():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # nothing outside: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
@@ -34,7 +68,7 @@ def _entry(
     fn,
     rank: int,
     world_size: int,
-    port: int,
+    rendezvous: str,
     results,
     args,
     collective_timeout_s: float,
@@ -49,7 +83,7 @@ def _entry(
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method="file://" + rendezvous,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=collective_timeout_s),
@@ -88,13 +122,15 @@ def run_distributed(
     timeout, collective_timeout_s = safety_timeout(timeout), safety_timeout(collective_timeout_s)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    meeting = tempfile.mkdtemp(prefix="occult-test-dist-")
+    rendezvous = os.path.join(meeting, "rendezvous")
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children at start
     try:
         procs = [
             ctx.Process(
-                target=_entry, args=(fn, rank, world_size, port, results, args, collective_timeout_s, backend)
+                target=_entry,
+                args=(fn, rank, world_size, rendezvous, results, args, collective_timeout_s, backend),
             )
             for rank in range(world_size)
         ]
@@ -126,6 +162,7 @@ def run_distributed(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        shutil.rmtree(meeting, ignore_errors=True)
 
     failures = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(outcome.items()) if not ok]
     missing = [r for r in range(world_size) if r not in outcome]

@@ -10,11 +10,11 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
+from dist_utils import free_port
 
 from occult_ft.cli import COMMANDS, build_parser, main
 from occult_ft.commands import _choices
@@ -243,9 +243,7 @@ def test_recipes_may_use_the_current_or_the_deprecated_checkpointing_name(tmp_pa
 @pytest.fixture
 def hub_down(monkeypatch, tmp_path):
     """No offline mode, an empty Hub cache, and an endpoint that refuses connections at once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # outside the ephemeral range: no client socket of another test lands on it
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf"))
     return env

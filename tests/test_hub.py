@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from dist_utils import free_port
 from transformers import AutoModelForCausalLM
 
 from occult_ft import hub
@@ -64,11 +65,7 @@ def endpoint_up(monkeypatch):
 @pytest.fixture
 def endpoint_down(monkeypatch):
     """HF_ENDPOINT pointing at a local port nothing listens on (connection refused at once)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # outside the ephemeral range: no client socket of another test lands on it
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     return os.environ["HF_ENDPOINT"]
 

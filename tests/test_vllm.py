@@ -19,13 +19,13 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 
 import pytest
 import torch
+from dist_utils import free_port
 from helpers import build_tokenizer, safety_timeout
 
 import occult_ft
@@ -386,12 +386,6 @@ main()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _post(url: str, body: dict, timeout: float = 120) -> dict:
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -427,7 +421,7 @@ def demo_server(tmp_path_factory):
     apply_occult(model, None, PruningConfig(DEVICES, 2, "score"))
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(embedded_model_path()).save_pretrained(path)
-    port, log = _free_port(), root / "server.log"
+    port, log = free_port(), root / "server.log"
     command = [
         VLLM_PYTHON,
         "-c",

@@ -1,9 +1,10 @@
 """Spawn D processes and time every backend's exchange on the same tokens and routing, side by side.
 
 `run_exchanges` writes the routings to a temporary file, starts D processes (torch.multiprocessing,
-"spawn"; rendezvous on a free 127.0.0.1 port) and collects one JSON result from rank 0. Transport:
-NCCL with one GPU per process when at least D GPUs are present, gloo with CUDA tensors when fewer GPUs
-are present (all processes share GPU 0), gloo on CPU otherwise (or with `transport="cpu"`).
+"spawn"; they meet through a file in that temporary directory, so there is no TCP port to race for) and
+collects one JSON result from rank 0. Transport: NCCL with one GPU per process when at least D GPUs are
+present, gloo with CUDA tensors when fewer GPUs are present (all processes share GPU 0), gloo on CPU
+otherwise (or with `transport="cpu"`).
 
 Per MoE layer, each process takes its contiguous T/D share of the tokens, draws random hidden rows
 (the values do not change what is sent), builds every backend's `Exchange`
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -104,12 +104,6 @@ def choose_transport(devices: int, transport: str = "auto") -> tuple[str, str, s
     if gpus >= devices:
         return "nccl", "cuda", f"{devices} NCCL processes, one GPU each"
     return "gloo", "cuda", f"{devices} gloo processes sharing GPU 0 (CUDA tensors; {gpus} GPU(s) < {devices})"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _agree(ok: bool, device: torch.device, group) -> bool:
@@ -291,7 +285,7 @@ def _summarise(
     return out
 
 
-def _worker(rank: int, world: int, port: int, spec_path: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, spec_path: str, out_dir: str) -> None:
     log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")  # noqa: SIM115 - kept open for the process
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -304,9 +298,12 @@ def _worker(rank: int, world: int, port: int, spec_path: str, out_dir: str) -> N
         device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
+    # DeepSpeed's init checks that these are set (else it tries MPI discovery); the group already exists
+    # by then, so the port is never bound: the processes meet through a file, not a TCP port, which
+    # another process on the machine could take between being found free and being bound (EADDRINUSE)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        MASTER_PORT="0",
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank if backend == "nccl" else 0),
@@ -314,7 +311,7 @@ def _worker(rank: int, world: int, port: int, spec_path: str, out_dir: str) -> N
     )
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method="file://" + os.path.join(out_dir, "rendezvous"),
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=spec["settings"]["timeout_s"]),
@@ -369,7 +366,7 @@ def run_exchanges(
             try:
                 mp.start_processes(
                     _worker,
-                    args=(settings.devices, _free_port(), spec_path, tmp),
+                    args=(settings.devices, spec_path, tmp),
                     nprocs=settings.devices,
                     join=True,
                     start_method="spawn",
