@@ -21,19 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _experts(num_local: int, hidden: int, width: int, seed: int):
@@ -51,14 +44,14 @@ def _experts(num_local: int, hidden: int, width: int, seed: int):
     return experts
 
 
-def _worker(rank: int, world: int, port: int, args: dict, out_path: str) -> None:
+def _worker(rank: int, world: int, rendezvous: str, args: dict, out_path: str) -> None:
     from occult_ft.dispatch import FlatExchange, local_experts_forward, moe_forward, pipelined_moe_forward
     from occult_ft.layout import ExpertLayout
 
     torch.set_num_threads(args["threads"])
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method="file://" + rendezvous,  # a file, not a port another process could take first
         rank=rank,
         world_size=world,
         timeout=timedelta(minutes=30),
@@ -149,7 +142,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
         mp.start_processes(
-            _worker, args=(args.devices, _free_port(), spec, out), nprocs=args.devices, start_method="spawn"
+            _worker,
+            args=(args.devices, os.path.join(tmp, "rendezvous"), spec, out),
+            nprocs=args.devices,
+            start_method="spawn",
         )
         with open(out) as f:
             times = json.load(f)
