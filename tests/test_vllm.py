@@ -169,11 +169,14 @@ def _run_worker(root: pathlib.Path, jobs: list[dict], env_extra: dict, timeout: 
 
 def vllm_env(extra: dict | None = None) -> dict:
     """The environment of a vLLM process: this checkout's occult_ft first (vLLM's environment may have
-    another one installed), offline, a small CPU KV cache."""
+    another one installed), offline, a small CPU KV cache; vLLM's internal ports (its process group, its
+    engine's sockets) counted up from `VLLM_PORT`, outside the ephemeral range like `free_port`'s, where
+    the client end of another test's connection cannot take them between vLLM's check and its bind."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(
         PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false"
     )
+    env.update(VLLM_PORT=str(free_port()))
     env.update(extra or {})
     return env
 
