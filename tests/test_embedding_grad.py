@@ -2,9 +2,9 @@
 reduced apart from DDP, against the plain reference (every rank's accumulated gradient all-reduced and
 divided by W, as DDP leaves it), on 2 and 3 gloo processes, with 1 and 3 micro-batches per step,
 ranks holding different token counts, repeated tokens, a padding row, and both ways of sending the
-last micro-batch (gathered rows, one per distinct token; the dense table when that is fewer bytes); every rank must end with the same bits, as
-an all-reduce leaves them. Which embeddings it may take is checked on
-real tiny models (tied, frozen, customised ones are left to DDP)."""
+last micro-batch (gathered rows, one per distinct token; the dense table when that is fewer bytes);
+every rank must end with the same bits, as an all-reduce leaves them. Which embeddings it may take is
+checked on real tiny models (tied, frozen, customised ones are left to DDP)."""
 
 from __future__ import annotations
 
