@@ -52,7 +52,8 @@ def free_port() -> int:
     ephemeral = ephemeral_ports()
     pool = [p for p in range(15000, 65536) if p not in ephemeral and p not in _DEFAULT_PORTS]
     draw = random.SystemRandom()
-    for port in (draw.choice(pool) for _ in range(200)) if pool else ():
+    for _ in range(200 if pool else 0):
+        port = draw.choice(pool)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
