@@ -400,7 +400,7 @@ def test_the_router_applies_its_bias_only_under_a_budget():
 def test_block_writes_and_reads_the_bias():
     block = OccultBlock.build(PruningConfig(4, 2, "score"), device_bias={1: torch.tensor([0.5, 0, 0, -0.5])})
     data = block.to_dict()
-    assert data["version"] == BLOCK_VERSION == 3 and data["device_bias"] == {"1": [0.5, 0.0, 0.0, -0.5]}
+    assert data["version"] == BLOCK_VERSION >= 3 and data["device_bias"] == {"1": [0.5, 0.0, 0.0, -0.5]}
     again = OccultBlock.from_dict(json.loads(json.dumps(data)))
     assert again.device_bias == {1: (0.5, 0.0, 0.0, -0.5)} and again == block
     torch.testing.assert_close(again.device_bias_tensors()[1], torch.tensor([0.5, 0.0, 0.0, -0.5]))

@@ -17,8 +17,11 @@ and `to_dict` writes the flat JSON object checkpoints have always carried:
                "expert_order": "placed", "base_model": "...", "model_type": "olmoe", "train_mode": "moe",
                "device_bias": {"0": [0.004, -0.002, 0.0, -0.002], ...}}
 
+(`base_routing`, e.g. `{"n_group": 1, "topk_group": 1}`, where config.json carries the budget in the
+model's own group-routing fields.)
+
 `from_dict` reads every version written so far (1: occult_ft 0.1, the same keys without
-`expert_order`/`model_type`; 2: without `device_bias`) and refuses newer ones, contradictions (a placement for another device
+`expert_order`/`model_type`; 2: without `device_bias`; 3: without `base_routing`) and refuses newer ones, contradictions (a placement for another device
 count than the block's, a budget for another layout, duplicate layers) and bad values in one line that
 names the file. Other modules read blocks only through this class and `read_block` / `model_block`; `pruned` is the one definition of "a budget restricts the routing" (device or node budget).
 """
@@ -40,7 +43,7 @@ from torch import nn
 from ..checks import is_int, is_positive_int, nodes_divide
 from ..fileio import atomic_save, atomic_write_text, load_safetensors, read_json_object
 from ..models.family import architecture_model_type
-from ..models.registry import config_num_experts, lookup_arch, unwrap_model
+from ..models.registry import NATIVE_ROUTING_FIELDS, config_num_experts, lookup_arch, unwrap_model
 from ..placement import Placement
 from ..routing import PruningConfig
 from .convert import DEEPSEEK_MODEL_TYPE
@@ -61,6 +64,7 @@ __all__ = [
     "PlacementRecord",
     "OccultBlock",
     "read_block",
+    "check_block_kept",
     "model_block",
     "block_placement",
     "CheckpointSummary",
@@ -84,9 +88,10 @@ ADAPTER_OCCULT_FILE = "occult_config.json"
 REMOTE_MODULE = "occult_pruned_routing"
 REMOTE_CODE_FILE = f"{REMOTE_MODULE}.py"
 AUTO_CLASS = "AutoModelForCausalLM"
-BLOCK_VERSION = 3
+BLOCK_VERSION = 4
 """Version written now. 1: occult_ft 0.1 (no `expert_order` / `model_type` keys); 2: the typed block;
-3: `device_bias` (the pruned routers' selection bias per device, optional)."""
+3: `device_bias` (the pruned routers' selection bias per device, optional); 4: `base_routing` (the
+model's own group-routing fields where config.json's carry the budget, optional)."""
 EXPERT_ORDERS = ("placed", "original")
 PRUNING_KEYS = ("max_devices_per_token", "max_nodes_per_token", "criterion", "gate_weights")
 KNOWN_KEYS = (
@@ -100,6 +105,7 @@ KNOWN_KEYS = (
     "base_model",
     "model_type",
     "device_bias",
+    "base_routing",
 )
 
 
@@ -211,6 +217,12 @@ class OccultBlock:
             JSON values, written and read back as they are.
         device_bias: MoE layer index -> one selection bias per device (`occult_ft.routing.rules.
             add_device_bias`), learnt by the trainer's device balancing; None: no bias. Needs a budget.
+        base_routing: the model's own values of the group-routing fields (`NATIVE_ROUTING_FIELDS`:
+            `n_group`, `topk_group`, `topk_method`; None for one it did not set) where config.json
+            carries the budget in them instead (`MoEArch.native_group_fields`, so that stock
+            transformers routes pruned by itself). occult_ft's loaders put them back before pruning,
+            so the unpruned routing (the removed mass, another budget in `analyze`) is the model's own.
+            None: config.json's fields are the model's own (or, before version 4, unknown).
         version: the format version read (`BLOCK_VERSION` for new blocks).
     """
 
@@ -224,6 +236,7 @@ class OccultBlock:
     model_type: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     device_bias: Mapping[int, tuple[float, ...]] | None = None
+    base_routing: Mapping[str, Any] | None = None
     version: int = BLOCK_VERSION
 
     def __post_init__(self):
@@ -265,6 +278,32 @@ class OccultBlock:
             if key in KNOWN_KEYS:
                 raise CheckpointError(f"{source}: extra setting {key!r} shadows a field of the block")
         self._check_device_bias(source)
+        self._check_base_routing(source)
+
+    def _check_base_routing(self, source: str) -> None:
+        """The model's own group fields: only `NATIVE_ROUTING_FIELDS`, ints or strings (or null), and only
+        beside a budget (they are recorded where the budget replaced them)."""
+        if self.base_routing is None:
+            return
+        if self.pruning is None:
+            raise CheckpointError(
+                f"{source}: base_routing is recorded without a budget (it is what a budget's native fields "
+                "replaced); drop base_routing or record max_devices_per_token"
+            )
+        if not isinstance(self.base_routing, Mapping) or not self.base_routing:
+            raise CheckpointError(
+                f"{source}: base_routing={self.base_routing!r} must map {', '.join(NATIVE_ROUTING_FIELDS)} "
+                "to the model's own values; re-save the checkpoint with occult_ft"
+            )
+        for key, value in self.base_routing.items():
+            if key not in NATIVE_ROUTING_FIELDS or not (
+                value is None or isinstance(value, str) or is_int(value)
+            ):
+                raise CheckpointError(
+                    f"{source}: base_routing {key!r}: {value!r} is not a group-routing field of "
+                    f"{', '.join(NATIVE_ROUTING_FIELDS)} with an int or string value; re-save the checkpoint "
+                    "with occult_ft"
+                )
 
     def _check_device_bias(self, source: str) -> None:
         """A bias is a budget's: D finite numbers per MoE layer."""
@@ -379,6 +418,8 @@ class OccultBlock:
                 out[key] = getattr(self, key)
         if self.device_bias is not None:
             out["device_bias"] = {str(i): list(v) for i, v in sorted(self.device_bias.items())}
+        if self.base_routing is not None:
+            out["base_routing"] = dict(self.base_routing)
         out.update(self.extra)
         return out
 
@@ -437,6 +478,7 @@ class OccultBlock:
                 model_type=get("model_type"),
                 extra=extra,
                 device_bias=bias,
+                base_routing=get("base_routing"),
                 version=version,
             )
         except CheckpointError as err:
@@ -452,9 +494,28 @@ def read_block(path: str | os.PathLike) -> OccultBlock | None:
     if os.path.isfile(adapter_file):
         return OccultBlock.from_dict(read_json_object(adapter_file), adapter_file)
     if os.path.isfile(config_file):
-        data = read_json_object(config_file).get(OCCULT_KEY)
+        config = read_json_object(config_file)
+        check_block_kept(config, config_file)
+        data = config.get(OCCULT_KEY)
         return OccultBlock.from_dict(data, f"{config_file} (occult)") if data else None
     return None
+
+
+def check_block_kept(config: Mapping, source: str) -> None:
+    """Refuse a config.json (a dict) that names occult_ft's pruned-routing class (`Occult<Base>` in
+    `architectures`, or `auto_map` into `occult_pruned_routing.py`) but lost its `occult` block: every
+    loader would route it with the unpruned top-k over experts stored in placed order."""
+    if config.get(OCCULT_KEY):
+        return
+    names = [str(a) for a in config.get("architectures") or [] if str(a).startswith("Occult")]
+    names += [
+        str(v) for v in (config.get("auto_map") or {}).values() if str(v).startswith(f"{REMOTE_MODULE}.")
+    ]
+    if names:
+        raise CheckpointError(
+            f"{source} names {names[0]} (a checkpoint occult_ft pruned) but has no occult block, without which "
+            "it would route unpruned; put back the config.json it was saved with"
+        )
 
 
 def model_block(model: nn.Module) -> OccultBlock | None:

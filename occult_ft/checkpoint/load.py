@@ -23,12 +23,13 @@ from .format import (
     CheckpointError,
     OccultBlock,
     block_placement,
+    check_block_kept,
     model_block,
     read_block,
     read_similarity,
 )
 from .remote_code import set_auto_map
-from .save import record_block
+from .save import record_block, restore_base_routing
 from .sharded import build_sharded_model
 
 __all__ = [
@@ -114,6 +115,7 @@ def read_model_config(path: str):
     file = os.path.join(path, "config.json")
     if os.path.isfile(file):
         raw = read_json_object(file)
+        check_block_kept(raw, file)
         known = architecture_model_type(raw, file)
         if known is not None:
             skip = ("model_type", "auto_map", "architectures", "transformers_version")
@@ -359,6 +361,7 @@ def restore_occult(model: nn.Module, path: str) -> nn.Module:
     block = model_block(model)
     if block is None:
         return model
+    restore_base_routing(model, block)  # the model's own group fields, where config.json's hold the budget
     if block.pruning is not None:
         apply_occult(
             model,

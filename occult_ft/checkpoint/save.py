@@ -20,7 +20,13 @@ from torch import nn
 from transformers.utils import logging
 
 from ..fileio import atomic_directory, umask_modes
-from ..models.registry import NATIVE_ROUTING_FIELDS, get_arch, unwrap_model
+from ..models.registry import (
+    NATIVE_ROUTING_FIELDS,
+    config_num_experts,
+    get_arch,
+    text_config,
+    unwrap_model,
+)
 from ..routing import PruningConfig, router_device_bias, router_similarity
 from .card import is_occult_card, write_model_card
 from .format import OCCULT_KEY, OccultBlock, PlacementRecord, model_block, write_similarity
@@ -29,6 +35,8 @@ from .remote_code import needs_remote_code, set_auto_map, write_remote_code
 __all__ = [
     "write_native_group_fields",
     "occult_config_fields",
+    "with_base_routing",
+    "restore_base_routing",
     "with_router_bias",
     "record_block",
     "attach_occult_save",
@@ -55,8 +63,12 @@ def occult_config_fields(config, block: OccultBlock, save_dir: str | os.PathLike
     written `config.json` there the code follows it (`occult_ft.checkpoint.remote_code`): stock
     transformers with `trust_remote_code=True` then routes with the budget. A stale occult `auto_map`
     entry (from a loaded checkpoint) is dropped otherwise."""
-    names = (OCCULT_KEY, "auto_map", *NATIVE_ROUTING_FIELDS)
-    saved = {name: config.__dict__.get(name, _MISSING) for name in names}
+    inner = text_config(config)  # where the routing fields live (a multimodal config's text_config)
+    saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name in (
+        *((config, name) for name in (OCCULT_KEY, "auto_map")),
+        *((inner, name) for name in NATIVE_ROUTING_FIELDS),
+    )]  # fmt: skip
+    block = with_base_routing(block, config)
     setattr(config, OCCULT_KEY, block.to_dict())
     # a device bias is not expressible in native fields: such a budget goes through remote code
     native = block.device_bias is None and write_native_group_fields(config, block.pruning)
@@ -71,11 +83,38 @@ def occult_config_fields(config, block: OccultBlock, save_dir: str | os.PathLike
         ):
             write_remote_code(save_dir, config)  # only where this process saved the config
     finally:
-        for name, value in saved.items():
+        for obj, name, value in saved:
             if value is _MISSING:
-                config.__dict__.pop(name, None)
+                obj.__dict__.pop(name, None)
             else:
-                setattr(config, name, value)
+                setattr(obj, name, value)
+
+
+def with_base_routing(block: OccultBlock, config) -> OccultBlock:
+    """`block` recording the model's own group-routing fields when its budget is about to be written in
+    them (`OccultBlock.base_routing`): the config's values now, unless the config already carries the
+    budget's (a checkpoint loaded without putting them back), whose own values only the block can know."""
+    fields = None
+    if block.device_bias is None and block.pruning is not None:
+        fields = get_arch(config).native_group_fields(config_num_experts(config), block.pruning)
+    if not fields:
+        return block if block.base_routing is None else block.with_changes(base_routing=None)
+    if get_arch(config).native_routing_matches(config.to_dict(), block.pruning):
+        return block
+    inner = text_config(config)
+    return block.with_changes(base_routing={key: getattr(inner, key, None) for key in fields})
+
+
+def restore_base_routing(model: nn.Module, block: OccultBlock) -> None:
+    """Put back the model's own group-routing fields (config and routers) where a checkpoint's config
+    carries its budget in them and its block recorded them (`OccultBlock.base_routing`): a no-op
+    otherwise. occult_ft's loaders call it before pruning, whose routing it does not change (the
+    native fields express exactly that budget, `MoEArch.native_group_fields`)."""
+    if block.base_routing is None or block.pruning is None:
+        return
+    arch = get_arch(model)
+    if arch.native_routing_matches(model.config.to_dict(), block.pruning):  # type: ignore[operator, union-attr]
+        arch.set_group_fields(model, dict(block.base_routing))
 
 
 def _write_card(save_directory: str) -> None:

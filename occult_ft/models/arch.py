@@ -417,6 +417,20 @@ class MoEArch:
         inner = text_config(config)
         return fields is not None and all(inner.get(k) == v for k, v in fields.items())
 
+    def set_group_fields(self, model: nn.Module, fields: dict) -> None:
+        """Give a built model other group-routing settings (`NATIVE_ROUTING_FIELDS` -> value): its config
+        (`text_config` for a multimodal one) and every MoE router, which copied them when it was built
+        (`n_group` is the routers' `num_group`). How occult_ft's loaders put back the model's own
+        fields that a checkpoint's native budget fields replaced (`OccultBlock.base_routing`)."""
+        target = text_config(model.config)
+        for key, value in fields.items():
+            setattr(target, key, value)
+            attr = "num_group" if key == "n_group" else key
+            for _, _, block in moe_blocks(self, model):
+                router = getattr(block, self.router_attr)
+                if hasattr(router, attr):
+                    setattr(router, attr, value)
+
     def num_experts(self, router: nn.Module) -> int:
         return int(_resolve(router, self.num_experts_attr))
 
