@@ -81,8 +81,13 @@ from transformers import AutoModelForCausalLM
 ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
 out = {"occult_ft_importable": occult_ft_importable}
 for name, path in json.loads(sys.argv[3]).items():
-    remote = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
     plain = AutoModelForCausalLM.from_pretrained(path).eval()
+    try:
+        remote = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+    except ValueError as err:
+        with torch.no_grad():
+            out[name] = {"remote_error": str(err), "plain_class": type(plain).__name__, "plain": plain(ids).logits}
+        continue
     with torch.no_grad():
         out[name] = {
             "remote_class": type(remote).__name__,
@@ -136,11 +141,9 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("remote")
     dirs = {name: _save(root / name, t, p, name in BIASED) for name, (t, p) in CASES.items()}
     ref = {name: _logits(from_pretrained(path)) for name, path in dirs.items()}
-    # without its tables a similarity checkpoint routes by `score` (with a warning)
+    # without its tables a similarity checkpoint is refused (it would route by something else)
     dirs["olmoe-no-tables"] = str(shutil.copytree(dirs["olmoe-similarity"], root / "olmoe-no-tables"))
     os.remove(os.path.join(dirs["olmoe-no-tables"], SIMILARITY_FILE))
-    stock = AutoModelForCausalLM.from_pretrained(dirs["olmoe-no-tables"])
-    ref["olmoe-no-tables"] = _logits(apply_occult(stock, pruning=PruningConfig(2, 1, "score")))
     # a checkpoint loaded by occult_ft and saved again carries the code again
     from_pretrained(dirs["olmoe-score"]).save_pretrained(root / "olmoe-resaved")
     dirs["olmoe-resaved"], ref["olmoe-resaved"] = str(root / "olmoe-resaved"), ref["olmoe-score"]
@@ -208,9 +211,12 @@ def test_similarity_tables_are_used(run, model_type):
     assert (run["got"][f"{model_type}-similarity"]["remote"] - score).abs().max() > 1e-4
 
 
-def test_missing_similarity_tables_fall_back_to_score_with_a_warning(run):
-    torch.testing.assert_close(run["got"]["olmoe-no-tables"]["remote"], run["ref"]["olmoe-no-tables"])
-    assert "routing by criterion 'score' instead of 'similarity'" in run["stderr"]
+def test_missing_similarity_tables_are_refused_in_one_line(run):
+    error = run["got"]["olmoe-no-tables"]["remote_error"]
+    assert f"{SIMILARITY_FILE} was not found" in error and "put the checkpoint's" in error
+    assert "\n" not in error
+    with pytest.raises(ValueError, match="similarity"):  # occult_ft's own loader refuses it as well
+        from_pretrained(run["dirs"]["olmoe-no-tables"])
 
 
 def test_a_remote_model_saves_code_and_tables_and_reloads_the_same(run):

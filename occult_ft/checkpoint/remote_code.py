@@ -198,7 +198,7 @@ def _read_tables(path, hub_kwargs):
 
                 kwargs = {{k: v for k, v in hub_kwargs.items() if k in _HUB_KWARGS and v is not None}}
                 file = cached_file(path, name, _raise_exceptions_for_missing_entries=False, **kwargs)
-            except Exception:  # offline, no such repo: the caller falls back to `score`
+            except Exception:  # offline, no such repo: the caller refuses the checkpoint
                 file = None
         if file is not None:
             break
@@ -215,26 +215,34 @@ class _PrunedRouting:
     def __init__(self, config):
         self.config = config
         data = getattr(config, "occult", None)
-        block = OccultBlock.from_dict(data, "config.json's occult block") if data else None
-        self.pruning = block.pruning if block is not None else None
-        self.device_bias = (block.device_bias if block is not None else None) or {{}}  # floats: the model
+        if not data:  # this class exists for pruned checkpoints only: without the block it would route unpruned
+            raise ValueError(
+                "config.json names {cls} (a checkpoint occult_ft pruned) but has no occult block, without which "
+                "it would route unpruned; put back the config.json it was saved with"
+            )
+        block = OccultBlock.from_dict(data, "config.json's occult block")
+        self.pruning = block.pruning
+        self.device_bias = block.device_bias or {{}}  # floats: the model
         # is built on the meta device, so tensors are made at the first forward (`__call__`)
         self.tables = None  # None: not read yet; {{}}: none found
-        self.warned = False
         self._cache = {{}}
 
     def read_tables(self, path, hub_kwargs=None):
-        """Read the similarity tables once (criterion `similarity` only); warn when there are none."""
+        """Read the similarity tables once (criterion `similarity` only); refuse a checkpoint without them
+        (routing by another criterion would load a model that computes something else)."""
         if self.pruning is None or self.pruning.criterion != "similarity" or self.tables is not None:
             return
         self.tables = _read_tables(path, hub_kwargs or {{}}) or {{}}
         if not self.tables:
-            self._warn(f"{{SIMILARITY_FILE}} was not found beside {{path or 'the model'}}")
+            self._refuse(f"{{SIMILARITY_FILE}} was not found beside {{path or 'the model'}}")
 
-    def _warn(self, why):
-        if not self.warned:
-            logger.warning(f"occult: {{why}}; routing by criterion 'score' instead of 'similarity'")
-            self.warned = True
+    @staticmethod
+    def _refuse(why):
+        raise ValueError(
+            f"occult: {{why}}; this checkpoint prunes by criterion 'similarity', which routes with those tables: "
+            f"put the checkpoint's {{SIMILARITY_FILE}} back beside its config.json (occult_ft.from_pretrained "
+            "and vLLM refuse it too)"
+        )
 
     def _on(self, key, tensor, device):
         """`tensor` on `device`, moved once."""
@@ -249,10 +257,8 @@ class _PrunedRouting:
             self.read_tables(getattr(self.config, "_name_or_path", None))  # built without from_pretrained
             table = self.tables.get(index)
             if table is None:
-                self._warn(f"the similarity tables hold no MoE layer {{index}}")
-                pruning = dataclasses.replace(pruning, criterion="score")
-            else:
-                table = self._on(("sim", index), table, logits.device)
+                self._refuse(f"the similarity tables hold no MoE layer {{index}}")
+            table = self._on(("sim", index), table, logits.device)
         num_experts = ARCH.num_experts(router)
         expert_device = self._on(
             ("dev", num_experts), contiguous_expert_device(num_experts, pruning.num_devices), logits.device
@@ -359,8 +365,8 @@ def remote_code_source(model_type: str) -> str:
     # `_ADAPTER`, which hooks every router: the hook receives the router's own (logits, weights, indices)
     # and call arguments and returns prune_topk's result, what occult_ft's pruned router class computes.
     # The `similarity` criterion reads `occult_similarity.tables` (or an earlier release's
-    # `occult_similarity.safetensors`) from the checkpoint, local or Hub; without it the file warns and
-    # routes by `score`. A multimodal model's file subclasses its image-text-to-text class.
+    # `occult_similarity.safetensors`) from the checkpoint, local or Hub; without it the file refuses
+    # the checkpoint, as occult_ft's loader and vLLM plugin do. A multimodal model's file subclasses its image-text-to-text class.
     sections = [
         _HEADER.format(model_type=model_type, cls=cls, base=base, auto=remote_auto_class(model_type)),
         "\n".join(imports),

@@ -40,6 +40,7 @@ from ..checkpoint.format import (
     SIMILARITY_FILE,
     CheckpointError,
     OccultBlock,
+    check_block_kept,
     read_similarity,
 )
 from ..fileio import atomic_write_text, load_safetensors
@@ -171,6 +172,7 @@ class ServedRouting:
 
             config = AutoConfig.from_pretrained(model, revision=revision)
         data = getattr(config, OCCULT_KEY, None)
+        check_block_kept(config.to_dict(), f"{model}: config.json")
         block = OccultBlock.from_dict(data, f"{model}: config.json (occult)") if data else None
         if block is None or not block.pruned:
             return None
