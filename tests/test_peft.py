@@ -110,6 +110,38 @@ def test_lora_trains_adapters_and_routers_only_within_budget(tiny_olmoe_dir, row
     assert log["max_token_devices"] == 1 and "removed_mass" in log
 
 
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "gate"]])
+def test_a_peft_config_reaching_the_routers_trains_them_whole_and_saves(
+    tiny_olmoe_dir, rows, tmp_path, targets
+):
+    """PEFT resolves 'all-linear' (and a v4-style 'gate') on an MoE model to LoRA on the router's weight,
+    which hid the routers from occult_ft (no routing logged) and broke the save at the end of the run: the
+    routers train whole instead, the other targets keep their LoRA, and the adapter reloads exactly."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    trainer = OccultTrainer(
+        tiny_olmoe_dir,
+        args=make_config(tmp_path / "run", max_steps=2),
+        train_dataset=rows,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=targets),
+    )
+    base = trainer.model.get_base_model()
+    assert not any(isinstance(layer.mlp.gate, BaseTunerLayer) for layer in base.model.layers)
+    before = params(trainer.model)
+    trainer.train()
+    changed = {n for n, p in params(trainer.model).items() if not torch.equal(before[n], p)}
+    assert any(".mlp.gate.modules_to_save" in n for n in changed)  # the routers, whole
+    assert any("lora_B" in n and "q_proj" in n for n in changed)  # the user's other targets, LoRA
+    log = [e for e in trainer.state.log_history if "loss" in e][-1]
+    assert log["max_token_devices"] == 1 and log["comm_complexity"] <= 1
+    out = str(tmp_path / "adapter")
+    trainer.save_model(out)
+    ids = torch.randint(3, 120, (2, 16))
+    reloaded = occult_ft.from_pretrained(out)
+    torch.testing.assert_close(logits_of(reloaded, ids), logits_of(trainer.model, ids), rtol=1e-5, atol=1e-5)
+
+
 def test_lora_checkpoint_reloads_with_pruned_routing_and_the_same_logits(tiny_olmoe_dir, rows, tmp_path):
     trainer = OccultTrainer(tiny_olmoe_dir, args=make_config(tmp_path / "run"), train_dataset=rows)
     trainer.train()

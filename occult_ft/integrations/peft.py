@@ -26,13 +26,16 @@ adapter for loading into a sharded model.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers.utils import logging
 
 from ..models import base_experts
+from ..models.arch import moe_blocks
 from ..models.registry import find_moe_layers, get_arch, unwrap_model
 
 __all__ = [
@@ -48,6 +51,8 @@ __all__ = [
     "gather_expert_lora",
     "shard_adapter_weights",
 ]
+
+logger = logging.get_logger(__name__)
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")  # up_proj: experts without a gate (NemotronH)
@@ -140,10 +145,21 @@ def apply_lora(
     Returns:
         The `peft.PeftModel`; only the adapters and the routers are trainable.
     """
-    from peft import get_peft_model
-
+    given = config is not None
     if config is None:
         config = build_lora_config(model, r, alpha, dropout, attention)
+    peft_model = _wrap(model, config, seed)
+    if given:  # a user's config may reach the routers (PEFT resolves "all-linear" and "gate" to them)
+        redone = _without_router_lora(peft_model)
+        if redone is not None:
+            peft_model = _wrap(*redone, seed)
+    return peft_model
+
+
+def _wrap(model: nn.Module, config, seed: int | None):
+    """`get_peft_model`, with the LoRA factors drawn as `apply_lora`'s `seed` says."""
+    from peft import get_peft_model
+
     if seed is None:
         return get_peft_model(model, config)
     with torch.random.fork_rng(devices=[]):
@@ -151,6 +167,55 @@ def apply_lora(
         peft_model = get_peft_model(model, config)
     seeded_lora_init(peft_model, seed)
     return peft_model
+
+
+def _without_router_lora(peft_model) -> tuple[nn.Module, Any] | None:
+    """(base model, config) to wrap again when PEFT put LoRA on the routers, else None.
+
+    PEFT >= 0.18 resolves `target_modules="all-linear"`, and a v4-style `"gate"` target, on a transformers
+    v5 MoE model to `target_parameters` that include the router's weight (`gate.weight`), wrapping the
+    router in a `ParamWrapper`. occult_ft places and prunes the routers itself and trains them whole
+    (`lora_targets`: `modules_to_save`), so the config PEFT resolved is taken with the router targets
+    removed and the routers in `modules_to_save`, and the model (LoRA removed, `unload`) is wrapped
+    again; everything else the user's config targets stays."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    base = unwrap_model(peft_model)
+    arch = get_arch(base)
+    routers = {
+        f"{path}.{arch.router_attr}": getattr(block, arch.router_attr)
+        for _, path, block in moe_blocks(arch, base)
+    }
+    wrapped = [name for name, router in routers.items() if isinstance(router, BaseTunerLayer)]
+    if not wrapped:
+        return None
+    adapter = peft_model.active_adapter
+    config = copy.deepcopy(peft_model.peft_config[adapter])
+    # the routers' own module and parameter names (a wrapped router keeps its base under base_layer)
+    names = set(routers) | {
+        f"{path}.{name}"
+        for path, router in routers.items()
+        for name, _ in getattr(router, "base_layer", router).named_parameters(recurse=False)
+    }
+
+    def hits_router(target: str) -> bool:
+        return any(name == target or name.endswith("." + target) for name in names)
+
+    for field_name in ("target_modules", "target_parameters"):
+        targets = getattr(config, field_name, None)
+        if isinstance(targets, (set, list, tuple)):
+            setattr(config, field_name, type(targets)(t for t in targets if not hits_router(t)) or None)
+    prefix = f"{arch.block_attr}." if arch.block_attr else ""
+    keep = list(config.modules_to_save or [])
+    if not any(hits_router(t) for t in keep):
+        keep.append(f"{prefix}{arch.router_attr}")
+    config.modules_to_save = keep
+    logger.warning(
+        f"peft_config put LoRA on the routers ({wrapped[0]}, ...; PEFT resolves 'all-linear' and a 'gate' target "
+        "to the router's weight on MoE models): occult_ft places and prunes the routers and trains them "
+        f"whole instead (modules_to_save {keep}); the other targets are kept"
+    )
+    return peft_model.unload(), config
 
 
 @torch.no_grad()
