@@ -237,6 +237,14 @@ def test_trainer_arguments_that_do_not_compose_are_refused_before_loading(kwargs
         OccultSFTTrainer("embedded", train_dataset=shape_rows("text"), **kwargs)
 
 
+def test_messages_rows_without_a_chat_template_are_refused_in_one_line(tmp_path):
+    # the embedded tokenizer has no chat template; TRL itself fails inside with a type error
+    with pytest.raises(ValueError, match="'messages' rows need a chat template .* set chat_template_path"):
+        OccultSFTTrainer(
+            "embedded", args=sft_config(tmp_path, assistant_only_loss=True), train_dataset=shape_rows("messages")
+        )
+
+
 def test_the_trl_hooks_overridden_still_exist_with_our_arguments():
     """`OccultSFTTrainer._save_checkpoint` skips SFTTrainer's (TRL's card at every checkpoint) and calls
     Trainer's; `compute_loss` wraps SFTTrainer's own. Both must still exist and take our arguments."""

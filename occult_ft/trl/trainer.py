@@ -21,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 from trl import SFTTrainer
 
+from ..data.loading import dataset_columns
 from ..trainer.config import check_before_loading
 from ..trainer.mixin import OccultTrainerMixin, load_run_model
 from .config import OccultSFTConfig
@@ -96,6 +97,7 @@ class OccultSFTTrainer(SFTTrainer, OccultTrainerMixin):
                     "train_mode='moe' trains the MoE blocks fully, but a peft_config was given; drop one of them"
                 )
             args.train_mode = "lora"  # what the checkpoints record
+        _check_chat_template(processing_class, args, train_dataset, eval_dataset)
         # TRL's __init__ does not pass these through to Trainer.__init__: the mixin reads them there
         self.occult_init_options = {"placement": placement, "peft_config": peft_config, "round_to": round_to}
         super().__init__(
@@ -119,3 +121,19 @@ class OccultSFTTrainer(SFTTrainer, OccultTrainerMixin):
         super(SFTTrainer, self)._save_checkpoint(model, trial)
 
     create_model_card = OccultTrainerMixin.create_model_card
+
+
+def _check_chat_template(processing_class, args: OccultSFTConfig, *datasets) -> None:
+    """'messages' rows go through the tokenizer's chat template: one without any (and no
+    `chat_template_path`) is refused in one line here, before TRL fails deep inside with a type error."""
+    if processing_class is None or args.chat_template_path is not None:
+        return
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a processor holds one
+    if getattr(tokenizer, "chat_template", None):
+        return
+    if any(ds is not None and "messages" in (dataset_columns(ds) or ()) for ds in datasets):
+        raise ValueError(
+            f"'messages' rows need a chat template and the tokenizer of {args.model_name_or_path or 'the model'!s} "
+            "has none; set chat_template_path (a Jinja template file; with assistant_only_loss it must mark "
+            "the assistant turns with {% generation %}) or give prompt/completion rows"
+        )
