@@ -198,6 +198,16 @@ def _check_flags(args: argparse.Namespace) -> bool:
             f"--nodes {args.nodes} does not divide --devices {args.devices}; use one of {divisors(args.devices)}"
         )
     budget = args.max_devices_per_token is not None or args.max_nodes_per_token is not None
+    if budget:  # the budgets' own range first: a bad budget is named before what the criterion needs
+        from ..routing import PruningConfig
+
+        PruningConfig(
+            args.devices,
+            args.max_devices_per_token,
+            "score",
+            num_nodes=args.nodes,
+            max_nodes_per_token=args.max_nodes_per_token,
+        )
     if budget and args.criterion == "similarity" and args.profile is None:
         raise ValueError(
             "--criterion similarity (the default) builds its tables from a profile: pass --profile PROFILE "

@@ -97,7 +97,15 @@ def run(args: argparse.Namespace) -> int:
     from ..checkpoint.load import local_model_dir
 
     path = local_model_dir(args.model)
-    taken = run_defaults(args, recorded_run_settings(describe_checkpoint(path)))
+    summary = describe_checkpoint(path)
+    pruning = summary.block.pruning if summary.block is not None else None
+    if pruning is not None and args.devices is not None and args.devices != pruning.num_devices:
+        # before the model loads (evaluate_model would say the same, after it)
+        raise ValueError(
+            f"--devices {args.devices} disagrees with the model's pruning for {pruning.num_devices} devices; "
+            "drop --devices"
+        )
+    taken = run_defaults(args, recorded_run_settings(summary))
     if taken:
         note("eval", f"evaluating with the training run's settings: {', '.join(taken)}")
     data = load_args_data(args)

@@ -392,10 +392,17 @@ def load_recipe(path: str, parser, data: dict | None = None) -> dict:
             if value is not None or actions[name].default is not None:
                 raise ValueError(
                     f"recipe {path!r}: {name}={value!r} is not a {'number' if convert is float else 'whole number'}; "
-                    f"write one value, e.g. {name}: {actions[name].default!r}"
+                    f"write one value, e.g. {name}: {_example(actions[name].default, convert)}"
                 )
         values[name] = value
     return values
+
+
+def _example(default, convert) -> str:
+    """A value to show in a recipe error: the field's default, or a plain number where it has none."""
+    if default is not None:
+        return repr(default)
+    return "4" if convert is int else "0.001"
 
 
 def parse_config(argv: list[str], trainer: str | None = None):

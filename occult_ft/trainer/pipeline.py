@@ -16,7 +16,7 @@ from datasets import IterableDataset
 
 from ..data import DataError, load_text_dataset, tokenize_for_training
 from ..plan import check_fits_before_loading
-from .config import OccultArguments, OccultConfig
+from .config import OccultArguments, OccultConfig, check_before_loading
 from .loading import load_training_tokenizer
 from .mixin import OccultTrainerMixin
 from .trainer import OccultTrainer
@@ -72,6 +72,7 @@ def train(config: OccultConfig, **trainer_kwargs) -> tuple[OccultTrainer, dict[s
         )
     say = announcer(config)
 
+    check_before_loading(config)  # output_dir, budget and layout: before the data is read and tokenized
     check_fits_before_loading(config)  # GPU runs: the memory plan, before any weight is downloaded
     tokenizer = load_training_tokenizer(config.model_name_or_path)
     say(

@@ -15,6 +15,7 @@ from ..checkpoint.load import can_load_sharded
 from ..data import DataError, format_prompt, load_text_dataset
 from ..data.loading import dataset_columns, dataset_layout
 from ..plan import check_fits_before_loading
+from ..trainer.config import check_before_loading
 from ..trainer.pipeline import announcer, finish_run
 from .config import OccultSFTConfig
 from .trainer import OccultSFTTrainer
@@ -75,6 +76,7 @@ def train_sft(config: OccultSFTConfig, **trainer_kwargs) -> tuple[OccultSFTTrain
             "dataset is required: a .txt/.jsonl/.json file, a saved dataset, a Hub id or 'embedded'"
         )
     say = announcer(config)
+    check_before_loading(config)  # output_dir, budget and layout: before the data is read
     if config.max_length is not None:
         check_fits_before_loading(config)  # GPU runs: the memory plan, before any weight is downloaded
     say(f"loading and checking {config.dataset!r}")
