@@ -385,6 +385,105 @@ def test_native_group_fields_express_a_node_budget_for_deepseek_v3(tmp_path):
         torch.testing.assert_close(stock(_ids()).logits, model(_ids()).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "model_type, pruning, base",
+    [
+        # the model's own fields: no group limit (DeepSeek-V3 n_group=1 / V2 greedy), or V3 in groups
+        ("deepseek_v3", PruningConfig(4, 2, "device_topk_sum"), {"n_group": 1, "topk_group": 1}),
+        ("deepseek_v3", PruningConfig(4, 1, "device_topk_sum"), {"n_group": 2, "topk_group": 1}),
+        (
+            "deepseek_v2",
+            PruningConfig(4, 1, "device_max"),
+            {"topk_method": "greedy", "n_group": None, "topk_group": None},
+        ),
+    ],
+)
+def test_a_native_budget_keeps_the_models_own_group_fields_for_occult_ft(tmp_path, model_type, pruning, base):
+    """config.json carries the budget in the group fields (stock transformers routes pruned), the block
+    the model's own; occult_ft's loader puts them back, so the unpruned routing (removed mass, another
+    budget) is the model's, while the pruned routing is unchanged; a second save writes the same."""
+    from occult_ft.evaluation import evaluate_model
+
+    model = _model(model_type, **base)
+    in_groups = (base.get("n_group") or 1) > 1  # a placement may only move whole groups: keep the order
+    apply_occult(model, None if in_groups else _placement(model), pruning)
+    out = tmp_path / "native"
+    model.save_pretrained(out)
+    saved = json.loads((out / "config.json").read_text())
+    assert saved[OCCULT_KEY]["base_routing"] == {k: base.get(k) for k in saved[OCCULT_KEY]["base_routing"]}
+    assert saved["n_group"] == 4 and saved["topk_group"] == pruning.max_devices_per_token
+    assert describe_checkpoint(out).native_routing
+    assert {k: getattr(model.config, k) for k in base} == base  # the live model keeps its own
+
+    reloaded = from_pretrained(str(out))
+    assert {k: getattr(reloaded.config, k) for k in base} == base
+    ids = _ids()
+    batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(_ids()).logits, model(_ids()).logits, rtol=0, atol=0)
+        stock = AutoModelForCausalLM.from_pretrained(out)
+        torch.testing.assert_close(stock(_ids()).logits, model(_ids()).logits, rtol=1e-5, atol=1e-5)
+    before, after = evaluate_model(model, batches, 4), evaluate_model(reloaded, batches, 4)
+    assert before["removed_mass"] > 0 and after["removed_mass"] == pytest.approx(before["removed_mass"])
+    again = tmp_path / "again"
+    reloaded.save_pretrained(again)
+    assert json.loads((again / "config.json").read_text())[OCCULT_KEY] == saved[OCCULT_KEY]
+
+
+def test_a_checkpoint_loaded_by_stock_transformers_keeps_the_recorded_group_fields(tmp_path):
+    # stock loading routes with the native budget fields; saving that model through occult_ft must not
+    # record the budget's fields as the model's own
+    model = _model("deepseek_v3", n_group=1, topk_group=1)
+    apply_occult(model, _placement(model), PruningConfig(4, 2, "device_topk_sum"))
+    model.save_pretrained(tmp_path / "a")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    block = read_block(tmp_path / "a")
+    save_pruned(stock, str(tmp_path / "b"), pruning=block.pruning, placement=None)
+    assert read_block(tmp_path / "b").base_routing == {"n_group": 1, "topk_group": 1}
+
+
+def test_a_pruned_checkpoint_that_lost_its_block_is_refused_by_every_loader(tmp_path):
+    """config.json names the Occult class but its occult block is gone: the experts are stored placed and
+    every loader would route them unpruned, so occult_ft, stock transformers with remote code and the
+    checkpoint readers all refuse it in one line."""
+    from transformers import AutoConfig
+
+    from occult_ft.serving.routing import ServedRouting
+
+    model = _model()
+    apply_occult(model, _placement(model), PruningConfig(4, 1, "score"))
+    out = tmp_path / "lost"
+    model.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"][0].startswith("Occult")
+    del config[OCCULT_KEY]
+    (out / "config.json").write_text(json.dumps(config))
+    expected = "has no occult block, without which it would route unpruned; put back the config.json"
+    for load in (
+        lambda: from_pretrained(str(out)),
+        lambda: describe_checkpoint(out),
+        lambda: AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True),
+        lambda: ServedRouting.from_checkpoint(str(out), AutoConfig.from_pretrained(out)),
+    ):
+        with pytest.raises(ValueError, match=expected) as err:
+            load()
+        assert "\n" not in str(err.value)
+    assert isinstance(AutoModelForCausalLM.from_pretrained(out), torch.nn.Module)  # stock: its own routing
+
+
+def test_base_routing_is_refused_in_one_line_when_it_is_not_group_fields():
+    good = OccultBlock.build(PruningConfig(4, 2, "device_topk_sum"))
+    for bad, match in (
+        ({"n_group": 1, "num_layers": 2}, "'num_layers': 2 is not a group-routing field"),
+        ({"n_group": 1.5}, "'n_group': 1.5 is not a group-routing field"),
+        ({}, "must map n_group, topk_group, topk_method"),
+    ):
+        with pytest.raises(CheckpointError, match=match):
+            OccultBlock.from_dict({**good.to_dict(), "base_routing": bad}, "cfg.json")
+    with pytest.raises(CheckpointError, match="base_routing is recorded without a budget"):
+        OccultBlock.from_dict({"num_devices": 4, "base_routing": {"n_group": 1}}, "cfg.json")
+
+
 def test_router_similarity_is_what_a_checkpoint_saves(tmp_path):
     model = _model()
     sim = _similarity(model)
