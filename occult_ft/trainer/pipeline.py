@@ -115,7 +115,7 @@ def finish_run(
             f"{config.num_train_epochs}, {len(train_dataset) if hasattr(train_dataset, '__len__') else 'streamed'} "
             "training rows); nothing was saved: give more data or set max_steps"
         )
-    pruned = config.max_devices_per_token is not None or config.max_nodes_per_token is not None
+    pruned = trainer.occult.pruning.active  # a budget set here, or kept from a pruned checkpoint
     what = "LoRA adapter" if config.train_mode == "lora" else "pruned model" if pruned else "model"
     say(f"saving the {what} to {config.output_dir}")
     trainer.save_model(config.output_dir)
