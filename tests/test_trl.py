@@ -241,7 +241,9 @@ def test_messages_rows_without_a_chat_template_are_refused_in_one_line(tmp_path)
     # the embedded tokenizer has no chat template; TRL itself fails inside with a type error
     with pytest.raises(ValueError, match="'messages' rows need a chat template .* set chat_template_path"):
         OccultSFTTrainer(
-            "embedded", args=sft_config(tmp_path, assistant_only_loss=True), train_dataset=shape_rows("messages")
+            "embedded",
+            args=sft_config(tmp_path, assistant_only_loss=True),
+            train_dataset=shape_rows("messages"),
         )
 
 
