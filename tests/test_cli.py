@@ -46,10 +46,17 @@ def pipeline(tmp_path_factory, tiny_olmoe_dir, text_file):
     return dict(model=tiny_olmoe_dir, data=text_file, profile=str(prof), placement=str(placement), out=out)
 
 
-def test_placement_file_is_readable_json_for_the_model(pipeline):
+def test_placement_file_is_readable_json_for_the_model(pipeline, tmp_path):
     doc = json.loads(open(pipeline["placement"]).read())
     assert doc["num_experts"] == 8 and doc["num_devices"] == 4 and doc["model_type"] == "olmoe"
     assert doc["model"] == pipeline["model"]
+    # a layer that meets its lower bound (gap 0) is proven optimal, whichever algorithm found it
+    out = tmp_path / "search.json"
+    assert run_cli("place", pipeline["profile"], "--devices", 4, "--algorithm", "search", "--out", out) == 0
+    for name in (pipeline["placement"], out):
+        layers = json.loads(open(name).read())["metrics"]["layers"].values()
+        met = [fig for fig in layers if fig["gap"] is not None and fig["gap"] <= 1e-9]
+        assert met and all(fig["optimal"] for fig in met), name
 
 
 def _logits(model, ids):
@@ -366,6 +373,56 @@ def test_an_unknown_model_type_is_refused_on_every_path(pipeline, tmp_path, caps
         assert not out.exists() and not os.path.exists("PWNED"), argv
     assert architecture_model_type({"model_type": "kimi_k2"}) == "deepseek_v3"
     assert architecture_model_type({"model_type": "olmoe"}) is None
+
+
+def test_eval_refuses_a_device_count_the_checkpoint_is_not_laid_out_for(pipeline, tmp_path, capsys):
+    """A placed checkpoint (no budget) and a pruned one are laid out for their own D: eval refuses another
+    --devices before the model loads, as analyze does."""
+    placed, pruned = tmp_path / "placed", tmp_path / "pruned"
+    common = ["--placement", pipeline["placement"], "--devices", 4]
+    assert run_cli("prune", pipeline["model"], *common, "--out", placed) == 0
+    assert run_cli("prune", pipeline["model"], *common, "--max-devices-per-token", 1, "--criterion", "score",
+                   "--out", pruned) == 0  # fmt: skip
+    for path, what in ((placed, "placed"), (pruned, "pruned")):
+        capsys.readouterr()
+        assert run_cli("eval", path, "--data", pipeline["data"], "--devices", 2) == 2
+        line = error_line(capsys.readouterr().err.strip())
+        assert f"--devices 2 but {path} is {what} for 4 devices; use --devices 4" in line
+
+
+def test_plot_is_checked_before_any_work(pipeline, tmp_path, capsys):
+    """`place --plot` equal to its --out, or not a .png: refused before the solver runs, nothing written."""
+    out = tmp_path / "x.json"
+    for plot, message in (
+        (out, "is also where this command writes"),
+        (tmp_path / "f.svg", "does not end in .png"),
+    ):
+        capsys.readouterr()
+        assert run_cli("place", pipeline["profile"], "--devices", 4, "--out", out, "--plot", plot) == 2
+        assert message in error_line(capsys.readouterr().err.strip())
+        assert not out.exists()
+    capsys.readouterr()
+    argv = ["analyze", pipeline["model"], "--data", pipeline["data"], "--devices", 4]
+    assert run_cli(*argv, "--plot", tmp_path / "n.txt") == 2
+    assert "does not end in .png" in error_line(capsys.readouterr().err.strip())
+
+
+def test_eval_reads_about_max_tokens_not_a_whole_batch_more(pipeline, capsys):
+    capsys.readouterr()
+    argv = [
+        "eval",
+        pipeline["model"],
+        "--data",
+        pipeline["data"],
+        "--seq-len",
+        32,
+        "--max-tokens",
+        64,
+        "--json",
+    ]
+    assert run_cli(*argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert 64 <= result["tokens"] < 64 + 32  # whole rows of 32, the default batch holds 8
 
 
 def test_placement_for_another_model_is_rejected(pipeline, tmp_path, capsys, tiny_tokenizer):

@@ -193,6 +193,23 @@ def data_batches(
     return batches(tokenizer, data, seq_len, batch_size, max_tokens, response_only)
 
 
+def check_plot_arg(plot: str | None, *inputs, written: tuple = ()) -> None:
+    """`--plot`, before any work: a .png in an existing directory, not an input nor inside one, and not
+    a path the command writes something else to (`written`, e.g. its `--out`)."""
+    if plot is None:
+        return
+    from ..fileio import check_output_path
+    from ..plots.base import check_figure_path
+
+    check_output_path(plot, *inputs, what="--plot")
+    for other in written:
+        if other is not None and os.path.realpath(other) == os.path.realpath(plot):
+            raise ValueError(
+                f"--plot {plot!r} is also where this command writes {other!r}; give the figure its own path"
+            )
+    check_figure_path(plot)
+
+
 def phase(command: str, text: str) -> None:
     """`occult-ft COMMAND: TEXT ...` on stderr: what a command does next, for phases that take more than
     a few seconds and have no progress bar of their own (stdout stays the command's result)."""

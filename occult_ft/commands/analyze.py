@@ -19,6 +19,7 @@ from ._choices import CRITERIA, DEFAULT_CRITERION
 from ._common import (
     add_model_data_args,
     check_hub_sources,
+    check_plot_arg,
     data_batches,
     load_args_data,
     note_data_ran_out,
@@ -189,10 +190,8 @@ def _check_flags(args: argparse.Namespace) -> bool:
     """One-line errors for flags that contradict each other (before anything loads); whether a budget
     (`--max_devices_per_token` or `--max_nodes_per_token`) is asked for."""
     from ..checks import divisors, nodes_divide
-    from ..fileio import check_output_path
 
-    if args.plot is not None:
-        check_output_path(args.plot, args.model, args.data, what="--plot")
+    check_plot_arg(args.plot, args.model, args.data)
     if not nodes_divide(args.devices, args.nodes):
         raise ValueError(
             f"--nodes {args.nodes} does not divide --devices {args.devices}; use one of {divisors(args.devices)}"

@@ -41,6 +41,7 @@ import sys
 from ._choices import BENCH_BACKENDS, BENCH_DTYPES, CLUSTER_PRESETS
 from ._common import (
     check_hub_sources,
+    check_plot_arg,
     data_batches,
     load_args_data,
     phase,
@@ -379,10 +380,8 @@ def run(args: argparse.Namespace) -> int:
     quiet_deepspeed_accelerator()
     from ..bench import DEFAULT_BUDGETS, BenchSettings, format_report, run_benchmark
     from ..bench.costmodel import get_cluster
-    from ..fileio import check_output_path
 
-    if args.plot is not None:
-        check_output_path(args.plot, what="--plot")
+    check_plot_arg(args.plot)
     if args.devices is None:
         args.devices = default_devices(args.nodes)
     if args.train and args.generate:

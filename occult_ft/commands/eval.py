@@ -98,12 +98,13 @@ def run(args: argparse.Namespace) -> int:
 
     path = local_model_dir(args.model)
     summary = describe_checkpoint(path)
-    pruning = summary.block.pruning if summary.block is not None else None
-    if pruning is not None and args.devices is not None and args.devices != pruning.num_devices:
-        # before the model loads (evaluate_model would say the same, after it)
+    recorded = summary.block.num_devices if summary.block is not None else None
+    if recorded is not None and args.devices is not None and args.devices != recorded:
+        # a placed or pruned checkpoint is laid out for its own D: other figures would mean nothing
+        what = "pruned" if summary.pruned else "placed"
         raise ValueError(
-            f"--devices {args.devices} disagrees with the model's pruning for {pruning.num_devices} devices; "
-            "drop --devices"
+            f"--devices {args.devices} but {args.model} is {what} for {recorded} devices; use --devices "
+            f"{recorded} or drop --devices"
         )
     taken = run_defaults(args, recorded_run_settings(summary))
     if taken:

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from ._choices import DEFAULT_ALGORITHM, PLACEMENT_ALGORITHMS
-from ._common import phase, positive_int, standalone
+from ._common import check_plot_arg, phase, positive_int, standalone
 
 __all__ = ["add_parser", "run", "format_figures"]
 
@@ -140,8 +140,7 @@ def run(args: argparse.Namespace) -> int:
     from ..fileio import check_output_path
 
     check_output_path(args.out, args.profile, what="--out")
-    if args.plot:
-        check_output_path(args.plot, args.profile, args.out, what="--plot")
+    check_plot_arg(args.plot, args.profile, written=(args.out,))
 
     from ..placement import compute_placement
     from ..profiling import Profile

@@ -229,7 +229,8 @@ def make_batches(
     response_only: bool = True,
 ) -> list[dict]:
     """Tokenised `dataset` (rows of `load_text_dataset`) as padded batches with labels, enough of them for
-    `max_tokens` real (unpadded) tokens. `response_only=False` keeps prompts in the labels (and rows
+    `max_tokens` real (unpadded) tokens: the last batch keeps only the rows that reach it (whole rows, so
+    at most one row's tokens beyond it). `response_only=False` keeps prompts in the labels (and rows
     whose prompt fills `seq_len`): for routing statistics every token counts."""
 
     if tokenizer is None:
@@ -239,8 +240,16 @@ def make_batches(
     for batch in iter_batches(ds, make_collator(tokenizer), batch_size):
         if max_tokens is not None and tokens >= max_tokens:
             break
+        per_row = batch["attention_mask"].sum(dim=1)
+        if max_tokens is not None and tokens + int(per_row.sum()) > max_tokens:
+            # the rows up to the one that reaches max_tokens
+            keep = int((torch.cumsum(per_row, 0) < max_tokens - tokens).sum()) + 1
+            batch = {
+                k: v[:keep] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()
+            }
+            per_row = per_row[:keep]
         batches.append(batch)
-        tokens += int(batch["attention_mask"].sum())
+        tokens += int(per_row.sum())
     if not batches:
         raise DataError("the data gave no tokens; check the file is not empty")
     return batches

@@ -285,11 +285,13 @@ def _layer_figures(
     bound = None if result.lower_bound is None else result.lower_bound / tokens
     if bound is not None:  # an LP bound may exceed the placement it proves by the solver's tolerance
         bound = min(bound, figures["comm_complexity"])
+    # gap = comm_complexity / bound - 1: the placement's distance from the proven optimum
+    gap = None if not bound else figures["comm_complexity"] / bound - 1.0
     figures.update(
         lower_bound=bound,
-        # gap = comm_complexity / bound - 1: the placement's distance from the proven optimum
-        gap=None if not bound else figures["comm_complexity"] / bound - 1.0,  # 0.0: proven optimal
-        optimal=bool(result.optimal),
+        gap=gap,
+        # proven optimal: the algorithm says so, or the placement meets a lower bound (gap 0), whoever found it
+        optimal=bool(result.optimal) or (gap is not None and gap <= 1e-9),
         load_bound=placed["load_bound"],
         seconds=placed["seconds"],
         note=result.note,

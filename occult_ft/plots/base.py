@@ -75,14 +75,20 @@ def target(ax: Axes | None, size: tuple[float, float] = (6.0, 4.5)) -> tuple[Fig
     return fig, new_ax
 
 
+def check_figure_path(path: str | os.PathLike) -> str:
+    """A figure's path: a .png in an existing directory (one-line ValueError otherwise); returned as str."""
+    path = os.fspath(path)
+    if not path.lower().endswith(".png"):
+        raise ValueError(f"figure path {path!r} does not end in .png; the figures are written as PNG")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"cannot write figure {path!r}: directory {parent!r} does not exist")
+    return path
+
+
 def finish(fig: Figure, path: str | os.PathLike | None) -> Figure:
     if path is not None:
-        path = os.fspath(path)
-        if not path.lower().endswith(".png"):
-            raise ValueError(f"figure path {path!r} does not end in .png; the figures are written as PNG")
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise ValueError(f"cannot write figure {path!r}: directory {parent!r} does not exist")
+        path = check_figure_path(path)
         atomic_save(path, lambda tmp: fig.savefig(tmp, dpi=DPI, format="png"))
     return fig
 
