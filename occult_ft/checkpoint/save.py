@@ -94,12 +94,12 @@ def with_base_routing(block: OccultBlock, config) -> OccultBlock:
     """`block` recording the model's own group-routing fields when its budget is about to be written in
     them (`OccultBlock.base_routing`): the config's values now, unless the config already carries the
     budget's (a checkpoint loaded without putting them back), whose own values only the block can know."""
-    fields = None
+    arch, fields = get_arch(config), None
     if block.device_bias is None and block.pruning is not None:
-        fields = get_arch(config).native_group_fields(config_num_experts(config), block.pruning)
+        fields = arch.native_group_fields(config_num_experts(config), block.pruning)
     if not fields:
         return block if block.base_routing is None else block.with_changes(base_routing=None)
-    if get_arch(config).native_routing_matches(config.to_dict(), block.pruning):
+    if arch.native_routing_matches(config.to_dict(), block.pruning):
         return block
     inner = text_config(config)
     return block.with_changes(base_routing={key: getattr(inner, key, None) for key in fields})

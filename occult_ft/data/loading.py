@@ -141,11 +141,12 @@ def _layout_of(columns, source: str, text_field: str | None) -> tuple[str, str]:
     return layout, field
 
 
-EMPTY_FIX = (
-    "; point it at data with text: a .txt of paragraphs, or .jsonl / .json rows (or a Hub dataset) with a "
-    "text, prompt + completion or messages field"
-)
-"""The fix every 'dataset ... is empty' error ends with."""
+def _empty_dataset(source, why: str) -> DataError:
+    """The one 'dataset ... is empty' error: what was found (`why`) and what data to give instead."""
+    return DataError(
+        f"dataset '{source}' is empty ({why}); point it at data with text: a .txt of paragraphs, or .jsonl / "
+        ".json rows (or a Hub dataset) with a text, prompt + completion or messages field"
+    )
 
 
 def _empty(source: str, check: RowCheck | None = None) -> DataError:
@@ -153,9 +154,7 @@ def _empty(source: str, check: RowCheck | None = None) -> DataError:
     if check is not None and (check.blank or check.skipped):
         detail = f": {check.blank} blank rows, {check.skipped} skipped"
     layout = check.layout if check is not None else "usable"
-    return DataError(
-        f"dataset '{source}' is empty (no row with non-empty {layout} fields{detail})" + EMPTY_FIX
-    )
+    return _empty_dataset(source, f"no row with non-empty {layout} fields{detail}")
 
 
 def _rows_dataset(
@@ -165,7 +164,7 @@ def _rows_dataset(
     rows = iter(rows)
     first = next(rows, None)
     if first is None:
-        raise DataError(f"dataset '{path}' is empty (the file holds no rows)" + EMPTY_FIX)
+        raise _empty_dataset(path, "the file holds no rows")
     first_row = _check_object(path, unit, *first)
     layout, field = _layout_of(list(first_row), str(path), text_field)
     check = RowCheck(str(path), layout, field, skip_invalid_rows, unit, why=f"as its first {unit} is")
@@ -184,14 +183,14 @@ def _streamed_jsonl(path: Path, text_field, skip_invalid_rows: bool) -> Iterable
     """A .jsonl file as a stream: its first row fixes the layout, every row is checked as it is read."""
     first = next(_jsonl_rows(path), None)
     if first is None:
-        raise DataError(f"dataset '{path}' is empty (the file holds no rows)" + EMPTY_FIX)
+        raise _empty_dataset(path, "the file holds no rows")
     layout, field = _layout_of(list(_check_object(path, "line", *first)), str(path), text_field)
     stream = IterableDataset.from_generator(
         _checked_stream,
         gen_kwargs={"path": str(path), "layout": layout, "field": field, "skip": skip_invalid_rows},
     )
     if next(iter(stream), None) is None:  # reads up to the first usable row (all of it when none)
-        raise DataError(f"dataset '{path}' is empty (no row with non-empty {layout} fields)" + EMPTY_FIX)
+        raise _empty_dataset(path, f"no row with non-empty {layout} fields")
     return stream
 
 
@@ -288,7 +287,7 @@ def check_rows(ds, source: str, text_field: str | None = None, skip_invalid_rows
     streamed = isinstance(ds, IterableDataset)
     columns = dataset_columns(ds)
     if streamed and not columns:
-        raise DataError(f"dataset '{source}' is empty (the stream holds no rows)" + EMPTY_FIX)
+        raise _empty_dataset(source, "the stream holds no rows")
     layout, field = _layout_of(columns, source, text_field)
     check = RowCheck(source, layout, field, skip_invalid_rows, "row", why="as its columns are")
     order = ("instruction", "input", "output") if layout == "instruction" else LAYOUT_FIELDS[layout][0]
@@ -399,7 +398,7 @@ def _load_file(
             raise DataError(f"text_field={text_field!r} does not apply to the plain-text file '{source_str}'")
         docs = _split_documents(read_text(path), chunk_chars)
         if not docs:
-            raise DataError(f"dataset '{source_str}' is empty (the file holds no text)" + EMPTY_FIX)
+            raise _empty_dataset(source_str, "the file holds no text")
         ds = Dataset.from_dict({"text": docs})
         return ds.to_iterable_dataset() if streaming else ds
     if suffix == ".jsonl" and streaming:

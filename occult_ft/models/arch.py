@@ -423,11 +423,11 @@ class MoEArch:
         (`n_group` is the routers' `num_group`). How occult_ft's loaders put back the model's own
         fields that a checkpoint's native budget fields replaced (`OccultBlock.base_routing`)."""
         target = text_config(model.config)
+        routers = [getattr(block, self.router_attr) for _, _, block in moe_blocks(self, model)]
         for key, value in fields.items():
             setattr(target, key, value)
             attr = "num_group" if key == "n_group" else key
-            for _, _, block in moe_blocks(self, model):
-                router = getattr(block, self.router_attr)
+            for router in routers:
                 if hasattr(router, attr):
                     setattr(router, attr, value)
 

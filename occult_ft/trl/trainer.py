@@ -133,7 +133,7 @@ def _check_chat_template(processing_class, args: OccultSFTConfig, *datasets) -> 
         return
     if any(ds is not None and "messages" in (dataset_columns(ds) or ()) for ds in datasets):
         raise ValueError(
-            f"'messages' rows need a chat template and the tokenizer of {args.model_name_or_path or 'the model'!s} "
+            f"'messages' rows need a chat template and the tokenizer of {args.model_name_or_path or 'the model'} "
             "has none; set chat_template_path (a Jinja template file; with assistant_only_loss it must mark "
             "the assistant turns with {% generation %}) or give prompt/completion rows"
         )
